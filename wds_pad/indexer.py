@@ -1,0 +1,399 @@
+"""Build, update and verify indexes: one pass over tar headers per shard.
+
+Invariants:
+- a sample's row records its shard, the byte range from its first header to the end of
+  its last member's padded data, its webdataset key, its member extensions and bucket;
+- only the members a bucket function asks for are read (and only their first
+  ``head_bytes`` where it says so); local shards are scanned by seeking past payloads,
+  other filesystems by streaming the object once;
+- by default any bad input raises with the URL, byte offset and key; with
+  ``on_error="skip"`` the shard or sample is left out and recorded in ``excluded``;
+- shards are scanned concurrently, but rows come out in shard order, so the same
+  shards give the same index whatever the number of workers;
+- ``update`` reuses the rows of shards whose size and change stamp are unchanged.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+
+import numpy as np
+from braceexpand import braceexpand
+
+from ._progress import Progress
+from .buckets import BucketFn, SingleBucket, wrap_callable
+from .errors import BucketError, ConfigError, ShardError, WdsPadError
+from .index import Index, ShardInfo, load_index, make_index, write_index
+from .read import get_filesystem, redact
+from .tarscan import scan_tar
+
+__all__ = ["Problem", "build_index", "expand_urls", "verify_index"]
+
+_STAMP_FIELDS = ("ETag", "etag", "checksum", "md5Hash", "crc32c", "mtime", "LastModified",
+                 "last_modified", "updated", "created")
+
+
+def expand_urls(urls: str | Iterable[str]) -> list[str]:
+    """Brace-expand one URL pattern or a list of them (``s3://b/train-{000..099}.tar``)."""
+    items = [urls] if isinstance(urls, str) else list(urls)
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ConfigError(f"shard URL must be a non-empty str, got {item!r}")
+        for url in braceexpand(item):
+            if "://" not in url and not os.path.isabs(url):
+                url = os.path.abspath(url)  # ranks may run in another working directory
+            out.append(url)
+    if not out:
+        raise ConfigError("no shard URLs given")
+    if len(set(out)) != len(out):
+        dup = next(u for u in out if out.count(u) > 1)
+        raise ConfigError(f"shard {redact(dup)!r} is listed twice")
+    return out
+
+
+def _stamp(info: Mapping[str, Any]) -> str:
+    for name in _STAMP_FIELDS:
+        value = info.get(name)
+        if value is not None and value != "":
+            return f"{name}={value}"
+    return ""
+
+
+def shard_info(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[int, str]:
+    """(size, change stamp) of one shard, or ShardError naming it if it is missing."""
+    fs, path = get_filesystem(url, storage_options)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
+    except PermissionError as exc:
+        raise ShardError(f"shard {redact(url)!r} is not readable: permission denied") from exc
+    size = info.get("size")
+    if size is None:
+        raise ShardError(f"shard {redact(url)!r}: the filesystem reports no size")
+    return int(size), _stamp(info)
+
+
+@dataclass
+class _ShardRows:
+    info: ShardInfo
+    offset: list[int] = field(default_factory=list)
+    length: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    buckets: list[Hashable] = field(default_factory=list)
+    exts: list[tuple[str, ...]] = field(default_factory=list)
+    excluded: list[dict[str, Any]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _open_for_scan(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, bool]:
+    fs, path = get_filesystem(url, storage_options)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol in ("file", "local"):
+        return open(path, "rb", buffering=0), True
+    return fs.open(path, "rb", block_size=8 * 2**20, cache_type="readahead"), False
+
+
+def _scan_one(url: str, fn: BucketFn, on_error: str, storage_options: Mapping[str, Any] | None,
+              progress: Progress) -> _ShardRows:
+    size, stamp = shard_info(url, storage_options)
+    rows = _ShardRows(ShardInfo(url=url, size=size, stamp=stamp, samples=0))
+    want = tuple(fn.members)
+    head = fn.head_bytes
+    try:
+        f, seekable = _open_for_scan(url, storage_options)
+    except FileNotFoundError:
+        raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
+    with f:
+        for sample in scan_tar(f, url, want=want, head_bytes=head, seekable=seekable, on_error=on_error):
+            try:
+                bucket = fn(sample.key, sample.data)
+            except WdsPadError as exc:
+                bucket = _bucket_failure(url, sample, exc, on_error, rows)
+                if bucket is None:
+                    continue
+            except Exception as exc:  # a user's bucket function: wrap, name the sample
+                bucket = _bucket_failure(url, sample, exc, on_error, rows)
+                if bucket is None:
+                    continue
+            if bucket is None:
+                rows.excluded.append({"url": url, "offset": sample.offset, "key": sample.key,
+                                      "reason": "bucket function returned None"})
+                continue
+            rows.offset.append(sample.offset)
+            rows.length.append(sample.length)
+            rows.keys.append(sample.key)
+            rows.buckets.append(bucket)
+            rows.exts.append(tuple(m.ext for m in sample.members))
+            progress.advance(samples=1)
+    rows.info = ShardInfo(url=url, size=size, stamp=stamp, samples=len(rows.keys))
+    rows.nbytes = size
+    return rows
+
+
+def _bucket_failure(url: str, sample: Any, exc: Exception, on_error: str, rows: _ShardRows) -> None:
+    message = f"bucket function failed for sample {sample.key!r} in {redact(url)!r} at byte offset {sample.offset}: {exc}"
+    if on_error == "raise":
+        raise BucketError(message + "; fix the data or index with on_error='skip' (--on-error skip)") from exc
+    rows.excluded.append({"url": url, "offset": sample.offset, "key": sample.key, "reason": str(exc)})
+    return None
+
+
+def _as_bucket_fn(bucket_by: Any, members: Sequence[str] | None, head_bytes: int | None) -> BucketFn:
+    if bucket_by is None:
+        return SingleBucket()
+    if hasattr(bucket_by, "members") and hasattr(bucket_by, "describe"):
+        return bucket_by  # type: ignore[no-any-return]
+    if isinstance(bucket_by, str):
+        from .buckets import parse_bucket_by
+
+        return parse_bucket_by(bucket_by)
+    if callable(bucket_by):
+        return wrap_callable(bucket_by, members=tuple(members) if members is not None else ("json",),
+                             head_bytes=head_bytes)
+    raise ConfigError(f"bucket_by must be None, a spec string or a callable, got {type(bucket_by).__name__}")
+
+
+def build_index(
+    urls: str | Iterable[str],
+    bucket_by: BucketFn | Callable[..., Hashable | None] | str | None = None,
+    *,
+    output: str | None = None,
+    workers: int = 8,
+    on_error: str = "raise",
+    update: Index | str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    members: Sequence[str] | None = None,
+    head_bytes: int | None = None,
+    name: str | None = None,
+    progress: bool | None = False,
+) -> Index:
+    """Index tar shards into buckets.
+
+    Args:
+        urls: a URL or brace pattern, or a list of them, on any fsspec filesystem.
+        bucket_by: a BucketFn (see ``wds_pad.buckets``), a CLI-style spec string
+            (``"aspect:width,height"``), a callable ``fn(key, {ext: bytes})`` returning
+            a bucket key or None (excluded), or None for one bucket.
+        output: where to write the index (local path or fsspec URL), atomically.
+        workers: shards scanned concurrently.
+        on_error: ``"raise"`` (default) or ``"skip"`` (leave the shard or sample out,
+            recorded in ``index.excluded``).
+        update: a previous index (or its path): shards with unchanged size and change
+            stamp keep their rows; only new or changed shards are scanned.
+        storage_options: fsspec options (credentials, endpoint) for remote shards.
+        members: for a plain callable, the member extensions it needs (default json).
+        head_bytes: for a plain callable, read only this many bytes of each member.
+        name: the dataset name the index plans under (default: output file stem).
+        progress: show a progress bar on stderr (None: only when stderr is a tty).
+
+    Returns:
+        The Index (also written to ``output`` if given).
+
+    Raises:
+        ShardError, TarFormatError, BucketError: bad input, naming URL, offset and key.
+        ConfigError: wrong arguments.
+    """
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers must be an int >= 1, got {workers!r}")
+    fn = _as_bucket_fn(bucket_by, members, head_bytes)
+    shard_urls = expand_urls(urls)
+    previous = load_index(update, storage_options=storage_options) if isinstance(update, str) else update
+    if previous is not None and dict(previous.bucket_by) != dict(fn.describe()):
+        raise ConfigError(
+            f"--update: the previous index was bucketed by {dict(previous.bucket_by)}, now by "
+            f"{fn.describe()}; rebuild without --update to change how buckets are computed"
+        )
+    reused = _reusable(previous, shard_urls, storage_options) if previous is not None else {}
+    todo = [u for u in shard_urls if u not in reused]
+    bar = Progress(total=len(shard_urls), enabled=progress, label="index")
+    bar.advance(shards=len(reused))
+    results: dict[str, _ShardRows] = dict(reused)
+    skipped: list[dict[str, Any]] = []
+
+    def task(url: str) -> _ShardRows:
+        try:
+            rows = _scan_one(url, fn, on_error, storage_options, bar)
+        except ShardError as exc:
+            if on_error != "skip":
+                raise
+            skipped.append({"url": url, "reason": redact(str(exc))})
+            rows = _ShardRows(ShardInfo(url=url, size=-1, stamp="", samples=0, error=redact(str(exc))))
+        bar.advance(shards=1, nbytes=max(rows.nbytes, 0))
+        return rows
+
+    try:
+        if workers == 1 or len(todo) <= 1:
+            for url in todo:
+                results[url] = task(url)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+                futures = {pool.submit(task, url): url for url in todo}
+                for fut in concurrent.futures.as_completed(futures):
+                    results[futures[fut]] = fut.result()
+    finally:
+        bar.close()
+    index = _assemble([results[u] for u in shard_urls], fn, skipped,
+                      name or _default_name(output, shard_urls))
+    if output is not None:
+        write_index(index, output, storage_options)
+        object.__setattr__(index, "path", output)
+    return index
+
+
+def _default_name(output: str | None, urls: Sequence[str]) -> str:
+    base = output or urls[0]
+    stem = base.rstrip("/").rsplit("/", 1)[-1]
+    for suffix in (".wdsidx", ".idx", ".tar"):
+        stem = stem[: -len(suffix)] if stem.endswith(suffix) else stem
+    return stem or "index"
+
+
+def _reusable(previous: Index, urls: Sequence[str],
+              storage_options: Mapping[str, Any] | None) -> dict[str, _ShardRows]:
+    by_url = {s.url: i for i, s in enumerate(previous.shards) if s.error is None}
+    out: dict[str, _ShardRows] = {}
+    for url in urls:
+        si = by_url.get(url)
+        if si is None:
+            continue
+        old = previous.shards[si]
+        try:
+            size, stamp = shard_info(url, storage_options)
+        except ShardError:
+            continue  # let the scan report it
+        if size != old.size or stamp != old.stamp:
+            continue
+        rows = _ShardRows(old, nbytes=0)
+        ids = np.flatnonzero(previous.shard == si)
+        rows.offset = previous.offset[ids].tolist()
+        rows.length = previous.length[ids].tolist()
+        rows.keys = [previous.key(int(i)) for i in ids]
+        rows.buckets = [previous.buckets[int(b)] for b in previous.bucket[ids]]
+        rows.exts = [previous.sample_exts(int(i)) for i in ids]
+        rows.excluded = [e for e in previous.excluded.get("samples", []) if e.get("url") == url]
+        out[url] = rows
+    return out
+
+
+def _assemble(parts: Sequence[_ShardRows], fn: BucketFn, skipped: list[dict[str, Any]], name: str) -> Index:
+    ext_table = sorted({e for p in parts for exts in p.exts for e in exts})
+    if len(ext_table) > 64:
+        raise ConfigError(f"{len(ext_table)} distinct member extensions; the index records at most 64")
+    bit = {e: np.uint64(1) << np.uint64(i) for i, e in enumerate(ext_table)}
+    bucket_keys: list[Hashable] = []
+    bucket_id: dict[Hashable, int] = {}
+    shard_col, offset, length, bucket, masks, keys = [], [], [], [], [], []
+    excluded_samples: list[dict[str, Any]] = []
+    for si, p in enumerate(parts):
+        n = len(p.keys)
+        shard_col.append(np.full(n, si, dtype=np.int32))
+        offset.append(np.asarray(p.offset, dtype=np.int64))
+        length.append(np.asarray(p.length, dtype=np.int64))
+        ids = []
+        for b in p.buckets:
+            j = bucket_id.get(b)
+            if j is None:
+                j = bucket_id[b] = len(bucket_keys)
+                bucket_keys.append(b)
+            ids.append(j)
+        bucket.append(np.asarray(ids, dtype=np.int64))
+        masks.append(np.asarray([_mask(e, bit) for e in p.exts], dtype=np.uint64))
+        keys.extend(p.keys)
+        excluded_samples.extend(p.excluded)
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+    rows = {"shard": cat(shard_col, np.int32), "offset": cat(offset, np.int64),
+            "length": cat(length, np.int64), "bucket": cat(bucket, np.int64), "exts": cat(masks, np.uint64)}
+    excluded = {"samples": excluded_samples, "shards": skipped,
+                "count": len(excluded_samples)}
+    if len(excluded_samples) > 10_000:  # keep the header small; the count stays exact
+        excluded["samples"] = excluded_samples[:10_000]
+        excluded["truncated"] = True
+    return make_index([p.info for p in parts], rows, bucket_keys, keys, bucket_by=fn.describe(),
+                      exts=ext_table, excluded=excluded, name=name)
+
+
+def _mask(exts: Sequence[str], bit: Mapping[str, np.uint64]) -> int:
+    m = 0
+    for e in exts:
+        m |= int(bit[e])
+    return m
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One stale or missing shard found by :func:`verify_index`."""
+
+    url: str
+    reason: str
+
+
+def verify_index(index: Index | str, *, deep: bool = False,
+                 storage_options: Mapping[str, Any] | None = None) -> list[Problem]:
+    """Check every shard's size and change stamp (deep: rescan and compare rows).
+
+    Returns:
+        The problems found, one per stale or missing shard (empty when all is well).
+    """
+    if isinstance(index, str):
+        index = load_index(index, storage_options=storage_options)
+    problems: list[Problem] = []
+    fn = _DescribedOnly(index.bucket_by)
+    for si, shard in enumerate(index.shards):
+        if shard.error is not None:
+            continue
+        try:
+            size, stamp = shard_info(shard.url, storage_options)
+        except ShardError as exc:
+            problems.append(Problem(shard.url, f"missing: {exc}"))
+            continue
+        if size != shard.size:
+            problems.append(Problem(shard.url, f"size {size} != indexed {shard.size}"))
+            continue
+        if stamp != shard.stamp:
+            problems.append(Problem(shard.url, f"change stamp {stamp!r} != indexed {shard.stamp!r}"))
+            continue
+        if deep:
+            reason = _deep_compare(index, si, fn, storage_options)
+            if reason:
+                problems.append(Problem(shard.url, reason))
+    return problems
+
+
+class _DescribedOnly:
+    """A bucket function that reads nothing: deep verification compares byte ranges and keys."""
+
+    members: tuple[str, ...] = ()
+    head_bytes = None
+
+    def __init__(self, description: Mapping[str, Any]) -> None:
+        self._description = dict(description)
+
+    def __call__(self, key: str, data: Mapping[str, bytes]) -> Hashable:
+        return 0
+
+    def describe(self) -> dict[str, Any]:
+        return self._description
+
+
+def _deep_compare(index: Index, si: int, fn: Any, storage_options: Mapping[str, Any] | None) -> str:
+    url = index.shards[si].url
+    try:
+        rows = _scan_one(url, fn, "raise", storage_options, Progress(total=0, enabled=False))
+    except WdsPadError as exc:
+        return f"rescan failed: {exc}"
+    ids = np.flatnonzero(index.shard == si)
+    keys = [index.key(int(i)) for i in ids]
+    # Samples excluded by the bucket function are absent from the index: compare by key.
+    got = {k: (o, n) for k, o, n in zip(rows.keys, rows.offset, rows.length)}
+    for i, k in zip(ids, keys):
+        if got.get(k) != (int(index.offset[i]), int(index.length[i])):
+            return f"sample {k!r} moved: indexed at {int(index.offset[i])}+{int(index.length[i])}, now {got.get(k)}"
+    return ""
+
