@@ -1,0 +1,405 @@
+"""BucketedWebDataset and Loader: what a training script iterates.
+
+Invariants:
+- batches follow this rank's plan exactly: never mixing buckets or datasets, per-sample
+  transforms applied inside each batch so a batch is always exactly the plan's batch;
+- with N DataLoader workers the trainer receives batches in plan order (worker w makes
+  batches j with (j - start) mod N == w);
+- ``state_dict()`` is exact: the dataset counts what it yielded (num_workers=0), the
+  Loader counts what the trainer received in the main process (any num_workers);
+- ``load_state_dict()`` verifies the whole state first; on refusal nothing changes;
+- resuming is a seek into the plan: no earlier sample is read again.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.compat import FluidInterface
+from webdataset.filters import default_collation_fn
+
+from .errors import ConfigError, StateMismatchError, TopologyMismatchError, WdsPadError
+from .index import Index, load_index
+from .plan import Mode, PadTo, Policy, _enum
+from .read import ReadOptions
+from .seed import shared_seed
+from .stages import Counters, PlannedSource, PlanSpec, Position, fetch, substitute
+from .state import STATE_FORMAT, STATE_VERSION, verify_state
+from .topology import Topology
+
+__all__ = ["BucketedWebDataset", "Loader", "check_agreement"]
+
+
+def _per_index(value: Any, n: int, name: str, kind: type) -> tuple[Any, ...]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise ConfigError(f"{name} has {len(values)} values for {n} index(es); give one per index")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, kind):
+            raise ConfigError(f"{name} must be {kind.__name__} values, got {v!r}")
+    return tuple(values)
+
+
+class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
+    """A torch IterableDataset yielding this rank's planned batches.
+
+    Args:
+        index: an Index or index path, or a list of them (one dataset each).
+        batch_size: samples per batch per data-parallel rank.
+        topology: default ``Topology.detect(group=group, cp_size=cp_size)``.
+        seed: default ``shared_seed(None, group)`` (drawn on rank 0, broadcast).
+        epoch: the epoch to start with (epochs mode: change with ``set_epoch``).
+        pad: ``auto`` | ``cyclic`` | ``drop`` | ``none``.
+        mode: ``epochs`` (one epoch per iteration) | ``steps`` (endless).
+        oversubscribe: keep buckets smaller than one global step, filled cyclically.
+        pad_to: ``batch`` | ``rank``.
+        repeats, weights, names: per index (or one value for all).
+        read_options: concurrency, read-ahead bound, retries, timeouts.
+        storage_options: fsspec options for remote shards (merged into read_options).
+        handler: webdataset-style handler; if it returns True for a failed sample, a
+            deterministic substitute from the same bucket takes its place.
+        collation_fn: how to collate a batch (default: a list of sample dicts, or
+            webdataset's default collation once transforms are added).
+        check_agreement: compare plan fingerprint and batch count across ranks (one
+            small collective) before the first batch.
+        group: the torch.distributed group of the job.
+        cp_size: ranks per data-parallel replica when detecting the topology.
+    """
+
+    def __init__(
+        self,
+        index: Index | str | Sequence[Index | str],
+        *,
+        batch_size: int,
+        topology: Topology | None = None,
+        seed: int | None = None,
+        epoch: int = 0,
+        pad: Policy | str = "auto",
+        mode: Mode | str = "epochs",
+        oversubscribe: bool = False,
+        pad_to: PadTo | str = "batch",
+        repeats: int | Sequence[int] = 0,
+        weights: float | Sequence[float] = 1.0,
+        names: Sequence[str] | None = None,
+        read_options: ReadOptions | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        handler: Callable[[BaseException], bool] | None = None,
+        collation_fn: Callable[[list[Any]], Any] | None = None,
+        check_agreement: bool = True,
+        group: Any = None,
+        cp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        items = list(index) if isinstance(index, (list, tuple)) else [index]
+        if not items:
+            raise ConfigError("BucketedWebDataset needs at least one index")
+        indexes = tuple(load_index(i, storage_options=storage_options) if isinstance(i, str) else i
+                        for i in items)
+        for ix in indexes:
+            if not isinstance(ix, Index):
+                raise ConfigError(f"index must be a wds_pad Index or a path, got {type(ix).__name__}")
+        n = len(indexes)
+        names = tuple(names) if names is not None else tuple(
+            ix.name if [j.name for j in indexes].count(ix.name) == 1 else f"{ix.name}#{k}"
+            for k, ix in enumerate(indexes))
+        if len(names) != n:
+            raise ConfigError(f"names has {len(names)} values for {n} index(es)")
+        if topology is None:
+            topology = Topology.detect(group=group, cp_size=cp_size)
+        if storage_options:
+            base = read_options or ReadOptions()
+            read_options = ReadOptions(**{**base.__dict__, "storage_options": {**base.storage_options,
+                                                                                **storage_options}})
+        self.spec = PlanSpec(
+            indexes=indexes, names=names, topology=topology, seed=shared_seed(seed, group),
+            batch_size=batch_size, policy=_enum(Policy, pad, "padding policy"),
+            mode=_enum(Mode, mode, "mode"), pad_to=_enum(PadTo, pad_to, "pad_to"),
+            oversubscribe=bool(oversubscribe), repeats=_per_index(repeats, n, "repeats", int),
+            weights=tuple(float(w) for w in _per_index(weights, n, "weights", (int, float))),  # type: ignore[arg-type]
+        )
+        self.spec.plan(int(epoch))  # validates every argument now, in the main process
+        self.read_options = read_options
+        self.handler = handler
+        self.collation_fn = collation_fn
+        self.check_agreement = check_agreement
+        self.group = group
+        self.stages: list[Callable[[Any], Any]] = []
+        self.counters = Counters()
+        self._position = Position(int(epoch), 0)
+        self._agreed: set[int] = set()
+
+    # -- the fluid interface -----------------------------------------------------------
+    def compose(self, *stages: Callable[[Any], Any]) -> "BucketedWebDataset":
+        """A copy with per-sample ``stages`` appended (``.decode``, ``.map``, ``.to_tuple`` ...)."""
+        result = copy.copy(self)
+        result.stages = list(self.stages) + [s for s in stages if s is not None]
+        return result
+
+    def batched(self, batchsize: int | None = None, collation_fn: Callable[[list[Any]], Any] | None = default_collation_fn,
+                partial: bool = True) -> "BucketedWebDataset":
+        """Set how plan batches are collated; their size is the plan's ``batch_size``."""
+        if batchsize is not None and batchsize != self.spec.batch_size:
+            raise ConfigError(f"batched({batchsize}): batches follow the plan's batch_size "
+                              f"{self.spec.batch_size}; call batched() without a size")
+        result = copy.copy(self)
+        result.collation_fn = collation_fn
+        return result
+
+    # -- epochs and state ----------------------------------------------------------------
+    @property
+    def topology(self) -> Topology:
+        return self.spec.topology
+
+    @property
+    def seed(self) -> int:
+        return self.spec.seed
+
+    @property
+    def epoch(self) -> int:
+        return self._position.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` at its first batch on the next iteration."""
+        self._position = Position(int(epoch), 0)
+
+    def plan(self, epoch: int | None = None) -> Any:
+        """This rank's Plan for ``epoch`` (default: the current one)."""
+        return self.spec.plan(self.epoch if epoch is None else epoch)
+
+    def __len__(self) -> int:
+        """Batches in the current epoch on this rank (epochs mode)."""
+        return len(self.plan())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current position as a small JSON-safe dict (see docs/resume.md)."""
+        return make_state(self.spec, self._position)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_elastic: bool = False) -> None:
+        """Resume at a saved position after verifying the whole state.
+
+        Raises:
+            StateError, TopologyMismatchError, StateMismatchError: the state is refused;
+                the dataset is left exactly as it was.
+        """
+        self._position = restore_position(self.spec, state, allow_elastic)
+
+    # -- iteration -------------------------------------------------------------------------
+    def agree(self) -> None:
+        """Run the cross-rank agreement check for the current epoch (once per epoch)."""
+        if self.check_agreement and self.epoch not in self._agreed:
+            check_agreement(self.spec, self._position, self.group)
+            self._agreed.add(self.epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        in_worker = get_worker_info() is not None
+        if not in_worker:
+            self.agree()
+        start = self._position
+        if self.spec.mode is Mode.EPOCHS and start.index >= len(self.spec.plan(start.epoch)):
+            start = Position(start.epoch, 0)  # a finished epoch iterates again from its start
+        source = PlannedSource(self.spec, start)
+        fetcher = fetch(self.read_options, handler=self.handler, spec=self.spec, counters=self.counters)
+        stages, collate = self.stages, self.collation_fn
+        if collate is None and stages:
+            collate = default_collation_fn
+        batch: list[Any] = []
+        current: tuple[int, int] | None = None
+        for sample in fetcher(iter(source)):
+            key = (sample["__epoch__"], sample["__batch__"])
+            if key != current and batch:
+                out = collate(batch) if collate is not None else batch
+                self._advance(current)  # type: ignore[arg-type]
+                yield out
+                batch = []
+            current = key
+            batch.append(self._transform(sample, fetcher) if stages else sample)
+        if batch:
+            out = collate(batch) if collate is not None else batch
+            self._advance(current)  # type: ignore[arg-type]
+            yield out
+
+    def _advance(self, done: tuple[int, int]) -> Position:
+        epoch, j = done
+        self._position = Position(epoch, j + 1)
+        if self.spec.mode is Mode.STEPS and j + 1 >= len(self.spec.plan(epoch)):
+            self._position = Position(epoch + 1, 0)
+        return self._position
+
+    def _transform(self, sample: dict[str, Any], fetcher: Any) -> Any:
+        try:
+            return apply_stages(self.stages, sample)
+        except Exception as exc:
+            if self.handler is None or not self.handler(exc):
+                if isinstance(exc, WdsPadError):
+                    raise
+                raise type(exc)(f"transform failed for sample {sample['__key__']!r} of "
+                                f"{sample['__url__']!r}: {exc}") from exc
+            message = f"transform failed for sample {sample['__key__']!r} of {sample['__url__']!r}: {exc}"
+            ref = {**sample, "__offset__": -1, "__length__": 0}
+            alt = substitute(self.spec, fetcher.reader, ref, self.counters, message)
+            return apply_stages(self.stages, alt)
+
+
+def apply_stages(stages: Sequence[Callable[[Any], Any]], sample: Any) -> Any:
+    """Run webdataset stages over one sample; exactly one sample must come out."""
+    it: Any = iter((sample,))
+    for stage in stages:
+        it = stage(it)
+    out = list(it)
+    if len(out) != 1:
+        raise ConfigError(
+            f"a transform turned sample {sample.get('__key__')!r} into {len(out)} samples; "
+            "BucketedWebDataset keeps the plan's batches exact, so transforms must map one "
+            "sample to one (filter with a handler that substitutes, not with select)"
+        )
+    return out[0]
+
+
+def make_state(spec: PlanSpec, position: Position, kind: str = "bucketed") -> dict[str, Any]:
+    return {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        "kind": kind,
+        "mode": spec.mode.value,
+        "epoch": position.epoch,
+        "index": position.index,
+        "batches_in_epoch": len(spec.plan(position.epoch)),
+        "topology": spec.topology.to_dict(),
+        "fingerprint": spec.fingerprint(),
+        "plan": spec.fingerprint_fields(),
+    }
+
+
+def restore_position(spec: PlanSpec, state: Mapping[str, Any], allow_elastic: bool) -> Position:
+    """Verify ``state`` against ``spec`` and return the position to resume at."""
+    state = verify_state(state, kind="bucketed", mode=spec.mode.value, topology=spec.topology,
+                         fingerprint=spec.fingerprint(), plan_fields=spec.fingerprint_fields(),
+                         allow_elastic=allow_elastic)
+    epoch, index = state["epoch"], state["index"]
+    saved_topo = state.get("topology") or spec.topology.to_dict()
+    elastic = saved_topo.get("dp_size") != spec.topology.dp_size
+    if elastic:
+        saved_batches = state.get("batches_in_epoch")
+        if index == 0:
+            return Position(epoch, 0)
+        if saved_batches is not None and index >= saved_batches:
+            return Position(epoch, len(spec.plan(epoch))) if spec.mode is Mode.EPOCHS else Position(epoch + 1, 0)
+        raise TopologyMismatchError(
+            f"allow_elastic: the state was saved mid-epoch (epoch {epoch}, batch {index} of "
+            f"{saved_batches}) on dp_size {saved_topo.get('dp_size')}; on dp_size "
+            f"{spec.topology.dp_size} the global steps are other windows of each bucket, so the "
+            "consumed samples do not map exactly. Resume on the saved layout, or from a state "
+            "saved at an epoch boundary"
+        )
+    n = len(spec.plan(epoch))
+    if index > n:
+        raise StateMismatchError(f"loader state position {index} is past the end of epoch {epoch} "
+                                 f"({n} batches on this rank); the state does not belong to this plan")
+    return Position(epoch, index)
+
+
+def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> None:
+    """All ranks compare plan fingerprint, epoch and batch count (one all_gather).
+
+    Raises:
+        StateMismatchError: on every rank, naming the ranks and fields that differ.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    mine = {"rank": spec.topology.rank, "fingerprint": spec.fingerprint(),
+            "epoch": position.epoch, "batches": len(spec.plan(position.epoch)),
+            "mode": spec.mode.value, "plan": spec.fingerprint_fields()}
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    ref = gathered[0]
+    bad = []
+    for other in gathered[1:]:
+        fields = [k for k in ("fingerprint", "epoch", "batches", "mode") if other[k] != ref[k]]
+        if fields:
+            detail = ", ".join(f"{k}: rank {ref['rank']} {ref[k]!r} vs rank {other['rank']} {other[k]!r}"
+                               for k in fields if k != "fingerprint")
+            plan_diff = [k for k in ref["plan"] if ref["plan"][k] != other["plan"].get(k)]
+            if plan_diff:
+                detail += (", " if detail else "") + "plan fields differ: " + ", ".join(
+                    f"{k} (rank {ref['rank']}: {ref['plan'][k]!r}, rank {other['rank']}: "
+                    f"{other['plan'].get(k)!r})" for k in plan_diff)
+            bad.append(f"rank {other['rank']} differs from rank {ref['rank']}: {detail or 'fingerprint'}")
+    if bad:
+        raise StateMismatchError(
+            "ranks disagree on the plan before the first batch: " + "; ".join(bad) +
+            ". Every rank must use the same index, seed, batch size and policy "
+            "(pass check_agreement=False to skip this check)"
+        )
+
+
+class Loader:
+    """A thin DataLoader wrapper whose ``state_dict()`` is exact while workers prefetch.
+
+    It counts batches as the trainer receives them in the main process; on the next
+    iteration every worker starts at the saved position (a seek, not a replay).
+
+    Args:
+        dataset: a BucketedWebDataset.
+        num_workers: DataLoader worker processes (0: iterate in the main process).
+        **kwargs: passed to torch's DataLoader (pin_memory, prefetch_factor,
+            multiprocessing_context, timeout, ...). ``batch_size`` is always None
+            (the dataset batches) and ``persistent_workers`` is not supported (workers
+            must see each epoch's start position).
+    """
+
+    def __init__(self, dataset: BucketedWebDataset, num_workers: int = 0, **kwargs: Any) -> None:
+        if not isinstance(dataset, BucketedWebDataset):
+            raise ConfigError(f"Loader wraps a BucketedWebDataset, got {type(dataset).__name__}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        for bad in ("batch_size", "sampler", "batch_sampler", "shuffle", "persistent_workers"):
+            if kwargs.get(bad):
+                raise ConfigError(f"Loader does not take {bad}={kwargs[bad]!r}: the plan decides batches "
+                                  "and order, and workers must restart at each saved position")
+            kwargs.pop(bad, None)
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.kwargs = kwargs
+        self._position = dataset._position
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+        self._position = self.dataset._position
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def state_dict(self) -> dict[str, Any]:
+        return make_state(self.dataset.spec, self._position)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_elastic: bool = False) -> None:
+        position = restore_position(self.dataset.spec, state, allow_elastic)
+        self.dataset._position = position
+        self._position = position
+
+    def __iter__(self) -> Iterator[Any]:
+        ds = self.dataset
+        spec = ds.spec
+        start = self._position
+        if spec.mode is Mode.EPOCHS and start.index >= len(spec.plan(start.epoch)):
+            start = Position(start.epoch, 0)
+        ds._position = start
+        ds.agree()
+        if self.num_workers == 0:
+            for batch in ds:
+                self._position = ds._position
+                yield batch
+            return
+        loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.kwargs)
+        epoch, index = start.epoch, start.index
+        for batch in loader:
+            index += 1
+            if spec.mode is Mode.STEPS and index >= len(spec.plan(epoch)):
+                epoch, index = epoch + 1, 0
+            self._position = Position(epoch, index)
+            yield batch
+        ds._position = self._position

@@ -1,0 +1,385 @@
+"""webdataset stages of the bucketed path: planned source, fetch, plan batching.
+
+``wds.DataPipeline(PlannedSource(spec), fetch(), wds.decode("pil"), plan_batched())``
+streams this rank's plan. Stages are generators over the stream (webdataset style),
+configured by small picklable objects so they travel into DataLoader workers.
+
+Invariants:
+- ``PlannedSource`` yields this rank's planned sample references in exact plan order;
+  with N DataLoader workers, worker w yields plan batches j with (j - start) mod N == w,
+  so DataLoader's round-robin hands the trainer batches in plan order for any N;
+- ``fetch`` turns each reference into an ordinary webdataset sample dict (``__key__``,
+  ``__url__``, one entry per member extension, plus ``__bucket__``, ``__dataset__``,
+  ``__pad__``, ``__epoch__``, ``__step__``), reading many byte ranges concurrently;
+- a sample whose bytes fail to read or parse raises with URL, offset and key, unless a
+  webdataset-style ``handler`` continues: then a deterministic substitute from the same
+  bucket (derived from the seed) takes its place, so batch sizes never change;
+- no randomness here: everything comes from the plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+
+from .errors import ConfigError, WdsPadError
+from .index import Index, load_index
+from .plan import Mode, PadTo, Plan, Policy, plan_epoch, resolve_policy
+from .read import RangeReader, ReadOptions
+from .seed import derive_rng, stable_digest
+from .tarscan import parse_sample
+from .topology import Topology
+
+__all__ = ["Counters", "PlanSpec", "PlannedSource", "Position", "fetch", "plan_batched"]
+
+META_KEYS = ("__key__", "__url__", "__bucket__", "__dataset__", "__pad__", "__epoch__", "__step__")
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a stream is: the next batch is ``plan(epoch)[index]``."""
+
+    epoch: int = 0
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("epoch", "index"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"Position.{name} must be an int >= 0, got {v!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class PlanSpec:
+    """Everything the plan depends on, plus the indexes that resolve sample ids.
+
+    Built once in the main process (seed already shared, topology detected) and pickled
+    into DataLoader workers, where plans are recomputed identically.
+    """
+
+    indexes: tuple[Index, ...]
+    names: tuple[str, ...]
+    topology: Topology
+    seed: int
+    batch_size: int
+    policy: Policy = Policy.AUTO
+    mode: Mode = Mode.EPOCHS
+    pad_to: PadTo = PadTo.BATCH
+    oversubscribe: bool = False
+    repeats: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+    _cache: dict[int, Plan] = field(default_factory=dict, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        state["indexes"] = tuple(_IndexRef(ix) for ix in self.indexes)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["indexes"] = tuple(ref.get() if isinstance(ref, _IndexRef) else ref for ref in state["indexes"])
+        self.__dict__.update(state)
+
+    @property
+    def resolved_policy(self) -> Policy:
+        return resolve_policy(self.policy, self.mode, self.oversubscribe)
+
+    def datasets(self) -> list[Any]:
+        return [ix.to_dataset(name=n, repeats=r, weight=w)
+                for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)]
+
+    def plan(self, epoch: int) -> Plan:
+        """This rank's plan for ``epoch`` (cached: the last few epochs only)."""
+        plan = self._cache.get(epoch)
+        if plan is None:
+            plan = plan_epoch(self.datasets(), self.topology, seed=self.seed, epoch=epoch,
+                              batch_size=self.batch_size, policy=self.policy, mode=self.mode,
+                              oversubscribe=self.oversubscribe, pad_to=self.pad_to,
+                              warn=not self._cache)
+            if len(self._cache) >= 2:
+                self._cache.pop(min(self._cache))
+            self._cache[epoch] = plan
+        return plan
+
+    def fingerprint(self) -> str:
+        """A hash of everything the plan depends on (not the topology, which is saved apart)."""
+        parts: list[Any] = ["wds_pad.plan/1", stable_digest(self.seed).hex(), self.batch_size,
+                            self.resolved_policy.value, self.pad_to.value, self.oversubscribe]
+        for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights):
+            parts.append((n, ix.digest, r, float(w)))
+        return stable_digest(*[tuple(p) if isinstance(p, list) else p for p in parts], size=16).hex()
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """The fingerprint's ingredients, JSON-safe, for error messages."""
+        return {
+            "seed_hash": stable_digest(self.seed, size=8).hex(),
+            "batch_size": self.batch_size,
+            "policy": self.resolved_policy.value,
+            "pad_to": self.pad_to.value,
+            "pad_unit": int(self.topology.dp_size) * (self.batch_size if self.pad_to is PadTo.BATCH else 1),
+            "oversubscribe": self.oversubscribe,
+            "datasets": [{"name": n, "index_digest": ix.digest, "repeats": r, "weight": float(w)}
+                         for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)],
+        }
+
+
+class _IndexRef:
+    """Pickles an Index loaded from a local file as its path (workers re-map the pages)."""
+
+    def __init__(self, index: Index) -> None:
+        local = index.path is not None and "://" not in index.path
+        self.path = index.path if local else None
+        self.digest = index.digest
+        self.index = None if local else index
+
+    def get(self) -> Index:
+        if self.index is not None:
+            return self.index
+        index = load_index(self.path, verify=False)  # type: ignore[arg-type]
+        if index.digest != self.digest:
+            raise WdsPadError(f"index {self.path!r} changed while the job was running; restart the job")
+        return index
+
+
+@dataclass
+class Counters:
+    """What the stream did that the plan did not say: substitutes for bad samples."""
+
+    substituted: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def record(self, message: str) -> None:
+        self.substituted += 1
+        if len(self.failures) < 100:
+            self.failures.append(message)
+
+
+class PlannedSource:
+    """Source stage: this rank's planned sample references, for this DataLoader worker.
+
+    Each reference is a dict with ``__url__``, ``__key__``, ``__bucket__``,
+    ``__dataset__``, ``__pad__``, ``__epoch__``, ``__step__``, ``__batch__`` (index in
+    the rank's plan), ``__index__`` (sample id), ``__offset__`` and ``__length__``.
+
+    Args:
+        spec: the PlanSpec.
+        start: where to begin (a resume position); epochs mode stops at the end of
+            ``start.epoch``, steps mode runs on across epochs.
+        worker: (worker_id, num_workers); default: from torch's get_worker_info().
+    """
+
+    def __init__(self, spec: PlanSpec, start: Position | None = None,
+                 worker: tuple[int, int] | None = None) -> None:
+        self.spec = spec
+        self.start = start or Position()
+        self.worker = worker
+
+    def _worker(self) -> tuple[int, int]:
+        if self.worker is not None:
+            return self.worker
+        try:
+            from torch.utils.data import get_worker_info
+        except ImportError:  # pragma: no cover
+            return 0, 1
+        info = get_worker_info()
+        return (0, 1) if info is None else (info.id, info.num_workers)
+
+    def batches(self) -> Iterator[tuple[Plan, int]]:
+        """(plan, batch index) of every batch this worker produces, in plan order."""
+        wid, nw = self._worker()
+        epoch, first = self.start.epoch, self.start.index
+        counter = 0
+        while True:
+            plan = self.spec.plan(epoch)
+            if first > len(plan):
+                raise ConfigError(f"resume position {first} is past the end of epoch {epoch} "
+                                  f"({len(plan)} batches on this rank)")
+            for j in range(first, len(plan)):
+                if counter % nw == wid:
+                    yield plan, j
+                counter += 1
+            if self.spec.mode is not Mode.STEPS:
+                return
+            if len(plan) == 0 and first == 0:
+                raise ConfigError("steps mode has nothing to stream: every bucket was dropped; "
+                                  "lower batch_size or pass oversubscribe=True")
+            epoch, first = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        spec = self.spec
+        for plan, j in self.batches():
+            yield from batch_refs(spec, plan, j)
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        return iter(self)
+
+
+def batch_refs(spec: PlanSpec, plan: Plan, j: int) -> list[dict[str, Any]]:
+    """The sample references of batch ``j`` of ``plan``."""
+    batch = plan[j]
+    ds = plan.datasets.index(batch.dataset)
+    ix = spec.indexes[ds]
+    ids = batch.samples
+    shards, offsets, lengths = ix.shard[ids], ix.offset[ids], ix.length[ids]
+    urls = ix.urls
+    return [
+        {"__url__": urls[s], "__key__": ix.key(i), "__offset__": o, "__length__": n,
+         "__index__": i, "__bucket__": batch.bucket, "__dataset__": batch.dataset, "__pad__": p,
+         "__epoch__": batch.epoch, "__step__": batch.step, "__batch__": j}
+        for i, s, o, n, p in zip(ids.tolist(), shards.tolist(), offsets.tolist(), lengths.tolist(),
+                                 batch.pad.tolist())
+    ]
+
+
+class _Fetch:
+    """The configured fetch stage (picklable): reads and expands sample references."""
+
+    def __init__(self, options: ReadOptions | None, handler: Callable[[BaseException], bool] | None,
+                 spec: PlanSpec | None, counters: Counters | None) -> None:
+        self.options = options
+        self.handler = handler
+        self.spec = spec
+        self.counters = counters if counters is not None else Counters()
+        self._reader: RangeReader | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_reader": None}
+
+    @property
+    def reader(self) -> RangeReader:
+        if self._reader is None:
+            self._reader = RangeReader(self.options)
+        return self._reader
+
+    def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        reader = self.reader
+        refs = iter(src)
+        pending: list[dict[str, Any]] = []
+
+        def ranges() -> Iterator[tuple[str, int, int]]:
+            for ref in refs:
+                pending.append(ref)
+                yield ref["__url__"], ref["__offset__"], ref["__length__"]
+
+        data_iter = reader.read_many(ranges())
+        position = 0
+        while True:
+            try:
+                data = next(data_iter)
+            except StopIteration:
+                return
+            except Exception as exc:  # a failed read: data_iter is finished now
+                ref = pending[position]
+                yield self._substitute(ref, exc)
+                position += 1
+                # restart reading after the failed range
+                rest = pending[position:]
+                del pending[:]
+                data_iter = reader.read_many(_chain_ranges(rest, refs, pending))
+                position = 0
+                continue
+            ref = pending[position]
+            position += 1
+            if position > 1024:  # keep the pending list short
+                del pending[:position]
+                position = 0
+            try:
+                yield expand(ref, data)
+            except WdsPadError as exc:
+                yield self._substitute(ref, exc)
+
+    def _substitute(self, ref: dict[str, Any], exc: BaseException) -> dict[str, Any]:
+        message = (f"sample {ref['__key__']!r} of {ref['__url__']!r} at byte offset "
+                   f"{ref['__offset__']}: {exc}")
+        if self.handler is None or self.spec is None or not self.handler(exc):
+            if isinstance(exc, WdsPadError) and ref["__key__"] in str(exc):
+                raise exc
+            raise type(exc)(message) if isinstance(exc, WdsPadError) else exc
+        return substitute(self.spec, self.reader, ref, self.counters, message)
+
+
+def _chain_ranges(rest: list[dict[str, Any]], refs: Iterator[dict[str, Any]],
+                  pending: list[dict[str, Any]]) -> Iterator[tuple[str, int, int]]:
+    for ref in itertools.chain(rest, refs):
+        pending.append(ref)
+        yield ref["__url__"], ref["__offset__"], ref["__length__"]
+
+
+def expand(ref: Mapping[str, Any], data: bytes) -> dict[str, Any]:
+    """A webdataset sample dict from a reference and its bytes (StaleShardError if they differ)."""
+    members = parse_sample(data, ref["__url__"], ref["__offset__"], ref["__key__"])
+    sample = {k: v for k, v in ref.items() if k not in ("__offset__", "__length__")}
+    sample.update(members)
+    return sample
+
+
+def substitute(spec: PlanSpec, reader: RangeReader, ref: dict[str, Any], counters: Counters,
+               message: str, attempts: int = 8) -> dict[str, Any]:
+    """A deterministic stand-in from the same bucket for a sample that failed.
+
+    The choice derives from (seed, epoch, dataset, bucket, failed sample id, attempt),
+    so every run picks the same stand-in; it is marked ``__substitute_for__``.
+
+    Raises:
+        WdsPadError: every attempt failed too (the bucket is unreadable).
+    """
+    ds = spec.names.index(ref["__dataset__"])
+    ix = spec.indexes[ds]
+    bucket_id = ix.buckets.index(ref["__bucket__"])
+    candidates = np.flatnonzero(ix.bucket == bucket_id)
+    last: BaseException | None = None
+    for attempt in range(attempts):
+        rng = derive_rng(spec.seed, ref["__epoch__"], ref["__dataset__"], ref["__bucket__"],
+                         "substitute", ref["__index__"], attempt)
+        i = int(candidates[int(rng.integers(candidates.size))])
+        if i == ref["__index__"]:
+            continue
+        alt = dict(ref, __url__=ix.url(i), __key__=ix.key(i), __offset__=int(ix.offset[i]),
+                   __length__=int(ix.length[i]), __index__=i)
+        try:
+            sample = expand(alt, reader.read(alt["__url__"], alt["__offset__"], alt["__length__"]))
+        except WdsPadError as exc:
+            last = exc
+            continue
+        sample["__substitute_for__"] = ref["__key__"]
+        counters.record(message)
+        return sample
+    raise WdsPadError(f"{message}; no readable substitute found in bucket {ref['__bucket__']!r} "
+                      f"after {attempts} attempts (last: {last})")
+
+
+def fetch(options: ReadOptions | None = None, *, handler: Callable[[BaseException], bool] | None = None,
+          spec: PlanSpec | None = None, counters: Counters | None = None) -> _Fetch:
+    """The fetch stage: sample references in, webdataset sample dicts out, in order.
+
+    Args:
+        options: how to read (concurrency, read-ahead bound, retries, timeouts, storage options).
+        handler: webdataset-style exception handler; if it returns True for a failure,
+            a deterministic substitute from the same bucket replaces the sample (needs ``spec``).
+        spec: the PlanSpec (for substitutes).
+        counters: where substitutions are counted.
+    """
+    return _Fetch(options, handler, spec, counters)
+
+
+def plan_batched(collation_fn: Callable[[list[Any]], Any] | None = None) -> Callable[[Iterable[dict[str, Any]]], Iterator[Any]]:
+    """Stage grouping samples into the plan's batches (by ``__epoch__``/``__batch__``).
+
+    Place it before stages that drop the ``__`` keys (e.g. ``to_tuple``), or use
+    ``BucketedWebDataset``, which applies per-sample transforms inside each batch.
+    """
+    return _PlanBatched(collation_fn)
+
+
+class _PlanBatched:
+    def __init__(self, collation_fn: Callable[[list[Any]], Any] | None) -> None:
+        self.collation_fn = collation_fn
+
+    def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[Any]:
+        for _, group in itertools.groupby(src, key=lambda s: (s["__epoch__"], s["__batch__"])):
+            batch = list(group)
+            yield self.collation_fn(batch) if self.collation_fn is not None else batch
+
