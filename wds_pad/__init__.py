@@ -33,7 +33,29 @@ from .topology import Topology
 __version__ = "0.1.0"
 
 # public name -> module that defines it (imported on first use)
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "BucketedWebDataset": "dataset",
+    "Equalize": "shards",
+    "Index": "index",
+    "Loader": "dataset",
+    "PlanSpec": "stages",
+    "PlannedSource": "stages",
+    "RangeReader": "read",
+    "ReadOptions": "read",
+    "ShardInfo": "index",
+    "SplitByNode": "shards",
+    "build_index": "indexer",
+    "check_agreement": "dataset",
+    "equalize": "shards",
+    "fetch": "stages",
+    "load_index": "index",
+    "load_state_file": "state",
+    "plan_batched": "stages",
+    "save_state_file": "state",
+    "split_by_node": "shards",
+    "verify_index": "indexer",
+    "write_index": "index",
+}
 
 __all__ = sorted(
     [
