@@ -1,0 +1,580 @@
+"""Tests of wds_pad.read: exact bytes, order, merging, memory bound, errors, fork, retries.
+
+Remote behaviour runs against a small HTTP server on 127.0.0.1 (Range requests, delays
+and scripted faults) and against fake fsspec filesystems registered here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import fsspec
+import pytest
+from fsspec.spec import AbstractFileSystem
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError
+from wds_pad.read import RangeReader, ReadOptions, get_filesystem, redact
+
+FAST = dict(backoff=0.01, backoff_max=0.02, timeout=2.0)
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+class _State:
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+        self.delay = 0.0
+        self.stall = 0.0
+        self.faults: deque[str] = deque()
+        self.requests = 0
+        self.lock = threading.Lock()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Any
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def setup(self) -> None:
+        super().setup()  # headers and body go out in two writes: no Nagle delay
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _send(self, status: int, body: bytes = b"",
+              headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        state: _State = self.server.state
+        with state.lock:
+            state.requests += 1
+            fault = state.faults.popleft() if state.faults else None
+        if state.delay:
+            time.sleep(state.delay)
+        if fault == "503":
+            return self._send(503, b"busy")
+        if fault == "403":
+            return self._send(403, b"forbidden")
+        if fault == "norange":
+            return self._send(200, state.files["/a.tar"])
+        if fault == "reset":  # RST instead of an answer
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            self.close_connection = True
+            return None
+        if fault == "stall":
+            time.sleep(state.stall)
+            self.close_connection = True
+            return None
+        data = state.files.get(self.path.split("?")[0])
+        if data is None:
+            return self._send(404, b"no such file")
+        m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if m is None:
+            return self._send(200, data)
+        start = int(m.group(1))
+        end = min(int(m.group(2)) + 1 if m.group(2) else len(data), len(data))
+        if start >= len(data):
+            return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
+        return self._send(206, data[start:end],
+                          {"Content-Range": f"bytes {start}-{end - 1}/{len(data)}"})
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # 32 parallel connects must not overflow the backlog
+    block_on_close = False
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # resets and stalls break pipes on purpose
+
+
+@pytest.fixture()
+def http() -> Iterator[tuple[str, _State]]:
+    state = _State({"/a.tar": os.urandom(200_000), "/b.tar": os.urandom(50_000)})
+    server = _Server(("127.0.0.1", 0), _Handler)
+    server.state = state  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", state
+    server.shutdown()
+    server.server_close()
+
+
+class FakeFS(AbstractFileSystem):
+    """A sync fs over FakeFS.files: per-offset delays and scripted exceptions."""
+
+    protocol = "wdsfake"
+    files: dict[str, bytes] = {}
+    delays: dict[int, float] = {}
+    faults: deque[BaseException] = deque()
+    calls: list[tuple[str, int, int]] = []
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None,
+                 **kwargs: Any) -> bytes:
+        path = self._strip_protocol(path)
+        with FakeFS.lock:
+            FakeFS.calls.append((path, start or 0, end or 0))
+            fault = FakeFS.faults.popleft() if FakeFS.faults else None
+        time.sleep(FakeFS.delays.get(start or 0, 0.0))
+        if fault is not None:
+            raise fault
+        if path not in FakeFS.files:
+            raise FileNotFoundError(path)
+        data = FakeFS.files[path][start:end]
+        with FakeFS.lock:
+            FakeFS.done.append(start or 0)
+        return data
+
+
+fsspec.register_implementation("wdsfake", FakeFS, clobber=True)
+
+
+@pytest.fixture()
+def fake() -> type[FakeFS]:
+    FakeFS.files = {"x.tar": os.urandom(300_000)}
+    FakeFS.delays, FakeFS.faults, FakeFS.calls, FakeFS.done = {}, deque(), [], []
+    return FakeFS
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """Two local files and two memory:// files, by URL in several spellings."""
+    root = tmp_path_factory.mktemp("shards")
+    out: dict[str, bytes] = {}
+    for i, size in enumerate((70_000, 3_000)):
+        data = os.urandom(size)
+        (root / f"s{i}.tar").write_bytes(data)
+        out[str(root / f"s{i}.tar")] = data
+        out[f"file://{root}/s{i}.tar"] = data
+        fsspec.filesystem("memory").pipe(f"/wdsread/s{i}.tar", data)
+        out[f"memory://wdsread/s{i}.tar"] = data
+    return out
+
+
+# ---------------------------------------------------------------- exact bytes and order
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), in_flight=st.integers(1, 8), gap=st.integers(0, 64),
+       merged=st.sampled_from([0, 100, 10_000]))
+def test_random_ranges_give_exact_bytes(shards: dict[str, bytes], data: st.DataObject,
+                                        in_flight: int, gap: int, merged: int) -> None:
+    urls = sorted(shards)
+    ranges = []
+    for _ in range(data.draw(st.integers(0, 40))):
+        url = data.draw(st.sampled_from(urls))
+        offset = data.draw(st.integers(0, len(shards[url])))
+        length = data.draw(st.integers(0, min(2_000, len(shards[url]) - offset)))
+        ranges.append((url, offset, length))
+    reader = RangeReader(ReadOptions(max_in_flight=in_flight, merge_gap=gap,
+                                     max_merged_bytes=merged, max_bytes_in_flight=20_000))
+    out = list(reader.read_many(ranges))
+    assert out == [shards[u][o:o + n] for u, o, n in ranges]
+    assert reader.stats.ranges == len(ranges)
+    if ranges:
+        assert reader.read(*ranges[-1]) == out[-1]
+
+
+def test_order_is_input_order_when_completion_is_not(fake: type[FakeFS]) -> None:
+    ranges = [("wdsfake://x.tar", 1000 * i, 500) for i in range(16)]
+    fake.delays = {1000 * i: 0.002 * ((i * 7) % 16) for i in range(16)}
+    reader = RangeReader(ReadOptions(max_in_flight=16))
+    out = list(reader.read_many(ranges))
+    assert out == [fake.files["x.tar"][o:o + n] for _, o, n in ranges]
+    assert fake.done != sorted(fake.done)  # the fetches did finish out of order
+    assert reader.stats.peak_requests_in_flight > 1
+
+
+def test_adjacent_ranges_are_merged_into_fewer_requests(fake: type[FakeFS]) -> None:
+    ranges = [("wdsfake://x.tar", 1000 * i, 1000) for i in range(100)]
+    reader = RangeReader(ReadOptions(max_merged_bytes=10_000))
+    assert list(reader.read_many(ranges)) == [fake.files["x.tar"][o:o + n] for _, o, n in ranges]
+    assert len(fake.calls) == reader.stats.requests == 10
+    assert reader.stats.merged == 90
+
+
+def test_merge_gap_controls_merging_across_holes(fake: type[FakeFS]) -> None:
+    ranges = [("wdsfake://x.tar", 1010 * i, 1000) for i in range(20)]  # 10-byte holes
+    expected = [fake.files["x.tar"][o:o + n] for _, o, n in ranges]
+    exact = RangeReader(ReadOptions(merge_gap=0))
+    assert list(exact.read_many(ranges)) == expected
+    assert exact.stats.requests == 20
+    gapped = RangeReader(ReadOptions(merge_gap=10))
+    assert list(gapped.read_many(ranges)) == expected
+    assert gapped.stats.requests == 1 and gapped.stats.merged == 19
+
+
+def test_merging_reduces_http_requests(http: tuple[str, _State]) -> None:
+    base, state = http
+    ranges = [(f"{base}/a.tar", 500 * i, 500) for i in range(40)]
+    reader = RangeReader(ReadOptions(max_merged_bytes=5_000, **FAST))
+    assert list(reader.read_many(ranges)) == [state.files["/a.tar"][o:o + n] for _, o, n in ranges]
+    assert state.requests == reader.stats.requests == 4
+
+
+def test_read_ahead_respects_the_memory_bound(fake: type[FakeFS]) -> None:
+    sizes = [(i * 7919) % 20_000 + 1 for i in range(60)]
+    offsets = [sum(sizes[:i]) + 7 * i for i in range(60)]  # holes: no merging
+    ranges = [("wdsfake://x.tar", o, n) for o, n in zip(offsets, sizes)]
+    fake.files = {"x.tar": os.urandom(offsets[-1] + sizes[-1])}
+    fake.delays = {o: 0.001 for o in offsets}
+    bound = 50_000
+    reader = RangeReader(ReadOptions(max_in_flight=64, max_bytes_in_flight=bound))
+    out = []
+    for chunk in reader.read_many(ranges):
+        out.append(chunk)
+        time.sleep(0.0005)
+    assert out == [fake.files["x.tar"][o:o + n] for _, o, n in ranges]
+    peak = reader.stats.peak_bytes_in_flight
+    assert bound // 2 < peak <= max(bound, max(sizes))
+    loose = RangeReader(ReadOptions(max_in_flight=64))
+    assert len(list(loose.read_many(ranges))) == 60
+    assert loose.stats.peak_bytes_in_flight > bound  # the bound is what held it back
+
+
+def test_a_range_larger_than_the_bound_still_reads(fake: type[FakeFS]) -> None:
+    reader = RangeReader(ReadOptions(max_bytes_in_flight=1_000, max_merged_bytes=1_000))
+    ranges = [("wdsfake://x.tar", 0, 600), ("wdsfake://x.tar", 600, 250_000),
+              ("wdsfake://x.tar", 250_600, 600)]
+    assert list(reader.read_many(ranges)) == [fake.files["x.tar"][o:o + n] for _, o, n in ranges]
+    assert reader.stats.peak_bytes_in_flight == 250_000
+
+
+def test_closing_the_iterator_early_is_clean(http: tuple[str, _State]) -> None:
+    base, state = http
+    reader = RangeReader(ReadOptions(max_in_flight=8, **FAST))
+    it = reader.read_many((f"{base}/a.tar", 1000 * i, 100) for i in range(100))
+    assert next(it) == state.files["/a.tar"][:100]
+    it.close()
+    assert reader.read(f"{base}/b.tar", 5, 10) == state.files["/b.tar"][5:15]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_missing_local_file_is_a_shard_error(tmp_path: Any) -> None:
+    reader = RangeReader(ReadOptions(backoff=5.0, backoff_max=5.0))
+    start = time.monotonic()
+    with pytest.raises(ShardError, match="nope.tar"):
+        reader.read(str(tmp_path / "nope.tar"), 0, 10)
+    with pytest.raises(ShardError, match=r"byte offset 7 .*nope\.tar"):
+        reader.read("memory://wdsread/nope.tar", 7, 10)
+    assert time.monotonic() - start < 1.0
+    assert reader.stats.retries == 0
+
+
+def test_http_404_and_403_fail_fast_without_retries(http: tuple[str, _State]) -> None:
+    base, state = http
+    reader = RangeReader(ReadOptions(backoff=5.0, backoff_max=5.0))
+    start = time.monotonic()
+    with pytest.raises(ShardError, match=r"byte offset 3 of 'http://127\.0\.0\.1:\d+/gone\.tar'"):
+        reader.read(f"{base}/gone.tar", 3, 10)
+    state.faults.append("403")
+    with pytest.raises(ShardError, match="403"):
+        reader.read(f"{base}/a.tar", 0, 10)
+    assert time.monotonic() - start < 1.0
+    assert state.requests == 2 and reader.stats.retries == 0
+
+
+def test_short_read_is_a_stale_shard_error(tmp_path: Any, http: tuple[str, _State]) -> None:
+    path = tmp_path / "shrunk.tar"
+    path.write_bytes(b"x" * 1000)
+    reader = RangeReader(ReadOptions(**FAST))
+    with pytest.raises(StaleShardError, match=r"shrunk\.tar.*byte offset 900"):
+        list(reader.read_many([(str(path), 0, 10), (str(path), 900, 200)]))
+    fsspec.filesystem("memory").pipe("/wdsread/short.tar", b"y" * 100)
+    with pytest.raises(StaleShardError, match=r"byte offset 90\b"):
+        reader.read("memory://wdsread/short.tar", 90, 20)
+    base, _ = http
+    with pytest.raises(StaleShardError, match=r"b\.tar.*byte offset 49990"):
+        reader.read(f"{base}/b.tar", 49_990, 20)
+    with pytest.raises(StaleShardError, match=r"byte offset 60000"):  # 416 from the server
+        reader.read(f"{base}/b.tar", 60_000, 20)
+    merged = [(f"{base}/b.tar", 49_000, 500), (f"{base}/b.tar", 49_500, 800)]
+    it = RangeReader(ReadOptions(**FAST)).read_many(merged)
+    with pytest.raises(StaleShardError, match=r"byte offset 49500"):
+        list(it)
+
+
+def test_a_server_ignoring_range_is_reported_not_sliced_silently(
+        http: tuple[str, _State]) -> None:
+    base, state = http
+    state.faults.append("norange")
+    with pytest.raises(ReadError, match=r"a\.tar.*ignored the Range header"):
+        RangeReader(ReadOptions(**FAST)).read(f"{base}/a.tar", 100, 10)
+
+
+def test_bad_ranges_and_options_are_config_errors() -> None:
+    reader = RangeReader()
+    for bad in [("memory://x", -1, 3), ("memory://x", 0, -3), ("memory://x", 1.5, 3),
+                (b"memory://x", 0, 1), ("memory://x", 0)]:
+        with pytest.raises(ConfigError):
+            list(reader.read_many([bad]))  # type: ignore[list-item]
+    with pytest.raises(ConfigError):
+        list(reader.read_many([("/tmp", -5, 1)]))
+    for kwargs in [dict(max_in_flight=0), dict(max_bytes_in_flight=-1), dict(merge_gap=-1),
+                   dict(retries=-1), dict(timeout=0), dict(timeout=float("inf")),
+                   dict(backoff=-0.1), dict(backoff=2.0, backoff_max=1.0),
+                   dict(max_in_flight=True), dict(storage_options=[1])]:
+        with pytest.raises(ConfigError):
+            ReadOptions(**kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- retries and timeouts
+
+
+def test_transient_http_faults_are_retried_nothing_lost(http: tuple[str, _State]) -> None:
+    base, state = http
+    state.faults.extend(["503", "reset", "503", "reset"])
+    ranges = [(f"{base}/a.tar", 1000 * i, 300) for i in range(30)]
+    reader = RangeReader(ReadOptions(max_in_flight=4, **FAST))
+    assert list(reader.read_many(ranges)) == [state.files["/a.tar"][o:o + n] for _, o, n in ranges]
+    assert reader.stats.retries >= 2  # aiohttp itself retries a reset on a pooled connection
+    assert state.requests == 34 and not state.faults
+    assert reader.stats.ranges == 30
+
+
+def test_transient_sync_faults_are_retried(fake: type[FakeFS]) -> None:
+    fake.faults.extend([ConnectionResetError("peer reset"), OSError(5, "EIO"), TimeoutError()])
+    ranges = [("wdsfake://x.tar", 2000 * i, 100) for i in range(10)]
+    reader = RangeReader(ReadOptions(max_in_flight=1, **FAST))
+    assert list(reader.read_many(ranges)) == [fake.files["x.tar"][o:o + n] for _, o, n in ranges]
+    assert reader.stats.retries == 3
+    assert sorted(fake.done) == [o for _, o, _ in ranges]  # each range delivered once
+
+
+def test_exhausted_retries_raise_read_error_naming_everything(fake: type[FakeFS]) -> None:
+    fake.faults.extend([ConnectionResetError("peer reset")] * 10)
+    reader = RangeReader(ReadOptions(retries=2, **FAST))
+    with pytest.raises(ReadError) as info:
+        reader.read("wdsfake://x.tar", 123, 45)
+    msg = str(info.value)
+    for part in ("wdsfake://x.tar", "45 bytes", "byte offset 123", "3 attempts",
+                 "ConnectionResetError", "ReadOptions.retries"):
+        assert part in msg
+    assert len(fake.calls) == 3
+
+
+def test_stalled_request_times_out_then_retry_succeeds(http: tuple[str, _State]) -> None:
+    base, state = http
+    state.stall = 1.0
+    state.faults.append("stall")
+    reader = RangeReader(ReadOptions(timeout=0.2, backoff=0.01, backoff_max=0.01))
+    start = time.monotonic()
+    assert reader.read(f"{base}/a.tar", 10, 20) == state.files["/a.tar"][10:30]
+    assert time.monotonic() - start < 0.9
+    assert reader.stats.timeouts == 1 and reader.stats.retries == 1
+
+
+def test_always_stalled_request_fails_in_bounded_time(http: tuple[str, _State]) -> None:
+    base, state = http
+    state.stall = 2.0
+    state.faults.extend(["stall"] * 5)
+    reader = RangeReader(ReadOptions(timeout=0.15, retries=2, backoff=0.01, backoff_max=0.01))
+    start = time.monotonic()
+    with pytest.raises(ReadError, match=r"3 attempts.*TimeoutError.*ReadOptions\.timeout"):
+        reader.read(f"{base}/a.tar", 10, 20)
+    assert time.monotonic() - start < 1.5
+    assert state.requests == 3
+
+
+def test_backoff_is_deterministic_and_capped() -> None:
+    from wds_pad.read import _backoff
+
+    opts = ReadOptions(backoff=0.2, backoff_max=1.0)
+    delays = [_backoff(opts, "s3://b/x.tar", 10, a) for a in range(1, 8)]
+    assert delays == [_backoff(opts, "s3://b/x.tar", 10, a) for a in range(1, 8)]
+    assert 0.1 <= delays[0] <= 0.2 and all(0.5 <= d <= 1.0 for d in delays[3:])
+    assert delays != [_backoff(opts, "s3://b/y.tar", 10, a) for a in range(1, 8)]
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+def test_many_in_flight_hide_latency(http: tuple[str, _State]) -> None:
+    base, state = http
+    state.delay = 0.02
+    ranges = [(f"{base}/a.tar", 1000 * i, 100) for i in range(32)]
+    timings = {}
+    for n in (1, 32):
+        reader = RangeReader(ReadOptions(max_in_flight=n, **FAST))
+        start = time.monotonic()
+        assert len(list(reader.read_many(ranges))) == 32
+        timings[n] = time.monotonic() - start
+    assert timings[1] >= 32 * 0.02
+    assert timings[1] / timings[32] >= 4, timings
+
+
+# ---------------------------------------------------------------- filesystems and fork
+
+
+def test_filesystems_are_shared_per_protocol_and_options(shards: dict[str, bytes]) -> None:
+    fs_a, path_a = get_filesystem("memory://wdsread/s0.tar")
+    fs_b, path_b = get_filesystem("memory://wdsread/s1.tar")
+    assert fs_a is fs_b and (path_a, path_b) == ("/wdsread/s0.tar", "/wdsread/s1.tar")
+    fs_c, _ = get_filesystem("http://127.0.0.1:1/x.tar", {"http": {"headers": {"X-A": "1"}},
+                                                          "s3": {"anon": True}})
+    assert fs_c.kwargs == {"headers": {"X-A": "1"}}  # the s3 options were not passed to http
+    fs_d, _ = get_filesystem("https://127.0.0.1:1/x.tar", {"http": {"headers": {"X-A": "1"}}})
+    assert fs_d.kwargs == {"headers": {"X-A": "1"}}
+    cached, path = get_filesystem("simplecache::memory://wdsread/s0.tar")
+    again, path2 = get_filesystem("simplecache::memory://wdsread/s1.tar")
+    assert cached is again and (path, path2) == ("/wdsread/s0.tar", "/wdsread/s1.tar")
+    reader = RangeReader()
+    assert reader.read("simplecache::memory://wdsread/s1.tar", 10, 5) == \
+        shards["memory://wdsread/s1.tar"][10:15]
+    with pytest.raises(ConfigError, match="nosuchproto"):
+        get_filesystem("nosuchproto://x/y")
+
+
+_FORK_READER: RangeReader | None = None
+
+
+def _child(conn: Any, urls: list[str], parent_fs: list[Any]) -> None:
+    try:
+        fresh = [get_filesystem(u)[0] is not old for u, old in zip(urls, parent_fs)]
+        assert _FORK_READER is not None
+        data = list(_FORK_READER.read_many([(u, 10, 100) for u in urls]))
+        conn.send((fresh, data))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(repr(exc))
+    finally:
+        conn.close()
+
+
+def test_forked_child_gets_fresh_filesystems_and_reads(shards: dict[str, bytes],
+                                                       http: tuple[str, _State],
+                                                       fake: type[FakeFS]) -> None:
+    global _FORK_READER
+    base, state = http
+    urls = [f"{base}/a.tar", "memory://wdsread/s0.tar", next(u for u in shards if "/" == u[0]),
+            "wdsfake://x.tar"]
+    _FORK_READER = RangeReader(ReadOptions(max_in_flight=4, **FAST))
+    list(_FORK_READER.read_many([(u, 0, 10) for u in urls]))  # parent warms every cache
+    parent_fs = [get_filesystem(u)[0] for u in urls]
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, urls, parent_fs))
+    proc.start()
+    send.close()
+    assert recv.poll(20), "child hung: it reused the parent's IO loop or pool"
+    result = recv.recv()
+    proc.join(5)
+    assert not isinstance(result, str), result
+    fresh, data = result
+    assert fresh == [True] * 4
+    expected = [state.files["/a.tar"][10:110], shards["memory://wdsread/s0.tar"][10:110],
+                shards[urls[2]][10:110], fake.files["x.tar"][10:110]]
+    assert data == expected
+    assert list(_FORK_READER.read_many([(u, 10, 100) for u in urls])) == expected
+
+
+def test_reader_pickles_as_its_options() -> None:
+    import pickle
+
+    reader = RangeReader(ReadOptions(max_in_flight=3))
+    clone = pickle.loads(pickle.dumps(reader))
+    assert clone.options == reader.options and clone.stats.requests == 0
+
+
+# ---------------------------------------------------------------- credentials
+
+
+def test_redact_hides_credentials() -> None:
+    ReadOptions(storage_options={"s3": {"key": "AKIAEXAMPLEKEY1", "secret": "s3cr3t/value+x"},
+                                 "client_kwargs": {"aws_session_token": "TOKENVALUE123"}})
+    text = ("s3://b/x.tar failed with key AKIAEXAMPLEKEY1 and s3cr3t/value+x token TOKENVALUE123 "
+            "via https://alice:hunter22@host/x.tar?X-Amz-Signature=abcdef&X-Amz-Credential=AK%2F1"
+            "&part=3 password=pw123 Authorization: Bearer eyJhbGciOi")
+    out = redact(text)
+    for secret in ("AKIAEXAMPLEKEY1", "s3cr3t/value+x", "TOKENVALUE123", "hunter22", "alice",
+                   "abcdef", "AK%2F1", "pw123", "eyJhbGciOi"):
+        assert secret not in out, (secret, out)
+    assert "part=3" in out and "s3://b/x.tar" in out and "https://***@host/x.tar" in out
+    assert redact("key sample_000001 at byte offset 42") == "key sample_000001 at byte offset 42"
+
+
+def test_error_messages_never_carry_secrets(fake: type[FakeFS], http: tuple[str, _State]) -> None:
+    secret = "SuperSecretValue42"
+    opts = ReadOptions(retries=1, storage_options={"wdsfake": {"secret": secret}}, **FAST)
+    assert secret not in repr(opts)
+    reader = RangeReader(opts)
+    fake.faults.extend([PermissionError(f"denied for secret {secret}")])
+    with pytest.raises(ShardError) as info:
+        reader.read("wdsfake://x.tar", 0, 10)
+    fake.faults.extend([ConnectionResetError(f"reset while using {secret}")] * 2)
+    with pytest.raises(ReadError) as info2:
+        reader.read("wdsfake://x.tar", 0, 10)
+    base, _ = http
+    userinfo = base.replace("http://", "http://bob:pa55word@")
+    with pytest.raises(ShardError) as info3:
+        reader.read(f"{userinfo}/missing.tar", 0, 10)
+    for exc in (info.value, info2.value, info3.value):
+        chain = f"{exc} {exc.__cause__} {exc.__context__}"
+        assert secret not in chain and "pa55word" not in chain, chain
+        assert "byte offset 0" in str(exc)
+
+
+# ---------------------------------------------------------------- S3 protocol (moto on loopback)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[tuple[dict[str, Any], bytes]]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    endpoint = "http://127.0.0.1:%d" % server.get_host_and_port()[1]
+    creds = {"key": "AKIAWDSPADTEST0001", "secret": "wdsPadS3cret/Value"}
+    writer = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True, **creds)
+    writer.mkdir("wds-bucket")
+    blob = os.urandom(120_000)
+    writer.pipe("wds-bucket/train-000.tar", blob)
+    yield {"s3": {"endpoint_url": endpoint, **creds}}, blob
+    server.stop()
+
+
+def test_s3_ranges_merges_and_errors(s3: tuple[dict[str, Any], bytes]) -> None:
+    options, blob = s3
+    reader = RangeReader(ReadOptions(storage_options=options, max_merged_bytes=4_000, **FAST))
+    ranges = [("s3://wds-bucket/train-000.tar", 1000 * i, 1000) for i in range(40)]
+    ranges += [("s3://wds-bucket/train-000.tar", 97_000 - 3000 * i, 700) for i in range(20)]
+    assert list(reader.read_many(ranges)) == [blob[o:o + n] for _, o, n in ranges]
+    assert reader.stats.requests == 10 + 20 and reader.stats.merged == 30
+    start = time.monotonic()
+    errors = []
+    for rng, kind in [(("s3://wds-bucket/nope.tar", 5, 10), ShardError),
+                      (("s3://no-such-bucket/x.tar", 5, 10), ShardError),
+                      (("s3://wds-bucket/train-000.tar", 119_990, 20), StaleShardError),
+                      (("s3://wds-bucket/train-000.tar", 200_000, 20), StaleShardError)]:
+        with pytest.raises(kind, match=f"byte offset {rng[1]}") as info:
+            reader.read(*rng)
+        errors.append(info.value)
+    assert time.monotonic() - start < 2.0 and reader.stats.retries == 0
+    for exc in errors:
+        chain = f"{exc} {exc.__cause__}"
+        assert options["s3"]["secret"] not in chain and options["s3"]["key"] not in chain

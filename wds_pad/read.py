@@ -1,0 +1,701 @@
+"""Byte-range reads over any fsspec filesystem: concurrent, in order, bounded, retried.
+
+Every streaming stage reads samples through :class:`RangeReader`. A sample is one
+contiguous byte range ``(url, offset, length)`` recorded by the tar index.
+
+Invariants:
+    * ``read_many`` yields exactly one ``bytes`` per input range, in input order, each
+      exactly ``length`` long; a shorter answer raises :class:`StaleShardError`.
+    * At most ``max_in_flight`` requests are outstanding, and the bytes buffered by the
+      reader (requested but not yet handed out) never exceed
+      ``max(max_bytes_in_flight, largest single range)`` — so peak buffered bytes are at
+      most ``max_bytes_in_flight`` plus one largest sample.
+    * Local files are read inline with ``os.pread`` on cached descriptors: no threads, no
+      fsspec call per read, a few microseconds per range.
+    * Remote reads run as coroutines on fsspec's IO loop: async filesystems (s3fs,
+      HTTP) natively, sync ones through a thread pool. Every attempt has a timeout;
+      transient failures are retried with exponential backoff whose jitter derives from
+      (url, offset, attempt), never the clock; permanent ones fail at once.
+    * Filesystems, descriptors and pools belong to one process: after ``os.fork`` they
+      are made anew (checked with ``os.getpid()``).
+    * No message or log line carries a credential: all pass through :func:`redact`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import functools
+import logging
+import operator
+import os
+import re
+import threading
+import zlib
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+import fsspec.asyn
+from fsspec.implementations.local import LocalFileSystem
+
+from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError, WdsPadError
+
+__all__ = ["RangeReader", "ReadOptions", "ReadStats", "get_filesystem", "redact"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_OPEN_FDS = 256
+_CACHE_WRAPPERS = frozenset({"simplecache", "filecache", "blockcache", "cached"})
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a :class:`RangeReader` reads.
+
+    Attributes:
+        max_in_flight: Requests (single or merged ranges) outstanding at once, per
+            process or DataLoader worker. 16-64 hide object-store latency.
+        max_bytes_in_flight: Read-ahead memory bound. Peak buffered bytes are at most
+            this plus one largest sample.
+        merge_gap: Consecutive ranges of one URL whose gap is at most this many bytes
+            are fetched as one request and sliced (0: only exactly adjacent ranges).
+        max_merged_bytes: Largest merged request (0 disables merging).
+        retries: Retries of a transient failure (5xx, connection reset, timeout).
+        backoff: First retry delay in seconds, doubled each retry, capped at backoff_max.
+        backoff_max: Largest retry delay in seconds.
+        timeout: Seconds one attempt may take before it is cancelled and retried.
+        storage_options: Passed to fsspec (credentials, endpoint_url, ...). A value that
+            is a dict under a protocol name (``{"s3": {...}}``) applies to that protocol
+            only, which is how options for chained or mixed URLs are given.
+    """
+
+    max_in_flight: int = 32
+    max_bytes_in_flight: int = 256 * 2**20
+    merge_gap: int = 0
+    max_merged_bytes: int = 16 * 2**20
+    retries: int = 5
+    backoff: float = 0.2
+    backoff_max: float = 5.0
+    timeout: float = 60.0
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_in_flight", 1), ("max_bytes_in_flight", 1), ("merge_gap", 0),
+                          ("max_merged_bytes", 0), ("retries", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"ReadOptions.{name} must be an int >= {low}, got {value!r}")
+        for name in ("backoff", "backoff_max", "timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"ReadOptions.{name} must be a number >= 0, got {value!r}")
+        if not 0 < self.timeout < float("inf"):
+            raise ConfigError("ReadOptions.timeout must be positive and finite, got "
+                              f"{self.timeout!r}")
+        if self.backoff_max < self.backoff:
+            raise ConfigError(f"ReadOptions.backoff_max ({self.backoff_max}) must be >= backoff "
+                              f"({self.backoff}); raise backoff_max or lower backoff")
+        if not isinstance(self.storage_options, Mapping):
+            raise ConfigError("ReadOptions.storage_options must be a mapping, got "
+                              f"{type(self.storage_options).__name__}")
+        object.__setattr__(self, "storage_options", _copy_dicts(self.storage_options))
+        _register_secrets(self.storage_options)
+
+
+@dataclass
+class ReadStats:
+    """Counters of one reader, for benchmarks and reports (``as_dict()`` to log them)."""
+
+    ranges: int = 0
+    requests: int = 0
+    merged: int = 0
+    bytes: int = 0
+    retries: int = 0
+    timeouts: int = 0
+    peak_bytes_in_flight: int = 0
+    peak_requests_in_flight: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """Returns the counters as a plain dict."""
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- credentials
+
+_SECRET_NAME = re.compile(r"key|secret|token|passw|credential|auth|signature|sig$|sas", re.I)
+_SECRETS: set[str] = set()
+_SECRETS_LOCK = threading.Lock()
+_USERINFO = re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s@?#]+@")
+_SIGNED_PARAM = re.compile(
+    r"([?&;][^=&\s#]*(?:sig|signature|credential|token|secret|key|password|auth)[^=&\s#]*=)"
+    r"[^&\s#'\"]*", re.I)
+_SECRET_ASSIGN = re.compile(
+    r"((?:secret|token|password|passwd|credential|access_key|secret_key|api_key|key_id|"
+    r"authorization)[\w-]*['\"]?\s*[=:]\s*['\"]?)(?:Bearer\s+|Basic\s+)?[^\s'\",}&]+", re.I)
+
+
+def _register_secrets(options: Any, name: str = "") -> None:
+    """Remembers credential values found in storage options so redact() can hide them."""
+    if isinstance(options, Mapping):
+        for key, value in options.items():
+            _register_secrets(value, str(key))
+    elif isinstance(options, (list, tuple)):
+        for value in options:
+            _register_secrets(value, name)
+    elif isinstance(options, str) and _SECRET_NAME.search(name) and len(options) >= 4:
+        with _SECRETS_LOCK:
+            _SECRETS.add(options)
+            _SECRETS.update(part for part in options.split() if len(part) >= 6)
+
+
+def redact(text: str) -> str:
+    """Removes credentials from a message.
+
+    Hides values of secret-like storage options seen by this process (keys, secrets,
+    tokens, passwords, auth headers), ``user:password@`` in URLs, signed query
+    parameters (``X-Amz-Signature``, ``sig``, ``token``, ...) and ``secret=...``
+    assignments.
+
+    Args:
+        text: Any message, URL or exception text.
+
+    Returns:
+        The text with each credential replaced by ``***``.
+    """
+    text = str(text)
+    with _SECRETS_LOCK:
+        secrets = sorted(_SECRETS, key=len, reverse=True)
+    for secret in secrets:
+        if secret in text:
+            text = text.replace(secret, "***")
+    text = _USERINFO.sub(r"\1***@", text)
+    text = _SIGNED_PARAM.sub(r"\1***", text)
+    return _SECRET_ASSIGN.sub(r"\1***", text)
+
+
+# ---------------------------------------------------------------- filesystems
+
+_FS_CACHE: dict[tuple[Any, ...], tuple[fsspec.AbstractFileSystem, str]] = {}
+_FS_PID = [os.getpid()]
+_FS_LOCK = threading.Lock()
+
+
+def _copy_dicts(value: Any) -> Any:
+    """Copies nested mappings (fsspec mutates them) and leaves other values shared."""
+    if isinstance(value, Mapping):
+        return {k: _copy_dicts(v) for k, v in value.items()}
+    return value
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def _protocol_of(bit: str, known: set[str]) -> str:
+    if "://" in bit:
+        return bit.split("://", 1)[0]
+    return bit if bit in known else "file"
+
+
+def get_filesystem(url: str, storage_options: Mapping[str, Any] | None = None,
+                   ) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Returns the filesystem for ``url`` and the path to pass to it.
+
+    Instances are cached per process, per protocol chain and options, so every shard
+    of a bucket shares one connection pool; after ``os.fork`` the child makes its own
+    (an inherited async filesystem is bound to the parent's dead IO thread).
+
+    Args:
+        url: A path, ``scheme://`` URL or chained URL (``simplecache::s3://b/x.tar``).
+        storage_options: fsspec options; dicts under protocol names apply to that
+            protocol only, and those of protocols absent from ``url`` are dropped.
+
+    Returns:
+        ``(filesystem, path)``.
+
+    Raises:
+        ConfigError: If the URL's protocol is unknown or the options are refused.
+    """
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"a shard URL must be a non-empty str, got {redact(repr(url))}")
+    options = _copy_dicts(storage_options or {})
+    _register_secrets(options)
+    known = set(fsspec.available_protocols()) | set(fsspec.registry)
+    bits = url.split("::")
+    protocols = [_protocol_of(bit, known) for bit in bits]
+    for proto in [k for k, v in options.items() if k in known and isinstance(v, Mapping)]:
+        if proto not in protocols:
+            alias = {"http": "https", "https": "http"}.get(proto)
+            if alias in protocols and alias not in options:
+                options[alias] = options.pop(proto)
+            else:
+                del options[proto]
+    try:
+        inner_cls = fsspec.get_filesystem_class(protocols[-1])
+        if len(bits) == 1:
+            where: Any = _freeze(inner_cls._get_kwargs_from_urls(url))
+        elif all(p in _CACHE_WRAPPERS for p in protocols[:-1]):
+            where = (tuple(protocols), _freeze(inner_cls._get_kwargs_from_urls(bits[-1])))
+        else:  # outer layers depend on the inner path (zip::, tar::): one instance per URL
+            where = url
+        key = (protocols[0], where, _freeze(options))
+        with _FS_LOCK:
+            if _FS_PID[0] != os.getpid():  # forked: the parent's instances are unusable
+                _FS_CACHE.clear()
+                _FS_PID[0] = os.getpid()
+            hit = _FS_CACHE.get(key)
+        if hit is None:
+            fresh = fsspec.core.url_to_fs(url, **options)
+            with _FS_LOCK:
+                return _FS_CACHE.setdefault(key, fresh)[0], fresh[1]
+        if where == url:
+            return hit
+        fs = hit[0]
+        if len(bits) == 1:
+            return fs, fs._strip_protocol(url)
+        return fs, inner_cls._strip_protocol(bits[-1])
+    except (ValueError, ImportError, TypeError) as exc:
+        failure: BaseException = exc
+    error = ConfigError(f"cannot open a filesystem for {redact(url)!r}: {redact(repr(failure))}; "
+                        "check the URL's protocol, that its fsspec implementation is installed, "
+                        "and storage_options")
+    raise error from _chain(failure)
+
+
+# ---------------------------------------------------------------- error handling
+
+def _status_of(exc: BaseException) -> int | None:
+    for attr in ("status", "status_code", "code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and 100 <= value <= 599:
+            return value
+    response = getattr(exc, "response", None)
+    if isinstance(response, Mapping):
+        value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(value, int):
+            return value
+    return None
+
+
+_PERMANENT_ERRNOS = frozenset({errno.EINVAL, errno.EPERM, errno.EACCES, errno.ENOSYS,
+                               errno.ENOENT, errno.ENAMETOOLONG, errno.EMSGSIZE})
+
+
+def _classify(exc: BaseException) -> str:
+    """Returns 'permanent', 'stale' or 'transient' for an exception of one attempt."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError,
+                        NotADirectoryError)):
+        return "permanent"
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return "transient"
+    status = _status_of(exc)
+    if status is not None:
+        if status == 416:
+            return "stale"
+        return "transient" if status in (408, 425, 429) or status >= 500 else "permanent"
+    if isinstance(exc, OSError):
+        if exc.errno in _PERMANENT_ERRNOS:  # s3fs maps S3's 4xx codes to these
+            text = str(exc).lower()
+            return "stale" if "range" in text and "satisf" in text else "permanent"
+        return "transient"
+    names = " ".join(c.__name__ for c in type(exc).__mro__).lower()
+    if any(w in names for w in ("timeout", "connection", "disconnect", "payload", "throttl")):
+        return "transient"
+    return "permanent"
+
+
+def _cause(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return f"TimeoutError: no answer within {timeout} s"
+    return redact(f"{type(exc).__name__}: {exc}")
+
+
+def _chain(exc: BaseException) -> BaseException | None:
+    """The cause to chain, or None when its text holds a credential (tracebacks print it)."""
+    text = f"{exc} {exc.__cause__ or ''} {exc.__context__ or ''}"
+    return exc if redact(text) == text else None
+
+
+def _backoff(options: ReadOptions, url: str, offset: int, attempt: int) -> float:
+    base = min(options.backoff * 2 ** (attempt - 1), options.backoff_max)
+    jitter = zlib.crc32(f"{url}|{offset}|{attempt}".encode()) / 2**32
+    return base * (0.5 + 0.5 * jitter)
+
+
+# ---------------------------------------------------------------- the reader
+
+class _Target:
+    __slots__ = ("fs", "path", "local", "is_async", "loop")
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
+        self.fs, self.path = fs, path
+        self.local = isinstance(fs, LocalFileSystem)
+        self.is_async = bool(getattr(fs, "async_impl", False)) and not self.local
+        self.loop = None
+        if self.is_async:
+            try:
+                self.loop = fs.loop
+            except (NotImplementedError, RuntimeError, AttributeError):
+                self.loop = fsspec.asyn.get_loop()
+
+
+class _Request:
+    """One fetch serving one or more consecutive input ranges of one URL."""
+
+    __slots__ = ("url", "target", "start", "end", "parts", "future", "data")
+
+    def __init__(self, url: str, target: _Target, offset: int, length: int) -> None:
+        self.url, self.target = url, target
+        self.start, self.end = offset, offset + length
+        self.parts = [(offset, length)]
+        self.future: concurrent.futures.Future[bytes] | None = None
+        self.data: bytes | None = None
+
+    def merge(self, url: str, offset: int, length: int, gap: int, cap: int) -> bool:
+        end = max(self.end, offset + length)
+        if url != self.url or not self.start <= offset <= self.end + gap \
+                or end - self.start > cap:
+            return False
+        self.end = end
+        self.parts.append((offset, length))
+        return True
+
+
+def _check_range(rng: Any) -> tuple[str, int, int]:
+    try:
+        url, offset, length = rng
+        offset, length = operator.index(offset), operator.index(length)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"a range must be (url, offset, length) with int offset and "
+                          f"length, got {redact(repr(rng))}") from exc
+    if not isinstance(url, str):
+        raise ConfigError(f"a range's URL must be a str, got {redact(repr(url))}")
+    if offset < 0 or length < 0:
+        raise ConfigError(f"range of {redact(str(url))!r} has a negative byte offset "
+                          f"({offset}) or length ({length}); the index is damaged")
+    return url, offset, length
+
+
+class RangeReader:
+    """Reads byte ranges from any fsspec filesystem, concurrently and in order.
+
+    One reader per process or DataLoader worker; it pickles as its options, and after
+    ``os.fork`` rebuilds its descriptors, pool and filesystems on first use. Several
+    ``read_many`` iterators may be interleaved in one thread; a reader is not meant to be
+    shared by threads (give each thread its own).
+
+    Args:
+        options: How to read; defaults to ``ReadOptions()``.
+    """
+
+    def __init__(self, options: ReadOptions | None = None) -> None:
+        self.options = options if options is not None else ReadOptions()
+        if not isinstance(self.options, ReadOptions):
+            raise ConfigError(f"options must be a ReadOptions, got {type(options).__name__}")
+        self.stats = ReadStats()
+        self._stats_lock = threading.Lock()
+        self._pid = os.getpid()
+        self._targets: dict[str, _Target] = {}
+        self._fds: dict[str, int] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["options"])  # type: ignore[misc]
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes cached file descriptors and the thread pool (the reader stays usable)."""
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fds, self._targets, self._pool = {}, {}, None
+        self._pid = os.getpid()
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():
+            for fd in self._fds.values():  # the child's inherited copies
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds, self._targets, self._pool = {}, {}, None
+            self._pid = os.getpid()
+
+    def _target(self, url: str) -> _Target:
+        target = self._targets.get(url)
+        if target is None:
+            target = self._targets[url] = _Target(
+                *get_filesystem(url, self.options.storage_options))
+        return target
+
+    def _fd(self, url: str, offset: int) -> int:
+        fd = self._fds.get(url)
+        if fd is None:
+            path = self._target(url).path
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise ShardError(f"cannot open shard {redact(url)!r} to read byte offset "
+                                 f"{offset}: {_cause(exc, 0)}; check the path, or rebuild the "
+                                 "index if shards moved") from exc
+            if len(self._fds) >= _MAX_OPEN_FDS:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            self._fds[url] = fd
+        return fd
+
+    def _pread(self, url: str, offset: int, length: int) -> bytes:
+        try:
+            return os.pread(self._fd(url, offset), length, offset)
+        except OSError as exc:
+            raise ReadError(f"reading {length} bytes at byte offset {offset} of "
+                            f"{redact(url)!r} failed: {_cause(exc, 0)}; check the disk") from exc
+
+    def read(self, url: str, offset: int, length: int) -> bytes:
+        """Reads one byte range.
+
+        Raises:
+            ShardError: The shard is missing or forbidden (no retries).
+            StaleShardError: The shard is shorter than the range (it changed).
+            ReadError: Transient failures outlasted ``retries`` or a timeout.
+        """
+        it = self.read_many(((url, offset, length),))
+        try:
+            return next(it)
+        finally:
+            it.close()
+
+    def read_many(self, ranges: Iterable[tuple[str, int, int]]) -> Iterator[bytes]:
+        """Yields the bytes of each range in input order, reading ahead concurrently.
+
+        Consecutive ranges of one URL within ``merge_gap`` are fetched as one request
+        and sliced. Up to ``max_in_flight`` requests and ``max_bytes_in_flight`` bytes are
+        kept ahead of the consumer. Closing the iterator cancels what is in flight.
+
+        Args:
+            ranges: ``(url, offset, length)`` triples, e.g. from the tar index.
+
+        Yields:
+            Exactly ``length`` bytes per range.
+
+        Raises:
+            ShardError, StaleShardError, ReadError: As for :meth:`read`, after every
+                earlier range was yielded.
+        """
+        self._check_fork()
+        it = iter(ranges)
+        first = yield from self._read_local(it)
+        if first is not None:
+            yield from self._read_general(it, first)
+
+    def _read_local(self, it: Iterator[Any]) -> Iterator[bytes]:
+        """Fast path while every range is local: inline pread; returns the first other."""
+        fds, pread, count, nbytes = self._fds, os.pread, 0, 0
+        try:
+            for rng in it:
+                try:
+                    url, offset, length = rng
+                    fd = fds.get(url)
+                except (TypeError, ValueError):
+                    _check_range(rng)
+                    raise
+                if fd is None:
+                    url, offset, length = _check_range(rng)
+                    if not self._target(url).local:
+                        return (url, offset, length)
+                    fd = self._fd(url, offset)
+                try:
+                    data = pread(fd, length, offset)
+                except (OSError, ValueError, TypeError, OverflowError):
+                    _check_range(rng)
+                    data = self._pread(url, offset, length)
+                if len(data) != length:
+                    raise self._stale(url, offset, length, len(data))
+                count += 1
+                nbytes += length
+                yield data
+            return None
+        finally:
+            st = self.stats
+            st.ranges += count
+            st.requests += count
+            st.bytes += nbytes
+
+    def _stale(self, url: str, offset: int, length: int, got: int) -> StaleShardError:
+        return StaleShardError(
+            f"shard {redact(url)!r} returned {got} of {length} bytes at byte offset {offset}: "
+            "it changed or shrank since it was indexed; rebuild the index (wds-pad index)")
+
+    def _pool_for_sync(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.options.max_in_flight, thread_name_prefix="wds_pad-read")
+        return self._pool
+
+    def _submit(self, req: _Request) -> None:
+        target, st, length = req.target, self.stats, req.end - req.start
+        st.requests += 1
+        if length == 0:
+            req.data = b""
+        elif target.local:
+            req.data = self._pread(req.url, req.start, length)
+        else:
+            pool = None if target.is_async else self._pool_for_sync()
+            loop = target.loop or fsspec.asyn.get_loop()
+            req.future = asyncio.run_coroutine_threadsafe(
+                self._fetch(target, pool, req.url, req.start, length, len(req.parts)), loop)
+
+    async def _fetch(self, target: _Target, pool: concurrent.futures.Executor | None,
+                     url: str, start: int, length: int, nparts: int) -> bytes:
+        opts, attempt = self.options, 0
+        what = f"{length} bytes at byte offset {start} of {redact(url)!r}" + (
+            f" (one request for {nparts} merged ranges)" if nparts > 1 else "")
+        while True:
+            attempt += 1
+            try:
+                if pool is None:
+                    call = target.fs._cat_file(target.path, start=start, end=start + length)
+                else:
+                    call = asyncio.get_running_loop().run_in_executor(pool, functools.partial(
+                        target.fs.cat_file, target.path, start=start, end=start + length))
+                return await asyncio.wait_for(call, opts.timeout)
+            except WdsPadError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - judged below, raised as ours
+                failure: BaseException = exc
+            # Raised outside the except clause so no __context__ holds an unredacted text.
+            error = self._judge(failure, what, attempt)
+            if error is not None:
+                raise error from _chain(failure)
+            delay = _backoff(opts, url, start, attempt)
+            logger.info("retrying %s in %.2f s after %s", what, delay,
+                        _cause(failure, opts.timeout))
+            await asyncio.sleep(delay)
+
+    def _judge(self, exc: BaseException, what: str, attempt: int) -> Exception | None:
+        """Returns the error to raise for a failed attempt, or None to retry it."""
+        opts = self.options
+        kind, cause = _classify(exc), _cause(exc, opts.timeout)
+        if kind == "stale":
+            return StaleShardError(f"{what} is past the end of the shard ({cause}): it changed "
+                                   "or shrank since it was indexed; rebuild the index")
+        if kind == "permanent" and (isinstance(exc, OSError) or _status_of(exc)):
+            return ShardError(f"cannot read {what}: {cause}; the shard is missing or not "
+                              "readable with these credentials: check the URL and "
+                              "storage_options, or rebuild the index")
+        if kind == "permanent":
+            return ReadError(f"reading {what} failed: {cause} (not retried: not a transient "
+                             "error)")
+        with self._stats_lock:
+            self.stats.timeouts += isinstance(exc, TimeoutError)
+            if attempt <= opts.retries:
+                self.stats.retries += 1
+                return None
+        hint = (f"ReadOptions.timeout (now {opts.timeout} s)" if isinstance(exc, TimeoutError)
+                else f"ReadOptions.retries (now {opts.retries}) or backoff_max")
+        return ReadError(f"reading {what} failed after {attempt} attempts; last error: "
+                         f"{cause}. If the store is slow or overloaded, raise {hint}")
+
+    def _read_general(self, it: Iterator[Any], nxt: tuple[str, int, int] | None,
+                      ) -> Iterator[bytes]:
+        """Read-ahead loop for remote (or mixed) streams; see the module invariants."""
+        opts, st = self.options, self.stats
+        cap = min(opts.max_merged_bytes, opts.max_bytes_in_flight)
+        gap, max_n, max_b = opts.merge_gap, opts.max_in_flight, opts.max_bytes_in_flight
+        guard = (opts.retries + 1) * (opts.timeout + opts.backoff_max) + 30.0
+        pending: deque[_Request] = deque()
+        held: _Request | None = None  # being merged, not yet submitted
+        inflight, exhausted = 0, False
+
+        def fits(req: _Request) -> bool:
+            return not pending or (len(pending) < max_n
+                                   and inflight + req.end - req.start <= max_b)
+
+        def submit(req: _Request) -> None:
+            nonlocal inflight
+            self._submit(req)
+            pending.append(req)
+            inflight += req.end - req.start
+            st.peak_bytes_in_flight = max(st.peak_bytes_in_flight, inflight)
+            st.peak_requests_in_flight = max(st.peak_requests_in_flight, len(pending))
+
+        try:
+            while True:
+                while True:
+                    if nxt is None and not exhausted:
+                        try:
+                            nxt = _check_range(next(it))
+                        except StopIteration:
+                            exhausted = True
+                    if nxt is None:
+                        if held is not None and fits(held):
+                            submit(held)
+                            held = None
+                        break
+                    if held is not None and held.merge(*nxt, gap, cap):
+                        st.merged += 1
+                        nxt = None
+                        continue
+                    if held is not None:
+                        if not fits(held):
+                            break
+                        submit(held)
+                    held, nxt = _Request(nxt[0], self._target(nxt[0]), nxt[1], nxt[2]), None
+                if not pending:
+                    if held is None:
+                        return
+                    submit(held)
+                    held = None
+                head = pending[0]
+                data = head.data
+                if data is None and head.future is not None:
+                    try:
+                        data = head.future.result(timeout=guard)
+                    except concurrent.futures.TimeoutError:
+                        raise ReadError(f"reading byte offset {head.start} of "
+                                        f"{redact(head.url)!r} hung past {guard:.0f} s; the IO "
+                                        "loop is blocked") from None
+                size = head.end - head.start
+                if len(data) != size:
+                    if len(data) > size:
+                        raise ReadError(f"{redact(head.url)!r} returned {len(data)} bytes for a "
+                                        f"range of {size} at byte offset {head.start}: the "
+                                        "server ignored the Range header")
+                    for off, ln in head.parts:
+                        if off + ln - head.start > len(data):
+                            raise self._stale(head.url, off, ln,
+                                              max(0, len(data) - (off - head.start)))
+                st.bytes += size
+                st.ranges += len(head.parts)
+                if len(head.parts) == 1:
+                    yield data
+                else:
+                    for off, ln in head.parts:
+                        yield data[off - head.start:off - head.start + ln]
+                pending.popleft()
+                inflight -= size
+        finally:
+            for req in pending:
+                if req.future is not None:
+                    req.future.cancel()
