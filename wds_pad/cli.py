@@ -248,6 +248,8 @@ def _add_demo_parser(sub: Any) -> None:
     p.add_argument("--cp-size", type=_positive, default=2)
     p.add_argument("--batch-size", type=_positive, default=4)
     p.add_argument("--seed", type=_non_negative, default=1234)
+    p.add_argument("--samples", type=_positive, default=400, help="images to generate")
+    p.add_argument("--shards", type=_positive, default=8, help="shards to write them into")
     p.set_defaults(func=_cmd_demo)
 
 
