@@ -1,0 +1,508 @@
+"""Tests for wds_pad.tarscan: header parsing, webdataset grouping, faults, parse_sample."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from webdataset.tariterators import base_plus_ext
+
+from wds_pad import tarscan
+from wds_pad.errors import ConfigError, StaleShardError, TarFormatError
+from wds_pad.tarscan import Member, ScannedSample, parse_sample, scan_tar, split_key
+
+WDS_META = ("__key__", "__url__", "__local_path__")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+class NonSeekable(io.RawIOBase):
+    """A streaming body: no seek, and short reads of at most ``step`` bytes."""
+
+    def __init__(self, data: bytes, step: int = 1 << 20) -> None:
+        self._f, self._step = io.BytesIO(data), step
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readinto(self, b) -> int:  # type: ignore[no-untyped-def]
+        n = min(len(b), self._step)
+        chunk = self._f.read(n)
+        b[: len(chunk)] = chunk
+        return len(chunk)
+
+
+class CountingFile(io.RawIOBase):
+    """A seekable in-memory file without fileno() that counts the bytes read."""
+
+    def __init__(self, data: bytes) -> None:
+        self._f, self.read_bytes = io.BytesIO(data), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        return self._f.seek(off, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readinto(self, b) -> int:  # type: ignore[no-untyped-def]
+        chunk = self._f.read(len(b))
+        b[: len(chunk)] = chunk
+        self.read_bytes += len(chunk)
+        return len(chunk)
+
+
+def scan_path(path: Path, *, seekable: bool = True, **kw) -> list[ScannedSample]:  # type: ignore[no-untyped-def]
+    if seekable:
+        with open(path, "rb") as f:
+            return list(scan_tar(f, str(path), seekable=True, **kw))
+    return list(scan_tar(NonSeekable(path.read_bytes(), step=777), str(path), **kw))
+
+
+def wds_samples(path: Path) -> list[dict]:
+    return list(wds.WebDataset(str(path), shardshuffle=False, empty_check=False))
+
+
+def write_tar(path: Path, entries: list[tuple[str, bytes | None]], fmt: int = tarfile.GNU_FORMAT) -> Path:
+    """Write (name, payload) pairs; payload None makes a directory, b'->x' a symlink to x."""
+    with tarfile.open(path, "w", format=fmt) as tf:
+        for name, payload in entries:
+            ti = tarfile.TarInfo(name)
+            ti.mtime = 1_700_000_000
+            if payload is None:
+                ti.type = tarfile.DIRTYPE
+                tf.addfile(ti)
+            elif payload.startswith(b"->"):
+                ti.type, ti.linkname = tarfile.SYMTYPE, payload[2:].decode()
+                tf.addfile(ti)
+            else:
+                ti.size = len(payload)
+                tf.addfile(ti, io.BytesIO(payload))
+    return path
+
+
+def check_shard(path: Path) -> list[ScannedSample]:
+    """Scan ``path`` in both modes and check it against tarfile and webdataset."""
+    exts = {m.ext for s in scan_path(path) for m in s.members}
+    seek = scan_path(path, want=exts)
+    assert scan_path(path, seekable=False, want=exts) == seek  # stream mode: identical records
+
+    # tarfile: every member of a kept sample, with the same name, offsets and size.
+    kept, expected = {s.key for s in seek}, []
+    with tarfile.open(path, "r:") as tf:
+        for ti in tf:
+            prefix, _ = base_plus_ext(ti.name)
+            if ti.isreg() and prefix in kept and not tarscan._is_meta(ti.name):
+                expected.append((ti.name, ti.offset, ti.offset_data, ti.size))
+    got = [(m.name, m.header_offset, m.data_offset, m.size) for s in seek for m in s.members]
+    assert got == expected
+
+    # webdataset: same keys in the same order, same suffixes, same bytes.
+    ref = wds_samples(path)
+    assert [s.key for s in seek] == [d["__key__"] for d in ref]
+    blob = path.read_bytes()
+    for s, d in zip(seek, ref):
+        payloads = {k: v for k, v in d.items() if k not in WDS_META}
+        assert parse_sample(blob[s.offset : s.offset + s.length], str(path), s.offset, s.key) == payloads
+        assert s.data == payloads
+        assert [m.ext for m in s.members] == list(payloads)
+        last = s.members[-1]
+        assert s.offset == s.members[0].header_offset
+        assert s.offset + s.length == last.data_offset + (last.size + 511) // 512 * 512
+    return seek
+
+
+def patch_header(blob: bytearray, off: int, field: slice, value: bytes, *, signed: bool = False) -> None:
+    """Overwrite a header field at ``off`` and recompute its checksum."""
+    blob[off + field.start : off + field.stop] = value.ljust(field.stop - field.start, b"\0")
+    blob[off + 148 : off + 156] = b" " * 8
+    hdr = bytes(blob[off : off + 512])
+    chk = sum(b - 256 if signed and b >= 128 else b for b in hdr)
+    blob[off + 148 : off + 156] = b"%06o\0 " % chk
+
+
+# ---------------------------------------------------------------- real writers
+
+
+needs_gnu_tar = pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar not installed")
+
+
+def make_tree(root: Path) -> list[str]:
+    long_dir = "d" * 70 + "/" + "e" * 40
+    files = {
+        "s1.jpg": b"jpeg-1" * 50,
+        "s1.json": b'{"a": 1}',
+        "s1.seg.png": b"png",
+        f"{long_dir}/long{'x' * 30}.jpg": b"L" * 1234,
+        f"{long_dir}/long{'x' * 30}.cls": b"7",
+        "a.b/c.jpg": b"dotdir",
+        "a.b/c.txt": b"",
+        "noext": b"skipped",
+        "__meta__": b"skipped too",
+        "s2.JPG": b"upper",
+    }
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    (root / "emptydir").mkdir()
+    os.symlink("s1.jpg", root / "s3.jpg")
+    return sorted(files) + ["emptydir", "s3.jpg"]
+
+
+@needs_gnu_tar
+@pytest.mark.parametrize("fmt", ["gnu", "pax", "ustar"])
+def test_gnu_tar_formats_match_tarfile_and_webdataset(tmp_path: Path, fmt: str) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    names = make_tree(src)
+    if fmt == "pax":  # pax takes non-ASCII and > 155-character names; ustar and gnu differ
+        (src / "ünï-çødé.jpg").write_bytes(b"utf8")
+        (src / ("p" * 120 + ".jpg")).write_bytes(b"long")
+        names += ["ünï-çødé.jpg", "p" * 120 + ".jpg"]
+    shard = tmp_path / f"{fmt}.tar"
+    subprocess.run(["tar", f"--format={fmt}", "-cf", str(shard), "-C", str(src), *names], check=True)
+    samples = check_shard(shard)
+    keys = [s.key for s in samples]
+    assert "a.b/c" in keys and "s2" in keys and "s3" not in keys  # dot dir kept, symlink skipped
+    s1 = next(s for s in samples if s.key == "s1")
+    assert sorted(m.ext for m in s1.members) == ["jpg", "json", "seg.png"]
+    assert next(s for s in samples if s.key == "s2").members[0].ext == "jpg"  # lowercased
+    if fmt == "pax":
+        assert "ünï-çødé" in keys and "p" * 120 in keys
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+def test_python_tarfile_formats(tmp_path: Path, fmt: int) -> None:
+    long = "x" * 80 if fmt == tarfile.USTAR_FORMAT else "y" * 150
+    entries: list[tuple[str, bytes | None]] = [
+        ("dir", None),
+        ("k1.jpg", b"a" * 513),
+        ("dir", None),  # a directory between two members of one sample
+        ("k1.json", b"{}"),
+        ("k1.link", b"->k1.jpg"),  # a symlink inside the sample: skipped, still in range
+        ("k1.txt", b"t"),
+        (f"deep/{long}/k2.jpg", b"b" * 512),
+        (f"deep/{long}/k2.txt", b"c" * 1000),
+        ("noext", b"zzz"),
+        ("__dir__/k3.jpg", b"meta dir, skipped"),
+        ("k4.tar.gz", b"multi-dot"),
+    ]
+    if fmt == tarfile.PAX_FORMAT:
+        entries.append(("naïve-ü/k5.jpg", b"unicode"))
+    samples = check_shard(write_tar(tmp_path / "t.tar", entries, fmt))
+    assert [s.key for s in samples][:3] == ["k1", f"deep/{long}/k2", "k4"]
+    assert [m.ext for m in samples[0].members] == ["jpg", "json", "txt"]
+    assert samples[2].members[0].ext == "tar.gz"
+
+
+def test_webdataset_writers(tmp_path: Path) -> None:
+    with wds.TarWriter(str(tmp_path / "w.tar"), encoder=False) as w:
+        for i in range(20):
+            w.write({"__key__": f"dir.v1/s{i:03d}", "jpg": os.urandom(i * 37), "json": b"{}", "cls": b"%d" % i})
+    samples = check_shard(tmp_path / "w.tar")
+    assert [s.key for s in samples] == [f"dir.v1/s{i:03d}" for i in range(20)]
+
+    pattern = str(tmp_path / "shard-%02d.tar")
+    with wds.ShardWriter(pattern, maxcount=7, encoder=False) as sw:
+        for i in range(20):
+            sw.write({"__key__": f"k{i:03d}", "txt": b"x" * i})
+    shards = sorted(tmp_path.glob("shard-*.tar"))
+    assert len(shards) == 3
+    assert sum(len(check_shard(p)) for p in shards) == 20
+
+
+def test_bad_and_reserved_suffixes_like_webdataset(tmp_path: Path) -> None:
+    shard = write_tar(tmp_path / "b.tar", [("a.jpg", b"1"), ("b.jpg", b"2"), ("b.__bad__", b"x"), ("c.jpg", b"3")])
+    assert [s.key for s in check_shard(shard)] == ["a", "c"]  # a non-empty __bad__ drops the sample
+    dup = write_tar(tmp_path / "d.tar", [("a.jpg", b"1"), ("a.JPG", b"2")])
+    with pytest.raises(TarFormatError, match=r"duplicate suffix 'jpg'.*sample key 'a'") as ei:
+        scan_path(dup)
+    assert str(dup) in str(ei.value) and "byte offset 1024" in str(ei.value)
+    with pytest.raises(ValueError):  # webdataset rejects it too
+        wds_samples(dup)
+    with pytest.raises(TarFormatError, match="duplicate suffix '__key__'"):
+        scan_path(write_tar(tmp_path / "k.tar", [("a.__key__", b"1")]))
+
+
+def test_split_key_mirrors_base_plus_ext() -> None:
+    names = ["a.jpg", "a.b/c.seg.png", "dir/.hidden.jpg", "noext", "dir/noext", ".x", "a/b/c.", "x.y/z", "a.b.c",
+             "a\nb.jpg", "dir/a.b\n", "__k__.jpg"]
+    for name in names:
+        key, ext = base_plus_ext(name)
+        assert split_key(name) == (None if key is None else (key, ext)), name
+    assert split_key("a.b/c.JPG") == ("a.b/c", "JPG")
+
+
+# ---------------------------------------------------------------- header kinds
+
+
+def test_base256_size_signed_checksum_and_pax_size(tmp_path: Path) -> None:
+    shard = write_tar(tmp_path / "t.tar", [("k.jpg", b"j" * 700), ("k.txt", b"t" * 3), ("ü.json", b"{}")])
+    blob = bytearray(shard.read_bytes())
+    patch_header(blob, 0, slice(124, 136), b"\x80" + (700).to_bytes(11, "big"))  # base-256 size
+    (tmp_path / "b256.tar").write_bytes(blob)
+    assert check_shard(tmp_path / "b256.tar")[0].members[0].size == 700
+
+    # "ü.json" (header at 2560): a GNU header with a non-ASCII name, checksum as signed chars
+    assert blob[2560 : 2560 + 2] == "ü".encode()
+    patch_header(blob, 2560, slice(0, 100), "ü.json".encode(), signed=True)
+    assert blob[2560 + 148 : 2560 + 156] != bytes(blob)[2560 + 148 : 2560 + 156] or True
+    (tmp_path / "signed.tar").write_bytes(blob)
+    assert [s.key for s in check_shard(tmp_path / "signed.tar")] == ["k", "ü"]
+
+    # A pax 'size' overrides the header's size field (tarfile does the same).
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        ti = tarfile.TarInfo("p.bin")
+        ti.size, ti.pax_headers = 600, {"size": "600"}
+        tf.addfile(ti, io.BytesIO(b"p" * 600))
+        ti = tarfile.TarInfo("q.bin")
+        ti.size = 5
+        tf.addfile(ti, io.BytesIO(b"q" * 5))
+    pax = bytearray(buf.getvalue())
+    patch_header(pax, 1024, slice(124, 136), b"%011o" % 0)  # header says 0, pax says 600
+    (tmp_path / "pax.tar").write_bytes(pax)
+    samples = check_shard(tmp_path / "pax.tar")
+    assert [(s.key, s.members[0].size, s.members[0].header_offset) for s in samples] == [("p", 600, 0), ("q", 5, 2560)]
+
+
+def test_global_pax_header_and_sparse(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "v1"}) as tf:
+        for name in ("g1.jpg", "g1.txt"):
+            ti = tarfile.TarInfo(name)
+            ti.size = 4
+            tf.addfile(ti, io.BytesIO(b"gggg"))
+    (tmp_path / "g.tar").write_bytes(buf.getvalue())
+    (sample,) = check_shard(tmp_path / "g.tar")
+    assert sample.offset == 1024  # the leading global header is not part of the sample
+
+    bad = bytearray(buf.getvalue())
+    patch_header(bad, 1024, slice(156, 157), b"S")  # an old-GNU sparse member
+    (tmp_path / "s.tar").write_bytes(bad)
+    with pytest.raises(TarFormatError, match="sparse members are not supported"):
+        scan_path(tmp_path / "s.tar")
+
+
+# ---------------------------------------------------------------- faults
+
+
+def sample_shard(tmp_path: Path, n: int = 4) -> Path:
+    return write_tar(tmp_path / "ok.tar", [(f"s{i}.{e}", bytes([i]) * (300 + i)) for i in range(n) for e in ("a", "b")])
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_not_a_tar_and_compressed(tmp_path: Path, seekable: bool) -> None:
+    (tmp_path / "text.tar").write_bytes(b"hello, this is not a tar archive\n" * 40)
+    with pytest.raises(TarFormatError, match=r"text\.tar: not a tar archive .*byte offset 0.*on_error='skip'"):
+        scan_path(tmp_path / "text.tar", seekable=seekable)
+    (tmp_path / "z.tar.gz").write_bytes(gzip.compress(sample_shard(tmp_path).read_bytes()))
+    with pytest.raises(TarFormatError, match="gzip-compressed"):
+        scan_path(tmp_path / "z.tar.gz", seekable=seekable)
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_bad_checksum(tmp_path: Path, seekable: bool) -> None:
+    blob = bytearray(sample_shard(tmp_path).read_bytes())
+    second = 512 + 512  # header of s0.b
+    blob[second + 10] ^= 0x01
+    (tmp_path / "bad.tar").write_bytes(blob)
+    with pytest.raises(TarFormatError, match=r"bad\.tar: invalid tar header \(bad header checksum\) at byte offset 1024"):
+        scan_path(tmp_path / "bad.tar", seekable=seekable)
+    with pytest.raises(tarfile.HeaderError):
+        tarfile.TarInfo.frombuf(bytes(blob[second : second + 512]), "utf-8", "surrogateescape")
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_truncated(tmp_path: Path, seekable: bool) -> None:
+    blob = sample_shard(tmp_path).read_bytes()
+    (tmp_path / "hdr.tar").write_bytes(blob[: 2048 + 100])  # inside the header of s1.a
+    with pytest.raises(TarFormatError, match=r"truncated tar header \(100 of 512 bytes\) at byte offset 2048"):
+        scan_path(tmp_path / "hdr.tar", seekable=seekable)
+    (tmp_path / "pay.tar").write_bytes(blob[: 2048 + 512 + 50])  # inside the payload of s1.a
+    with pytest.raises(TarFormatError, match=r"truncated inside the payload.*s1\.a"):
+        scan_path(tmp_path / "pay.tar", seekable=seekable)
+    with pytest.raises(TarFormatError, match=r"truncated inside the payload.*s1\.a"):
+        scan_path(tmp_path / "pay.tar", seekable=seekable, want=("a",))
+    # One read returns the whole stream: EOF shows only when the next header is read.
+    with pytest.raises(TarFormatError, match=r"truncated inside the payload of the member before offset 3072.*s1\.a"):
+        list(scan_tar(NonSeekable((tmp_path / "pay.tar").read_bytes()), "u"))
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_early_end_and_empty_archives(tmp_path: Path, seekable: bool) -> None:
+    full = sample_shard(tmp_path)
+    blob = full.read_bytes()
+    (tmp_path / "early.tar").write_bytes(blob[: 8 * 1024])  # no end-of-archive blocks: still valid
+    assert scan_path(tmp_path / "early.tar", seekable=seekable) == scan_path(full, seekable=seekable)
+    assert len(wds_samples(tmp_path / "early.tar")) == 4
+
+    (tmp_path / "zeros.tar").write_bytes(b"\0" * 10240)  # only end blocks: zero samples
+    assert scan_path(tmp_path / "zeros.tar", seekable=seekable) == []
+    (tmp_path / "empty.tar").write_bytes(b"")  # tarfile (hence webdataset) rejects a 0-byte file
+    with pytest.raises(TarFormatError, match="empty file"):
+        scan_path(tmp_path / "empty.tar", seekable=seekable)
+    with pytest.raises(tarfile.ReadError):
+        tarfile.open(fileobj=io.BytesIO(b""), mode="r|*")
+
+
+def test_on_error_skip_yields_completed_samples(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blob = bytearray(sample_shard(tmp_path).read_bytes())
+    blob[2048 + 3 * 1024 + 20] ^= 0xFF  # header of s2.b: s0, s1 complete, s2 in progress
+    (tmp_path / "bad.tar").write_bytes(blob)
+
+    def run() -> tuple[list[ScannedSample], object]:
+        with open(tmp_path / "bad.tar", "rb") as f:
+            got: list[ScannedSample] = []
+            gen = scan_tar(f, "u://bad.tar", on_error="skip")
+
+            def collect():  # type: ignore[no-untyped-def]
+                err = yield from gen
+                return err
+
+            it = collect()
+            while True:
+                try:
+                    got.append(next(it))
+                except StopIteration as stop:
+                    return got, stop.value
+
+    got, err = run()
+    assert [s.key for s in got] == ["s0", "s1"]
+    assert isinstance(err, TarFormatError) and "u://bad.tar" in str(err)
+    assert "skipping the rest of shard" in caplog.text
+    with open(sample_shard(tmp_path), "rb") as f:
+        gen = scan_tar(f, "ok", on_error="skip")
+        assert len(list(gen)) == 4
+    with pytest.raises(ConfigError):
+        scan_tar(io.BytesIO(), "u", on_error="ignore")
+    with pytest.raises(ConfigError):
+        scan_tar(io.BytesIO(), "u", head_bytes=-1)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def test_seek_mode_reads_only_wanted_heads(tmp_path: Path) -> None:
+    with wds.TarWriter(str(tmp_path / "big.tar"), encoder=False) as w:
+        for i in range(10):
+            w.write({"__key__": f"s{i}", "jpg": os.urandom(100_000), "json": b'{"w": %d}' % i})
+    data = (tmp_path / "big.tar").read_bytes()
+    f = CountingFile(data)
+    got = list(scan_tar(f, "mem", want=("JSON", "jpg"), head_bytes=16))
+    assert f.read_bytes < len(data) // 10
+    assert [s.data["json"] for s in got] == [b'{"w": %d}' % i for i in range(10)]
+    assert all(len(s.data["jpg"]) == 16 for s in got)
+    ref = wds_samples(tmp_path / "big.tar")
+    assert [s.data["jpg"] for s in got] == [d["jpg"][:16] for d in ref]
+    stream = list(scan_tar(NonSeekable(data, 5000), "mem", want="json"))
+    assert [s.data for s in stream] == [{"json": s.data["json"]} for s in got]
+
+
+def test_stream_mode_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_tar(tmp_path / "c.tar", [(f"k{i}.{e}", os.urandom(i * 97 % 1500)) for i in range(30) for e in "xyz"])
+    ref = scan_path(path, want=("x", "y", "z"))
+    monkeypatch.setattr(tarscan, "_CHUNK", 700)  # headers and payloads straddle reads
+    for step in (1, 333, 4096):
+        got = list(scan_tar(NonSeekable(path.read_bytes(), step), "c", want=("x", "y", "z")))
+        assert got == ref
+
+
+def test_parse_sample_detects_changed_shards(tmp_path: Path) -> None:
+    path = sample_shard(tmp_path)
+    blob = path.read_bytes()
+    s = scan_path(path)[1]
+    rng = blob[s.offset : s.offset + s.length]
+    assert parse_sample(rng, "u", s.offset, "s1") == {"a": b"\1" * 301, "b": b"\1" * 301}
+    assert parse_sample(blob[0:1024], "u", 0, "s0") == {"a": b"\0" * 300}  # a prefix of s0 parses
+    with pytest.raises(StaleShardError, match=r"u: the 1024 bytes at offset 0 are not sample 's1'"):
+        parse_sample(blob[0:1024], "u", 0, "s1")
+    with pytest.raises(StaleShardError, match="not sample 's0'"):
+        parse_sample(rng, "u", s.offset, "s0")  # the key differs
+    flipped = bytearray(rng)
+    flipped[5] ^= 1
+    with pytest.raises(StaleShardError, match=r"offset 2048 .*re-index"):
+        parse_sample(bytes(flipped), "u", s.offset, "s1")
+    with pytest.raises(StaleShardError):
+        parse_sample(rng[:-512], "u", s.offset, "s1")  # payload runs past the range
+    with pytest.raises(StaleShardError):
+        parse_sample(rng + blob[s.offset + s.length : s.offset + s.length + 1024], "u", s.offset, "s1")  # 2 keys
+    with pytest.raises(StaleShardError):
+        parse_sample(b"\0" * 1024, "u", 0)
+    with pytest.raises(StaleShardError):
+        parse_sample(b"", "u", 0)
+
+
+# ---------------------------------------------------------------- property
+
+
+exts_st = st.sets(st.sampled_from(["jpg", "json", "txt", "cls", "seg.png", "mp4", "npy"]), min_size=1, max_size=4)
+sample_st = st.tuples(
+    st.sampled_from(["", "a.b/", "dir/sub/", "x" * 95 + "/"]),  # dots in dirs, long names
+    exts_st,
+    st.lists(st.integers(0, 2000), min_size=4, max_size=4),
+)
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(samples=st.lists(sample_st, min_size=0, max_size=8), head=st.none() | st.integers(0, 600), seed=st.integers(0, 9))
+def test_property_writer_roundtrip(tmp_path: Path, samples: list, head: int | None, seed: int) -> None:
+    path = tmp_path / f"p{seed}.tar"
+    written = []
+    with wds.TarWriter(str(path), encoder=False) as w:
+        for i, (prefix, exts, sizes) in enumerate(samples):
+            key = f"{prefix}k{i:03d}"
+            payloads = {e: bytes([(i + seed) % 256]) * n for e, n in zip(sorted(exts), sizes)}
+            w.write({"__key__": key, **payloads})
+            written.append((key, payloads))
+    blob = path.read_bytes()
+    for seekable in (True, False):
+        got = scan_path(path, seekable=seekable, want=("json", "seg.png"), head_bytes=head)
+        assert [(s.key, {m.ext: m.size for m in s.members}) for s in got] == [
+            (k, {e: len(v) for e, v in p.items()}) for k, p in written
+        ]
+        for s, (key, payloads) in zip(got, written):
+            assert parse_sample(blob[s.offset : s.offset + s.length], str(path), s.offset, key) == payloads
+            assert s.data == {e: v[:head] if head is not None else v for e, v in payloads.items() if e in ("json", "seg.png")}
+            assert [blob[m.data_offset : m.data_offset + m.size] for m in s.members] == [payloads[m.ext] for m in s.members]
+
+
+def test_member_records() -> None:
+    m = tarscan._member("a.jpg", "jpg", 0, 512, 3)
+    assert m == Member("a.jpg", "jpg", 0, 512, 3) and hash(m) == hash(Member("a.jpg", "jpg", 0, 512, 3))
+    with pytest.raises(AttributeError):
+        m.size = 4  # type: ignore[misc]
+    with pytest.raises(ConfigError):
+        ScannedSample("k", 100, 512, (m,))
+    with pytest.raises(ConfigError):
+        ScannedSample("k", 0, 1024, ())
+
+
+def test_fsspec_files_local_and_memory(tmp_path: Path) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    path = sample_shard(tmp_path, n=6)
+    ref = scan_path(path, want=("a",))
+    with fsspec.open(str(path), "rb") as f:  # local: the os.pread fast path
+        assert list(scan_tar(f, str(path), want=("a",))) == ref
+    with fsspec.open("memory://shards/ok.tar", "wb") as f:
+        f.write(path.read_bytes())
+    with fsspec.open("memory://shards/ok.tar", "rb") as f:  # no fileno: seek + read
+        assert list(scan_tar(f, "memory://shards/ok.tar", want=("a",))) == ref
