@@ -1,0 +1,342 @@
+"""Tests of wds_pad.dataset: BucketedWebDataset and Loader.
+
+Every order test compares the streamed keys with the plan (``plan[j].samples`` mapped
+through ``index.key``); byte tests compare with ``wds.WebDataset``'s own reading.
+Multi-rank behaviour is simulated in one process with explicit topologies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import itertools
+import pickle
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from wds_pad._synth import make_image_shards
+from wds_pad.dataset import BucketedWebDataset, Loader
+from wds_pad.errors import ConfigError, StaleShardError, StateMismatchError
+from wds_pad.index import Index, load_index
+from wds_pad.indexer import build_index
+from wds_pad.topology import Topology
+
+SOLO = Topology(world_size=1, rank=0)
+pytestmark = [pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning"),
+              pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
+
+
+def _build(shard_dir: Path, seed: int = 0) -> Index:
+    paths = make_image_shards(shard_dir, samples=120, shards=4, seed=seed)
+    return build_index(paths, "aspect:width,height", output=str(shard_dir / "index.wdsidx"))
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> Index:
+    return load_index(_build(tmp_path_factory.mktemp("shards")).path)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def reference(index: Index) -> dict[str, dict[str, Any]]:
+    return {s["__key__"]: s for s in wds.WebDataset(list(index.urls), shardshuffle=False)}
+
+
+def _ds(index: Index | str, **kw: Any) -> BucketedWebDataset:
+    args: dict[str, Any] = dict(batch_size=4, topology=SOLO, seed=11)
+    args.update(kw)
+    return BucketedWebDataset(index, **args)
+
+
+def _plan_keys(ds: BucketedWebDataset, index: Index, epoch: int | None = None) -> list[list[str]]:
+    return [[index.key(int(i)) for i in b.samples] for b in ds.plan(epoch)]
+
+
+def _keys(batches: Any) -> list[list[str]]:
+    return [[s["__key__"] for s in b] for b in batches]
+
+
+def _image_size(sample: dict[str, Any]) -> tuple[int, int]:
+    return (sample.get("png") or sample.get("jpg")).size
+
+
+def _label(meta: dict[str, Any]) -> int:
+    return int(meta["label"])
+
+
+# ---------------------------------------------------------------- order and bytes
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
+def test_loader_order_equals_plan(index: Index, num_workers: int) -> None:
+    ds = _ds(index)
+    got = _keys(Loader(ds, num_workers=num_workers))
+    assert got == _plan_keys(ds, index)
+    assert len(got) == len(ds) and all(len(b) == 4 for b in got)
+
+
+def test_dataset_iterated_directly_equals_plan_and_set_epoch(index: Index) -> None:
+    ds = _ds(index)
+    assert _keys(ds) == _plan_keys(ds, index, 0)
+    assert _keys(ds) == _plan_keys(ds, index, 0)  # a finished epoch iterates again
+    ds.set_epoch(1)
+    e1 = _keys(ds)
+    assert e1 == _plan_keys(ds, index, 1) and e1 != _plan_keys(ds, index, 0)
+
+
+def test_streamed_bytes_equal_webdataset(index: Index, reference: dict[str, dict[str, Any]]) -> None:
+    ds = _ds(index)
+    n = 0
+    for batch in ds:
+        for s in batch:
+            ref = reference[s["__key__"]]
+            members = {k for k in ref if not k.startswith("__")}
+            assert members == {k for k in s if not k.startswith("__")}
+            assert all(s[k] == ref[k] for k in members)
+            assert s["__url__"] == ref["__url__"]
+            n += 1
+    assert n == sum(b.samples.size for b in ds.plan())
+
+
+def test_sample_dict_carries_plan_metadata(index: Index) -> None:
+    ds = _ds(index)
+    plan = ds.plan()
+    for j, batch in enumerate(ds):
+        for s, pad in zip(batch, plan[j].pad.tolist()):
+            assert s["__bucket__"] == plan[j].bucket
+            assert s["__dataset__"] == plan[j].dataset
+            assert s["__epoch__"] == 0 and s["__step__"] == plan[j].step and s["__pad__"] is pad
+
+
+# ---------------------------------------------------------------- composition
+
+
+def test_fluid_decode_to_tuple_map(index: Index) -> None:
+    ds = _ds(index).decode("pil").to_tuple("jpg;png", "json", "__key__").map(
+        lambda t: (t[0].size, t[1], t[2]))
+    plan_keys = _plan_keys(ds, index)
+    batches = list(ds)
+    assert len(batches) == len(plan_keys)
+    for batch, keys in zip(batches, plan_keys):
+        sizes, metas, got_keys = batch  # collated as webdataset's batched() would
+        assert list(got_keys) == keys
+        assert [tuple(x) for x in sizes] == [(m["width"], m["height"]) for m in metas]
+        assert len({m["ratio"] for m in metas}) == 1  # one bucket per batch
+
+
+def test_collation_matches_webdataset_batched(index: Index) -> None:
+    ds = _ds(index).decode("pil").to_tuple("json", "__key__").map_tuple(_label, None)
+    first = next(iter(ds))
+    samples = [(int(k) % 10, k) for k in _plan_keys(ds, index)[0]]
+    expected = wds.filters.default_collation_fn(samples)
+    assert isinstance(first[0], np.ndarray) and first[0].tolist() == expected[0].tolist()
+    assert list(first[1]) == list(expected[1])
+
+
+def test_transform_dropping_samples_is_refused(index: Index) -> None:
+    ds = _ds(index).select(lambda s: False)
+    with pytest.raises(ConfigError, match="one sample to one"):
+        next(iter(ds))
+
+
+def test_batched_with_other_size_is_refused(index: Index) -> None:
+    with pytest.raises(ConfigError, match="batch_size 4"):
+        _ds(index).batched(8)
+    sizes = [len(b) for b in _ds(index).to_tuple("json").batched(collation_fn=None)]
+    assert set(sizes) == {4}
+
+
+def test_pickled_configured_dataset_streams_identically(index: Index) -> None:
+    ds = _ds(index).decode("pil").map(_image_size).batched(collation_fn=None)
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone.spec.fingerprint() == ds.spec.fingerprint()
+    assert list(clone) == list(ds)
+    assert len(list(clone)) == len(ds)
+
+
+def test_composed_dataset_through_workers(index: Index) -> None:
+    ds = _ds(index).decode("pil").to_tuple("json", "__key__")
+    got = [list(b[1]) for b in Loader(ds, num_workers=2)]
+    assert got == _plan_keys(ds, index)
+
+
+# ---------------------------------------------------------------- simulated ranks
+
+
+def test_simulated_ranks_agree(index: Index) -> None:
+    runs = {}
+    for r in range(8):
+        ds = _ds(index, topology=Topology(world_size=8, rank=r, cp_size=2), batch_size=2)
+        runs[r] = [[(s["__key__"], s["__bucket__"], s["__step__"], s["__pad__"]) for s in b] for b in ds]
+    counts = {len(v) for v in runs.values()}
+    assert len(counts) == 1 and counts.pop() > 0
+    for j in range(len(runs[0])):
+        assert len({(b[j][0][1], b[j][0][2]) for b in runs.values()}) == 1  # same bucket, same step
+        assert all(len(runs[r][j]) == 2 for r in runs)
+        assert all(len({s[1] for s in runs[r][j]}) == 1 for r in runs)  # never mixes buckets
+    for r in range(0, 8, 2):
+        assert runs[r] == runs[r + 1]  # CP peers identical
+    # over the DP ranks: every kept sample once unpadded, padded copies marked
+    flat = [s for r in range(0, 8, 2) for b in runs[r] for s in b]
+    real = Counter(s[0] for s in flat if not s[3])
+    assert set(real.values()) == {1}
+    kept = {k for k, v in index.bucket_counts().items() if v >= 8}
+    assert len(real) == sum(index.bucket_counts()[k] for k in kept)
+    padded = [s for s in flat if s[3]]
+    assert padded and all(s[0] in real for s in padded)
+    assert len(padded) == sum(-index.bucket_counts()[k] % 8 for k in kept)
+
+
+def test_steps_mode_crosses_epochs(index: Index) -> None:
+    ds = _ds(index, mode="steps")
+    n0, n1 = len(ds.plan(0)), len(ds.plan(1))
+    got = list(itertools.islice(ds, n0 + n1 + 2))
+    expected = _plan_keys(ds, index, 0) + _plan_keys(ds, index, 1) + _plan_keys(ds, index, 2)[:2]
+    assert _keys(got) == expected
+    assert [b[0]["__epoch__"] for b in got[n0 - 1 : n0 + 1]] == [0, 1]
+    assert ds.state_dict()["epoch"] == 2 and ds.state_dict()["index"] == 2
+
+
+def test_steps_mode_through_workers(index: Index) -> None:
+    ds = _ds(index, mode="steps")
+    n0 = len(ds.plan(0))
+    loader = Loader(ds, num_workers=2)
+    it = iter(loader)
+    got = [next(it) for _ in range(n0 + 3)]
+    assert _keys(got) == _plan_keys(ds, index, 0) + _plan_keys(ds, index, 1)[:3]
+    state = loader.state_dict()
+    assert (state["epoch"], state["index"]) == (1, 3)
+
+
+# ---------------------------------------------------------------- bad samples
+
+
+def _copy(index: Index, tmp_path: Path) -> Index:
+    dst = tmp_path / "copy"
+    shutil.copytree(Path(index.urls[0]).parent, dst, ignore=shutil.ignore_patterns("*.wdsidx"))
+    return build_index(sorted(glob.glob(str(dst / "*.tar"))), "aspect:width,height",
+                       output=str(dst / "index.wdsidx"))
+
+
+def _break_header(index: Index, i: int) -> None:
+    with open(index.url(i), "r+b") as f:  # same size: only the header checksum changes
+        f.seek(int(index.offset[i]) + 148)
+        f.write(b"7777777\0")
+
+
+def test_bad_sample_default_raises_naming_url_offset_key(index: Index, tmp_path: Path) -> None:
+    broken = _copy(index, tmp_path)
+    ds = _ds(broken.path)
+    victim = int(ds.plan()[3].samples[2])
+    _break_header(broken, victim)
+    with pytest.raises(StaleShardError) as err:
+        list(ds)
+    msg = str(err.value)
+    assert broken.url(victim) in msg and str(int(broken.offset[victim])) in msg
+    assert broken.key(victim) in msg
+
+
+@pytest.mark.parametrize("handler", [wds.warn_and_continue, lambda e: True])
+def test_bad_sample_substitute_keeps_ranks_equal(index: Index, tmp_path: Path, handler: Any) -> None:
+    broken = _copy(index, tmp_path)
+    victim = int(_ds(broken.path, topology=Topology(world_size=2, rank=0)).plan()[1].samples[0])
+    _break_header(broken, victim)
+
+    def run(rank: int) -> tuple[list[list[str]], BucketedWebDataset]:
+        ds = _ds(broken.path, topology=Topology(world_size=2, rank=rank), handler=handler)
+        return [[s["__key__"] for s in b] for b in Loader(ds, num_workers=0)], ds
+
+    with pytest.warns(UserWarning) if handler is wds.warn_and_continue else contextlib.nullcontext():
+        got0, ds0 = run(0)
+    got1, _ = run(1)
+    again, ds_again = run(0)
+    assert again == got0  # deterministic substitute
+    planned = [_plan_keys(ds0, broken)[j] for j in range(len(got0))]
+    assert len(got0) == len(got1) == len(ds0.plan())
+    assert [len(b) for b in got0] == [len(b) for b in planned] == [len(b) for b in got1]
+    assert broken.key(victim) not in {k for b in got0 for k in b}
+    hits = sum(k == broken.key(victim) for b in planned for k in b)
+    assert ds0.counters.substituted == ds_again.counters.substituted == hits >= 1
+    assert broken.key(victim) in ds0.counters.failures[0]
+    stand_in = next(g for p, g in zip(itertools.chain(*planned), itertools.chain(*got0)) if p != g)
+    keys = {broken.key(i): i for i in range(len(broken))}
+    assert broken.bucket[keys[stand_in]] == broken.bucket[victim]
+
+
+def test_substitute_through_workers_same_as_in_process(index: Index, tmp_path: Path) -> None:
+    broken = _copy(index, tmp_path)
+    ds = _ds(broken.path, handler=lambda e: True)
+    victim = int(ds.plan()[5].samples[1])
+    _break_header(broken, victim)
+    assert _keys(Loader(ds, num_workers=2)) == _keys(Loader(ds, num_workers=0))
+
+
+def test_changed_shard_is_detected(index: Index, tmp_path: Path) -> None:
+    broken = _copy(index, tmp_path)
+    ds = _ds(broken.path)
+    first = int(ds.plan()[0].samples[0])
+    shard = int(broken.shard[first])
+    other = make_image_shards(tmp_path / "other", samples=120, shards=4, seed=5)
+    shutil.copyfile(other[shard], broken.urls[shard])  # rewritten with other content
+    with pytest.raises(StaleShardError) as err:
+        list(ds)
+    msg = str(err.value)
+    assert broken.urls[shard] in msg
+    m = re.search(r"offset (\d+)", msg)
+    assert m is not None and int(m.group(1)) in set(broken.offset[broken.shard == shard].tolist())
+
+
+def test_truncated_shard_is_detected(index: Index, tmp_path: Path) -> None:
+    broken = _copy(index, tmp_path)
+    ds = _ds(broken.path)
+    last = int(np.argmax(broken.offset * (broken.shard == 0)))
+    with open(broken.urls[0], "r+b") as f:
+        f.truncate(int(broken.offset[last]) + 100)
+    with pytest.raises(StaleShardError, match=re.escape(broken.urls[0])):
+        list(ds)
+
+
+# ---------------------------------------------------------------- state (smoke)
+
+
+def test_state_dict_roundtrip_num_workers_0(index: Index) -> None:
+    ds = _ds(index)
+    full = _plan_keys(ds, index)
+    loader = Loader(ds, num_workers=0)
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    assert (state["epoch"], state["index"]) == (0, 3)
+    fresh = Loader(_ds(index), num_workers=0)
+    fresh.load_state_dict(state)
+    assert _keys(head) + _keys(fresh) == full
+
+    direct = _ds(index)
+    dit = iter(direct)
+    next(dit)
+    next(dit)
+    saved = direct.state_dict()
+    other = _ds(index)
+    other.load_state_dict(saved)
+    assert _keys(other) == full[2:]
+
+
+def test_state_from_another_seed_is_refused(index: Index) -> None:
+    state = _ds(index, seed=1).state_dict()
+    ds = _ds(index, seed=2)
+    with pytest.raises(StateMismatchError):
+        ds.load_state_dict(state)
+    assert _keys(ds) == _plan_keys(ds, index)  # nothing changed
+
+
+def test_loader_batches_have_the_same_types_for_any_num_workers(index: Index) -> None:
+    ds = _ds(index).decode("pil").to_tuple("json").map_tuple(_label)
+    out = {n: list(Loader(ds, num_workers=n)) for n in (0, 2)}
+    assert all(isinstance(b[0], np.ndarray) for b in out[0] + out[2])
+    assert [b[0].tolist() for b in out[0]] == [b[0].tolist() for b in out[2]]
