@@ -506,3 +506,35 @@ def test_fsspec_files_local_and_memory(tmp_path: Path) -> None:
         f.write(path.read_bytes())
     with fsspec.open("memory://shards/ok.tar", "rb") as f:  # no fileno: seek + read
         assert list(scan_tar(f, "memory://shards/ok.tar", want=("a",))) == ref
+
+
+def test_parse_sample_at_reads_large_payloads_without_a_range_buffer(tmp_path):
+    """parse_sample_at (local fd, one pread per large payload) equals parse_sample."""
+    import os
+
+    import webdataset as wds
+
+    from wds_pad.errors import StaleShardError
+    from wds_pad.tarscan import parse_sample_at
+
+    path = tmp_path / "big.tar"
+    rng = __import__("random").Random(3)
+    with wds.TarWriter(str(path)) as w:
+        for i, size in enumerate([0, 100, 4095, 4096, 300_000, 700_001]):
+            w.write({"__key__": f"s{i:03d}", "bin": rng.randbytes(size), "json": b'{"i": %d}' % i})
+    with open(path, "rb") as f:
+        samples = list(scan_tar(f, str(path)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for s in samples:
+            with open(path, "rb") as f:
+                f.seek(s.offset)
+                data = f.read(s.length)
+            assert parse_sample_at(fd, str(path), s.offset, s.length, s.key) == parse_sample(data, str(path), s.offset, s.key)
+        s = samples[-1]
+        with pytest.raises(StaleShardError, match="not sample"):
+            parse_sample_at(fd, str(path), s.offset, s.length, "other-key")
+        with pytest.raises(StaleShardError):
+            parse_sample_at(fd, str(path), s.offset + 512, s.length, s.key)
+    finally:
+        os.close(fd)

@@ -443,6 +443,17 @@ class RangeReader:
             self._fds, self._targets, self._pool = {}, {}, None
             self._pid = os.getpid()
 
+    def local_fd(self, url: str) -> int | None:
+        """The cached read-only descriptor of a local shard; None on other filesystems.
+
+        Raises:
+            ShardError: the local file cannot be opened.
+        """
+        self._check_fork()
+        if not self._target(url).local:
+            return None
+        return self._fd(url, 0)
+
     def _target(self, url: str) -> _Target:
         target = self._targets.get(url)
         if target is None:

@@ -30,10 +30,13 @@ from .index import Index, load_index
 from .plan import Mode, PadTo, Plan, Policy, plan_epoch, resolve_policy
 from .read import RangeReader, ReadOptions
 from .seed import derive_rng, stable_digest
-from .tarscan import parse_sample
+from .tarscan import parse_sample, parse_sample_at
 from .topology import Topology
 
 __all__ = ["Counters", "PlanSpec", "PlannedSource", "Position", "fetch", "plan_batched"]
+
+# Samples at least this large, in local files, skip the copy out of a range buffer.
+BIG_SAMPLE = 256 * 1024
 
 META_KEYS = ("__key__", "__url__", "__bucket__", "__dataset__", "__pad__", "__epoch__", "__step__")
 
@@ -263,9 +266,10 @@ class _Fetch:
         self.spec = spec
         self.counters = counters if counters is not None else Counters()
         self._reader: RangeReader | None = None
+        self._local: dict[str, bool] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_reader": None}
+        return {**self.__dict__, "_reader": None, "_local": {}}
 
     @property
     def reader(self) -> RangeReader:
@@ -274,6 +278,44 @@ class _Fetch:
         return self._reader
 
     def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        # Large local samples are parsed straight from the file (each payload its own
+        # pread, no copy out of a bigger buffer); runs of the others share one read_many.
+        for big, group in itertools.groupby(src, key=self._is_big_local):
+            if big:
+                for ref in group:
+                    yield self._expand_big(ref)
+            else:
+                yield from self._expand_many(group)
+
+    def _is_big_local(self, ref: Mapping[str, Any]) -> bool:
+        if ref["__length__"] < BIG_SAMPLE:
+            return False
+        url = ref["__url__"]
+        local = self._local.get(url)
+        if local is None:
+            try:
+                local = self._local[url] = self.reader.local_fd(url) is not None
+            except WdsPadError:
+                local = False  # let the ordinary path raise with the full context
+        return local
+
+    def _expand_big(self, ref: dict[str, Any]) -> dict[str, Any]:
+        reader = self.reader
+        try:
+            fd = reader.local_fd(ref["__url__"])
+            members = parse_sample_at(fd, ref["__url__"], ref["__offset__"], ref["__length__"],  # type: ignore[arg-type]
+                                      ref["__key__"])
+        except WdsPadError as exc:
+            return self._substitute(ref, exc)
+        reader.stats.ranges += 1
+        reader.stats.requests += 1
+        reader.stats.bytes += ref["__length__"]
+        sample = dict(ref)
+        del sample["__offset__"], sample["__length__"]
+        sample.update(members)
+        return sample
+
+    def _expand_many(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         reader = self.reader
         refs = iter(src)
         pending: list[dict[str, Any]] = []
