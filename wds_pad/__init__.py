@@ -43,6 +43,8 @@ _LAZY: dict[str, str] = {
     "RangeReader": "read",
     "ReadOptions": "read",
     "ShardInfo": "index",
+    "ShardLoader": "shardstream",
+    "ShardStream": "shardstream",
     "SplitByNode": "shards",
     "build_index": "indexer",
     "check_agreement": "dataset",
