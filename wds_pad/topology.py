@@ -189,7 +189,7 @@ class Topology:
         cp_size = math.prod(shape[i] for i in rest)
         dp_rank = _row_major([coord[i] for i in dp_idx], [shape[i] for i in dp_idx])
         cp_rank = _row_major([coord[i] for i in rest], [shape[i] for i in rest])
-        dist = _dist()
+        dist = _dist_if_initialized()  # a mesh object needs no process group to be read
         rank = dist.get_rank() if dist is not None else int(dp_rank * cp_size + cp_rank)
         return cls(world_size=dp_size * cp_size, rank=rank, cp_size=cp_size, dp_size=dp_size,
                    dp_rank=dp_rank, cp_rank=cp_rank)
