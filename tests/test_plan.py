@@ -35,7 +35,9 @@ from wds_pad import (
     iter_steps,
     plan_epoch,
 )
+from wds_pad._permute import permute_one
 from wds_pad.plan import bucket_order, resolve_policy
+from wds_pad.seed import derive_seed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,12 +82,13 @@ def expected_length(m: int, unit: int, policy: str, oversubscribe: bool) -> int:
 
 
 def expected_global_order(seed: int, epoch: int, ds: Dataset, key: Hashable) -> list[int]:
-    """1 + repeats passes, each the sorted ids shuffled by RNG(seed, epoch, dataset, bucket)."""
+    """1 + repeats passes, each the sorted ids under the keyed permutation of
+    (seed, epoch, dataset, bucket, "shuffle", pass)."""
     ids = sorted(int(i) for i in ds.buckets[key])
-    rng = derive_rng(seed, epoch, ds.name, key, "shuffle")
     out: list[int] = []
-    for _ in range(1 + ds.repeats):
-        out.extend(ids[i] for i in rng.permutation(len(ids)))
+    for j in range(1 + ds.repeats):
+        pkey = derive_seed(seed, epoch, ds.name, key, "shuffle", j)
+        out.extend(ids[permute_one(i, len(ids), pkey)] for i in range(len(ids)))
     return out
 
 
@@ -223,7 +226,7 @@ def test_worked_example_four_samples_on_eight_ranks() -> None:
     assert sorted(entries[:4]) == [0, 1, 2, 3]
     assert pads == [False] * 4 + [True] * 4
     order = [0, 1, 2, 3]
-    assert entries[:4] == [order[i] for i in derive_rng(1, 0, "d", "x", "shuffle").permutation(4)]
+    assert entries[:4] == [order[permute_one(i, 4, derive_seed(1, 0, "d", "x", "shuffle", 0))] for i in range(4)]
     st0 = plans[0].stats[0]
     assert (st0.padded_length, st0.padded_copies, st0.oversubscribed, st0.effective_repeats) == (8, 4, True, 1.0)
 

@@ -3,9 +3,11 @@
 No I/O, no torch, no clock: the same inputs give a bitwise identical plan in every
 process. Per (dataset, bucket), identically on every rank:
 
-1. sample ids in sorted order, shuffled by an RNG derived from
-   (seed, epoch, dataset, bucket); with ``repeats`` r the bucket holds 1 + r
-   independently shuffled passes, concatenated before anything is split;
+1. sample ids in sorted order, shuffled by a keyed pseudorandom permutation whose key
+   derives from (seed, epoch, dataset, bucket, pass); with ``repeats`` r the bucket
+   holds 1 + r independently shuffled passes, concatenated before anything is split.
+   The permutation is evaluated only at this rank's positions (``_permute``), so a
+   rank's plan costs O(samples / dp_size), not a full shuffle of every bucket;
 2. a bucket smaller than one pad unit is dropped (a DroppedBucketWarning names it)
    unless ``oversubscribe`` lets the cyclic extension fill it to one whole unit;
 3. ``cyclic`` extends the list by its own prefix to the next multiple of the pad unit
@@ -32,7 +34,8 @@ from typing import Any, Hashable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .errors import ConfigError, DroppedBucketWarning
-from .seed import derive_rng, encode_key
+from ._permute import ROUNDS, permute, round_keys
+from .seed import derive_rng, derive_seed, encode_key
 from .topology import Topology
 
 __all__ = [
@@ -340,10 +343,8 @@ def plan_epoch(
 
     table: list[tuple[int, Hashable]] = []
     stats: list[BucketStats] = []
-    rank_parts: list[np.ndarray] = []
-    pad_parts: list[np.ndarray] = []
+    kept: list[tuple[np.ndarray, int, int, int, list[list[int]]]] = []  # ids, n, m, length, keys
     bucket_steps: list[int] = []
-    rank_count: list[int] = []
     dropped_names: list[str] = []
     for di, ds in enumerate(dss):
         passes = 1 + ds.repeats
@@ -364,14 +365,11 @@ def plan_epoch(
             if not length:
                 continue  # empty or dropped: never reaches the arithmetic below
             table.append((di, key))
-            rng = derive_rng(seed, epoch, ds.name, key, "shuffle")
-            order = np.concatenate([ids[rng.permutation(n)] for _ in range(passes)]) if passes > 1 \
-                else ids[rng.permutation(n)]
-            pos = np.arange(d, length, dp, dtype=np.int64)
-            rank_parts.append(order[pos % m])
-            pad_parts.append(pos >= m)
+            # one keyed permutation per pass: the bucket's global order, evaluated pointwise
+            keys = [round_keys(derive_seed(seed, epoch, ds.name, key, "shuffle", j)) for j in range(passes)]
+            kept.append((ids, n, m, length, keys))
             bucket_steps.append(steps)
-            rank_count.append(int(pos.size))
+    flat, flat_pad, counts = _rank_entries(kept, dp, d)
     if warn and dropped_names:
         warnings.warn(
             f"{len(dropped_names)} bucket(s) smaller than one global step were dropped from "
@@ -383,7 +381,6 @@ def plan_epoch(
 
     schedule, window = _schedule(dss, table, bucket_steps, seed, epoch)
     # This rank's batch for global step s: its entries [k*bs, (k+1)*bs) of bucket schedule[s].
-    counts = np.asarray(rank_count, dtype=np.int64)
     starts_in_bucket = window * bs
     sizes = np.clip(counts[schedule] - starts_in_bucket, 0, bs) if schedule.size else np.zeros(0, np.int64)
     has = sizes > 0
@@ -394,8 +391,6 @@ def plan_epoch(
     src_start = bucket_base[schedule[has]] + starts_in_bucket[has]
     offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    flat = np.concatenate(rank_parts) if rank_parts else np.zeros(0, np.int64)
-    flat_pad = np.concatenate(pad_parts) if pad_parts else np.zeros(0, bool)
     gather = np.repeat(src_start - offsets[:-1], sizes) + np.arange(offsets[-1], dtype=np.int64)
     return Plan(
         epoch=epoch, topology=topology, batch_size=bs, policy=policy, mode=mode, pad_to=pad_to,
@@ -403,6 +398,44 @@ def plan_epoch(
         bucket_table=tuple(table), schedule=schedule, batch_step=batch_step, offsets=offsets,
         samples=flat[gather], pad=flat_pad[gather], stats=tuple(stats),
     )
+
+
+def _rank_entries(
+    kept: Sequence[tuple[np.ndarray, int, int, int, list[list[int]]]], dp: int, d: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This rank's entries of every kept bucket, concatenated in bucket-table order.
+
+    Global position p of a bucket (p = d, d + dp, ... < padded length) holds pass
+    ``(p mod m) // n`` at place ``perm_pass((p mod m) mod n)`` of the sorted ids; it
+    is a padded copy iff p >= m. All buckets are evaluated in one vectorised pass.
+
+    Returns:
+        (sample ids, padded flags, entries per bucket).
+    """
+    counts = np.asarray([max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, np.int64), np.zeros(0, bool), counts
+    bucket = np.repeat(np.arange(len(kept)), counts)
+    starts = np.zeros(len(kept), dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    pos = d + dp * (np.arange(total, dtype=np.int64) - starts[bucket])
+    n_arr = np.asarray([k[1] for k in kept], dtype=np.int64)
+    m_arr = np.asarray([k[2] for k in kept], dtype=np.int64)
+    q = pos % m_arr[bucket]
+    n_e = n_arr[bucket]
+    pass_idx = q // n_e
+    key_rows = np.asarray([row for k in kept for row in k[4]], dtype=np.uint64).reshape(-1, ROUNDS)
+    first_row = np.zeros(len(kept), dtype=np.int64)
+    np.cumsum([len(k[4]) for k in kept][:-1], out=first_row[1:])
+    keys = key_rows[first_row[bucket] + pass_idx].T
+    perm = permute(q % n_e, n_e, keys)
+    samples = np.empty(total, dtype=np.int64)
+    for b, (ids, *_rest) in enumerate(kept):
+        lo, hi = int(starts[b]), int(starts[b]) + int(counts[b])
+        if hi > lo:
+            samples[lo:hi] = ids[perm[lo:hi]]
+    return samples, pos >= m_arr[bucket], counts
 
 
 def _schedule(

@@ -3,14 +3,17 @@
 It implements the semantics of :func:`wds_pad.plan.plan_epoch` the obvious way, one
 sample at a time, so that tests can check the vectorised planner against it and the
 benchmark can measure what vectorisation buys. To make outputs comparable it draws its
-random numbers exactly like the real planner: the shuffles and the schedule come from
-the same ``derive_rng(...)`` streams, and buckets are visited in the same canonical
+random numbers exactly like the real planner: the shuffles use the same keyed
+permutation (``permute_one``, the scalar reference of the planner's vectorised one)
+with the same keys, the schedule comes from the same ``derive_rng(...)`` streams, and
+buckets are visited in the same canonical
 order (``bucket_order``). Everything else — padding, the split over DP ranks, batching,
 the walk over the schedule, the statistics — is written out independently here.
 
 Semantics, per (dataset, bucket), identically on every rank:
 
-1. ``order`` = 1 + repeats independently shuffled passes over the sorted ids;
+1. ``order`` = 1 + repeats independently shuffled passes over the sorted ids, built in
+   full, then padded in full, then sliced for this rank — the straightforward way;
 2. the pad unit is ``dp_size * batch_size`` (``pad_to="batch"``) or ``dp_size``
    (``pad_to="rank"``); ``cyclic`` extends ``order`` by its own prefix to the next
    multiple of the unit, ``drop`` truncates, ``none`` leaves it; a bucket shorter than
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping
 
 from wds_pad.plan import bucket_order
-from wds_pad.seed import derive_rng
+from wds_pad._permute import permute_one
+from wds_pad.seed import derive_rng, derive_seed
 
 __all__ = ["ListDataset", "ListPlan", "plan_epoch_lists"]
 
@@ -113,15 +117,14 @@ def plan_epoch_lists(
             })
             if length == 0:
                 continue
-            rng = derive_rng(seed, epoch, ds.name, key, "shuffle")
             order: list[int] = []
-            for _ in range(1 + ds.repeats):
-                perm = rng.permutation(n).tolist()
-                order.extend(ids[i] for i in perm)
-            # this rank's share of the padded list: global positions d, d + dp, ...
-            # (position i of the padded list is order[i % m], a padded copy if i >= m)
+            for j in range(1 + ds.repeats):
+                pkey = derive_seed(seed, epoch, ds.name, key, "shuffle", j)
+                order.extend(ids[permute_one(i, n, pkey)] for i in range(n))
+            # the padded list: position i is order[i % m], a padded copy if i >= m
+            padded = [(order[i % m], i >= m) for i in range(length)]
             table.append((di, key))
-            rank_lists.append([(order[i % m], i >= m) for i in range(d, length, dp)])
+            rank_lists.append(padded[d::dp])  # this rank's share: positions d, d + dp, ...
             table_steps.append(steps)
 
     schedule = _schedule(datasets, table, table_steps, seed, epoch)
