@@ -276,16 +276,25 @@ def get_filesystem(url: str, storage_options: Mapping[str, Any] | None = None,
 
 # ---------------------------------------------------------------- error handling
 
-def _status_of(exc: BaseException) -> int | None:
-    for attr in ("status", "status_code", "code"):
-        value = getattr(exc, attr, None)
-        if isinstance(value, int) and 100 <= value <= 599:
-            return value
-    response = getattr(exc, "response", None)
-    if isinstance(response, Mapping):
-        value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if isinstance(value, int):
-            return value
+def _status_of(exc: BaseException | None) -> int | None:
+    """The HTTP status behind an error, looking through up to 4 causes.
+
+    s3fs turns S3 error codes it does not know into a bare OSError whose __cause__ is
+    the botocore error carrying the status; without looking there a 403 looks transient.
+    """
+    for _ in range(5):
+        if exc is None:
+            return None
+        for attr in ("status", "status_code", "code"):
+            value = getattr(exc, attr, None)
+            if isinstance(value, int) and 100 <= value <= 599:
+                return value
+        response = getattr(exc, "response", None)
+        if isinstance(response, Mapping):
+            value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(value, int):
+                return value
+        exc = exc.__cause__
     return None
 
 

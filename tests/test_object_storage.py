@@ -1,0 +1,314 @@
+"""End-to-end object storage: index, stream and resume over S3 (moto) and HTTP (nginx).
+
+Every server runs on 127.0.0.1 (fixtures from ``conftest_servers``). Each stream is
+compared twice: its keys with the plan (``plan[j].samples`` through ``index.key``) and
+its bytes with ``wds.WebDataset`` reading the same shards from local disk. A resumed
+stream must equal the remainder of the uninterrupted one, batch for batch.
+
+Concurrency is measured, not assumed: a probe rule on the FaultProxy timestamps every
+request as it arrives; with a fixed latency L added to each request, requests that
+arrive less than L apart were outstanding together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import s3fs
+import webdataset as wds
+
+from faultproxy import Fault, FaultProxy, Request, Rule
+from servers import MotoServer
+from wds_pad._synth import make_image_shards
+from wds_pad.dataset import BucketedWebDataset, Loader
+from wds_pad import read as wds_read
+from wds_pad.errors import IndexFormatError
+from wds_pad.index import Index, load_index
+from wds_pad.indexer import build_index
+from wds_pad.read import RangeReader, ReadOptions
+from wds_pad.topology import Topology
+
+pytest_plugins = ["conftest_servers"]
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning"),
+              pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
+
+SOLO = Topology(world_size=1, rank=0)
+SHARDS = 32
+SAMPLES = 160  # 5 per shard on average: moto copies the whole object per ranged GET
+PATTERN = "train-{000000..000031}.tar"
+BUCKET_BY = "aspect:width,height"
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """32 tiny image shards named like the bucket's objects, ``train-000000.tar`` ..."""
+    out = tmp_path_factory.mktemp("os-shards")
+    for i, path in enumerate(make_image_shards(out / "gen", samples=SAMPLES, shards=SHARDS, seed=5)):
+        os.replace(path, out / f"train-{i:06d}.tar")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(shard_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every sample, keyed by ``__key__``, as webdataset reads it from local disk."""
+    paths = [str(shard_dir / f"train-{i:06d}.tar") for i in range(SHARDS)]
+    return {s["__key__"]: s for s in wds.WebDataset(paths, shardshuffle=False)}
+
+
+@pytest.fixture(scope="module")
+def s3_train(moto_server: MotoServer, shard_dir: Path) -> str:
+    """A bucket holding the 32 shards as ``s3://BUCKET/train-000000.tar`` ...; its name."""
+    bucket = moto_server.make_bucket("wds-pad-object-storage")
+    client = moto_server.client()
+    for i in range(SHARDS):
+        client.upload_file(str(shard_dir / f"train-{i:06d}.tar"), bucket, f"train-{i:06d}.tar")
+    return bucket
+
+
+@pytest.fixture(scope="module")
+def http_base(nginx_server: Any, shard_dir: Path) -> str:
+    """Base URL under which nginx serves the same 32 shards."""
+    root = nginx_server.root_dir / "os-train"
+    shutil.copytree(shard_dir, root, ignore=shutil.ignore_patterns("gen"), dirs_exist_ok=True)
+    return f"{nginx_server.url}/os-train"
+
+
+@pytest.fixture(scope="module")
+def s3_index(moto_server: MotoServer, s3_train: str) -> tuple[str, Index]:
+    """The index of the bucket's shards, written next to them: (its URL, the built Index)."""
+    index_url = f"s3://{s3_train}/train.wdsidx"
+    built = build_index(f"s3://{s3_train}/{PATTERN}", BUCKET_BY, output=index_url,
+                        storage_options=moto_server.storage_options)
+    return index_url, built
+
+
+@pytest.fixture
+def forget_filesystems() -> Iterator[None]:
+    """Drop cached filesystems afterwards (one built from a test's environment would
+    otherwise outlive it, pointing at a stopped endpoint)."""
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
+    wds_read._FS_CACHE.clear()
+
+
+def _s3fs(moto_server: MotoServer) -> s3fs.S3FileSystem:
+    return s3fs.S3FileSystem(skip_instance_cache=True, **moto_server.storage_options)
+
+
+def _ds(index: Index | str, **kw: Any) -> BucketedWebDataset:
+    args: dict[str, Any] = dict(batch_size=4, topology=SOLO, seed=7)
+    args.update(kw)
+    return BucketedWebDataset(index, **args)
+
+
+def _plan_keys(ds: BucketedWebDataset, index: Index) -> list[list[str]]:
+    return [[index.key(int(i)) for i in b.samples] for b in ds.plan()]
+
+
+def _keys(batches: Any) -> list[list[str]]:
+    return [[s["__key__"] for s in b] for b in batches]
+
+
+def _check_bytes(batches: list[list[dict[str, Any]]], reference: dict[str, dict[str, Any]]) -> None:
+    """Each streamed sample has exactly the members and bytes webdataset reads locally."""
+    for batch in batches:
+        for s in batch:
+            ref = reference[s["__key__"]]
+            members = {k for k in ref if not k.startswith("__")}
+            assert members == {k for k in s if not k.startswith("__")}
+            assert all(s[k] == ref[k] for k in members), s["__key__"]
+
+
+def _resume_matches(make: Any, full: list[list[str]], stop_after: int, num_workers: int | None) -> None:
+    """Stop a fresh stream after ``stop_after`` batches, resume a new one from its state.
+
+    ``num_workers=None`` iterates the dataset itself; otherwise a :class:`Loader` with
+    that many DataLoader workers (its state counts what the trainer received).
+    """
+    first = make()
+    owner: Any = first if num_workers is None else Loader(first, num_workers=num_workers)
+    it = iter(owner)
+    head = _keys(itertools.islice(it, stop_after))
+    state = owner.state_dict()
+    del it  # ends the workers
+    second = make()
+    resumed: Any = second if num_workers is None else Loader(second, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    assert head == full[:stop_after]
+    assert _keys(resumed) == full[stop_after:]
+
+
+class _Arrivals:
+    """A never-firing proxy rule that timestamps every request as it arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, request: Request) -> bool:
+        if request.method == "GET":
+            self.times.append(time.monotonic())
+        return False
+
+    def peak_within(self, window: float) -> int:
+        """Most arrivals inside any ``window`` seconds: all of them were in flight at once
+        when every request is delayed by at least ``window`` at the proxy."""
+        times, best, lo = sorted(self.times), 0, 0
+        for hi, t in enumerate(times):
+            while t - times[lo] >= window:
+                lo += 1
+            best = max(best, hi - lo + 1)
+        return best
+
+
+# ---------------------------------------------------------------- S3
+
+
+def test_s3_index_next_to_shards_stream_and_resume(moto_server: MotoServer, s3_train: str,
+                                                    s3_index: tuple[str, Index],
+                                                    reference: dict[str, dict[str, Any]]) -> None:
+    options = moto_server.storage_options
+    index_url, built = s3_index
+    assert _s3fs(moto_server).exists(index_url)  # written next to the shards, in the bucket
+    assert [s.url for s in built.shards] == [f"s3://{s3_train}/train-{i:06d}.tar" for i in range(SHARDS)]
+    assert len(built) == SAMPLES and all(s.stamp.startswith("ETag=") for s in built.shards)
+
+    index = load_index(index_url, storage_options=options)
+    assert index.digest == built.digest
+    ds = _ds(index_url, storage_options=options)  # the dataset loads the index from S3 itself
+    batches = list(ds)
+    full = _keys(batches)
+    assert full == _plan_keys(ds, index) and len(full) == len(ds) > 10
+    _check_bytes(batches, reference)
+
+    make = lambda: _ds(index_url, storage_options=options)  # noqa: E731
+    _resume_matches(make, full, stop_after=len(full) // 2, num_workers=None)
+
+
+def test_s3_resume_through_loader_workers(moto_server: MotoServer, s3_index: tuple[str, Index]) -> None:
+    """Workers fork after the parent loaded the index over s3fs: they must read on their own."""
+    options = moto_server.storage_options
+    index_url = s3_index[0]
+    make = lambda: _ds(index_url, storage_options=options, seed=8)  # noqa: E731
+    full = _keys(Loader(make(), num_workers=2))
+    assert full == _plan_keys(make(), load_index(index_url, storage_options=options))
+    _resume_matches(make, full, stop_after=7, num_workers=2)
+
+
+def test_s3_credentials_and_endpoint_from_the_environment(
+        moto_server: MotoServer, s3_train: str, fault_proxy: Any,
+        monkeypatch: pytest.MonkeyPatch, forget_filesystems: None) -> None:
+    """No storage_options at all: botocore takes keys, region and endpoint from AWS_*."""
+    proxy: FaultProxy = fault_proxy(moto_server)
+    key_id = "AKIAWDSPADFROMENV01"
+    for name, value in {**moto_server.env, "AWS_ACCESS_KEY_ID": key_id,
+                        "AWS_SECRET_ACCESS_KEY": "env-secret-wds-pad-8e1d",
+                        "AWS_ENDPOINT_URL": proxy.url, "AWS_ENDPOINT_URL_S3": proxy.url}.items():
+        monkeypatch.setenv(name, value)
+    index = build_index(f"s3://{s3_train}/train-{{000000..000003}}.tar", BUCKET_BY)
+    ds = _ds(index, oversubscribe=True)
+    assert _keys(ds) == _plan_keys(ds, index)
+    auth = [r.header("authorization") or "" for r in proxy.requests]
+    assert auth and all(f"Credential={key_id}/" in a for a in auth)  # the env's key signed them
+
+
+def test_s3_missing_index_is_a_clear_error(moto_server: MotoServer, s3_train: str) -> None:
+    with pytest.raises(IndexFormatError, match=f"s3://{s3_train}/nope.wdsidx.*does not exist"):
+        _ds(f"s3://{s3_train}/nope.wdsidx", storage_options=moto_server.storage_options)
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+def test_http_index_stream_and_resume(http_base: str, tmp_path: Path,
+                                      reference: dict[str, dict[str, Any]]) -> None:
+    # Indexing over HTTP streams each object once through fsspec (no seeking past payloads).
+    index_path = str(tmp_path / "train.wdsidx")  # HTTP is read-only: the index lives locally
+    built = build_index(f"{http_base}/{PATTERN}", BUCKET_BY, output=index_path)
+    assert [s.url for s in built.shards] == [f"{http_base}/train-{i:06d}.tar" for i in range(SHARDS)]
+    assert len(built) == SAMPLES and all(s.stamp for s in built.shards)  # ETag from nginx
+    ds = _ds(index_path)
+    batches = list(ds)
+    full = _keys(batches)
+    assert full == _plan_keys(ds, built)
+    _check_bytes(batches, reference)
+    _resume_matches(lambda: _ds(index_path), full, stop_after=len(full) // 3, num_workers=None)
+    _resume_matches(lambda: _ds(index_path), full, stop_after=5, num_workers=2)
+
+
+def test_http_index_equals_local_index_rows(http_base: str, shard_dir: Path) -> None:
+    """Streaming the tar over HTTP finds the same samples, offsets and buckets as seeking."""
+    remote = build_index(f"{http_base}/train-{{000000..000007}}.tar", BUCKET_BY)
+    local = build_index(str(shard_dir / "train-{000000..000007}.tar"), BUCKET_BY)
+    for column in ("offset", "length", "bucket", "shard"):
+        assert getattr(remote, column).tolist() == getattr(local, column).tolist()
+    assert [remote.key(i) for i in range(len(remote))] == [local.key(i) for i in range(len(local))]
+
+
+# ---------------------------------------------------------------- caching chains
+
+
+def test_simplecache_chain_indexes_and_streams_from_the_cache(
+        moto_server: MotoServer, s3_train: str, fault_proxy: Any, tmp_path: Path,
+        reference: dict[str, dict[str, Any]]) -> None:
+    proxy: FaultProxy = fault_proxy(moto_server)
+    cache = tmp_path / "cache"
+    options = {"s3": moto_server.storage_options_via(proxy.url),
+               "simplecache": {"cache_storage": str(cache)}}
+    index = build_index(f"simplecache::s3://{s3_train}/{PATTERN}", BUCKET_BY,
+                        output=str(tmp_path / "cached.wdsidx"), storage_options=options)
+    assert index.shards[0].url == f"simplecache::s3://{s3_train}/train-000000.tar"
+    assert len(index) == SAMPLES and len(os.listdir(cache)) == SHARDS  # each object fetched once
+    fetched = sum(r.method == "GET" for r in proxy.requests)
+    assert fetched == SHARDS
+    proxy.reset_counters()
+    ds = _ds(index.path, storage_options=options)
+    batches = list(ds)
+    assert _keys(batches) == _plan_keys(ds, index)
+    _check_bytes(batches, reference)
+    assert not [r for r in proxy.requests if r.method == "GET"]  # served from the local cache
+
+
+# ---------------------------------------------------------------- concurrency, measured
+
+
+def test_many_range_reads_in_flight_hide_latency(http_base: str, fault_proxy: Any,
+                                                 nginx_server: Any, tmp_path: Path) -> None:
+    latency = 0.05
+    proxy: FaultProxy = fault_proxy(nginx_server)
+    base = proxy.url + http_base[len(nginx_server.url):]
+    index = build_index(f"{base}/{PATTERN}", BUCKET_BY, output=str(tmp_path / "proxied.wdsidx"))
+    probe = _Arrivals()
+    proxy.add_rule(Rule(Fault.FAIL, remaining=None, match=probe))
+    proxy.set_latency(latency * 1000)
+    ds = _ds(index, read_options=ReadOptions(max_in_flight=32, max_merged_bytes=0))
+    t0 = time.perf_counter()
+    got = sum(len(b) for b in itertools.islice(iter(ds), 16))  # 64 samples
+    elapsed = time.perf_counter() - t0
+    assert got == 64
+    # One at a time would take >= 64 * 50 ms = 3.2 s.
+    assert elapsed < 64 * latency / 4, f"64 samples took {elapsed:.2f} s"
+    assert probe.peak_within(latency) >= 8, probe.peak_within(latency)
+
+    # The reader's own counters agree, and max_in_flight=1 really is one at a time.
+    ranges = [(index.url(i), int(index.offset[i]), int(index.length[i])) for i in range(0, 32, 2)]
+    timings = {}
+    for n in (1, 16):
+        reader = RangeReader(ReadOptions(max_in_flight=n))
+        t0 = time.perf_counter()
+        assert [len(b) for b in reader.read_many(ranges)] == [r[2] for r in ranges]
+        timings[n] = time.perf_counter() - t0
+        assert reader.stats.peak_requests_in_flight == n and reader.stats.requests == len(ranges)
+    assert timings[1] >= len(ranges) * latency
+    assert timings[16] < timings[1] / 4, timings
