@@ -16,17 +16,18 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
 
-from .errors import ConfigError, StateMismatchError, TopologyMismatchError, WdsPadError
+from .errors import ConfigError, StateMismatchError, WdsPadError
 from .index import Index, load_index
 from .plan import Mode, PadTo, Policy, _enum
 from .read import ReadOptions
 from .seed import shared_seed
 from .stages import Counters, PlannedSource, PlanSpec, Position, fetch, substitute
-from .state import STATE_FORMAT, STATE_VERSION, verify_state
+from .state import ElasticView, _flatten, epoch_length, make_state, restore
 from .topology import Topology
 
 __all__ = ["BucketedWebDataset", "Loader", "check_agreement"]
@@ -128,6 +129,9 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
         self.stages: list[Callable[[Any], Any]] = []
         self.counters = Counters()
         self._position = Position(int(epoch), 0)
+        self._view: ElasticView | None = None  # the epoch resumed on another DP layout
+        self._worker: tuple[int, int] | None = None  # set in a worker: _position is its own next batch
+        self._pinned = False  # the next iteration starts exactly at _position (a restored state)
         self._agreed: set[int] = set()
 
     # -- the fluid interface -----------------------------------------------------------
@@ -144,7 +148,9 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
             raise ConfigError(f"batched({batchsize}): batches follow the plan's batch_size "
                               f"{self.spec.batch_size}; call batched() without a size")
         result = copy.copy(self)
-        result.collation_fn = collation_fn
+        # an explicit None means "a plain list", as in webdataset's batched(); only the
+        # constructor's default None turns into default collation once transforms exist
+        result.collation_fn = list if collation_fn is None else collation_fn
         return result
 
     # -- epochs and state ----------------------------------------------------------------
@@ -163,27 +169,46 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` at its first batch on the next iteration."""
         self._position = Position(int(epoch), 0)
+        self._view = None
+        self._worker = None
+        self._pinned = False
 
     def plan(self, epoch: int | None = None) -> Any:
         """This rank's Plan for ``epoch`` (default: the current one)."""
         return self.spec.plan(self.epoch if epoch is None else epoch)
 
     def __len__(self) -> int:
-        """Batches in the current epoch on this rank (epochs mode)."""
-        return len(self.plan())
+        """Batches in the current epoch on this rank (epochs mode; after an elastic
+        resume, the batches left in the resumed epoch)."""
+        return epoch_length(self.spec, self.epoch, self._view)
 
     def state_dict(self) -> dict[str, Any]:
-        """The current position as a small JSON-safe dict (see docs/resume.md)."""
-        return make_state(self.spec, self._position)
+        """The current position as a small JSON-safe dict (see docs/resume.md).
+
+        Exact when iterated in the main process. Inside a DataLoader worker (torchdata's
+        StatefulDataLoader asks each worker) it is that worker's own next batch, marked
+        with ``worker``; use :class:`Loader` to get one exact state from the main process.
+        """
+        return make_state(self.spec, self._position.epoch, self._position.index, view=self._view,
+                          worker=self._worker)
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_elastic: bool = False) -> None:
         """Resume at a saved position after verifying the whole state.
+
+        Args:
+            state: a dict returned by ``state_dict()`` (of this dataset or its Loader).
+            allow_elastic: resume on another number of DP ranks if the saved position
+                maps exactly onto the new layout (docs/resume.md, "Elastic resume").
 
         Raises:
             StateError, TopologyMismatchError, StateMismatchError: the state is refused;
                 the dataset is left exactly as it was.
         """
-        self._position = restore_position(self.spec, state, allow_elastic)
+        info = get_worker_info()
+        worker = None if info is None else (info.id, info.num_workers)
+        r = restore(self.spec, state, allow_elastic=allow_elastic, worker=worker)
+        self._position, self._view, self._worker = Position(r.epoch, r.index), r.view, r.worker
+        self._pinned = True  # even a finished epoch: resuming there yields nothing, not a rerun
 
     # -- iteration -------------------------------------------------------------------------
     def agree(self) -> None:
@@ -196,10 +221,7 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
         in_worker = get_worker_info() is not None
         if not in_worker:
             self.agree()
-        start = self._position
-        if self.spec.mode is Mode.EPOCHS and start.index >= len(self.spec.plan(start.epoch)):
-            start = Position(start.epoch, 0)  # a finished epoch iterates again from its start
-        source = PlannedSource(self.spec, start)
+        source = self._source()
         fetcher = fetch(self.read_options, handler=self.handler, spec=self.spec, counters=self.counters)
         stages, collate = self.stages, self.collation_fn
         if collate is None and stages:
@@ -220,11 +242,43 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
             self._advance(current)  # type: ignore[arg-type]
             yield out
 
+    def _source(self) -> PlannedSource:
+        """Where this iteration starts: a seek into the plan (or the elastic view)."""
+        info = get_worker_info()
+        start, worker = self._position, None
+        if info is not None and self._worker == (info.id, info.num_workers):
+            worker = (0, info.num_workers)  # a worker-local position: every num_workers-th from here
+        elif (not self._pinned and self.spec.mode is Mode.EPOCHS
+              and start.index >= epoch_length(self.spec, start.epoch, self._view)):
+            start = self._position = Position(start.epoch, 0)  # a finished epoch iterates again
+            self._view = None                                 # from its start, on this layout
+        if info is None:
+            self._pinned = False
+        return _ViewSource(self.spec, start, worker, self._view)
+
+    def _forward(self, position: Position, n: int) -> Position:
+        """``position`` moved on by ``n`` batches (across epochs in steps mode)."""
+        epoch, index = position.epoch, position.index + n
+        while self.spec.mode is Mode.STEPS:
+            length = epoch_length(self.spec, epoch, self._view)
+            if index < length or (length == 0 and len(self.spec.plan(epoch)) == 0):
+                break
+            epoch, index = epoch + 1, index - length
+        if self.spec.mode is Mode.EPOCHS:
+            index = min(index, epoch_length(self.spec, epoch, self._view))
+        return Position(epoch, index)
+
     def _advance(self, done: tuple[int, int]) -> Position:
+        """Record that plan batch ``done = (epoch, j)`` was yielded."""
         epoch, j = done
-        self._position = Position(epoch, j + 1)
-        if self.spec.mode is Mode.STEPS and j + 1 >= len(self.spec.plan(epoch)):
-            self._position = Position(epoch + 1, 0)
+        view = self._view
+        k = int(np.searchsorted(view.keep, j)) if view is not None and view.epoch == epoch else j
+        info = get_worker_info()
+        if info is None:
+            self._position = self._forward(Position(epoch, k), 1)
+        else:  # this worker's next batch is num_workers further on
+            self._position = self._forward(Position(epoch, k), info.num_workers)
+            self._worker = (info.id, info.num_workers)
         return self._position
 
     def _transform(self, sample: dict[str, Any], fetcher: Any) -> Any:
@@ -257,47 +311,39 @@ def apply_stages(stages: Sequence[Callable[[Any], Any]], sample: Any) -> Any:
     return out[0]
 
 
-def make_state(spec: PlanSpec, position: Position, kind: str = "bucketed") -> dict[str, Any]:
-    return {
-        "format": STATE_FORMAT,
-        "version": STATE_VERSION,
-        "kind": kind,
-        "mode": spec.mode.value,
-        "epoch": position.epoch,
-        "index": position.index,
-        "batches_in_epoch": len(spec.plan(position.epoch)),
-        "topology": spec.topology.to_dict(),
-        "fingerprint": spec.fingerprint(),
-        "plan": spec.fingerprint_fields(),
-    }
+class _ViewSource(PlannedSource):
+    """PlannedSource over the elastic view of a resumed epoch (the plan itself otherwise).
 
+    ``start.index`` counts batches of the view; the yielded ``__batch__`` stays the index
+    in this rank's plan. Worker w of N takes view batches k with (k - start) mod N == w.
+    """
 
-def restore_position(spec: PlanSpec, state: Mapping[str, Any], allow_elastic: bool) -> Position:
-    """Verify ``state`` against ``spec`` and return the position to resume at."""
-    state = verify_state(state, kind="bucketed", mode=spec.mode.value, topology=spec.topology,
-                         fingerprint=spec.fingerprint(), plan_fields=spec.fingerprint_fields(),
-                         allow_elastic=allow_elastic)
-    epoch, index = state["epoch"], state["index"]
-    saved_topo = state.get("topology") or spec.topology.to_dict()
-    elastic = saved_topo.get("dp_size") != spec.topology.dp_size
-    if elastic:
-        saved_batches = state.get("batches_in_epoch")
-        if index == 0:
-            return Position(epoch, 0)
-        if saved_batches is not None and index >= saved_batches:
-            return Position(epoch, len(spec.plan(epoch))) if spec.mode is Mode.EPOCHS else Position(epoch + 1, 0)
-        raise TopologyMismatchError(
-            f"allow_elastic: the state was saved mid-epoch (epoch {epoch}, batch {index} of "
-            f"{saved_batches}) on dp_size {saved_topo.get('dp_size')}; on dp_size "
-            f"{spec.topology.dp_size} the global steps are other windows of each bucket, so the "
-            "consumed samples do not map exactly. Resume on the saved layout, or from a state "
-            "saved at an epoch boundary"
-        )
-    n = len(spec.plan(epoch))
-    if index > n:
-        raise StateMismatchError(f"loader state position {index} is past the end of epoch {epoch} "
-                                 f"({n} batches on this rank); the state does not belong to this plan")
-    return Position(epoch, index)
+    def __init__(self, spec: PlanSpec, start: Position, worker: tuple[int, int] | None,
+                 view: ElasticView | None) -> None:
+        super().__init__(spec, start, worker)
+        self.view = view
+
+    def batches(self) -> Iterator[tuple[Any, int]]:
+        wid, nw = self._worker()
+        epoch, first = self.start.epoch, self.start.index
+        counter = 0
+        while True:
+            plan = self.spec.plan(epoch)
+            view = self.view if self.view is not None and self.view.epoch == epoch else None
+            n = len(plan) if view is None else int(view.keep.size)
+            if first > n:
+                raise ConfigError(f"resume position {first} is past the end of epoch {epoch} "
+                                  f"({n} batches on this rank)")
+            for k in range(first, n):
+                if counter % nw == wid:
+                    yield plan, (k if view is None else int(view.keep[k]))
+                counter += 1
+            if self.spec.mode is not Mode.STEPS:
+                return
+            if len(plan) == 0 and first == 0:
+                raise ConfigError("steps mode has nothing to stream: every bucket was dropped; "
+                                  "lower batch_size or pass oversubscribe=True")
+            epoch, first = epoch + 1, 0
 
 
 def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> None:
@@ -322,11 +368,13 @@ def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> No
         if fields:
             detail = ", ".join(f"{k}: rank {ref['rank']} {ref[k]!r} vs rank {other['rank']} {other[k]!r}"
                                for k in fields if k != "fingerprint")
-            plan_diff = [k for k in ref["plan"] if ref["plan"][k] != other["plan"].get(k)]
+            # one row per leaf field: "datasets[0].index_digest", not two whole dataset lists
+            mine_f, theirs_f = (_flatten(x["plan"], "plan") for x in (ref, other))
+            plan_diff = [k for k in {**mine_f, **theirs_f} if mine_f.get(k) != theirs_f.get(k)]
             if plan_diff:
                 detail += (", " if detail else "") + "plan fields differ: " + ", ".join(
-                    f"{k} (rank {ref['rank']}: {ref['plan'][k]!r}, rank {other['rank']}: "
-                    f"{other['plan'].get(k)!r})" for k in plan_diff)
+                    f"{k[len('plan.'):]} (rank {ref['rank']}: {mine_f.get(k)!r}, rank {other['rank']}: "
+                    f"{theirs_f.get(k)!r})" for k in plan_diff)
             bad.append(f"rank {other['rank']} differs from rank {ref['rank']}: {detail or 'fingerprint'}")
     if bad:
         raise StateMismatchError(
@@ -334,6 +382,10 @@ def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> No
             ". Every rank must use the same index, seed, batch size and policy "
             "(pass check_agreement=False to skip this check)"
         )
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
 
 
 class Loader:
@@ -361,12 +413,21 @@ class Loader:
                 raise ConfigError(f"Loader does not take {bad}={kwargs[bad]!r}: the plan decides batches "
                                   "and order, and workers must restart at each saved position")
             kwargs.pop(bad, None)
+        # batches are collated by the dataset already; DataLoader's default_convert would
+        # turn numpy arrays into tensors only when num_workers > 0
+        kwargs.setdefault("collate_fn", _as_is)
         self.dataset = dataset
         self.num_workers = num_workers
         self.kwargs = kwargs
         self._position = dataset._position
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next batch the trainer receives (or of the last, once finished)."""
+        return self._position.epoch
+
     def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` at its first batch on the next iteration."""
         self.dataset.set_epoch(epoch)
         self._position = self.dataset._position
 
@@ -374,20 +435,34 @@ class Loader:
         return len(self.dataset)
 
     def state_dict(self) -> dict[str, Any]:
-        return make_state(self.dataset.spec, self._position)
+        """The position of the last batch the trainer received (JSON-safe, see docs/resume.md)."""
+        view = self.dataset._view
+        return make_state(self.dataset.spec, self._position.epoch, self._position.index, view=view)
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_elastic: bool = False) -> None:
-        position = restore_position(self.dataset.spec, state, allow_elastic)
-        self.dataset._position = position
+        """Verify ``state`` in full, then make the next iteration start at its position.
+
+        Raises:
+            StateError, TopologyMismatchError, StateMismatchError: the state is refused;
+                the loader is left exactly as it was.
+        """
+        r = restore(self.dataset.spec, state, allow_elastic=allow_elastic)
+        position = Position(r.epoch, r.index)
+        ds = self.dataset
+        ds._position, ds._view, ds._worker, ds._pinned = position, r.view, None, True
         self._position = position
 
     def __iter__(self) -> Iterator[Any]:
         ds = self.dataset
         spec = ds.spec
         start = self._position
-        if spec.mode is Mode.EPOCHS and start.index >= len(spec.plan(start.epoch)):
-            start = Position(start.epoch, 0)
-        ds._position = start
+        if (not ds._pinned and spec.mode is Mode.EPOCHS
+                and start.index >= epoch_length(spec, start.epoch, ds._view)):
+            start = Position(start.epoch, 0)  # a finished epoch iterates again from its start
+            ds._view = None
+        # workers (and the dataset itself) start exactly here: a seek, decided once
+        ds._position, ds._worker, ds._pinned = start, None, True
+        self._position = start
         ds.agree()
         if self.num_workers == 0:
             for batch in ds:
@@ -395,11 +470,9 @@ class Loader:
                 yield batch
             return
         loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.kwargs)
-        epoch, index = start.epoch, start.index
-        for batch in loader:
-            index += 1
-            if spec.mode is Mode.STEPS and index >= len(spec.plan(epoch)):
-                epoch, index = epoch + 1, 0
-            self._position = Position(epoch, index)
+        batches = iter(loader)  # starts the workers: each gets its copy of the pinned dataset
+        ds._pinned = False
+        for batch in batches:
+            self._position = ds._forward(self._position, 1)
             yield batch
         ds._position = self._position
