@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
@@ -32,6 +33,7 @@ from .tarscan import scan_tar
 
 __all__ = ["Problem", "build_index", "expand_urls", "verify_index"]
 
+_EXT = operator.attrgetter("ext")
 _STAMP_FIELDS = ("ETag", "etag", "checksum", "md5Hash", "crc32c", "mtime", "LastModified",
                  "last_modified", "updated", "created")
 
@@ -88,6 +90,7 @@ class _ShardRows:
     exts: list[tuple[str, ...]] = field(default_factory=list)
     excluded: list[dict[str, Any]] = field(default_factory=list)
     nbytes: int = 0
+    fault: dict[str, Any] | None = None  # on_error="skip": why the shard (or its rest) was left out
 
 
 def _open_for_scan(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, bool]:
@@ -108,10 +111,20 @@ def _scan_one(url: str, fn: BucketFn, on_error: str, storage_options: Mapping[st
         f, seekable = _open_for_scan(url, storage_options)
     except FileNotFoundError:
         raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
+    needs_more = getattr(fn, "needs_more", None)
     with f:
-        for sample in scan_tar(f, url, want=want, head_bytes=head, seekable=seekable, on_error=on_error):
+        samples = scan_tar(f, redact(url), want=want, head_bytes=head, seekable=seekable, on_error=on_error)
+        while True:
             try:
-                bucket = fn(sample.key, sample.data)
+                sample = next(samples)
+            except StopIteration as stop:  # with on_error="skip" the generator returns the fault
+                fault = stop.value
+                break
+            data = sample.data
+            if needs_more is not None and needs_more(data):  # e.g. a JPEG size beyond head_bytes
+                data = _whole_members(url, sample, want, storage_options)
+            try:
+                bucket = fn(sample.key, data)
             except WdsPadError as exc:
                 bucket = _bucket_failure(url, sample, exc, on_error, rows)
                 if bucket is None:
@@ -128,17 +141,38 @@ def _scan_one(url: str, fn: BucketFn, on_error: str, storage_options: Mapping[st
             rows.length.append(sample.length)
             rows.keys.append(sample.key)
             rows.buckets.append(bucket)
-            rows.exts.append(tuple(m.ext for m in sample.members))
-            progress.advance(samples=1)
-    rows.info = ShardInfo(url=url, size=size, stamp=stamp, samples=len(rows.keys))
+            rows.exts.append(tuple(map(_EXT, sample.members)))
+            if len(rows.keys) % 1024 == 0:
+                progress.advance(samples=1024)
+    progress.advance(samples=len(rows.keys) % 1024)
+    error = None
+    if fault is not None:  # samples before the fault are kept; --update rescans the shard
+        error = redact(str(fault))
+        rows.fault = {"url": url, "reason": error, "samples_kept": len(rows.keys)}
+    rows.info = ShardInfo(url=url, size=size, stamp=stamp, samples=len(rows.keys), error=error)
     rows.nbytes = size
     return rows
+
+
+def _whole_members(url: str, sample: Any, want: Sequence[str],
+                   storage_options: Mapping[str, Any] | None) -> dict[str, bytes]:
+    """Re-read the wanted members of ``sample`` in full (the first read stopped at head_bytes)."""
+    fs, path = get_filesystem(url, storage_options)
+    out: dict[str, bytes] = {}
+    for m in sample.members:
+        if m.ext in want:
+            try:
+                out[m.ext] = fs.cat_file(path, start=m.data_offset, end=m.data_offset + m.size)
+            except OSError as exc:
+                raise ShardError(f"shard {redact(url)!r}: re-reading member {m.name!r} at byte offset "
+                                 f"{m.data_offset} failed: {exc}") from exc
+    return out
 
 
 def _bucket_failure(url: str, sample: Any, exc: Exception, on_error: str, rows: _ShardRows) -> None:
     message = f"bucket function failed for sample {sample.key!r} in {redact(url)!r} at byte offset {sample.offset}: {exc}"
     if on_error == "raise":
-        raise BucketError(message + "; fix the data or index with on_error='skip' (--on-error skip)") from exc
+        raise BucketError(message + "; or index with on_error='skip' (--on-error skip) to leave such samples out") from exc
     rows.excluded.append({"url": url, "offset": sample.offset, "key": sample.key, "reason": str(exc)})
     return None
 
@@ -215,7 +249,6 @@ def build_index(
     bar = Progress(total=len(shard_urls), enabled=progress, label="index")
     bar.advance(shards=len(reused))
     results: dict[str, _ShardRows] = dict(reused)
-    skipped: list[dict[str, Any]] = []
 
     def task(url: str) -> _ShardRows:
         try:
@@ -223,8 +256,8 @@ def build_index(
         except ShardError as exc:
             if on_error != "skip":
                 raise
-            skipped.append({"url": url, "reason": redact(str(exc))})
             rows = _ShardRows(ShardInfo(url=url, size=-1, stamp="", samples=0, error=redact(str(exc))))
+            rows.fault = {"url": url, "reason": redact(str(exc)), "samples_kept": 0}
         bar.advance(shards=1, nbytes=max(rows.nbytes, 0))
         return rows
 
@@ -237,10 +270,14 @@ def build_index(
                 futures = {pool.submit(task, url): url for url in todo}
                 for fut in concurrent.futures.as_completed(futures):
                     results[futures[fut]] = fut.result()
+    except BaseException:
+        bar.enabled = bar.enabled and bar.tty  # in a log, a failed build ends with its error line
+        raise
     finally:
         bar.close()
-    index = _assemble([results[u] for u in shard_urls], fn, skipped,
-                      name or _default_name(output, shard_urls))
+    parts = [results[u] for u in shard_urls]
+    skipped = [p.fault for p in parts if p.fault is not None]  # shard order: same for any workers
+    index = _assemble(parts, fn, skipped, name or _default_name(output, shard_urls))
     if output is not None:
         write_index(index, output, storage_options)
         object.__setattr__(index, "path", output)
@@ -286,7 +323,8 @@ def _assemble(parts: Sequence[_ShardRows], fn: BucketFn, skipped: list[dict[str,
     ext_table = sorted({e for p in parts for exts in p.exts for e in exts})
     if len(ext_table) > 64:
         raise ConfigError(f"{len(ext_table)} distinct member extensions; the index records at most 64")
-    bit = {e: np.uint64(1) << np.uint64(i) for i, e in enumerate(ext_table)}
+    bit = {e: 1 << i for i, e in enumerate(ext_table)}
+    mask_of = {t: sum(bit[e] for e in set(t)) for p in parts for t in set(p.exts)}  # few distinct tuples
     bucket_keys: list[Hashable] = []
     bucket_id: dict[Hashable, int] = {}
     shard_col, offset, length, bucket, masks, keys = [], [], [], [], [], []
@@ -296,15 +334,12 @@ def _assemble(parts: Sequence[_ShardRows], fn: BucketFn, skipped: list[dict[str,
         shard_col.append(np.full(n, si, dtype=np.int32))
         offset.append(np.asarray(p.offset, dtype=np.int64))
         length.append(np.asarray(p.length, dtype=np.int64))
-        ids = []
-        for b in p.buckets:
-            j = bucket_id.get(b)
-            if j is None:
-                j = bucket_id[b] = len(bucket_keys)
+        for b in dict.fromkeys(p.buckets):  # first-seen order, one lookup per distinct key
+            if b not in bucket_id:
+                bucket_id[b] = len(bucket_keys)
                 bucket_keys.append(b)
-            ids.append(j)
-        bucket.append(np.asarray(ids, dtype=np.int64))
-        masks.append(np.asarray([_mask(e, bit) for e in p.exts], dtype=np.uint64))
+        bucket.append(np.fromiter(map(bucket_id.__getitem__, p.buckets), dtype=np.int64, count=n))
+        masks.append(np.fromiter(map(mask_of.__getitem__, p.exts), dtype=np.uint64, count=n))
         keys.extend(p.keys)
         excluded_samples.extend(p.excluded)
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
@@ -317,13 +352,6 @@ def _assemble(parts: Sequence[_ShardRows], fn: BucketFn, skipped: list[dict[str,
         excluded["truncated"] = True
     return make_index([p.info for p in parts], rows, bucket_keys, keys, bucket_by=fn.describe(),
                       exts=ext_table, excluded=excluded, name=name)
-
-
-def _mask(exts: Sequence[str], bit: Mapping[str, np.uint64]) -> int:
-    m = 0
-    for e in exts:
-        m |= int(bit[e])
-    return m
 
 
 @dataclass(frozen=True)
@@ -346,8 +374,8 @@ def verify_index(index: Index | str, *, deep: bool = False,
     problems: list[Problem] = []
     fn = _DescribedOnly(index.bucket_by)
     for si, shard in enumerate(index.shards):
-        if shard.error is not None:
-            continue
+        if shard.size < 0:
+            continue  # missing when indexed (on_error="skip"): nothing recorded to compare
         try:
             size, stamp = shard_info(shard.url, storage_options)
         except ShardError as exc:
@@ -384,8 +412,9 @@ class _DescribedOnly:
 
 def _deep_compare(index: Index, si: int, fn: Any, storage_options: Mapping[str, Any] | None) -> str:
     url = index.shards[si].url
+    on_error = "raise" if index.shards[si].error is None else "skip"  # a known fault is no news
     try:
-        rows = _scan_one(url, fn, "raise", storage_options, Progress(total=0, enabled=False))
+        rows = _scan_one(url, fn, on_error, storage_options, Progress(total=0, enabled=False))
     except WdsPadError as exc:
         return f"rescan failed: {exc}"
     ids = np.flatnonzero(index.shard == si)
