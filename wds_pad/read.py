@@ -128,6 +128,9 @@ class ReadStats:
 
 _SECRET_NAME = re.compile(r"key|secret|token|passw|credential|auth|signature|sig$|sas", re.I)
 _SECRETS: set[str] = set()
+# words of an Authorization value that are not secret ("Bearer <token>"): never hidden
+# on their own, or "Authorization: Bearer x" would turn into "Authorization: *** x"
+_AUTH_SCHEMES = frozenset({"bearer", "basic", "digest", "token", "negotiate", "aws4-hmac-sha256"})
 _SECRETS_LOCK = threading.Lock()
 _USERINFO = re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s@?#]+@")
 _SIGNED_PARAM = re.compile(
@@ -135,7 +138,7 @@ _SIGNED_PARAM = re.compile(
     r"[^&\s#'\"]*", re.I)
 _SECRET_ASSIGN = re.compile(
     r"((?:secret|token|password|passwd|credential|access_key|secret_key|api_key|key_id|"
-    r"authorization)[\w-]*['\"]?\s*[=:]\s*['\"]?)(?:Bearer\s+|Basic\s+)?[^\s'\",}&]+", re.I)
+    r"authorization)[\w-]*['\"]?\s*[=:]\s*['\"]?)(?:(?:Bearer|Basic|Digest|Token|\*\*\*)\s+)?[^\s'\",}&]+", re.I)
 
 
 def _register_secrets(options: Any, name: str = "") -> None:
@@ -149,7 +152,8 @@ def _register_secrets(options: Any, name: str = "") -> None:
     elif isinstance(options, str) and _SECRET_NAME.search(name) and len(options) >= 4:
         with _SECRETS_LOCK:
             _SECRETS.add(options)
-            _SECRETS.update(part for part in options.split() if len(part) >= 6)
+            _SECRETS.update(part for part in options.split()
+                            if len(part) >= 6 and part.lower() not in _AUTH_SCHEMES)
 
 
 def redact(text: str) -> str:
