@@ -209,6 +209,9 @@ def test_the_launcher_never_hangs() -> None:
     finally:
         job.close()
     assert time.monotonic() - t0 < 30
-    assert [r.returncode for r in results] == [None, 3]  # None: killed by the launcher
+    # rank 1 failed with its own code; rank 0 was killed by the launcher (None when the
+    # launcher recorded the kill, -SIGKILL when the process was reaped first)
+    assert results[1].returncode == 3
+    assert results[0].returncode is None or results[0].returncode < 0, results[0].returncode
     time.sleep(0.2)
     assert not any(_alive(pid) for pid in _children(results))

@@ -431,15 +431,54 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None) -> Iterator[Sca
     data: dict[str, bytes] = {}
     exts: list[str] = []
     bad = False
-    while (e := _entry(r, pos, prev)) is not None:
+    unpack, adler, enc = _FIELDS.unpack_from, zlib.adler32, _ENC
+    while True:
+        # Fast path, inline: a plain ustar regular-file header already in the buffer
+        # (what ShardWriter and most tools write). Anything else -- extension headers,
+        # prefixes, non-ASCII, bad checksums, the end, truncation -- goes to _entry,
+        # which applies every rule and raises with the offset.
+        e = None
+        buf, rel = r._buf, pos - r._base
+        if rel < 0 or rel + _BLOCK > len(buf):
+            r.at(pos, _BLOCK)
+            buf, rel = r._buf, pos - r._base
+        if rel >= 0 and rel + _BLOCK <= len(buf):
+            raw, num, chk, kind, prefixed = unpack(buf, rel)
+            if (kind == b"0" or kind == b"\0") and not prefixed:
+                hdr = buf[rel : rel + _BLOCK]
+                if hdr.isascii():
+                    total = (adler(hdr) & 0xFFFF) - 1
+                    try:
+                        size = int(num.rstrip(b"\0 "), 8)
+                        ok = total > 0 and size >= 0 and int(chk.rstrip(b"\0 "), 8) == total - sum(chk) + 256
+                    except ValueError:
+                        ok = False
+                    if ok:
+                        i = raw.find(0)
+                        nm = (raw if i < 0 else raw[:i]).decode(enc, "surrogateescape")
+                        data_at = pos + _BLOCK
+                        nxt = data_at + ((size + 511) & ~511)
+                        if not nm.endswith("/") and not 0 <= r.eof < nxt:
+                            e = (pos, data_at, size, nxt, nm, True)
+        if e is None:
+            e = _entry(r, pos, prev)
+            if e is None:
+                break
         start, off, size, pos, name, regular = e
         prev = name
         if not regular or (name.startswith("__") and _is_meta(name)):
             continue
-        m = _KEY_RE.match(name)
-        if m is None:
-            continue
-        k, ext = m.groups()
+        # webdataset's base_plus_ext without a regex: key = up to the first dot of the
+        # file name (which needs at least one character before it), ext = the rest
+        cut = name.rfind("/") + 1
+        dot = name.find(".", cut)
+        if dot <= cut or "\n" in name:
+            m = _KEY_RE.match(name)  # no key, or a name the regex treats specially
+            if m is None:
+                continue
+            k, ext = m.groups()
+        else:
+            k, ext = name[:dot], name[dot + 1 :]
         ext = ext.lower()
         if k != key:
             if key is not None and not bad:
