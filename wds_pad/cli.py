@@ -46,36 +46,31 @@ def _parse_buckets(text: str) -> dict[str, int]:
     return out
 
 
+def _int_at_least(minimum: int, what: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
+
+
 def _rank_arg(text: str) -> int | str:
     if text == "all":
         return text
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--rank must be an integer or 'all', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--rank must be >= 0, got {value}")
-    return value
+        return _int_at_least(0, "an integer >= 0", text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"--rank must be an integer or 'all' ({exc})") from None
 
 
 def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _int_at_least(1, "a positive integer", text)
 
 
 def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _int_at_least(0, "an integer >= 0", text)
 
 
 def synthetic_dataset(buckets: dict[str, int], name: str = "synthetic") -> Any:

@@ -323,27 +323,11 @@ class _ViewSource(PlannedSource):
         super().__init__(spec, start, worker)
         self.view = view
 
-    def batches(self) -> Iterator[tuple[Any, int]]:
-        wid, nw = self._worker()
-        epoch, first = self.start.epoch, self.start.index
-        counter = 0
-        while True:
-            plan = self.spec.plan(epoch)
-            view = self.view if self.view is not None and self.view.epoch == epoch else None
-            n = len(plan) if view is None else int(view.keep.size)
-            if first > n:
-                raise ConfigError(f"resume position {first} is past the end of epoch {epoch} "
-                                  f"({n} batches on this rank)")
-            for k in range(first, n):
-                if counter % nw == wid:
-                    yield plan, (k if view is None else int(view.keep[k]))
-                counter += 1
-            if self.spec.mode is not Mode.STEPS:
-                return
-            if len(plan) == 0 and first == 0:
-                raise ConfigError("steps mode has nothing to stream: every bucket was dropped; "
-                                  "lower batch_size or pass oversubscribe=True")
-            epoch, first = epoch + 1, 0
+    def epoch_batches(self, epoch: int) -> tuple[Any, Sequence[int]]:
+        plan = self.spec.plan(epoch)
+        if self.view is not None and self.view.epoch == epoch:
+            return plan, self.view.keep
+        return plan, range(len(plan))
 
 
 def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> None:

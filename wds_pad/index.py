@@ -24,13 +24,13 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
+from ._atomic import atomic_write
 from .errors import IndexFormatError
 from .plan import Dataset, bucket_order
 
@@ -246,22 +246,7 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
     parts = _serialize(index)
     if "://" not in path or path.startswith("file://"):
         local = path[len("file://"):] if path.startswith("file://") else path
-        directory = os.path.dirname(os.path.abspath(local))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".wdsidx", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for part in parts:
-                    f.write(part)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, local)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        atomic_write(local, parts, tmp_prefix=".tmp-wdsidx-")
         return local
     from .read import get_filesystem
 

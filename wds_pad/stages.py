@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -202,19 +202,27 @@ class PlannedSource:
         info = get_worker_info()
         return (0, 1) if info is None else (info.id, info.num_workers)
 
+    def epoch_batches(self, epoch: int) -> tuple[Plan, Sequence[int]]:
+        """The plan of ``epoch`` and the indices of its batches this stream walks.
+
+        The whole plan here; a resumed elastic epoch walks a subset (see dataset.py).
+        """
+        plan = self.spec.plan(epoch)
+        return plan, range(len(plan))
+
     def batches(self) -> Iterator[tuple[Plan, int]]:
         """(plan, batch index) of every batch this worker produces, in plan order."""
         wid, nw = self._worker()
         epoch, first = self.start.epoch, self.start.index
         counter = 0
         while True:
-            plan = self.spec.plan(epoch)
-            if first > len(plan):
+            plan, walk = self.epoch_batches(epoch)
+            if first > len(walk):
                 raise ConfigError(f"resume position {first} is past the end of epoch {epoch} "
-                                  f"({len(plan)} batches on this rank)")
-            for j in range(first, len(plan)):
+                                  f"({len(walk)} batches on this rank)")
+            for k in range(first, len(walk)):
                 if counter % nw == wid:
-                    yield plan, j
+                    yield plan, int(walk[k])
                 counter += 1
             if self.spec.mode is not Mode.STEPS:
                 return

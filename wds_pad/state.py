@@ -26,10 +26,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ._atomic import atomic_write
 from ._elastic import ElasticView, elastic_view
 from .errors import StateError, StateMismatchError, TopologyMismatchError
 from .plan import Plan, plan_epoch
@@ -317,24 +317,7 @@ def save_state_file(state: Mapping[str, Any], directory: str, rank: int, prefix:
                           sort_keys=True).encode()
     except (TypeError, ValueError) as exc:
         raise StateError(f"state for {path!r} is not JSON-safe: {exc}") from exc
-    fd, tmp = tempfile.mkstemp(prefix=f".{prefix}-rank{rank:05d}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write(path, [data], tmp_prefix=f".{prefix}-rank{rank:05d}.")
     return path
 
 
