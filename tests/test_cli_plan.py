@@ -215,3 +215,12 @@ def test_every_command_in_the_planning_doc_prints_what_the_doc_shows() -> None:
         assert (out.stdout if out.returncode == 0 else out.stderr) == shown, lines[0]
         checked += 1
     assert checked >= 10
+
+
+def test_a_dropped_bucket_warning_is_one_line_of_advice() -> None:
+    out = wds_pad("plan", "--buckets", "a=4,c=7", "--world-size", "8", "--rank", "0",
+                  "--batch-size", "1", "--seed", "3", "--summary")
+    assert out.returncode == 0
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wds-pad plan: warning: 2 bucket(s)"), out.stderr
+    assert "--oversubscribe" in lines[0]

@@ -271,8 +271,13 @@ def _extra_commands() -> list[Callable[[Any], None]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``wds-pad`` console script."""
+    import warnings
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    # warnings (a dropped bucket, ...) read as one line of advice, not a source listing
+    warnings.formatwarning = lambda message, category, *_rest, **_kw: (  # type: ignore[assignment]
+        f"wds-pad {args.command}: warning: {message}\n")
     try:
         return int(args.func(args) or 0)
     except _UsageError as exc:
