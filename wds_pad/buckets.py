@@ -23,7 +23,9 @@ Image sizes are read from PNG, JPEG and WebP headers without decoding by
 
 from __future__ import annotations
 
+import bisect
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -185,11 +187,26 @@ def _quantize(
 ) -> str:
     """Bucket label of ``ratio``: nearest candidate in log space (first on ties), or rounded to ``step``."""
     if step is not None:
-        decimals = max(0, -int(Decimal(repr(float(step))).normalize().as_tuple().exponent))
+        decimals = _decimals(step)
         return f"{max(1, round(ratio / step)) * step:.{decimals}f}"
     target = math.log(ratio)
-    best = min(range(len(logs)), key=lambda i: abs(target - logs[i]))
+    order, sorted_logs = _sorted_logs(logs)
+    # the nearest candidate is a neighbour of target's place in the sorted logs; among
+    # equally near ones the first listed wins, as min(range(...)) would pick
+    j = bisect.bisect_left(sorted_logs, target)
+    best = min((abs(target - sorted_logs[c]), order[c]) for c in (j - 1, j) if 0 <= c < len(order))[1]
     return (labels or ())[best]
+
+
+@functools.lru_cache(maxsize=64)
+def _sorted_logs(logs: tuple[float, ...]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    order = tuple(sorted(range(len(logs)), key=lambda i: (logs[i], i)))
+    return order, tuple(logs[i] for i in order)
+
+
+@functools.lru_cache(maxsize=64)
+def _decimals(step: float) -> int:
+    return max(0, -int(Decimal(repr(float(step))).normalize().as_tuple().exponent))
 
 
 def _load_json(key: str, data: Mapping[str, bytes], member: str) -> Any:
@@ -200,9 +217,15 @@ def _load_json(key: str, data: Mapping[str, bytes], member: str) -> Any:
             "bucket function (or bucket with another --bucket-by)"
         )
     try:
-        return json.loads(raw)
+        try:  # JSON members are UTF-8 in practice: decoding first skips json's encoding sniffing
+            return _json_decode(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BucketError(f"sample {key!r}: .{member} member is not valid JSON: {exc}") from exc
+
+
+_json_decode = json.JSONDecoder().decode
 
 
 def _get_path(doc: Any, path: str, key: str, member: str) -> Any:
@@ -218,6 +241,10 @@ def _get_path(doc: Any, path: str, key: str, member: str) -> Any:
 
 
 def _positive_number(doc: Any, path: str, key: str, member: str) -> float:
+    value = doc.get(path) if type(doc) is dict and "." not in path else None  # fast path: a top-level field
+    if type(value) is int or type(value) is float:
+        if value > 0 and value != math.inf:
+            return float(value)
     value = _get_path(doc, path, key, member)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BucketError(f"sample {key!r}: field {path!r} = {value!r} is not a number")

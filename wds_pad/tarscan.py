@@ -432,6 +432,7 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None) -> Iterator[Sca
     exts: list[str] = []
     bad = False
     unpack, adler, enc = _FIELDS.unpack_from, zlib.adler32, _ENC
+    fd, pread = r._fd, os.pread
     while True:
         # Fast path, inline: a plain ustar regular-file header already in the buffer
         # (what ShardWriter and most tools write). Anything else -- extension headers,
@@ -440,8 +441,15 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None) -> Iterator[Sca
         e = None
         buf, rel = r._buf, pos - r._base
         if rel < 0 or rel + _BLOCK > len(buf):
-            r.at(pos, _BLOCK)
-            buf, rel = r._buf, pos - r._base
+            if fd >= 0 and pos + _WINDOW <= r.eof:
+                try:  # the common case inline: a full window well inside a local file
+                    buf = r._buf = pread(fd, _WINDOW, pos)
+                    r._base, rel = pos, 0
+                except OSError:
+                    buf = b""
+            if rel != 0 or len(buf) < _WINDOW:
+                r.at(pos, _BLOCK)  # short reads, errors and stream mode: the full rules
+                buf, rel = r._buf, pos - r._base
         if rel >= 0 and rel + _BLOCK <= len(buf):
             raw, num, chk, kind, prefixed = unpack(buf, rel)
             if (kind == b"0" or kind == b"\0") and not prefixed:
@@ -492,7 +500,8 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None) -> Iterator[Sca
             bad = True  # webdataset's valid_sample drops it
         if ext in want:
             n = size if head is None or head > size else head
-            payload = r.at(off, n)
+            rel = off - r._base
+            payload = r._buf[rel : rel + n] if rel >= 0 and rel + n <= len(r._buf) else r.at(off, n)
             if len(payload) < n:
                 raise _fault(r.url, off, f"truncated inside the payload ({size} bytes)", name=name, key=k)
             data[ext] = payload
