@@ -110,7 +110,7 @@ def test_summary_table() -> None:
     assert rows["b"] == ["synthetic", "b", "0", "0", "0", "0", "0.0%", "0", "empty", "0"]
     assert rows["c"] == ["synthetic", "c", "7", "0", "0", "0", "0.0%", "7", "dropped", "0"]
     assert lines[6].startswith("total: 11 samples, 0 padded copies, 11 samples in dropped buckets")
-    assert "DroppedBucketWarning" in out.stderr and "'a'" in out.stderr
+    assert "wds-pad plan: warning:" in out.stderr and "'a'" in out.stderr
     kept = wds_pad("plan", *BASE, "--world-size", "4", "--rank", "0", "--batch-size", "2", "--summary",
                    "--oversubscribe")
     rows = {line.split()[1]: line.split() for line in kept.stdout.splitlines()[3:6]}

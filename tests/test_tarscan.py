@@ -538,3 +538,52 @@ def test_parse_sample_at_reads_large_payloads_without_a_range_buffer(tmp_path):
             parse_sample_at(fd, str(path), s.offset + 512, s.length, s.key)
     finally:
         os.close(fd)
+
+
+def test_local_fast_loop_hands_over_to_the_full_rules_mid_shard(tmp_path):
+    """Plain members take the tight loop; a long pax name, a non-ASCII name, a directory,
+    metadata and a __bad__ sample mid-shard hand over to the general parser, and the
+    result equals stream mode (the general parser throughout) and webdataset."""
+    path = tmp_path / "mixed.tar"
+    names = [f"s{i:03d}" for i in range(4)] + ["d/" + "x" * 120, "s005", "sé06", "s007", "s008", "s009"]
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for i, key in enumerate(names):
+            if i == 7:
+                info = tarfile.TarInfo("adir")
+                info.type = tarfile.DIRTYPE
+                tf.addfile(info)
+                meta = tarfile.TarInfo("__meta__")
+                meta.size = 3
+                tf.addfile(meta, io.BytesIO(b"abc"))
+            exts = ["bin", "json"] + (["__bad__"] if i == 8 else [])
+            for ext in exts:
+                payload = (b"%d-%s" % (i, ext.encode())) * (i * 37 + 1)
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(payload)
+                tf.addfile(info, io.BytesIO(payload))
+
+    def rows(seekable: bool) -> list[tuple]:
+        with open(path, "rb", buffering=0) as f:
+            src = f if seekable else _Unseekable(f)
+            return [(s.key, s.offset, s.length, tuple(m.ext for m in s.members), dict(s.data))
+                    for s in scan_tar(src, str(path), want=("json",), seekable=seekable)]
+
+    fast, general = rows(True), rows(False)
+    assert fast == general
+    assert [r[0] for r in fast] == [n for i, n in enumerate(names) if i != 8]  # __bad__ dropped
+    wds_keys = [s["__key__"] for s in wds.WebDataset(str(path), shardshuffle=False)]
+    assert [r[0] for r in fast] == wds_keys
+
+
+class _Unseekable(io.RawIOBase):
+    def __init__(self, f):
+        self.f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readinto(self, b) -> int:
+        return self.f.readinto(b)

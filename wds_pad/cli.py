@@ -275,9 +275,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    # warnings (a dropped bucket, ...) read as one line of advice, not a source listing
+    # warnings (a dropped bucket, ...) read as one line of advice, not a source listing;
+    # restored afterwards, for callers that run main() in their own process
+    saved_format = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *_rest, **_kw: (  # type: ignore[assignment]
         f"wds-pad {args.command}: warning: {message}\n")
+    try:
+        return _run(args)
+    finally:
+        warnings.formatwarning = saved_format
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except _UsageError as exc:

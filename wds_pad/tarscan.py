@@ -424,8 +424,8 @@ def _sample(key: str, members: list[Member], data: dict[str, bytes]) -> ScannedS
     return s
 
 
-def _samples(r: _Reader, want: frozenset[str], head: int | None) -> Iterator[ScannedSample]:
-    pos, prev = 0, None
+def _samples(r: _Reader, want: frozenset[str], head: int | None, start: int = 0) -> Iterator[ScannedSample]:
+    pos, prev = start, None
     key: str | None = None
     members: list[Member] = []
     data: dict[str, bytes] = {}
@@ -509,6 +509,74 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None) -> Iterator[Sca
         yield _sample(key, members, data)
 
 
+def _samples_local(r: _Reader, want: frozenset[str], head: int | None) -> Iterator[ScannedSample]:
+    """Seek mode over a local file: one tight loop for plain ustar members.
+
+    Handles only what most shards hold -- regular files with plain ustar headers, ASCII
+    names with a key and an extension, payloads inside the file -- and hands the shard
+    over to :func:`_samples` at the start of the current sample on anything else
+    (extension headers, prefixes, bad checksums, metadata members, duplicate suffixes,
+    the end of the archive), so every rule and error message stays in one place.
+    """
+    fd, eof, pread, unpack, adler = r._fd, r.eof, os.pread, _FIELDS.unpack_from, zlib.adler32
+    window, new, plain = _WINDOW, _new, (b"0", b"\0")
+    pos = 0
+    buf, base = b"", 0
+    key: str | None = None
+    members: list[Member] = []
+    data: dict[str, bytes] = {}
+    first = 0  # offset of the current sample's first header
+    while True:
+        rel = pos - base
+        if rel < 0 or rel + 512 > len(buf):
+            if pos + window > eof:
+                break  # near the end: the general parser handles the last blocks
+            buf, base, rel = pread(fd, window, pos), pos, 0
+            if len(buf) < window:
+                break
+        raw, num, chk, kind, prefixed = unpack(buf, rel)
+        if kind not in plain or prefixed:
+            break
+        hdr = buf[rel : rel + 512]
+        if not hdr.isascii():
+            break
+        total = (adler(hdr) & 0xFFFF) - 1
+        try:
+            size = int(num.rstrip(b"\0 "), 8)
+            if total <= 0 or int(chk.rstrip(b"\0 "), 8) != total - sum(chk) + 256:
+                break
+        except ValueError:
+            break
+        i = raw.find(0)
+        name = (raw if i < 0 else raw[:i]).decode("ascii")
+        nxt = pos + 512 + ((size + 511) & ~511)
+        cut = name.rfind("/") + 1
+        dot = name.find(".", cut)
+        if nxt > eof or dot <= cut or name.startswith("__") or "__" in name[cut:cut + 2] or name.endswith("/"):
+            break
+        k, ext = name[:dot], name[dot + 1 :].lower()
+        if ext[:2] == "__":
+            break  # __bad__, __key__, ...: the general parser applies webdataset's rules
+        if k != key:
+            if key is not None:
+                last = members[-1]
+                s = new(ScannedSample)
+                _s_key(s, key), _s_off(s, first), _s_members(s, tuple(members)), _s_data(s, data)
+                _s_len(s, last.data_offset + ((last.size + 511) & ~511) - first)
+                yield s
+            key, members, data, first = k, [], {}, pos
+        elif ext in data or any(m.ext == ext for m in members):
+            break  # a duplicate suffix: the general parser raises with the details
+        members.append(_member(name, ext, pos, pos + 512, size))
+        if ext in want:
+            n = size if head is None or head > size else head
+            at = pos + 512 - base
+            data[ext] = buf[at : at + n] if at + n <= len(buf) else r.at(pos + 512, n)
+        pos = nxt
+    r._buf, r._base = buf, base
+    yield from _samples(r, want, head, first if key is not None else pos)
+
+
 def scan_tar(
     f: BinaryIO,
     url: str,
@@ -560,7 +628,8 @@ def _scan(f: BinaryIO, url: str, want: frozenset[str], head: int | None, seekabl
     if seekable is None:
         seekable = bool(getattr(f, "seekable", lambda: False)())
     try:
-        yield from _samples(_Reader(f, url, seekable), want, head)
+        r = _Reader(f, url, seekable)
+        yield from (_samples_local if seekable and r._fd >= 0 else _samples)(r, want, head)
     except TarFormatError as exc:
         if mode is OnError.RAISE:
             raise
