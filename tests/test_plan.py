@@ -31,7 +31,6 @@ from wds_pad import (
     Plan,
     Policy,
     Topology,
-    derive_rng,
     iter_steps,
     plan_epoch,
 )

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gloo_jobs import run_gloo_job
 from wds_pad import ConfigError, Topology, TopologyError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,41 +157,6 @@ def test_from_mesh_errors() -> None:
 
 
 # -- a real job: 4 gloo processes on localhost ---------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_gloo_job(tmp_path: Path, body: str, world: int, timeout: float = 120.0) -> list[dict[str, Any]]:
-    """Run ``body`` in ``world`` processes joined by a gloo group; each prints one JSON line.
-
-    Every process is killed if the job is not done within ``timeout``, so it never hangs.
-    """
-    script = tmp_path / "worker.py"
-    script.write_text(body)
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for r, p in enumerate(procs):
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert p.returncode == 0, f"rank {r} failed:\n{err[-3000:]}"
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
-
 
 _MESH_JOB = r"""
 import datetime, json, os
