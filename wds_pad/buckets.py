@@ -277,8 +277,22 @@ class SingleBucket:
         return {"kind": "none"}
 
 
+class _OneMember:
+    """Bucket functions that read one whole member, named by their ``member`` field."""
+
+    member: str
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return (self.member,)
+
+    @property
+    def head_bytes(self) -> int | None:
+        return None
+
+
 @dataclass(frozen=True)
-class AspectBuckets:
+class AspectBuckets(_OneMember):
     """Aspect ratio ``width / height`` read from numeric fields of a JSON member.
 
     The key is the label of the nearest of ``ratios`` in log space (``"16:9"``), or, with
@@ -309,14 +323,6 @@ class AspectBuckets:
         object.__setattr__(self, "ratios", labels)
         object.__setattr__(self, "_logs", logs)
 
-    @property
-    def members(self) -> tuple[str, ...]:
-        return (self.member,)
-
-    @property
-    def head_bytes(self) -> int | None:
-        return None
-
     def __call__(self, key: str, data: Mapping[str, bytes]) -> str:
         doc = _load_json(key, data, self.member)
         width = _positive_number(doc, self.width_field, key, self.member)
@@ -335,7 +341,7 @@ class AspectBuckets:
 
 
 @dataclass(frozen=True)
-class JsonField:
+class JsonField(_OneMember):
     """A JSON field's value as the bucket key, or its band among ``boundaries``.
 
     Without ``boundaries`` the key is the field's value: a str, int or float as is, a
@@ -366,14 +372,6 @@ class JsonField:
             if any(a >= b for a, b in zip(bounds, bounds[1:])):
                 raise ConfigError(f"JsonField.boundaries must be strictly increasing, got {list(bounds)}")
             object.__setattr__(self, "boundaries", bounds)
-
-    @property
-    def members(self) -> tuple[str, ...]:
-        return (self.member,)
-
-    @property
-    def head_bytes(self) -> int | None:
-        return None
 
     def band(self, value: float) -> str:
         """Return the band label of ``value`` among the boundaries."""
