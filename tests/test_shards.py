@@ -529,3 +529,22 @@ def test_four_gloo_ranks_with_cp_get_equal_batches(three: tuple[list[str], Index
     assert gathered[0]["batches"] == gathered[1]["batches"] and gathered[2]["batches"] == gathered[3]["batches"]
     assert gathered[0]["batches"] != gathered[2]["batches"]
     assert all(r["same"] for r in results)  # ShardStream yields what the drop-in yields
+
+
+def test_equalize_pairs_with_the_latest_splitter_when_none_is_passed(tmp_path) -> None:
+    """The drop-in form from the docs: equalize(index) after split_by_node(...)."""
+    import webdataset as wds
+
+    from wds_pad import Topology, build_index, equalize, split_by_node
+    from wds_pad._synth import make_image_shards
+
+    urls = make_image_shards(str(tmp_path / "s"), samples=60, shards=5, seed=1)
+    index = build_index(urls)
+    counts = []
+    for rank in range(3):
+        splitter = split_by_node(seed=5, topology=Topology(world_size=3, rank=rank))
+        stage = equalize(index)
+        assert stage.splitter is splitter
+        ds = wds.WebDataset(urls, nodesplitter=splitter, shardshuffle=False).compose(stage)
+        counts.append(sum(1 for _ in ds))
+    assert len(set(counts)) == 1 and counts[0] * 3 >= 60

@@ -123,6 +123,10 @@ def worker_plan(counts: Mapping[str, int], seed: int, epoch: int, topology: Topo
 class SplitByNode:
     """A webdataset ``nodesplitter``: this DP rank's shards, seed- and epoch-ordered, padded.
 
+    The most recently made splitter of the process is ``SplitByNode.latest``, so that
+    ``wds.WebDataset(urls, nodesplitter=split_by_node(...)).compose(equalize(index))``
+    pairs the two without naming the splitter twice.
+
     Args:
         seed: the shared seed (default: drawn on rank 0 and broadcast, at construction).
         epoch: the epoch whose order to use; change it with ``set_epoch``.
@@ -131,12 +135,15 @@ class SplitByNode:
         cp_size: ranks per data-parallel replica (they receive the same shards).
     """
 
+    latest: "SplitByNode | None" = None
+
     def __init__(self, seed: int | None = None, epoch: int = 0, topology: Topology | None = None,
                  group: Any = None, cp_size: int = 1) -> None:
         self.topology = topology if topology is not None else Topology.detect(group=group, cp_size=cp_size)
         self.seed = shared_seed(seed, group)
         self.epoch = int(epoch)
         self.urls: list[str] | None = None  # the list last split: equalize checks it against its index
+        SplitByNode.latest = self  # what equalize(index) pairs with when no splitter is passed
 
     def set_epoch(self, epoch: int) -> None:
         """Order the shards of ``epoch`` on the next iteration."""
@@ -188,11 +195,19 @@ class Equalize:
         read_options: how padding samples are read back (byte ranges from the index).
     """
 
-    def __init__(self, index: Index | str, splitter: SplitByNode,
+    def __init__(self, index: Index | str, splitter: SplitByNode | None = None,
                  read_options: ReadOptions | None = None) -> None:
         self.index = load_index(index) if isinstance(index, str) else index
         if not isinstance(self.index, Index):
             raise ConfigError(f"equalize needs a wds_pad Index or index path, got {type(index).__name__}")
+        if splitter is None:
+            splitter = SplitByNode.latest
+            if splitter is None:
+                raise ConfigError(
+                    "equalize(index) pairs with the pipeline's wds_pad.split_by_node(...) "
+                    "nodesplitter, and none was made yet in this process; make it first, or "
+                    "pass it: equalize(index, splitter)"
+                )
         if not isinstance(splitter, SplitByNode):
             raise ConfigError("equalize needs the wds_pad.split_by_node(...) splitter of the pipeline")
         self.splitter = splitter
@@ -313,6 +328,14 @@ class Equalize:
                 yield sample
 
 
-def equalize(index: Index | str, splitter: SplitByNode, read_options: ReadOptions | None = None) -> Equalize:
-    """Stage making every rank yield the same number of samples; see :class:`Equalize`."""
+def equalize(index: Index | str, splitter: SplitByNode | None = None,
+             read_options: ReadOptions | None = None) -> Equalize:
+    """Stage making every rank yield the same number of samples; see :class:`Equalize`.
+
+    Args:
+        index: an index of the pipeline's shards (path or Index).
+        splitter: the pipeline's ``split_by_node(...)``; default: the one made last in
+            this process (``SplitByNode.latest``).
+        read_options: how padding samples are read back.
+    """
     return Equalize(index, splitter, read_options)
