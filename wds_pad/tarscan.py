@@ -524,6 +524,7 @@ def _samples_local(r: _Reader, want: frozenset[str], head: int | None) -> Iterat
     buf, base = b"", 0
     key: str | None = None
     members: list[Member] = []
+    exts: list[str] = []
     data: dict[str, bytes] = {}
     first = 0  # offset of the current sample's first header
     while True:
@@ -564,10 +565,11 @@ def _samples_local(r: _Reader, want: frozenset[str], head: int | None) -> Iterat
                 _s_key(s, key), _s_off(s, first), _s_members(s, tuple(members)), _s_data(s, data)
                 _s_len(s, last.data_offset + ((last.size + 511) & ~511) - first)
                 yield s
-            key, members, data, first = k, [], {}, pos
-        elif ext in data or any(m.ext == ext for m in members):
+            key, members, data, first, exts = k, [], {}, pos, []
+        elif ext in data or ext in exts:
             break  # a duplicate suffix: the general parser raises with the details
         members.append(_member(name, ext, pos, pos + 512, size))
+        exts.append(ext)
         if ext in want:
             n = size if head is None or head > size else head
             at = pos + 512 - base
