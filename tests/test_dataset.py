@@ -340,3 +340,17 @@ def test_loader_batches_have_the_same_types_for_any_num_workers(index: Index) ->
     out = {n: list(Loader(ds, num_workers=n)) for n in (0, 2)}
     assert all(isinstance(b[0], np.ndarray) for b in out[0] + out[2])
     assert [b[0].tolist() for b in out[0]] == [b[0].tolist() for b in out[2]]
+
+
+def test_read_stats_count_what_the_last_iteration_read(tmp_path) -> None:
+    from wds_pad import BucketedWebDataset, Topology, build_index
+    from wds_pad._synth import make_image_shards
+
+    urls = make_image_shards(str(tmp_path / "s"), samples=40, shards=2, seed=3)
+    ds = BucketedWebDataset(build_index(urls), batch_size=4, topology=Topology(1, 0), seed=1,
+                            check_agreement=False)
+    assert ds.read_stats is None
+    batches = list(ds)
+    stats = ds.read_stats
+    assert stats is not None and stats.ranges == sum(len(b) for b in batches) == 40
+    assert stats.bytes == sum(int(ds.spec.indexes[0].length[i]) for i in range(40))

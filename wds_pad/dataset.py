@@ -24,7 +24,7 @@ from webdataset.filters import default_collation_fn
 from .errors import ConfigError, StateMismatchError, WdsPadError
 from .index import Index, load_index
 from .plan import Mode, PadTo, Policy, _enum
-from .read import ReadOptions
+from .read import ReadOptions, ReadStats
 from .seed import shared_seed
 from .stages import Counters, PlannedSource, PlanSpec, Position, fetch, substitute
 from .state import ElasticView, _flatten, epoch_length, make_state, restore
@@ -128,6 +128,7 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
         self.group = group
         self.stages: list[Callable[[Any], Any]] = []
         self.counters = Counters()
+        self._read_stats: ReadStats | None = None
         self._position = Position(int(epoch), 0)
         self._view: ElasticView | None = None  # the epoch resumed on another DP layout
         self._worker: tuple[int, int] | None = None  # set in a worker: _position is its own next batch
@@ -161,6 +162,13 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
     @property
     def seed(self) -> int:
         return self.spec.seed
+
+    @property
+    def read_stats(self) -> ReadStats | None:
+        """Counters of the reader of the latest iteration in this process (requests, bytes,
+        retries, peak in flight); None before the first iteration. With DataLoader
+        workers each worker has its own reader, not visible here."""
+        return self._read_stats
 
     @property
     def epoch(self) -> int:
@@ -223,6 +231,7 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
             self.agree()
         source = self._source()
         fetcher = fetch(self.read_options, handler=self.handler, spec=self.spec, counters=self.counters)
+        self._read_stats = fetcher.reader.stats
         stages, collate = self.stages, self.collation_fn
         if collate is None and stages:
             collate = default_collation_fn
