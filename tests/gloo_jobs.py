@@ -24,8 +24,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_gloo_job(tmp_path: Path, body: str, world: int, timeout: float = 120.0) -> list[dict[str, Any]]:
-    """Run ``body`` in ``world`` gloo processes; kill them all if it takes over ``timeout``."""
+def run_gloo_job(tmp_path: Path, body: str, world: int, timeout: float = 120.0,
+                 args: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Run ``body`` (with ``args`` as sys.argv[1:]) in ``world`` gloo processes; kill them
+    all if it takes over ``timeout``."""
     script = tmp_path / "worker.py"
     script.write_text(body)
     port = free_port()
@@ -33,7 +35,7 @@ def run_gloo_job(tmp_path: Path, body: str, world: int, timeout: float = 120.0) 
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout
     results = []

@@ -354,3 +354,21 @@ def test_read_stats_count_what_the_last_iteration_read(tmp_path) -> None:
     stats = ds.read_stats
     assert stats is not None and stats.ranges == sum(len(b) for b in batches) == 40
     assert stats.bytes == sum(int(ds.spec.indexes[0].length[i]) for i in range(40))
+
+
+@pytest.mark.parametrize("bad", [{"batch_size": 4}, {"shuffle": True}, {"persistent_workers": True},
+                                 {"sampler": [0]}])
+def test_loaders_refuse_dataloader_arguments_that_break_exactness(tmp_path, bad) -> None:
+    from wds_pad import BucketedWebDataset, ConfigError, Loader, ShardLoader, ShardStream, Topology, build_index
+    from wds_pad._synth import make_image_shards
+
+    index = build_index(make_image_shards(str(tmp_path / "s"), samples=20, shards=2, seed=1))
+    ds = BucketedWebDataset(index, batch_size=2, topology=Topology(1, 0), seed=1, check_agreement=False)
+    key = next(iter(bad))
+    with pytest.raises(ConfigError, match=f"Loader does not take {key}="):
+        Loader(ds, **bad)
+    with pytest.raises(ConfigError, match=f"ShardLoader does not take {key}="):
+        ShardLoader(ShardStream(index, topology=Topology(1, 0), seed=1), **bad)
+    with pytest.raises(ConfigError, match="num_workers must be an int >= 0"):
+        Loader(ds, num_workers=-1)
+    assert Loader(ds, batch_size=None).kwargs.get("batch_size") is None  # falsy values are dropped

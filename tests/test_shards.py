@@ -14,9 +14,6 @@ import json
 import os
 import pickle
 import random
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from gloo_jobs import run_gloo_job
 from resume_harness import check_start_mid_boundary, epochs_driver
 from wds_pad._synth import make_blob_shards
 from wds_pad.errors import (ConfigError, StaleShardError, StateError, StateMismatchError,
@@ -493,35 +491,10 @@ print(json.dumps({
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_four_gloo_ranks_with_cp_get_equal_batches(three: tuple[list[str], Index], tmp_path: Path) -> None:
     _, index = three
-    script = tmp_path / "job.py"
-    script.write_text(_JOB)
-    port, world = _free_port(), 4
-    root = str(Path(__file__).resolve().parents[1])
-    procs = [subprocess.Popen(
-        [sys.executable, str(script), str(index.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                 GLOO_SOCKET_IFNAME="lo", PYTHONPATH=root, OMP_NUM_THREADS="1"))
-        for r in range(world)]
-    try:
-        results = []
-        for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, f"rank {r} failed:\n{err[-3000:]}"
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    results = run_gloo_job(tmp_path, _JOB, 4, args=(str(index.path),))
     gathered = results[0]["all"]
     assert len({g["seed"] for g in gathered}) == 1
     assert len({len(g["batches"]) for g in gathered}) == 1  # no rank waits at the epoch's end

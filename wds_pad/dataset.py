@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
 
+from ._loaderargs import check_loader_args
 from .errors import ConfigError, StateMismatchError, WdsPadError
 from .index import Index, load_index
 from .plan import Mode, PadTo, Policy, _enum
@@ -399,13 +400,8 @@ class Loader:
     def __init__(self, dataset: BucketedWebDataset, num_workers: int = 0, **kwargs: Any) -> None:
         if not isinstance(dataset, BucketedWebDataset):
             raise ConfigError(f"Loader wraps a BucketedWebDataset, got {type(dataset).__name__}")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}")
-        for bad in ("batch_size", "sampler", "batch_sampler", "shuffle", "persistent_workers"):
-            if kwargs.get(bad):
-                raise ConfigError(f"Loader does not take {bad}={kwargs[bad]!r}: the plan decides batches "
-                                  "and order, and workers must restart at each saved position")
-            kwargs.pop(bad, None)
+        check_loader_args("Loader", num_workers, kwargs, "the plan decides batches and order, "
+                          "and workers must restart at each saved position")
         # batches are collated by the dataset already; DataLoader's default_convert would
         # turn numpy arrays into tensors only when num_workers > 0
         kwargs.setdefault("collate_fn", _as_is)

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
 
+from ._loaderargs import check_loader_args
 from .errors import ConfigError, StaleShardError, StateError, StateMismatchError
 from .index import Index, load_index
 from .indexer import shard_info
@@ -322,13 +323,8 @@ class ShardLoader:
     def __init__(self, dataset: ShardStream, num_workers: int = 0, **kwargs: Any) -> None:
         if not isinstance(dataset, ShardStream):
             raise ConfigError(f"ShardLoader wraps a ShardStream, got {type(dataset).__name__}")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}")
-        for bad in ("batch_size", "sampler", "batch_sampler", "shuffle", "persistent_workers"):
-            if kwargs.get(bad):
-                raise ConfigError(f"ShardLoader does not take {bad}={kwargs[bad]!r}: batch with "
-                                  ".batched(), and workers must restart at each saved position")
-            kwargs.pop(bad, None)
+        check_loader_args("ShardLoader", num_workers, kwargs, "batch with .batched(), and "
+                          "workers must restart at each saved position")
         self.dataset, self.num_workers, self.kwargs = dataset, num_workers, kwargs
 
     @property
