@@ -11,6 +11,8 @@ import zlib
 import fsspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wds_pad.errors import IndexFormatError
 from wds_pad.index import FORMAT_VERSION, MAGIC, Index, ShardInfo, load_index, make_index, write_index
@@ -220,3 +222,14 @@ def test_failed_write_leaves_previous_file_and_no_temp(tmp_path, monkeypatch) ->
     assert open(path, "rb").read() == before
     assert load_index(path).name == "first"
     assert os.listdir(tmp_path) == ["toy.wdsidx"]  # the temp file was removed
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=6), max_size=12))
+def test_pack_keys_round_trips_any_keys(keys):
+    """Keys are packed in one vectorised pass (or one by one when a key holds a NUL)."""
+    from wds_pad.index import _pack_keys
+
+    offsets, blob = _pack_keys(keys)
+    assert offsets[0] == 0 and offsets[-1] == len(blob) and len(offsets) == len(keys) + 1
+    assert [bytes(blob[offsets[i]:offsets[i + 1]]).decode("utf-8") for i in range(len(keys))] == keys

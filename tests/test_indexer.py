@@ -237,13 +237,13 @@ def test_update_rescans_only_changed_and_new_shards(tmp_path, shards, monkeypatc
     out = str(tmp_path / "idx.wdsidx")
     first = build_index(shards[:2], "aspect", output=out)
     scanned: list[str] = []
-    real = indexer_mod.scan_tar
+    real = indexer_mod.scan_rows
 
     def counting(f, url, **kw):
         scanned.append(url)
         return real(f, url, **kw)
 
-    monkeypatch.setattr(indexer_mod, "scan_tar", counting)
+    monkeypatch.setattr(indexer_mod, "scan_rows", counting)
     same = build_index(shards[:2], "aspect", output=out, update=out)
     assert scanned == [] and same.digest == first.digest
 
@@ -278,24 +278,24 @@ def test_update_refuses_another_bucket_function(tmp_path, shards) -> None:
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_interrupted_build_leaves_old_index_or_nothing(tmp_path, shards, monkeypatch, workers) -> None:
-    real = indexer_mod.scan_tar
+    real = indexer_mod.scan_rows
 
     def dies_on_last(f, url, **kw):
         if url == shards[-1]:
             raise KeyboardInterrupt
         return real(f, url, **kw)
 
-    monkeypatch.setattr(indexer_mod, "scan_tar", dies_on_last)
+    monkeypatch.setattr(indexer_mod, "scan_rows", dies_on_last)
     fresh = tmp_path / "fresh" / "idx.wdsidx"
     with pytest.raises(KeyboardInterrupt):
         build_index(shards, output=str(fresh), workers=workers)
     assert not fresh.exists()
 
     out = tmp_path / "idx.wdsidx"
-    monkeypatch.setattr(indexer_mod, "scan_tar", real)
+    monkeypatch.setattr(indexer_mod, "scan_rows", real)
     build_index(shards[:2], output=str(out))
     before = out.read_bytes()
-    monkeypatch.setattr(indexer_mod, "scan_tar", dies_on_last)
+    monkeypatch.setattr(indexer_mod, "scan_rows", dies_on_last)
     with pytest.raises(KeyboardInterrupt):
         build_index(shards, output=str(out), workers=workers)
     assert out.read_bytes() == before and len(load_index(str(out))) > 0
@@ -462,3 +462,23 @@ def test_bad_arguments() -> None:
         build_index(["x.tar"], workers=0)
     with pytest.raises(ConfigError, match="bucket_by"):
         build_index(["x.tar"], bucket_by=42)
+
+
+def test_image_size_beyond_head_bytes_rereads_the_sample(tmp_path) -> None:
+    """A JPEG whose size marker lies past head_bytes: the indexer reads the sample's
+    range again and buckets by the true size, in seek and in stream mode."""
+    from PIL import Image
+
+    def jpeg(w: int, h: int, pad: int) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (w, h), (9, 9, 9)).save(out, "JPEG")
+        data = out.getvalue()
+        segment = b"ICC_PROFILE\x00" + bytes(pad)  # an APP2 segment right after SOI
+        return data[:2] + b"\xff\xe2" + (len(segment) + 2).to_bytes(2, "big") + segment + data[2:]
+
+    path = make_tar(str(tmp_path / "big.tar"), [("a.jpg", jpeg(40, 30, 60000)), ("a.json", b"{}"),
+                                                ("b.jpg", jpeg(30, 30, 10)), ("c.jpg", jpeg(30, 40, 60000))])
+    fn = ImageBuckets(ratios=["4:3", "1:1", "3:4"], head_bytes=1024)
+    for url in (path, "file://" + path):  # file:// streams through fsspec
+        index = build_index([url], fn)
+        assert [index.buckets[b] for b in index.bucket] == ["4:3", "1:1", "3:4"]

@@ -18,6 +18,7 @@ from webdataset.tariterators import base_plus_ext
 
 from wds_pad import tarscan
 from wds_pad.errors import ConfigError, StaleShardError, TarFormatError
+from wds_pad._tarrows import ScanRows, scan_rows
 from wds_pad.tarscan import Member, ScannedSample, parse_sample, scan_tar, split_key
 
 WDS_META = ("__key__", "__url__", "__local_path__")
@@ -71,10 +72,32 @@ class CountingFile(io.RawIOBase):
 
 
 def scan_path(path: Path, *, seekable: bool = True, **kw) -> list[ScannedSample]:  # type: ignore[no-untyped-def]
-    if seekable:
-        with open(path, "rb") as f:
-            return list(scan_tar(f, str(path), seekable=True, **kw))
-    return list(scan_tar(NonSeekable(path.read_bytes(), step=777), str(path), **kw))
+    """scan_tar's samples; also checks that the indexer's scan_rows finds the same (or
+    raises the same error) in the same mode."""
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        if seekable:
+            with open(path, "rb") as f:
+                return fn(f, str(path), seekable=True, **kw)
+        return fn(NonSeekable(path.read_bytes(), step=777), str(path), **kw)
+
+    try:
+        samples = run(lambda *a, **k: list(scan_tar(*a, **k)))
+    except Exception as exc:
+        with pytest.raises(type(exc)) as info:
+            run(scan_rows)
+        assert str(info.value) == str(exc)
+        raise
+    assert_same_rows(run(scan_rows), samples)
+    return samples
+
+
+def assert_same_rows(rows: ScanRows, samples: list[ScannedSample]) -> None:
+    assert rows.keys == [s.key for s in samples]
+    assert rows.offset.tolist() == [s.offset for s in samples]
+    assert rows.length.tolist() == [s.length for s in samples]
+    assert [set(rows.sample_exts(i)) for i in range(len(rows))] == [{m.ext for m in s.members} for s in samples]
+    assert [rows.sample_data(i) for i in range(len(rows))] == [s.data for s in samples]
 
 
 def wds_samples(path: Path) -> list[dict]:
@@ -540,10 +563,10 @@ def test_parse_sample_at_reads_large_payloads_without_a_range_buffer(tmp_path):
         os.close(fd)
 
 
-def test_local_fast_loop_hands_over_to_the_full_rules_mid_shard(tmp_path):
-    """Plain members take the tight loop; a long pax name, a non-ASCII name, a directory,
-    metadata and a __bad__ sample mid-shard hand over to the general parser, and the
-    result equals stream mode (the general parser throughout) and webdataset."""
+def test_lean_scan_hands_over_to_the_full_rules_mid_shard(tmp_path):
+    """scan_rows reads plain members in its lean loop; a long pax name, a non-ASCII name,
+    a directory, metadata and a __bad__ sample mid-shard hand the shard to the general
+    parser, and the rows equal scan_tar's (both modes) and webdataset's keys."""
     path = tmp_path / "mixed.tar"
     names = [f"s{i:03d}" for i in range(4)] + ["d/" + "x" * 120, "s005", "sé06", "s007", "s008", "s009"]
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
@@ -561,18 +584,113 @@ def test_local_fast_loop_hands_over_to_the_full_rules_mid_shard(tmp_path):
                 info = tarfile.TarInfo(f"{key}.{ext}")
                 info.size = len(payload)
                 tf.addfile(info, io.BytesIO(payload))
-
-    def rows(seekable: bool) -> list[tuple]:
-        with open(path, "rb", buffering=0) as f:
-            src = f if seekable else _Unseekable(f)
-            return [(s.key, s.offset, s.length, tuple(m.ext for m in s.members), dict(s.data))
-                    for s in scan_tar(src, str(path), want=("json",), seekable=seekable)]
-
-    fast, general = rows(True), rows(False)
-    assert fast == general
-    assert [r[0] for r in fast] == [n for i, n in enumerate(names) if i != 8]  # __bad__ dropped
+    for seekable in (True, False):
+        got = scan_path(path, seekable=seekable, want=("json",))  # compares scan_rows too
+        assert [s.key for s in got] == [n for i, n in enumerate(names) if i != 8]  # __bad__ dropped
     wds_keys = [s["__key__"] for s in wds.WebDataset(str(path), shardshuffle=False)]
-    assert [r[0] for r in fast] == wds_keys
+    assert [s.key for s in got] == wds_keys
+
+
+def _entries_tar(entries: list[tuple[str, str, int]], fmt: int) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt) as tf:
+        for kind, name, size in entries:
+            info = tarfile.TarInfo(name)
+            info.mtime = 1_700_000_000
+            if kind == "dir":
+                info.type = tarfile.DIRTYPE
+                tf.addfile(info)
+            elif kind == "link":
+                info.type, info.linkname = tarfile.SYMTYPE, "elsewhere"
+                tf.addfile(info)
+            else:
+                info.size = size
+                tf.addfile(info, io.BytesIO(bytes([len(name) % 251]) * size))
+    return out.getvalue()
+
+
+def _mutate(blob: bytes, how: str, where: int, value: int) -> bytes:
+    """Damage one header of ``blob`` (fixing its checksum unless how == 'flip'), or cut it."""
+    data = bytearray(blob)
+    headers = [o for o in range(0, len(data) - 511, 512) if data[o + 257 : o + 262] == b"ustar"]
+    if how == "cut":
+        return bytes(data[: where % (len(data) + 1)])
+    if not headers:
+        return blob
+    h = headers[where % len(headers)]
+    field = {"flip": h + value % 512, "name": h + value % 100, "size": h + 124 + value % 12,
+             "type": h + 156, "chk": h + 148 + value % 8}[how]
+    data[field] = (data[field] + 1 + value % 200) % 256 if how != "type" else b"0125xLK"[value % 7]
+    if how not in ("flip", "chk"):
+        chk = sum(data[h : h + 148]) + 256 + sum(data[h + 156 : h + 512])
+        data[h + 148 : h + 156] = b"%06o\0 " % chk
+    return bytes(data)
+
+
+plain_st = st.tuples(  # what the lean loop reads itself (and __bad__ / extension-less names it must refuse)
+    st.just("file"),
+    st.sampled_from(["a", "b", "c", "d/e", "f.g/h"]),
+    st.sampled_from(["jpg", "json", "JSON", "seg.png", "txt", "json", "__bad__", "", "__key__"]),
+    st.integers(0, 1500),
+)
+odd_st = st.tuples(  # what only the general parser reads
+    st.sampled_from(["file", "file", "dir", "link"]),
+    st.sampled_from(["x" * 110, "__meta__", "é", "a"]),
+    st.sampled_from(["jpg", "json"]),
+    st.integers(0, 700),
+)
+entries_st = st.tuples(st.lists(plain_st, max_size=14), st.lists(st.tuples(st.integers(0, 14), odd_st), max_size=2)).map(
+    lambda t: [e for i, e in enumerate(t[0]) for e in ([o for j, o in t[1] if j == i] + [e])])
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(entries=entries_st, fmt=st.sampled_from([tarfile.GNU_FORMAT, tarfile.PAX_FORMAT]),
+       how=st.sampled_from(["none", "none", "none", "flip", "name", "size", "type", "chk", "cut"]),
+       where=st.integers(0, 10**6), value=st.integers(0, 10**6), batch=st.sampled_from([1, 2, 3, 4096]),
+       chunk=st.sampled_from([512, 1000, 4096, 1 << 20]), step=st.sampled_from([7, 777, 1 << 20]),
+       head=st.none() | st.integers(0, 40), skip=st.booleans())
+def test_property_scan_rows_equals_scan_tar(tmp_path, monkeypatch, entries, fmt, how, where, value, batch,
+                                             chunk, step, head, skip):
+    """On valid, damaged and truncated archives, with any batch and chunk size, the lean
+    columnar scan gives scan_tar's samples, or raises its exact error, in both modes."""
+    from wds_pad import _tarrows
+
+    monkeypatch.setattr(_tarrows, "_BATCH", batch)
+    monkeypatch.setattr(_tarrows, "_CHUNK", chunk)
+    names = [(kind, f"{base}.{ext}" if ext or kind != "file" else base, size) for kind, base, ext, size in entries]
+    blob = _entries_tar(names, fmt)
+    if how != "none":
+        blob = _mutate(blob, how, where, value)
+    path = tmp_path / "t.tar"
+    path.write_bytes(blob)
+    kw = {"want": ("json", "seg.png"), "head_bytes": head, "on_error": "skip" if skip else "raise"}
+    for seekable in (True, False):
+        def run(fn):  # noqa: ANN001, ANN202
+            if seekable:
+                with open(path, "rb") as f:
+                    return fn(f, str(path), seekable=True, **kw)
+            return fn(NonSeekable(blob, step=step), str(path), **kw)
+
+        def tar_samples(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            gen = scan_tar(*a, **k)
+            out = []
+            while True:
+                try:
+                    out.append(next(gen))
+                except StopIteration as stop:
+                    return out, stop.value
+
+        try:
+            samples, fault = run(tar_samples)
+        except Exception as exc:  # noqa: BLE001
+            with pytest.raises(type(exc)) as info:
+                run(scan_rows)
+            assert str(info.value) == str(exc)
+            continue
+        rows = run(scan_rows)
+        assert_same_rows(rows, samples)
+        assert str(rows.fault) == str(fault)
+
 
 
 class _Unseekable(io.RawIOBase):
@@ -587,3 +705,59 @@ class _Unseekable(io.RawIOBase):
 
     def readinto(self, b) -> int:
         return self.f.readinto(b)
+
+
+def _raw_header(name: bytes, size: int, kind: bytes = b"0", size_field: bytes | None = None,
+                fix_checksum: bool = True) -> bytes:
+    h = bytearray(512)
+    h[: len(name)] = name
+    h[100:108], h[108:116], h[116:124] = b"0000644\0", b"0000000\0", b"0000000\0"
+    h[124:136] = size_field if size_field is not None else b"%011o\0" % size
+    h[136:148] = b"%011o\0" % 1_700_000_000
+    h[156:157] = kind
+    h[257:265] = b"ustar\x0000"
+    h[148:156] = b" " * 8
+    if fix_checksum:
+        h[148:156] = b"%06o\0 " % sum(h)
+    else:
+        h[148:156] = b"%06o\0 " % (sum(h) + 1)
+    return bytes(h)
+
+
+def _member_bytes(name: bytes, payload: bytes, **kw) -> bytes:  # type: ignore[no-untyped-def]
+    pad = b"\0" * (-len(payload) % 512)
+    return _raw_header(name, len(payload), **kw) + payload + pad
+
+
+@pytest.mark.parametrize("odd", [
+    [(b"s2.jpg", b"x" * 700, {"fix_checksum": False})],  # a checksum the lean checks must catch
+    [(b"s2.jpg", b"x" * 70, {}), (b"s2.jpg", b"y", {})],  # a repeated suffix
+    [(b"s2.JPG", b"x" * 7, {}), (b"s2.jpg", b"y", {})],  # repeated once lowercased
+    [(b".json", b"{}", {})], [(b"d/.json", b"{}", {})], [(b"s2.", b"z", {})], [(b"s2", b"z", {})],
+    [(b"s2.__bad__", b"bad", {})], [(b"s2.__key__", b"k", {})], [(b"__s2__", b"m", {})],
+    [(b"d/__s2.jpg", b"m", {})], [(b"a\n.b/s2.jpg", b"n", {})], [("s\u00e92.jpg".encode(), b"u", {})],
+    [(b"s2.jpg", b"c", {"kind": b"7"})], [(b"s2.jpg", b"c", {"kind": b"2"})], [(b"s2/", b"", {"kind": b"5"})],
+    # 12 digits, no terminator; read as 11 digits the payload's second block would be a header
+    [(b"s2.jpg", b"c" * 512 + _raw_header(b"s2.json", 0), {"size_field": b"000000002000"})],
+    [(b"s2.jpg", b"c" * 8, {"size_field": b"10\0\0\0\0\0\0\0\0\0\0"})],
+    [(b"s2.jpg", b"c" * 8, {"size_field": b"\x80" + (8).to_bytes(11, "big")})],  # base-256
+    [(b"s2." + b"e" * 17, b"long extension", {})], [(b"s2.json", b"{}", {}), (b"s2.Json", b"[]", {})],
+])
+@pytest.mark.parametrize("seekable", [True, False])
+def test_lean_scan_leaves_every_odd_header_to_the_general_parser(tmp_path, monkeypatch, odd, seekable):
+    """One odd member amid plain ones: scan_rows gives scan_tar's rows or its exact error."""
+    from wds_pad import _tarrows
+
+    monkeypatch.setattr(_tarrows, "_BATCH", 2)
+    monkeypatch.setattr(_tarrows, "_CHUNK", 1024)
+    blob = b"".join(_member_bytes(b"s%d.%s" % (i, e), b"%d" % i * 300) for i in (0, 1) for e in (b"jpg", b"json"))
+    blob += b"".join(_member_bytes(name, payload, **kw) for name, payload, kw in odd)
+    blob += b"".join(_member_bytes(b"s%d.%s" % (i, e), b"%d" % i * 30) for i in (3, 4, 5) for e in (b"jpg", b"json"))
+    blob += b"\0" * 1024
+    path = tmp_path / "odd.tar"
+    path.write_bytes(blob)
+    try:
+        got = scan_path(path, seekable=seekable, want=("json",))  # asserts scan_rows == scan_tar
+    except TarFormatError:
+        return
+    assert {"s0", "s1", "s3", "s4", "s5"} <= {s.key for s in got}

@@ -188,6 +188,22 @@ class Index:
         }
 
 
+def _pack_keys(keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, UTF-8 bytes) of ``keys`` back to back: key i is ``bytes[offsets[i]:offsets[i + 1]]``."""
+    offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+    if not keys:
+        return offsets, np.zeros(0, np.uint8)
+    joined = np.frombuffer("\0".join(keys).encode("utf-8"), np.uint8)
+    ends = np.flatnonzero(joined == 0)
+    if len(ends) != len(keys) - 1:  # a key holds a NUL (never one from a tar name): one by one
+        encoded = [k.encode("utf-8") for k in keys]
+        np.cumsum([len(k) for k in encoded], out=offsets[1:])
+        return offsets, np.frombuffer(b"".join(encoded), np.uint8)
+    offsets[1:-1] = ends - np.arange(len(ends))
+    offsets[-1] = len(joined) - len(ends)
+    return offsets, joined[joined != 0] if len(ends) else joined.copy()
+
+
 def make_index(
     shards: Sequence[ShardInfo], rows: Mapping[str, np.ndarray], bucket_keys: Sequence[Hashable],
     keys: Sequence[str], *, bucket_by: Mapping[str, Any], exts: Sequence[str],
@@ -197,9 +213,7 @@ def make_index(
     ordered = sorted(set(bucket_keys), key=bucket_order)
     remap = np.asarray([ordered.index(k) for k in bucket_keys], dtype=np.int32)
     bucket = remap[rows["bucket"]] if len(bucket_keys) else np.zeros(0, np.int32)
-    encoded = [k.encode("utf-8") for k in keys]
-    key_offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(k) for k in encoded], out=key_offsets[1:]) if encoded else None
+    key_offsets, key_bytes = _pack_keys(keys)
     arrays = {
         "shard": np.asarray(rows["shard"], dtype=np.int32),
         "offset": np.asarray(rows["offset"], dtype=np.int64),
@@ -207,7 +221,7 @@ def make_index(
         "bucket": np.asarray(bucket, dtype=np.int32),
         "exts": np.asarray(rows["exts"], dtype=np.uint64),
         "key_offsets": key_offsets,
-        "keys": np.frombuffer(b"".join(encoded), dtype=np.uint8),
+        "keys": key_bytes,
     }
     return Index(shards=tuple(shards), buckets=tuple(ordered), arrays=arrays, bucket_by=dict(bucket_by),
                  exts=tuple(exts), excluded=dict(excluded or {}), name=name)

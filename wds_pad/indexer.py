@@ -16,7 +16,6 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
-import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
@@ -29,11 +28,11 @@ from .buckets import BucketFn, SingleBucket, wrap_callable
 from .errors import BucketError, ConfigError, ShardError, WdsPadError
 from .index import Index, ShardInfo, load_index, make_index, write_index
 from .read import get_filesystem, redact
-from .tarscan import scan_tar
+from ._tarrows import ScanRows, scan_rows
+from .tarscan import parse_sample
 
 __all__ = ["Problem", "build_index", "expand_urls", "verify_index"]
 
-_EXT = operator.attrgetter("ext")
 _STAMP_FIELDS = ("ETag", "etag", "checksum", "md5Hash", "crc32c", "mtime", "LastModified",
                  "last_modified", "updated", "created")
 
@@ -65,8 +64,22 @@ def _stamp(info: Mapping[str, Any]) -> str:
     return ""
 
 
+def _plain_local(url: str) -> bool:
+    """An absolute local path without a protocol or chain: os calls need no fsspec."""
+    return url.startswith("/") and "::" not in url
+
+
 def shard_info(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[int, str]:
     """(size, change stamp) of one shard, or ShardError naming it if it is missing."""
+    if _plain_local(url):
+        try:  # what fsspec's LocalFileSystem.info gives, without building its dict
+            st = os.stat(url)
+        except FileNotFoundError:
+            raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
+        except PermissionError as exc:
+            raise ShardError(f"shard {redact(url)!r} is not readable: permission denied") from exc
+        if not os.path.isdir(url):
+            return st.st_size, _stamp({"mtime": st.st_mtime})
     fs, path = get_filesystem(url, storage_options)
     try:
         info = fs.info(path)
@@ -83,17 +96,20 @@ def shard_info(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
 @dataclass
 class _ShardRows:
     info: ShardInfo
-    offset: list[int] = field(default_factory=list)
-    length: list[int] = field(default_factory=list)
+    offset: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    length: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     keys: list[str] = field(default_factory=list)
     buckets: list[Hashable] = field(default_factory=list)
-    exts: list[tuple[str, ...]] = field(default_factory=list)
+    exts: list[str] = field(default_factory=list)  # bit i of a mask is exts[i]
+    mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     excluded: list[dict[str, Any]] = field(default_factory=list)
     nbytes: int = 0
     fault: dict[str, Any] | None = None  # on_error="skip": why the shard (or its rest) was left out
 
 
 def _open_for_scan(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, bool]:
+    if _plain_local(url):
+        return open(url, "rb", buffering=0), True
     fs, path = get_filesystem(url, storage_options)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if protocol in ("file", "local"):
@@ -111,69 +127,77 @@ def _scan_one(url: str, fn: BucketFn, on_error: str, storage_options: Mapping[st
         f, seekable = _open_for_scan(url, storage_options)
     except FileNotFoundError:
         raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
-    needs_more = getattr(fn, "needs_more", None)
     with f:
-        samples = scan_tar(f, redact(url), want=want, head_bytes=head, seekable=seekable, on_error=on_error)
-        while True:
-            try:
-                sample = next(samples)
-            except StopIteration as stop:  # with on_error="skip" the generator returns the fault
-                fault = stop.value
-                break
-            data = sample.data
-            if needs_more is not None and needs_more(data):  # e.g. a JPEG size beyond head_bytes
-                data = _whole_members(url, sample, want, storage_options)
-            try:
-                bucket = fn(sample.key, data)
-            except WdsPadError as exc:
-                bucket = _bucket_failure(url, sample, exc, on_error, rows)
-                if bucket is None:
-                    continue
-            except Exception as exc:  # a user's bucket function: wrap, name the sample
-                bucket = _bucket_failure(url, sample, exc, on_error, rows)
-                if bucket is None:
-                    continue
-            if bucket is None:
-                rows.excluded.append({"url": url, "offset": sample.offset, "key": sample.key,
-                                      "reason": "bucket function returned None"})
-                continue
-            rows.offset.append(sample.offset)
-            rows.length.append(sample.length)
-            rows.keys.append(sample.key)
-            rows.buckets.append(bucket)
-            rows.exts.append(tuple(map(_EXT, sample.members)))
-            if len(rows.keys) % 1024 == 0:
-                progress.advance(samples=1024)
-    progress.advance(samples=len(rows.keys) % 1024)
+        scanned = scan_rows(f, redact(url), want=want, head_bytes=head, seekable=seekable, on_error=on_error)
+    progress.advance(samples=len(scanned))
+    buckets = _bucket_keys(url, fn, scanned, on_error, rows, storage_options)
+    rows.exts = scanned.exts
+    if None not in buckets:
+        rows.offset, rows.length, rows.mask = scanned.offset, scanned.length, scanned.mask
+        rows.keys, rows.buckets = scanned.keys, buckets
+    else:
+        keep = np.fromiter((b is not None for b in buckets), dtype=bool, count=len(buckets))
+        rows.offset, rows.length, rows.mask = scanned.offset[keep], scanned.length[keep], scanned.mask[keep]
+        rows.keys = [k for k, b in zip(scanned.keys, buckets) if b is not None]
+        rows.buckets = [b for b in buckets if b is not None]
     error = None
-    if fault is not None:  # samples before the fault are kept; --update rescans the shard
-        error = redact(str(fault))
+    if scanned.fault is not None:  # samples before the fault are kept; --update rescans the shard
+        error = redact(str(scanned.fault))
         rows.fault = {"url": url, "reason": error, "samples_kept": len(rows.keys)}
     rows.info = ShardInfo(url=url, size=size, stamp=stamp, samples=len(rows.keys), error=error)
     rows.nbytes = size
     return rows
 
 
-def _whole_members(url: str, sample: Any, want: Sequence[str],
-                   storage_options: Mapping[str, Any] | None) -> dict[str, bytes]:
-    """Re-read the wanted members of ``sample`` in full (the first read stopped at head_bytes)."""
-    fs, path = get_filesystem(url, storage_options)
-    out: dict[str, bytes] = {}
-    for m in sample.members:
-        if m.ext in want:
+def _bucket_keys(url: str, fn: BucketFn, scanned: ScanRows, on_error: str, rows: _ShardRows,
+                 storage_options: Mapping[str, Any] | None) -> list[Hashable | None]:
+    """Each scanned sample's bucket, or None where it is excluded (recorded in ``rows``)."""
+    keys = scanned.keys
+    if isinstance(fn, SingleBucket):
+        return ["all"] * len(keys)
+    needs_more = getattr(fn, "needs_more", None)
+    many = getattr(fn, "many", None)
+    out: list[Hashable | None] = []
+    if many is not None and needs_more is None:
+        out = many(keys, scanned.data)  # built-ins: one call per shard; failures come back as exceptions
+    else:
+        for i, key in enumerate(keys):
+            d = scanned.sample_data(i)
+            if needs_more is not None and needs_more(d):  # e.g. a JPEG size beyond head_bytes
+                d = _whole_members(url, scanned, i, storage_options)
             try:
-                out[m.ext] = fs.cat_file(path, start=m.data_offset, end=m.data_offset + m.size)
-            except OSError as exc:
-                raise ShardError(f"shard {redact(url)!r}: re-reading member {m.name!r} at byte offset "
-                                 f"{m.data_offset} failed: {exc}") from exc
+                out.append(fn(key, d))
+            except Exception as exc:  # noqa: BLE001 - a user's bucket function: wrap, name the sample
+                out.append(exc)
+    for i, b in enumerate(out):
+        if b is None:
+            rows.excluded.append({"url": url, "offset": int(scanned.offset[i]), "key": keys[i],
+                                  "reason": "bucket function returned None"})
+        elif isinstance(b, Exception):
+            out[i] = _bucket_failure(url, keys[i], int(scanned.offset[i]), b, on_error, rows)
     return out
 
 
-def _bucket_failure(url: str, sample: Any, exc: Exception, on_error: str, rows: _ShardRows) -> None:
-    message = f"bucket function failed for sample {sample.key!r} in {redact(url)!r} at byte offset {sample.offset}: {exc}"
+def _whole_members(url: str, scanned: ScanRows, i: int,
+                   storage_options: Mapping[str, Any] | None) -> dict[str, bytes]:
+    """Sample ``i``'s wanted members in full (the scan read only their first head_bytes):
+    its byte range read and parsed again."""
+    fs, path = get_filesystem(url, storage_options)
+    offset, length, key = int(scanned.offset[i]), int(scanned.length[i]), scanned.keys[i]
+    try:
+        data = fs.cat_file(path, start=offset, end=offset + length)
+    except OSError as exc:
+        raise ShardError(f"shard {redact(url)!r}: re-reading sample {key!r} at byte offset {offset} "
+                         f"failed: {exc}") from exc
+    members = parse_sample(data, redact(url), offset, key)
+    return {e: members[e] for e in scanned.data if e in members}
+
+
+def _bucket_failure(url: str, key: str, offset: int, exc: Exception, on_error: str, rows: _ShardRows) -> None:
+    message = f"bucket function failed for sample {key!r} in {redact(url)!r} at byte offset {offset}: {exc}"
     if on_error == "raise":
         raise BucketError(message + "; or index with on_error='skip' (--on-error skip) to leave such samples out") from exc
-    rows.excluded.append({"url": url, "offset": sample.offset, "key": sample.key, "reason": str(exc)})
+    rows.excluded.append({"url": url, "offset": offset, "key": key, "reason": str(exc)})
     return None
 
 
@@ -309,22 +333,20 @@ def _reusable(previous: Index, urls: Sequence[str],
             continue
         rows = _ShardRows(old, nbytes=0)
         ids = np.flatnonzero(previous.shard == si)
-        rows.offset = previous.offset[ids].tolist()
-        rows.length = previous.length[ids].tolist()
+        rows.offset, rows.length = previous.offset[ids], previous.length[ids]
         rows.keys = [previous.key(int(i)) for i in ids]
         rows.buckets = [previous.buckets[int(b)] for b in previous.bucket[ids]]
-        rows.exts = [previous.sample_exts(int(i)) for i in ids]
+        rows.exts, rows.mask = list(previous.exts), previous.arrays["exts"][ids]
         rows.excluded = [e for e in previous.excluded.get("samples", []) if e.get("url") == url]
         out[url] = rows
     return out
 
 
 def _assemble(parts: Sequence[_ShardRows], fn: BucketFn, skipped: list[dict[str, Any]], name: str) -> Index:
-    ext_table = sorted({e for p in parts for exts in p.exts for e in exts})
+    ext_table = sorted({e for p in parts for e in _present_exts(p)})
     if len(ext_table) > 64:
         raise ConfigError(f"{len(ext_table)} distinct member extensions; the index records at most 64")
-    bit = {e: 1 << i for i, e in enumerate(ext_table)}
-    mask_of = {t: sum(bit[e] for e in set(t)) for p in parts for t in set(p.exts)}  # few distinct tuples
+    bit = {e: i for i, e in enumerate(ext_table)}
     bucket_keys: list[Hashable] = []
     bucket_id: dict[Hashable, int] = {}
     shard_col, offset, length, bucket, masks, keys = [], [], [], [], [], []
@@ -332,14 +354,18 @@ def _assemble(parts: Sequence[_ShardRows], fn: BucketFn, skipped: list[dict[str,
     for si, p in enumerate(parts):
         n = len(p.keys)
         shard_col.append(np.full(n, si, dtype=np.int32))
-        offset.append(np.asarray(p.offset, dtype=np.int64))
-        length.append(np.asarray(p.length, dtype=np.int64))
-        for b in dict.fromkeys(p.buckets):  # first-seen order, one lookup per distinct key
+        offset.append(p.offset)
+        length.append(p.length)
+        distinct = dict.fromkeys(p.buckets)  # first-seen order, one lookup per distinct key
+        for b in distinct:
             if b not in bucket_id:
                 bucket_id[b] = len(bucket_keys)
                 bucket_keys.append(b)
-        bucket.append(np.fromiter(map(bucket_id.__getitem__, p.buckets), dtype=np.int64, count=n))
-        masks.append(np.fromiter(map(mask_of.__getitem__, p.exts), dtype=np.uint64, count=n))
+        if len(distinct) == 1:
+            bucket.append(np.full(n, bucket_id[next(iter(distinct))], dtype=np.int64))
+        else:
+            bucket.append(np.fromiter(map(bucket_id.__getitem__, p.buckets), dtype=np.int64, count=n))
+        masks.append(_remap_mask(p, bit))
         keys.extend(p.keys)
         excluded_samples.extend(p.excluded)
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
@@ -352,6 +378,21 @@ def _assemble(parts: Sequence[_ShardRows], fn: BucketFn, skipped: list[dict[str,
         excluded["truncated"] = True
     return make_index([p.info for p in parts], rows, bucket_keys, keys, bucket_by=fn.describe(),
                       exts=ext_table, excluded=excluded, name=name)
+
+
+def _present_exts(p: _ShardRows) -> list[str]:
+    """The extensions some kept sample of ``p`` has (an excluded sample's are not recorded)."""
+    seen = int(np.bitwise_or.reduce(p.mask)) if len(p.mask) else 0
+    return [e for i, e in enumerate(p.exts) if seen >> i & 1]
+
+
+def _remap_mask(p: _ShardRows, bit: Mapping[str, int]) -> np.ndarray:
+    """``p``'s masks with its extension bits moved to the index's table."""
+    out = np.zeros(len(p.mask), np.uint64)
+    for i, e in enumerate(p.exts):
+        if e in bit:
+            out |= ((p.mask >> np.uint64(i)) & np.uint64(1)) << np.uint64(bit[e])
+    return out
 
 
 @dataclass(frozen=True)

@@ -509,76 +509,6 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None, start: int = 0)
         yield _sample(key, members, data)
 
 
-def _samples_local(r: _Reader, want: frozenset[str], head: int | None) -> Iterator[ScannedSample]:
-    """Seek mode over a local file: one tight loop for plain ustar members.
-
-    Handles only what most shards hold -- regular files with plain ustar headers, ASCII
-    names with a key and an extension, payloads inside the file -- and hands the shard
-    over to :func:`_samples` at the start of the current sample on anything else
-    (extension headers, prefixes, bad checksums, metadata members, duplicate suffixes,
-    the end of the archive), so every rule and error message stays in one place.
-    """
-    fd, eof, pread, unpack, adler = r._fd, r.eof, os.pread, _FIELDS.unpack_from, zlib.adler32
-    window, new, plain = _WINDOW, _new, (b"0", b"\0")
-    pos = 0
-    buf, base = b"", 0
-    key: str | None = None
-    members: list[Member] = []
-    exts: list[str] = []
-    data: dict[str, bytes] = {}
-    first = 0  # offset of the current sample's first header
-    while True:
-        rel = pos - base
-        if rel < 0 or rel + 512 > len(buf):
-            if pos + window > eof:
-                break  # near the end: the general parser handles the last blocks
-            buf, base, rel = pread(fd, window, pos), pos, 0
-            if len(buf) < window:
-                break
-        raw, num, chk, kind, prefixed = unpack(buf, rel)
-        if kind not in plain or prefixed:
-            break
-        hdr = buf[rel : rel + 512]
-        if not hdr.isascii():
-            break
-        total = (adler(hdr) & 0xFFFF) - 1
-        try:
-            size = int(num.rstrip(b"\0 "), 8)
-            if total <= 0 or int(chk.rstrip(b"\0 "), 8) != total - sum(chk) + 256:
-                break
-        except ValueError:
-            break
-        i = raw.find(0)
-        name = (raw if i < 0 else raw[:i]).decode("ascii")
-        nxt = pos + 512 + ((size + 511) & ~511)
-        cut = name.rfind("/") + 1
-        dot = name.find(".", cut)
-        if nxt > eof or dot <= cut or name.startswith("__") or "__" in name[cut:cut + 2] or name.endswith("/"):
-            break
-        k, ext = name[:dot], name[dot + 1 :].lower()
-        if ext[:2] == "__":
-            break  # __bad__, __key__, ...: the general parser applies webdataset's rules
-        if k != key:
-            if key is not None:
-                last = members[-1]
-                s = new(ScannedSample)
-                _s_key(s, key), _s_off(s, first), _s_members(s, tuple(members)), _s_data(s, data)
-                _s_len(s, last.data_offset + ((last.size + 511) & ~511) - first)
-                yield s
-            key, members, data, first, exts = k, [], {}, pos, []
-        elif ext in data or ext in exts:
-            break  # a duplicate suffix: the general parser raises with the details
-        members.append(_member(name, ext, pos, pos + 512, size))
-        exts.append(ext)
-        if ext in want:
-            n = size if head is None or head > size else head
-            at = pos + 512 - base
-            data[ext] = buf[at : at + n] if at + n <= len(buf) else r.at(pos + 512, n)
-        pos = nxt
-    r._buf, r._base = buf, base
-    yield from _samples(r, want, head, first if key is not None else pos)
-
-
 def scan_tar(
     f: BinaryIO,
     url: str,
@@ -615,14 +545,20 @@ def scan_tar(
         ShardError: Reading ``f`` failed.
         ConfigError: An argument is invalid.
     """
+    wanted, head, mode = _options(want, head_bytes, on_error)
+    return _scan(f, url, wanted, head, seekable, mode)
+
+
+def _options(want: Collection[str], head_bytes: int | None,
+             on_error: str | OnError) -> tuple[frozenset[str], int | None, OnError]:
+    """Check scan_tar's arguments; return (wanted extensions, head_bytes, mode)."""
     try:
         mode = OnError(on_error)
     except ValueError as exc:
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}") from exc
-    if head_bytes is not None and (not isinstance(head_bytes, int) or head_bytes < 0):
+    if head_bytes is not None and (isinstance(head_bytes, bool) or not isinstance(head_bytes, int) or head_bytes < 0):
         raise ConfigError(f"head_bytes must be None or a non-negative int, got {head_bytes!r}")
-    wanted = frozenset(e.lower() for e in ((want,) if isinstance(want, str) else want))
-    return _scan(f, url, wanted, head_bytes, seekable, mode)
+    return frozenset(e.lower() for e in ((want,) if isinstance(want, str) else want)), head_bytes, mode
 
 
 def _scan(f: BinaryIO, url: str, want: frozenset[str], head: int | None, seekable: bool | None,
@@ -631,7 +567,7 @@ def _scan(f: BinaryIO, url: str, want: frozenset[str], head: int | None, seekabl
         seekable = bool(getattr(f, "seekable", lambda: False)())
     try:
         r = _Reader(f, url, seekable)
-        yield from (_samples_local if seekable and r._fd >= 0 else _samples)(r, want, head)
+        yield from _samples(r, want, head)
     except TarFormatError as exc:
         if mode is OnError.RAISE:
             raise
