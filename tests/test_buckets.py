@@ -534,3 +534,35 @@ def test_check_bucket_key() -> None:
     assert check_bucket_key(np.uint8(3), "k") == 3
     with pytest.raises(BucketError, match="sample 'k': bucket key nan is not finite"):
         check_bucket_key(float("nan"), "k")
+
+
+_doc_value = st.one_of(st.integers(-3, 4000), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                       st.none(), st.text(max_size=3), st.just(10**400), st.just(2**60))
+
+
+@settings(max_examples=200, deadline=None)
+@given(docs=st.lists(st.one_of(
+    st.fixed_dictionaries({"width": _doc_value, "height": _doc_value}),
+    st.fixed_dictionaries({"meta": st.fixed_dictionaries({"w": _doc_value, "h": _doc_value})}),
+    st.dictionaries(st.sampled_from(["width", "height", "meta.w", "meta.h", "x"]), _doc_value, max_size=4),
+    st.lists(st.integers(), max_size=2)), max_size=12),
+    raw=st.lists(st.sampled_from([None, b"", b"{", b' {"width": 4, "height": 3} ', b"\xff\xfe{}",
+                                  b'{"width": 4, "height": 3} x', b'{"width": 4e400, "height": 1}']), max_size=3),
+    fields=st.sampled_from([("width", "height"), ("meta.w", "meta.h")]),
+    step=st.none() | st.sampled_from([0.25, 0.1]))
+def test_aspect_many_equals_one_call_per_sample(docs, raw, fields, step) -> None:
+    """AspectBuckets.many (the indexer's batch path) gives what __call__ gives, sample by
+    sample: the same bucket, or an exception of the same type and message."""
+    import json as _json
+
+    fn = AspectBuckets(fields[0], fields[1], step=step)
+    payloads = [_json.dumps(d).encode() for d in docs] + raw
+    keys = [f"k{i}" for i in range(len(payloads))]
+    got = fn.many(keys, {"json": payloads})
+    for key, payload, result in zip(keys, payloads, got):
+        try:
+            want = fn(key, {} if payload is None else {"json": payload})
+        except Exception as exc:  # noqa: BLE001
+            assert type(result) is type(exc) and str(result) == str(exc)
+        else:
+            assert result == want

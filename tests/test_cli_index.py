@@ -94,8 +94,9 @@ def test_index_update_reports_rescanned_shards(tmp_path, shards, capsys, monkeyp
     st = os.stat(shards[2])
     os.utime(shards[2], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     scanned: list[str] = []
-    real = indexer_mod.scan_rows
-    monkeypatch.setattr(indexer_mod, "scan_rows", lambda f, url, **kw: scanned.append(url) or real(f, url, **kw))
+    real = indexer_mod.scan_many
+    monkeypatch.setattr(indexer_mod, "scan_many",
+                        lambda sources, **kw: scanned.extend(u for _, u, *_ in sources) or real(sources, **kw))
     code, stdout, _ = run(capsys, "index", *shards, "-o", out, "--update", "--no-progress")
     assert code == 0 and scanned == [shards[2]]
     assert "update: 1 shard scanned, 2 unchanged" in stdout
@@ -179,14 +180,14 @@ def test_index_interrupted_keeps_previous_file(tmp_path, shards, capsys, monkeyp
     out = tmp_path / "i.wdsidx"
     assert run(capsys, "index", *shards, "-o", str(out), "--no-progress")[0] == 0
     before = out.read_bytes()
-    real = indexer_mod.scan_rows
+    real = indexer_mod.scan_many
 
-    def interrupt(f, url, **kw):
-        if url == shards[1]:
+    def interrupt(sources, **kw):
+        if any(url == shards[1] for _, url, *_ in sources):
             raise KeyboardInterrupt
-        return real(f, url, **kw)
+        return real(sources, **kw)
 
-    monkeypatch.setattr(indexer_mod, "scan_rows", interrupt)
+    monkeypatch.setattr(indexer_mod, "scan_many", interrupt)
     code, _, stderr = run(capsys, "index", *shards, "-o", str(out), "--no-progress", "--bucket-by", "aspect")
     assert code == 130 and "interrupted" in stderr and out.read_bytes() == before
 

@@ -237,13 +237,13 @@ def test_update_rescans_only_changed_and_new_shards(tmp_path, shards, monkeypatc
     out = str(tmp_path / "idx.wdsidx")
     first = build_index(shards[:2], "aspect", output=out)
     scanned: list[str] = []
-    real = indexer_mod.scan_rows
+    real = indexer_mod.scan_many
 
-    def counting(f, url, **kw):
-        scanned.append(url)
-        return real(f, url, **kw)
+    def counting(sources, **kw):
+        scanned.extend(url for _, url, *_ in sources)
+        return real(sources, **kw)
 
-    monkeypatch.setattr(indexer_mod, "scan_rows", counting)
+    monkeypatch.setattr(indexer_mod, "scan_many", counting)
     same = build_index(shards[:2], "aspect", output=out, update=out)
     assert scanned == [] and same.digest == first.digest
 
@@ -278,24 +278,24 @@ def test_update_refuses_another_bucket_function(tmp_path, shards) -> None:
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_interrupted_build_leaves_old_index_or_nothing(tmp_path, shards, monkeypatch, workers) -> None:
-    real = indexer_mod.scan_rows
+    real = indexer_mod.scan_many
 
-    def dies_on_last(f, url, **kw):
-        if url == shards[-1]:
+    def dies_on_last(sources, **kw):
+        if any(url == shards[-1] for _, url, *_ in sources):
             raise KeyboardInterrupt
-        return real(f, url, **kw)
+        return real(sources, **kw)
 
-    monkeypatch.setattr(indexer_mod, "scan_rows", dies_on_last)
+    monkeypatch.setattr(indexer_mod, "scan_many", dies_on_last)
     fresh = tmp_path / "fresh" / "idx.wdsidx"
     with pytest.raises(KeyboardInterrupt):
         build_index(shards, output=str(fresh), workers=workers)
     assert not fresh.exists()
 
     out = tmp_path / "idx.wdsidx"
-    monkeypatch.setattr(indexer_mod, "scan_rows", real)
+    monkeypatch.setattr(indexer_mod, "scan_many", real)
     build_index(shards[:2], output=str(out))
     before = out.read_bytes()
-    monkeypatch.setattr(indexer_mod, "scan_rows", dies_on_last)
+    monkeypatch.setattr(indexer_mod, "scan_many", dies_on_last)
     with pytest.raises(KeyboardInterrupt):
         build_index(shards, output=str(out), workers=workers)
     assert out.read_bytes() == before and len(load_index(str(out))) > 0

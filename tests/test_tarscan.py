@@ -761,3 +761,80 @@ def test_lean_scan_leaves_every_odd_header_to_the_general_parser(tmp_path, monke
     except TarFormatError:
         return
     assert {"s0", "s1", "s3", "s4", "s5"} <= {s.key for s in got}
+
+
+@settings(max_examples=80, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(archives=st.lists(st.tuples(entries_st, st.sampled_from(["none", "none", "flip", "size", "type", "cut"]),
+                                   st.integers(0, 10**6), st.integers(0, 10**6)), min_size=1, max_size=6),
+       batch=st.sampled_from([1, 3, 4096]), waiting=st.sampled_from([1, 2, 64]), skip=st.booleans(),
+       want=st.sampled_from([(), ("json",)]))
+def test_property_scan_many_checks_shards_together(tmp_path, monkeypatch, archives, batch, waiting, skip, want):
+    """Shards whose last headers are checked in one batch: each shard's rows equal
+    scan_tar's for that shard alone (or the first failing shard raises its error)."""
+    from wds_pad import _tarrows
+    from wds_pad._tarrows import scan_many
+
+    monkeypatch.setattr(_tarrows, "_BATCH", batch)
+    monkeypatch.setattr(_tarrows, "_MAX_WAITING", waiting)
+    paths = []
+    for n, (entries, how, where, value) in enumerate(archives):
+        names = [(kind, f"{base}.{ext}" if ext or kind != "file" else base, size) for kind, base, ext, size in entries]
+        blob = _entries_tar(names, tarfile.GNU_FORMAT)
+        if how != "none":
+            blob = _mutate(blob, how, where, value)
+        path = tmp_path / f"s{n}.tar"
+        path.write_bytes(blob)
+        paths.append(path)
+    kw = {"want": want, "on_error": "skip" if skip else "raise"}
+    expected = []
+    for path in paths:
+        with open(path, "rb") as f:
+            gen, got = scan_tar(f, str(path), **kw), []
+            try:
+                while True:
+                    got.append(next(gen))
+            except StopIteration as stop:
+                expected.append((got, stop.value))
+            except TarFormatError as exc:
+                expected.append(exc)
+                break
+    files = [open(p, "rb") for p in paths]
+    try:
+        if isinstance(expected[-1], Exception):
+            with pytest.raises(TarFormatError) as info:
+                scan_many([(f, str(p)) for f, p in zip(files, paths)], **kw)
+            assert str(info.value) == str(expected[-1])
+            return
+        rows = scan_many([(f, str(p)) for f, p in zip(files, paths)], **kw)
+    finally:
+        for f in files:
+            f.close()
+    assert len(rows) == len(paths)
+    for r, (samples, fault) in zip(rows, expected):
+        assert_same_rows(r, samples)
+        assert str(r.fault) == str(fault)
+
+
+def test_scan_many_keeps_samples_and_errors_per_shard(tmp_path):
+    """A key that ends one shard and starts the next is two samples; when several shards
+    fail, the first one's error is raised, as shard-by-shard scanning would."""
+    from wds_pad._tarrows import scan_many
+
+    def shard(name: str, members: list[tuple[bytes, bytes, dict]]) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"".join(_member_bytes(n, p, **kw) for n, p, kw in members) + b"\0" * 1024)
+        return path
+
+    a = shard("a.tar", [(b"b.jpg", b"1" * 10, {}), (b"a.jpg", b"2" * 10, {})])
+    b = shard("b.tar", [(b"a.json", b"{}", {}), (b"c.jpg", b"3", {})])
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        rows = scan_many([(fa, str(a)), (fb, str(b))], want=("json",))
+    assert [r.keys for r in rows] == [["b", "a"], ["a", "c"]]
+    assert rows[1].sample_data(0) == {"json": b"{}"} and rows[0].length.tolist() == [1024, 1024]
+
+    bad_sum = shard("c.tar", [(b"x.jpg", b"1", {}), (b"y.jpg", b"2", {"fix_checksum": False}), (b"z.jpg", b"3", {})])
+    not_tar = tmp_path / "d.tar"
+    not_tar.write_bytes(b"hello" * 300)
+    with open(bad_sum, "rb") as fc, open(not_tar, "rb") as fd:
+        with pytest.raises(TarFormatError, match="c.tar: invalid tar header"):
+            scan_many([(fc, str(bad_sum)), (fd, str(not_tar))])

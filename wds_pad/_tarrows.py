@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Collection
+from typing import Any, BinaryIO, Callable, Collection, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -33,13 +33,14 @@ from numpy.lib.stride_tricks import as_strided
 from .errors import ConfigError, ShardError, TarFormatError
 from .tarscan import OnError, ScannedSample, _options, _Reader, _samples
 
-__all__ = ["ScanRows", "scan_rows"]
+__all__ = ["ScanRows", "scan_many", "scan_rows"]
 
 _WINDOW = 2048  # seek mode: a header, a small payload (.json) and often the next header
 _CHUNK = 8 << 20  # stream mode: read size
 _PROBE = 1 << 20  # stream mode: the first read
 _SPAN = 32 << 10  # stream mode: members further apart on average -> the general parser
 _BATCH = 4096  # seek mode: headers per numpy check
+_MAX_WAITING = 64  # scan_many: shards (open files) waiting to be checked together
 _MAX_HELD = 64 << 20  # stream mode: longer samples go to the general parser
 _MAX_EXT = 16  # longer extensions go to the general parser
 _IDX8 = np.arange(104, dtype=np.uint8)  # name columns
@@ -49,9 +50,10 @@ _HIGH = np.uint64(0x8080808080808080)  # the high bit of each byte of a word
 _LOW = np.uint64(0x00FF00FF00FF00FF)
 _LANES = np.uint64(0x0001000100010001)
 _DIGIT_MASK, _DIGITS = np.uint64(0x0000F8F8F8F8F8F8), np.uint64(0x0000303030303030)  # bytes 0-5 in "0".."7"
+_TAIL_MASK = np.uint64(0xDFDF000000000000)  # bytes 6-7 NUL or space
 _OCTAL = np.uint64(0x0000070707070707)
 _U3, _U6, _U8, _U12, _U16, _U32, _U48 = (np.uint64(b) for b in (3, 6, 8, 12, 16, 32, 48))
-_UFF, _UFFFF = np.uint64(0xFF), np.uint64(0xFFFF)
+_UFFFF = np.uint64(0xFFFF)
 
 
 @dataclass
@@ -173,31 +175,93 @@ def scan_rows(
         ShardError: Reading ``f`` failed.
         ConfigError: An argument is invalid, or the shard has more than 64 extensions.
     """
+    return scan_many([(f, url)], want=want, head_bytes=head_bytes, seekable=seekable, on_error=on_error)[0]
+
+
+def scan_many(
+    sources: Sequence[tuple[BinaryIO, str] | tuple[BinaryIO, str, bool | None]],
+    *,
+    want: Collection[str] = (),
+    head_bytes: int | None = None,
+    seekable: bool | None = None,
+    on_error: str | OnError = "raise",
+) -> list[ScanRows]:
+    """:func:`scan_rows` for several shards, checking the headers of small local shards
+    together (numpy's fixed cost per operation, about 0.1 ms a shard, is then shared).
+
+    Args:
+        sources: ``(file, url)`` pairs, open until this returns; a third item,
+            ``seekable``, overrides the argument for that source.
+        want, head_bytes, seekable, on_error: As for :func:`scan_rows`.
+
+    Returns:
+        One :class:`ScanRows` per source, in order.
+
+    Raises:
+        As :func:`scan_rows`, for the first shard that fails.
+    """
     wanted, head, mode = _options(want, head_bytes, on_error)
-    if seekable is None:
-        seekable = bool(getattr(f, "seekable", lambda: False)())
-    acc = _Acc(wanted)
-    fault = None
-    try:
-        r = _Reader(f, url, seekable)
-        if seekable and r._fd >= 0:
-            start = _lean_seek(r, acc, head)
-        elif not seekable:
-            start = _lean_stream(r, acc, head)
+    out: list[ScanRows | None] = [None] * len(sources)
+    waiting: list[tuple[int, _Reader, _Acc, _Open]] = []
+
+    def finish(i: int, r: _Reader, acc: _Acc, start: int) -> None:
+        fault = None
+        try:
+            if start >= 0:  # -1: the lean path read the archive to its end
+                for s in _samples(r, wanted, head, start):
+                    acc.add(s)
+        except TarFormatError as exc:
+            if mode is OnError.RAISE:
+                raise
+            fault = exc
+        out[i] = acc.rows(r.url, fault)
+
+    def check_waiting() -> None:
+        segs = [_Segment(acc, len(o.H), o.payload, o.end) for _, _, acc, o in waiting]
+        H = [h for *_, o in waiting for h in o.H]
+        P, S = array("q"), array("q")
+        for *_, o in waiting:
+            P.extend(o.P)
+            S.extend(o.S)
+        _settle_many(segs, H, P, S, head)
+        for (i, r, acc, o), seg in zip(waiting, segs):
+            finish(i, r, acc, o.settled(seg))
+        waiting.clear()
+
+    for i, (f, url, *mode_of) in enumerate(sources):
+        seek = mode_of[0] if mode_of else seekable
+        if seek is None:
+            seek = bool(getattr(f, "seekable", lambda: False)())
+        acc = _Acc(wanted)
+        try:
+            r = _Reader(f, url, seek)
+            if seek and r._fd >= 0:
+                start: int | _Open = _lean_seek(r, acc, head)
+            elif not seek:
+                start = _lean_stream(r, acc, head)
+            else:
+                start = 0
+        except TarFormatError as exc:
+            if mode is OnError.RAISE:
+                raise
+            out[i] = acc.rows(url, exc)
+            continue
+        if isinstance(start, _Open):
+            waiting.append((i, r, acc, start))
+            if len(waiting) >= _MAX_WAITING or sum(len(o.H) for *_, o in waiting) >= _BATCH:
+                check_waiting()
         else:
-            start = 0
-        if start >= 0:  # -1: the lean path read the archive to its end
-            for s in _samples(r, wanted, head, start):
-                acc.add(s)
-    except TarFormatError as exc:
-        if mode is OnError.RAISE:
-            raise
-        fault = exc
-    return acc.rows(url, fault)
+            if waiting:  # keep shard order, for the first error and for the samples
+                check_waiting()
+            finish(i, r, acc, start)
+    if waiting:
+        check_waiting()
+    return out  # type: ignore[return-value]
 
 
-def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int:
-    """Seek mode over a local file; return where the general parser takes over."""
+def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
+    """Seek mode over a local file: return where the general parser takes over (-1:
+    nowhere), or the last headers, still to be checked."""
     fd, eof, pread = r._fd, r.eof, os.pread
     H: list[bytes] = []
     P = array("q")  # header offsets
@@ -206,11 +270,7 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int:
     pos, buf, base = 0, b"", 0
     window = (buf, base)
 
-    def payload(i: int, n: int) -> bytes:
-        wbuf, wbase = W[i]
-        at = P[i] + 512 - wbase
-        if at + n <= len(wbuf):
-            return wbuf[at : at + n]
+    def read(i: int, n: int) -> bytes:
         try:
             got = pread(fd, n, P[i] + 512)
         except OSError as exc:
@@ -219,6 +279,14 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int:
             raise ShardError(f"{r.url}: the file shrank while it was being scanned (payload at byte "
                              f"offset {P[i] + 512}); index it again once it is complete")
         return got
+
+    def payload(members: list[int], sizes: list[int]) -> list[bytes]:
+        out = []
+        for i, n in zip(members, sizes):  # from the header's window when the payload is in it
+            wbuf, wbase = W[i]
+            at = P[i] + 512 - wbase
+            out.append(wbuf[at : at + n] if at + n <= len(wbuf) else read(i, n))
+        return out
 
     # the loop runs once per tar member: locals only, the batch check only on a new window
     add_h, add_p, add_s = H.append, P.append, S.append
@@ -256,11 +324,29 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int:
         add_s(size)
         add_w(window)
         pos = nxt
-    end = pos == eof or (pos + 512 <= eof and pread(fd, 512, pos) == _ZERO_BLOCK)  # a clean end
-    done, stop = _settle(acc, H, P, S, head, payload, final=end and pos > 0) if H else (0, False)
-    if end and pos > 0 and not stop:
-        return -1
-    return P[done] if done < len(P) else pos
+    end = pos > 0 and (pos == eof or (pos + 512 <= eof and pread(fd, 512, pos) == _ZERO_BLOCK))  # a clean end
+    if not H:
+        return -1 if end else pos
+    return _Open(H, P, S, payload, end, pos)
+
+
+@dataclass
+class _Open:
+    """A shard's last headers, read by the lean loop and not yet checked: they wait to be
+    checked with those of other shards (:func:`scan_many`)."""
+
+    H: list[bytes]
+    P: array
+    S: array
+    payload: Callable[[list[int], list[int]], list[bytes]]
+    end: bool  # the archive ends cleanly after them
+    pos: int  # where the loop stopped
+
+    def settled(self, seg: _Segment) -> int:
+        """Where the general parser takes over after ``seg`` was checked (-1: nowhere)."""
+        if self.end and not seg.stop:
+            return -1
+        return self.P[seg.done] if seg.done < len(self.P) else self.pos
 
 
 def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
@@ -276,9 +362,9 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
     fill, base, pos, at_eof = 0, 0, 0, False
     state = {"buf": buf, "base": 0}
 
-    def payload(i: int, n: int) -> bytes:
-        at = P[i] + 512 - state["base"]
-        return bytes(state["buf"][at : at + n])
+    def payload(members: list[int], sizes: list[int]) -> list[bytes]:
+        buf, base = state["buf"], state["base"]
+        return [bytes(buf[P[i] + 512 - base : P[i] + 512 - base + n]) for i, n in zip(members, sizes)]
 
     def read_more(need: int) -> None:
         """Read until ``buf`` holds ``need`` bytes from ``base``, or the stream ends."""
@@ -362,20 +448,42 @@ def _popcount(x: np.ndarray) -> np.ndarray:
     return np.unpackbits(x.view(np.uint8).reshape(-1, 8), axis=1).sum(1)  # numpy < 2.0
 
 
+@dataclass
+class _Segment:
+    """One shard's pending headers within a batch checked by :func:`_settle_many`.
+
+    Inputs: ``acc`` (where its samples go), ``count`` (its headers, consecutive in the
+    batch), ``payload(members, sizes)`` (the first bytes of its members' payloads), ``final``
+    (its archive ends cleanly after them). Outputs: ``done`` (its members ``[0, done)``
+    formed the samples added; ``done`` starts its held-back sample) and ``stop`` (a
+    header needs the general parser, which takes over at that sample).
+    """
+
+    acc: _Acc
+    count: int
+    payload: Callable[[list[int], list[int]], list[bytes]]
+    final: bool = False
+    done: int = 0
+    stop: bool = False
+
+
 def _settle(acc: _Acc, H: list[bytes], P: array, S: array, head: int | None,
-            payload: Callable[[int, int], bytes], final: bool = False) -> tuple[int, bool]:
-    """Check the pending headers ``H`` (at offsets ``P``, payload sizes ``S``) and add
-    their complete samples to ``acc``.
+            payload: Callable[[list[int], list[int]], list[bytes]], final: bool = False) -> tuple[int, bool]:
+    """:func:`_settle_many` for one shard; returns ``(done, stop)``."""
+    seg = _Segment(acc, len(H), payload, final)
+    _settle_many([seg], H, P, S, head)
+    return seg.done, seg.stop
+
+
+def _settle_many(segs: list[_Segment], H: list[bytes], P: array, S: array, head: int | None) -> None:
+    """Check the pending headers ``H`` (at offsets ``P``, payload sizes ``S``) of one or
+    more shards (``segs``, back to back) and add each shard's complete samples to its
+    ``acc``. Checking the headers of many small shards at once costs about what one
+    shard costs: numpy's fixed cost per operation is paid once.
 
     Every test is an array operation over all headers (the rare spellings first over the
-    whole batch); comparisons of keys are done on 8-byte words.
-
-    With ``final`` (the archive ends cleanly after ``H``) the last sample is added too.
-
-    Returns:
-        ``(done, stop)``: members ``[0, done)`` formed the samples added; ``done`` starts
-        the held-back sample. ``stop``: a header needs the general parser, which must
-        take over at ``P[done]``.
+    whole batch); comparisons of keys are done on 8-byte words. A shard's last sample is
+    held back (its next member may come in the next batch) unless its archive ends.
     """
     m = len(H)
     A = np.frombuffer(b"".join(H), np.uint8).reshape(m, 512)
@@ -409,78 +517,115 @@ def _settle(acc: _Acc, H: list[bytes], P: array, S: array, head: int | None,
     if under.any():  # "__x__" metadata, ".__bad__", ".__key__": webdataset's special rules
         under &= inname[:, 1:]
         ok &= ~under[:, 1] & ~under[np.arange(m), np.minimum(dot + 1, W - 2)]
-    v = m if ok.all() else int(np.argmin(ok))
-    if v == 0:
-        return 0, True
-    N, dot, L, elen = N[:v], dot[:v], L[:v], elen[:v]
-    K = N[:, :W] * (idx < dot[:, None])  # "/" + the key, NUL-padded
+    # each shard is usable up to its first header that needs the general parser
+    counts_in = np.array([seg.count for seg in segs], np.int64)
+    seg_end = np.cumsum(counts_in)
+    seg_first = seg_end - counts_in
+    seg_of = np.repeat(np.arange(len(segs)), counts_in)
+    bad = np.flatnonzero(~ok)
+    at = np.searchsorted(bad, seg_first)
+    cut_at = np.minimum(np.where(at < bad.size, bad[np.minimum(at, max(bad.size - 1, 0))] if bad.size else m, m), seg_end)
+    valid = np.arange(m) < cut_at[seg_of]
+    K = names * (idx < dot[:, None])  # "/" + the key, NUL-padded
     Kw = K.view(np.uint64)
-    new = np.ones(v, bool)
+    new = np.ones(m, bool)
     diff = Kw[1:, 0] != Kw[:-1, 0]
     for k in range(1, W // 8):
         diff |= Kw[1:, k] != Kw[:-1, k]
     new[1:] = diff
-    starts = np.flatnonzero(new)
+    new[seg_first] = True  # a sample never spans shards
     # extensions, lowercased, as 16-byte codes -> ids into a small table
     flat = N.ravel()
     windows = as_strided(flat, shape=(flat.size - _MAX_EXT + 1, _MAX_EXT), strides=(1, 1), writeable=False)
-    E = windows[np.arange(1, v * (W + _MAX_EXT) + 1, W + _MAX_EXT) + dot]
+    E = windows[np.arange(1, m * (W + _MAX_EXT) + 1, W + _MAX_EXT) + dot]
     E = E * (_EXT_COLS < elen[:, None])
     E |= ((E - 65) < 26).view(np.uint8) << 5
     codes = E.view(np.uint64)
     lo = codes[:, 0]
     two = bool(codes[:, 1].any())
-    ids = np.full(v, -1, np.int64)
-    names: list[str] = []
-    j = 0
+    ids = np.where(valid, -1, 64)  # rows past a shard's cut get no extension
+    exts: list[str] = []
+    j = int(np.argmin(ids)) if ids.size and ids.min() < 0 else -1
     while j >= 0:
+        if len(exts) == 64:
+            raise ConfigError("more than 64 distinct member extensions; the index records at most 64")
         same = lo == lo[j]
         if two:
             same &= codes[:, 1] == codes[j, 1]
-        ids[same] = len(names)
-        names.append(E[j].tobytes().rstrip(b"\0").decode("ascii"))
+        ids[same & valid] = len(exts)
+        exts.append(E[j].tobytes().rstrip(b"\0").decode("ascii"))
         j = int(np.argmin(ids)) if ids.min() < 0 else -1
-    bits = np.array([1 << acc.bit(e) for e in names], np.uint64)[ids]
+    starts = np.flatnonzero(new)
+    bits = np.where(valid, np.left_shift(np.uint64(1), np.minimum(ids, 63).astype(np.uint64)), np.uint64(0))
     group_bits = np.bitwise_or.reduceat(bits, starts)
-    counts = np.append(starts[1:], v) - starts
-    dup = np.flatnonzero(_popcount(group_bits) != counts)
-    stop = v < m
-    if dup.size:  # a repeated suffix: the general parser raises with the details
-        stop, keep = True, starts < starts[dup[0]] + 1
-        starts, group_bits = starts[keep], group_bits[keep]
-    # the last sample may go on in the next batch (or is re-parsed by the general parser)
-    held = v if final and not stop else int(starts[-1])
-    g = starts.size if held == v else starts.size - 1
-    if g:
-        first = starts[:g]
-        last = np.append(starts[1:g], held) - 1
-        Pa, Sa = np.frombuffer(P, np.int64, held), np.frombuffer(S, np.int64, held)
+    members = np.add.reduceat(valid.astype(np.int64), starts)
+    dup = (_popcount(group_bits) != members) & (members > 0)  # a repeated suffix
+    group_seg = seg_of[starts]
+    emit = members > 0
+    ends = np.append(starts[1:], m)
+    Pa, Sa = np.frombuffer(P, np.int64, m), np.frombuffer(S, np.int64, m)
+    for s, seg in enumerate(segs):
+        lo_g, hi_g = (int(x) for x in np.searchsorted(group_seg, [s, s + 1]))
+        nv = int(np.count_nonzero(emit[lo_g:hi_g]))  # groups with usable members: a prefix
+        d = np.flatnonzero(dup[lo_g : lo_g + nv])
+        if d.size:  # a repeated suffix: complete samples before it, the general parser from it
+            seg.stop, g = True, int(d[0])
+            held = int(starts[lo_g + g])
+        elif int(cut_at[s]) < int(seg_end[s]) or not seg.final:
+            # a header needs the general parser (stop), or the batch ends (the next member
+            # may belong to the last sample): its last sample is held back
+            seg.stop = int(cut_at[s]) < int(seg_end[s])
+            g = max(nv - 1, 0)
+            held = int(starts[lo_g + g]) if nv else int(cut_at[s])
+        else:  # the archive ends cleanly after this batch: every sample is complete
+            g, held = nv, int(seg_end[s])
+        seg.done = held - int(seg_first[s])
+        if not g:
+            continue
+        g_end = lo_g + g
+        first = starts[lo_g:g_end]
+        last = ends[lo_g:g_end] - 1
         offset = Pa[first]
+        acc = seg.acc
         acc.offset.append(offset)
         acc.length.append(Pa[last] + 512 + ((Sa[last] + 511) & ~511) - offset)
-        acc.mask.append(group_bits[:g])
+        seen = int(np.bitwise_or.reduce(group_bits[lo_g:g_end]))
+        local = [1 << acc.bit(e) if seen >> i & 1 else 0 for i, e in enumerate(exts)]
+        acc.mask.append(_remap(group_bits[lo_g:g_end], local))
         acc.keys.extend(b"\0".join(K[first].view(f"S{W}").ravel().tolist()).decode("ascii")[1:].split("\0/"))
+        base_i = int(seg_first[s])
         for e, col in acc.data.items():
             base = len(col)
             col.extend([None] * g)
-            if e not in names:
+            if e not in exts:
                 continue
-            members = np.flatnonzero(ids[:held] == names.index(e))
-            for i, j in zip(members.tolist(), (np.cumsum(new[:held])[members] - 1 + base).tolist()):
-                size = S[i]
-                col[j] = payload(i, size if head is None or head > size else head)
+            span = slice(int(first[0]), int(ends[g_end - 1]))
+            wanted = np.flatnonzero(ids[span] == exts.index(e)) + span.start
+            sample_of = np.searchsorted(first, wanted, side="right") - 1 + base
+            sizes = Sa[wanted] if head is None else np.minimum(Sa[wanted], head)
+            for jj, data in zip(sample_of.tolist(), seg.payload((wanted - base_i).tolist(), sizes.tolist())):
+                col[jj] = data
         acc.samples += g
-    return held, stop
+
+
+def _remap(group_bits: np.ndarray, local: list[int]) -> np.ndarray:
+    """Masks over the batch's extension table -> masks over a shard's own table."""
+    if all(bit == 1 << i for i, bit in enumerate(local)):
+        return group_bits  # the same table (one shard, or shards alike)
+    out = np.zeros(group_bits.size, np.uint64)
+    for i, bit in enumerate(local):
+        if bit:
+            out |= np.where((group_bits >> np.uint64(i)) & np.uint64(1), np.uint64(bit), np.uint64(0))
+    return out
 
 
 def _headers_ok(A: np.ndarray) -> np.ndarray:
     """Which 512-byte headers the lean path may read as plain ustar regular files."""
-    # The checksum field as one little-endian word: six octal digits, then NUL (and
-    # anything), a space and NUL, or two spaces. tarfile's rarer spellings, and headers
-    # whose stored sum is the signed-char one, go to the general parser.
+    # The checksum field as one little-endian word: six octal digits, then two bytes that
+    # are NUL or space ("%06o\0 " from tarfile and GNU tar). tarfile's rarer spellings,
+    # and headers whose stored sum is the signed-char one, go to the general parser.
     c = np.ascontiguousarray(A[:, 148:156]).view(np.uint64)[:, 0]
-    tail = c >> _U48
-    form = ((c & _DIGIT_MASK) == _DIGITS) & (((tail & _UFF) == 0) | (tail == 0x2020) | (tail == 0x0020))
+    form = ((c & _DIGIT_MASK) == _DIGITS) & ((c & _TAIL_MASK) == 0)  # then NUL or space, twice
     d = c & _OCTAL  # digit values, most significant first (byte 0)
     d = ((d & _LOW) << _U3) + ((d >> _U8) & _LOW)  # 16-bit lanes: d0d1, d2d3, d4d5
     stored = (((d & _UFFFF) << _U12) + (((d >> _U16) & _UFFFF) << _U6) + ((d >> _U32) & _UFFFF)).astype(np.int64)
@@ -489,4 +634,4 @@ def _headers_ok(A: np.ndarray) -> np.ndarray:
     total = np.add.reduce(A, axis=1, dtype=np.uint32).astype(np.int64) - field_sum + 256
     kind = A[:, 156]
     return (form & (stored == total) & ((kind == 48) | (kind == 0))
-            & (A[:, 345] == 0) & ((A[:, 135] == 0) | (A[:, 135] == 32)))
+            & (A[:, 345] == 0) & ((A[:, 135] & 0xDF) == 0))  # the size field ends in NUL or space

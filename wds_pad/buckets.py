@@ -342,18 +342,18 @@ class AspectBuckets(_OneMember):
         out: list[Any] = [None] * len(keys)
         member, wf, hf = self.member, self.width_field, self.height_field
         plain = "." not in wf and "." not in hf  # a dotted path walks nested objects: per sample
-        scan, isinf, number = _json_scan, math.isinf, (int, float)
+        scan, number, inf = _json_scan, (int, float), math.inf
         fast: list[int] = []
         ratios: list[float] = []
+        add_fast, add_ratio = fast.append, ratios.append
         for i, raw in enumerate(columns.get(member) or [None] * len(keys)):
             try:
                 s = raw.decode("utf-8")  # type: ignore[union-attr]
                 doc, end = scan(s, 0)
                 w, h = doc[wf], doc[hf]
-                if (plain and end == len(s) and type(w) in number and type(h) in number
-                        and 0 < w and 0 < h and not isinf(w) and not isinf(h)):
-                    ratios.append(float(w) / float(h))
-                    fast.append(i)
+                if plain and end == len(s) and type(w) in number and type(h) in number and 0 < w < inf and 0 < h < inf:
+                    add_ratio(float(w) / float(h))
+                    add_fast(i)
                     continue
             except Exception:  # noqa: BLE001 - the per-sample path below says what is wrong
                 pass

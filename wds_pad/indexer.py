@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
@@ -28,11 +29,12 @@ from .buckets import BucketFn, SingleBucket, wrap_callable
 from .errors import BucketError, ConfigError, ShardError, WdsPadError
 from .index import Index, ShardInfo, load_index, make_index, write_index
 from .read import get_filesystem, redact
-from ._tarrows import ScanRows, scan_rows
+from ._tarrows import ScanRows, scan_many
 from .tarscan import parse_sample
 
 __all__ = ["Problem", "build_index", "expand_urls", "verify_index"]
 
+_GROUP = 32  # shards scanned by one task (see _scan_group)
 _STAMP_FIELDS = ("ETag", "etag", "checksum", "md5Hash", "crc32c", "mtime", "LastModified",
                  "last_modified", "updated", "created")
 
@@ -119,17 +121,61 @@ def _open_for_scan(url: str, storage_options: Mapping[str, Any] | None) -> tuple
 
 def _scan_one(url: str, fn: BucketFn, on_error: str, storage_options: Mapping[str, Any] | None,
               progress: Progress) -> _ShardRows:
-    size, stamp = shard_info(url, storage_options)
+    return _scan_group([url], fn, on_error, storage_options, progress)[0]
+
+
+def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_options: Mapping[str, Any] | None,
+                progress: Progress) -> list[_ShardRows]:
+    """Scan consecutive shards; their last headers are checked together (scan_many)."""
+    out: list[_ShardRows | None] = [None] * len(urls)
+    with contextlib.ExitStack() as stack:
+        opened: list[tuple[int, str, int, str, Any, bool]] = []
+        for i, url in enumerate(urls):
+            try:
+                size, stamp = shard_info(url, storage_options)
+                try:
+                    f, seekable = _open_for_scan(url, storage_options)
+                except FileNotFoundError:
+                    raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
+            except ShardError as exc:
+                if on_error != "skip":
+                    raise
+                out[i] = _unreadable(url, exc)
+                continue
+            stack.enter_context(f)
+            opened.append((i, url, size, stamp, f, seekable))
+        sources = [(f, redact(url), seekable) for _, url, _, _, f, seekable in opened]
+        kw = {"want": tuple(fn.members), "head_bytes": fn.head_bytes, "on_error": on_error}
+        try:
+            scanned = scan_many(sources, **kw)
+        except ShardError:
+            if on_error != "skip" or len(sources) == 1:
+                raise
+            scanned = []  # one by one, so that only the unreadable shard is left out
+            for (i, url, *_), source in zip(opened, sources):
+                try:
+                    scanned.append(scan_many([source], **kw)[0])
+                except ShardError as exc:
+                    out[i] = _unreadable(url, exc)
+                    scanned.append(None)  # type: ignore[arg-type]
+    for (i, url, size, stamp, _, _), rows in zip(opened, scanned):
+        if rows is not None:
+            progress.advance(samples=len(rows))
+            out[i] = _shard_rows(url, size, stamp, rows, fn, on_error, storage_options)
+    return out  # type: ignore[return-value]
+
+
+def _unreadable(url: str, exc: Exception) -> _ShardRows:
+    """The rows of a shard left out with on_error="skip"."""
+    rows = _ShardRows(ShardInfo(url=url, size=-1, stamp="", samples=0, error=redact(str(exc))))
+    rows.fault = {"url": url, "reason": redact(str(exc)), "samples_kept": 0}
+    return rows
+
+
+def _shard_rows(url: str, size: int, stamp: str, scanned: ScanRows, fn: BucketFn, on_error: str,
+                storage_options: Mapping[str, Any] | None) -> _ShardRows:
+    """A scanned shard's rows: bucket keys computed, excluded samples left out."""
     rows = _ShardRows(ShardInfo(url=url, size=size, stamp=stamp, samples=0))
-    want = tuple(fn.members)
-    head = fn.head_bytes
-    try:
-        f, seekable = _open_for_scan(url, storage_options)
-    except FileNotFoundError:
-        raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
-    with f:
-        scanned = scan_rows(f, redact(url), want=want, head_bytes=head, seekable=seekable, on_error=on_error)
-    progress.advance(samples=len(scanned))
     buckets = _bucket_keys(url, fn, scanned, on_error, rows, storage_options)
     rows.exts = scanned.exts
     if None not in buckets:
@@ -274,26 +320,25 @@ def build_index(
     bar.advance(shards=len(reused))
     results: dict[str, _ShardRows] = dict(reused)
 
-    def task(url: str) -> _ShardRows:
-        try:
-            rows = _scan_one(url, fn, on_error, storage_options, bar)
-        except ShardError as exc:
-            if on_error != "skip":
-                raise
-            rows = _ShardRows(ShardInfo(url=url, size=-1, stamp="", samples=0, error=redact(str(exc))))
-            rows.fault = {"url": url, "reason": redact(str(exc)), "samples_kept": 0}
-        bar.advance(shards=1, nbytes=max(rows.nbytes, 0))
+    def task(group: Sequence[str]) -> list[_ShardRows]:
+        rows = _scan_group(group, fn, on_error, storage_options, bar)
+        for r in rows:
+            bar.advance(shards=1, nbytes=max(r.nbytes, 0))
         return rows
 
+    # consecutive shards form a group (their last headers are checked together); with
+    # several workers, groups are small enough to keep every worker busy
+    size = _GROUP if workers == 1 else max(1, min(_GROUP, len(todo) // (4 * workers)))
+    groups = [todo[i : i + size] for i in range(0, len(todo), size)]
     try:
-        if workers == 1 or len(todo) <= 1:
-            for url in todo:
-                results[url] = task(url)
+        if workers == 1 or len(groups) <= 1:
+            for group in groups:
+                results.update(zip(group, task(group)))
         else:
             with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-                futures = {pool.submit(task, url): url for url in todo}
+                futures = {pool.submit(task, group): group for group in groups}
                 for fut in concurrent.futures.as_completed(futures):
-                    results[futures[fut]] = fut.result()
+                    results.update(zip(futures[fut], fut.result()))
     except BaseException:
         bar.enabled = bar.enabled and bar.tty  # in a log, a failed build ends with its error line
         raise

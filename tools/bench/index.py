@@ -27,6 +27,7 @@ the tarfile scan on ~10 KB samples, >= 8x on ~500 KB samples, stream mode within
 the raw read. Usage::
 
     python tools/bench/index.py [--dir DIR] [--small 20000] [--large 1000] [--repeat 3]
+        [--small-shards 8] [--large-shards 4]
 """
 
 from __future__ import annotations
@@ -183,9 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", type=int, default=20_000, help="samples of ~10 KB")
     ap.add_argument("--large", type=int, default=1_000, help="samples of ~500 KB")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--small-shards", type=int, default=8, help="shards of the ~10 KB case")
+    ap.add_argument("--large-shards", type=int, default=4,
+                    help="shards of the ~500 KB case (each shard has a fixed cost: fewer, larger shards index faster)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        cases = [("10 KB", args.small, 10_000, 8), ("500 KB", args.large, 500_000, 4)]
+        cases = [("10 KB", args.small, 10_000, args.small_shards), ("500 KB", args.large, 500_000, args.large_shards)]
         rows: list[list[str]] = []
         results = {}
         for label, n, size, shards in cases:
