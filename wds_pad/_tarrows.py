@@ -266,9 +266,8 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
     H: list[bytes] = []
     P = array("q")  # header offsets
     S = array("q")  # payload sizes
-    W: list[tuple[bytes, int]] = []  # the window each header came from, for small payloads
+    W: list[bytes | None] = []  # each small payload read with its header (to be picked from)
     pos, buf, base = 0, b"", 0
-    window = (buf, base)
 
     def read(i: int, n: int) -> bytes:
         try:
@@ -281,16 +280,11 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
         return got
 
     def payload(members: list[int], sizes: list[int]) -> list[bytes]:
-        out = []
-        for i, n in zip(members, sizes):  # from the header's window when the payload is in it
-            wbuf, wbase = W[i]
-            at = P[i] + 512 - wbase
-            out.append(wbuf[at : at + n] if at + n <= len(wbuf) else read(i, n))
-        return out
+        return [read(i, n) if (w := W[i]) is None else w[:n] for i, n in zip(members, sizes)]
 
     # the loop runs once per tar member: locals only, the batch check only on a new window
-    add_h, add_p, add_s = H.append, P.append, S.append
-    add_w = W.append if acc.want else id  # windows are kept only for wanted payloads (id: a no-op)
+    add_h, add_p, add_s, add_w = H.append, P.append, S.append, W.append
+    keep = bool(acc.want)  # then small payloads are kept as they pass (a .json, a .cls)
     window_size, batch = _WINDOW, _BATCH
     have = 0
     while True:
@@ -308,7 +302,6 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
             except OSError:
                 break  # the general parser retries and reports it with the offset
             base, rel, have = pos, 0, len(buf)
-            window = (buf, base)
             if have < 512:
                 break
         h = buf[rel : rel + 512]
@@ -322,7 +315,8 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
         add_h(h)
         add_p(pos)
         add_s(size)
-        add_w(window)
+        if keep:
+            add_w(buf[rel + 512 : rel + 512 + size] if rel + 512 + size <= have else None)
         pos = nxt
     end = pos > 0 and (pos == eof or (pos + 512 <= eof and pread(fd, 512, pos) == _ZERO_BLOCK))  # a clean end
     if not H:

@@ -215,11 +215,12 @@ def _bucket_keys(url: str, fn: BucketFn, scanned: ScanRows, on_error: str, rows:
                 out.append(fn(key, d))
             except Exception as exc:  # noqa: BLE001 - a user's bucket function: wrap, name the sample
                 out.append(exc)
-    for i, b in enumerate(out):
+    for i in [i for i, b in enumerate(out) if b is None or isinstance(b, Exception)]:  # usually none
+        b = out[i]
         if b is None:
             rows.excluded.append({"url": url, "offset": int(scanned.offset[i]), "key": keys[i],
                                   "reason": "bucket function returned None"})
-        elif isinstance(b, Exception):
+        else:
             out[i] = _bucket_failure(url, keys[i], int(scanned.offset[i]), b, on_error, rows)
     return out
 
