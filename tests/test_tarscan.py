@@ -739,6 +739,8 @@ def _member_bytes(name: bytes, payload: bytes, **kw) -> bytes:  # type: ignore[n
     [(b"s2.jpg", b"c", {"kind": b"7"})], [(b"s2.jpg", b"c", {"kind": b"2"})], [(b"s2/", b"", {"kind": b"5"})],
     # 12 digits, no terminator; read as 11 digits the payload's second block would be a header
     [(b"s2.jpg", b"c" * 512 + _raw_header(b"s2.json", 0), {"size_field": b"000000002000"})],
+    [(b"s2.jpg", b"c" * 512 + _raw_header(b"s2.json", 0), {})],  # a payload holding a header-like block
+    [(b"s2.jpg", _raw_header(b"s2.json", 0) * 3, {})],
     [(b"s2.jpg", b"c" * 8, {"size_field": b"10\0\0\0\0\0\0\0\0\0\0"})],
     [(b"s2.jpg", b"c" * 8, {"size_field": b"\x80" + (8).to_bytes(11, "big")})],  # base-256
     [(b"s2." + b"e" * 17, b"long extension", {})], [(b"s2.json", b"{}", {}), (b"s2.Json", b"[]", {})],

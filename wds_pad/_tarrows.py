@@ -54,6 +54,8 @@ _TAIL_MASK = np.uint64(0xDFDF000000000000)  # bytes 6-7 NUL or space
 _OCTAL = np.uint64(0x0000070707070707)
 _U3, _U6, _U8, _U12, _U16, _U32, _U48 = (np.uint64(b) for b in (3, 6, 8, 12, 16, 32, 48))
 _UFFFF = np.uint64(0xFFFF)
+_POW8_11 = 8 ** np.arange(10, -1, -1, dtype=np.int64)
+_STAR = np.frombuffer(b"star", np.uint32)[0]
 
 
 @dataclass
@@ -349,7 +351,7 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
     over (its reader then starts with those bytes)."""
     f = r._f
     readinto: Callable[[Any], int] | None = getattr(f, "readinto", None)
-    H: list[bytes] = []
+    H = bytearray()  # the pending headers, back to back
     P = array("q")
     S = array("q")
     buf = bytearray(_CHUNK)
@@ -388,9 +390,9 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
         if rel + 512 > fill:
             if H:
                 state["buf"], state["base"] = buf, base
-                read = len(H)
+                read = len(P)
                 done, stop = _settle(acc, H, P, S, head, payload)
-                del H[:done], P[:done], S[:done]
+                del H[: 512 * done], P[:done], S[:done]
                 if stop or read * _SPAN < fill:
                     # large samples: the general parser reads past payloads without
                     # keeping them, and the checks cost too much per member here
@@ -406,8 +408,12 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
                 fill -= shift
             base = keep
             read_more(max(pos + 512 - base, len(buf) if pos else _PROBE))  # a small first read tells the sample size
+            with memoryview(buf) as mv:
+                pos = _chain(mv[:fill], base, pos, H, P, S)  # the run of plain headers, found in numpy
             rel = pos - base
             if rel + 512 > fill:
+                if not at_eof:
+                    continue  # the run went past the buffer: read on
                 break
         h = buf[rel : rel + 512]
         try:
@@ -416,7 +422,7 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
             break
         if size < 0:
             break
-        H.append(h)
+        H += h
         P.append(pos)
         S.append(size)
         pos += 512 + ((size + 511) & ~511)
@@ -425,7 +431,7 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
         end = (at_eof and rel == fill) or (rel + 512 <= fill and buf[rel : rel + 512] == _ZERO_BLOCK)  # a clean end
         state["buf"], state["base"] = buf, base
         done, stop = _settle(acc, H, P, S, head, payload, final=end)
-        del H[:done], P[:done], S[:done]
+        del H[: 512 * done], P[:done], S[:done]
         if end and not stop:
             return -1
     start = P[0] if H else pos
@@ -434,6 +440,41 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
     else:
         r._buf, r._base = b"", base + fill
     return start  # the general reader finds the end of the stream itself, as scan_tar would
+
+
+def _chain(buf: memoryview, base: int, pos: int, H: bytearray, P: array, S: array) -> int:
+    """Find the run of headers from ``pos`` in a stream buffer with array operations.
+
+    Candidates are the 512-byte blocks with the ustar magic and a size of eleven octal
+    digits; the run follows each one's size to the next and stops where the next is
+    not a candidate (a block of payload that looks like a header is never on the run:
+    it is jumped over). The run's headers are appended to ``H``/``P``/``S``, unchecked,
+    as the per-member loop would; returns where that loop goes on.
+    """
+    first, blocks = (pos - base) // 512, len(buf) // 512
+    if blocks - first < 8:
+        return pos
+    B = np.frombuffer(buf, np.uint8, 512 * blocks).reshape(blocks, 512)[first:]
+    cand = np.flatnonzero(B[:, 257] == 117)  # "u": then the rest of "ustar", on those only
+    cand = cand[B[cand, 258:262].copy().view(np.uint32).ravel() == _STAR]
+    if cand.size < 2 or cand[0] != 0:
+        return pos
+    D = B[cand, 124:136]
+    digits = D[:, :11].astype(np.int64) - 48
+    plain = ((digits >= 0) & (digits <= 7)).all(1) & ((D[:, 11] == 0) | (D[:, 11] == 32))
+    size = digits @ _POW8_11
+    nxt = cand + 1 + (size + 511) // 512
+    linked = np.append(nxt[:-1] == cand[1:], False)
+    k = int(np.argmin(plain)) if not plain.all() else cand.size  # headers the loop would read the same
+    run = int(np.argmin(linked)) + 1  # the run ends at the first header whose next is no candidate
+    k = min(k, run)
+    if k == 0:
+        return pos
+    at = cand[:k]
+    H += B[at].tobytes()
+    P.frombytes((base + (first + at) * 512).astype(np.int64).tobytes())
+    S.frombytes(size[:k].tobytes())
+    return base + (first + int(nxt[k - 1])) * 512
 
 
 def _popcount(x: np.ndarray) -> np.ndarray:
@@ -461,15 +502,15 @@ class _Segment:
     stop: bool = False
 
 
-def _settle(acc: _Acc, H: list[bytes], P: array, S: array, head: int | None,
+def _settle(acc: _Acc, H: list[bytes] | bytearray, P: array, S: array, head: int | None,
             payload: Callable[[list[int], list[int]], list[bytes]], final: bool = False) -> tuple[int, bool]:
     """:func:`_settle_many` for one shard; returns ``(done, stop)``."""
-    seg = _Segment(acc, len(H), payload, final)
+    seg = _Segment(acc, len(P), payload, final)
     _settle_many([seg], H, P, S, head)
     return seg.done, seg.stop
 
 
-def _settle_many(segs: list[_Segment], H: list[bytes], P: array, S: array, head: int | None) -> None:
+def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, S: array, head: int | None) -> None:
     """Check the pending headers ``H`` (at offsets ``P``, payload sizes ``S``) of one or
     more shards (``segs``, back to back) and add each shard's complete samples to its
     ``acc``. Checking the headers of many small shards at once costs about what one
@@ -479,8 +520,8 @@ def _settle_many(segs: list[_Segment], H: list[bytes], P: array, S: array, head:
     whole batch); comparisons of keys are done on 8-byte words. A shard's last sample is
     held back (its next member may come in the next batch) unless its archive ends.
     """
-    m = len(H)
-    A = np.frombuffer(b"".join(H), np.uint8).reshape(m, 512)
+    A = np.frombuffer(H if isinstance(H, bytearray) else b"".join(H), np.uint8).reshape(-1, 512)
+    m = len(A)
     ok = _headers_ok(A)
     # The names, short in practice: N holds "/" + the first W - 1 bytes + 16 zero bytes
     # (so a 16-byte window at any extension start stays inside the row); W (a multiple
