@@ -566,3 +566,32 @@ def test_aspect_many_equals_one_call_per_sample(docs, raw, fields, step) -> None
             assert type(result) is type(exc) and str(result) == str(exc)
         else:
             assert result == want
+
+
+_good_number = st.one_of(st.integers(1, 5000), st.floats(0.5, 1e5))
+
+
+@settings(max_examples=200, deadline=None)
+@given(docs=st.lists(st.fixed_dictionaries({"width": _good_number, "height": _good_number}), min_size=1, max_size=10),
+       odd=st.sampled_from([None, True, 0, -1.5, float("inf"), "7", [3], 10**400]),
+       where=st.integers(0, 9), field=st.sampled_from(["width", "height"]),
+       tail=st.sampled_from([b"", b" ", b"\n", b" x", b"{}"]), step=st.none() | st.just(0.25))
+def test_aspect_many_batch_path_equals_one_call_per_sample(docs, odd, where, field, tail, step) -> None:
+    """Columns of plain documents take many()'s whole-column path; one odd value (or
+    trailing bytes) anywhere must still give exactly the per-sample results."""
+    import json as _json
+
+    fn = AspectBuckets(step=step)
+    docs = list(docs)
+    if odd is not None:
+        docs[where % len(docs)] = {**docs[where % len(docs)], field: odd}
+    payloads = [_json.dumps(d).encode() for d in docs]
+    payloads[-1] += tail
+    keys = [f"k{i}" for i in range(len(payloads))]
+    for key, payload, result in zip(keys, payloads, fn.many(keys, {"json": payloads})):
+        try:
+            want = fn(key, {"json": payload})
+        except Exception as exc:  # noqa: BLE001
+            assert type(result) is type(exc) and str(result) == str(exc)
+        else:
+            assert result == want
