@@ -372,3 +372,74 @@ def test_loaders_refuse_dataloader_arguments_that_break_exactness(tmp_path, bad)
     with pytest.raises(ConfigError, match="num_workers must be an int >= 0"):
         Loader(ds, num_workers=-1)
     assert Loader(ds, batch_size=None).kwargs.get("batch_size") is None  # falsy values are dropped
+
+
+# ---------------------------------------------------------------- large samples
+
+
+def _mixed_index(out: Path, samples: int = 48, shards: int = 3) -> Index:
+    """Shards mixing samples of 256 KB and more (read ahead by threads) with small ones."""
+    from wds_pad.stages import BIG_SAMPLE
+
+    rng = np.random.default_rng(1)
+    out.mkdir(parents=True, exist_ok=True)
+    urls, i = [], 0
+    for s in range(shards):
+        url = str(out / f"mixed-{s:03d}.tar")
+        with wds.TarWriter(url, encoder=False) as writer:
+            for _ in range(samples // shards):
+                size = int(rng.integers(BIG_SAMPLE, BIG_SAMPLE + 100_000)) if rng.random() < 0.6 \
+                    else int(rng.integers(100, 5_000))
+                w, h = [(1, 1), (4, 3)][int(rng.integers(2))]
+                writer.write({"__key__": f"{i:06d}", "bin": rng.bytes(size),
+                              "json": f'{{"width": {64 * w}, "height": {64 * h}}}'.encode()})
+                i += 1
+        urls.append(url)
+    return build_index(urls, "aspect:width,height", output=str(out / "index.wdsidx"))
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Index:
+    return load_index(_mixed_index(tmp_path_factory.mktemp("mixed")).path)  # type: ignore[arg-type]
+
+
+def _read_ahead_threads() -> list[Any]:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("wds_pad-local-read")]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
+def test_large_samples_through_workers_keep_plan_order_and_bytes(mixed: Index, num_workers: int) -> None:
+    ds = _ds(mixed, batch_size=2)
+    reference = {s["__key__"]: s["bin"] for s in wds.WebDataset(list(mixed.urls), shardshuffle=False)}
+    batches = list(Loader(ds, num_workers=num_workers))
+    assert _keys(batches) == _plan_keys(ds, mixed)
+    assert all(s["bin"] == reference[s["__key__"]] for b in batches for s in b)
+
+
+def test_dropped_iterator_leaves_no_threads_and_epochs_leak_no_descriptors(mixed: Index) -> None:
+    import gc
+    import os
+    import time
+
+    ds = _ds(mixed, batch_size=2)
+    list(ds)
+    gc.collect()
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):  # whole epochs, then one abandoned half way
+        assert len(list(ds)) == len(ds)
+    ids = np.concatenate([b.samples for b in ds.plan()])
+    stats = ds.read_stats
+    assert stats is not None and stats.ranges == stats.requests == ids.size
+    assert stats.bytes == int(mixed.length[ids].sum())
+    it = iter(ds)
+    next(it), next(it)
+    assert _read_ahead_threads()
+    del it
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _read_ahead_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _read_ahead_threads()
+    assert len(os.listdir("/proc/self/fd")) == fds  # each epoch's reader closed its shards

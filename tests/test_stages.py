@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import glob
 import itertools
+import json
 import pickle
 import re
 import shutil
+import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,8 +28,9 @@ from wds_pad.errors import ConfigError, StaleShardError
 from wds_pad.index import Index, load_index
 from wds_pad.indexer import build_index
 from wds_pad.plan import Mode
-from wds_pad.read import RangeReader
+from wds_pad.read import RangeReader, ReadOptions
 from wds_pad.stages import (
+    BIG_SAMPLE,
     META_KEYS,
     Counters,
     PlannedSource,
@@ -285,3 +289,150 @@ def test_handler_returning_false_still_raises(index: Index, tmp_path: Path) -> N
     spec = _spec(broken)
     with pytest.raises(StaleShardError, match=re.escape(broken.key(victim))):
         list(fetch(spec=spec, handler=lambda e: False)(iter(PlannedSource(spec, worker=(0, 1)))))
+
+
+# ---------------------------------------------------------------- large samples, read ahead
+
+
+def _mixed_shards(out: Path, samples: int = 60, shards: int = 3, seed: int = 0) -> list[str]:
+    """Shards mixing large samples (read ahead by threads) and small ones (read_many)."""
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    ratios = [(1, 1), (4, 3), (3, 4)]
+    urls = []
+    i = 0
+    for s in range(shards):
+        url = str(out / f"mixed-{s:03d}.tar")
+        with wds.TarWriter(url, encoder=False) as writer:
+            for _ in range(samples // shards):
+                big = bool(rng.random() < 0.6)
+                size = int(rng.integers(BIG_SAMPLE, BIG_SAMPLE + 200_000)) if big else int(rng.integers(100, 20_000))
+                w, h = ratios[int(rng.integers(len(ratios)))]
+                meta = {"width": 64 * w, "height": 64 * h, "index": i}
+                writer.write({"__key__": f"{i:06d}", "bin": i.to_bytes(8, "little") + rng.bytes(size - 8),
+                              "json": json.dumps(meta).encode()})
+                i += 1
+        urls.append(url)
+    return urls
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Index:
+    root = tmp_path_factory.mktemp("mixed")
+    built = build_index(_mixed_shards(root), "aspect:width,height", output=str(root / "index.wdsidx"))
+    return load_index(built.path)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(mixed: Index) -> dict[str, dict[str, Any]]:
+    return {s["__key__"]: s for s in wds.WebDataset(list(mixed.urls), shardshuffle=False)}
+
+
+def _read_ahead_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("wds_pad-local-read")]
+
+
+def _no_read_ahead_threads_within(seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while _read_ahead_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not _read_ahead_threads()
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+@pytest.mark.parametrize("in_flight", [1, 4, 32])
+def test_large_samples_keep_plan_order_and_webdataset_bytes(mixed: Index, mixed_reference: dict[str, dict[str, Any]],
+                                                             threads: int, in_flight: int) -> None:
+    spec = _spec(mixed, batch_size=2)
+    lengths = mixed.length[np.concatenate([b.samples for b in spec.plan(0)])]
+    assert (lengths >= BIG_SAMPLE).any() and (lengths < BIG_SAMPLE).any()  # a real mix
+    stage = fetch(ReadOptions(local_threads=threads, max_in_flight=in_flight))
+    samples = list(stage(iter(PlannedSource(spec, worker=(0, 1)))))
+    assert [s["__key__"] for s in samples] == [k for b in _planned_keys(mixed, spec) for k in b]
+    for s in samples:
+        ref = mixed_reference[s["__key__"]]
+        assert s["bin"] == ref["bin"] and s["json"] == ref["json"]
+        assert type(s["bin"]) is bytes
+        assert "__offset__" not in s and "__length__" not in s
+        assert all(meta in s for meta in META_KEYS)
+    stats = stage.reader.stats
+    assert stats.ranges == len(samples) and stats.bytes == int(lengths.sum())
+    assert stats.peak_requests_in_flight <= in_flight
+    assert _no_read_ahead_threads_within()  # the stream ended: its threads stopped
+
+
+def test_large_sample_read_ahead_stays_within_the_byte_bound(mixed: Index) -> None:
+    spec = _spec(mixed, batch_size=2)
+    largest = int(mixed.length.max())
+    stage = fetch(ReadOptions(local_threads=2, max_bytes_in_flight=largest + 1))
+    list(stage(iter(PlannedSource(spec, worker=(0, 1)))))
+    assert largest <= stage.reader.stats.peak_bytes_in_flight <= largest + 1
+    wide = fetch(ReadOptions(local_threads=2, max_bytes_in_flight=64 * largest))
+    list(wide(iter(PlannedSource(spec, worker=(0, 1)))))
+    assert wide.reader.stats.peak_bytes_in_flight > 2 * largest  # the bound was what held it back
+
+
+def _big_victim(index: Index, spec: PlanSpec, skip: int = 5) -> int:
+    """A large sample some way into the plan (so read-ahead has started before it)."""
+    ids = np.concatenate([b.samples for b in spec.plan(0)])
+    return int(next(i for i in ids[skip:] if index.length[i] >= BIG_SAMPLE))
+
+
+def _broken_mixed(mixed: Index, tmp_path: Path, victim: int) -> Index:
+    dst = tmp_path / "broken"
+    shutil.copytree(Path(mixed.urls[0]).parent, dst, ignore=shutil.ignore_patterns("*.wdsidx"))
+    copy = build_index(sorted(glob.glob(str(dst / "*.tar"))), "aspect:width,height",
+                       output=str(dst / "index.wdsidx"))
+    with open(copy.url(victim), "r+b") as f:  # same size, broken header: "changed shard"
+        f.seek(int(copy.offset[victim]) + 148)
+        f.write(b"7777777\0")
+    return copy
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_large_sample_error_names_its_own_sample(mixed: Index, tmp_path: Path, threads: int) -> None:
+    victim = _big_victim(mixed, _spec(mixed, batch_size=2))
+    broken = _broken_mixed(mixed, tmp_path, victim)
+    spec = _spec(broken, batch_size=2)
+    planned = [k for b in _planned_keys(broken, spec) for k in b]
+    got: list[str] = []
+    with pytest.raises(StaleShardError) as err:
+        for s in fetch(ReadOptions(local_threads=threads), spec=spec)(iter(PlannedSource(spec, worker=(0, 1)))):
+            got.append(s["__key__"])
+    msg = str(err.value)
+    assert broken.url(victim) in msg and str(int(broken.offset[victim])) in msg and broken.key(victim) in msg
+    assert got == planned[:planned.index(broken.key(victim))]  # everything before it, nothing after
+    assert _no_read_ahead_threads_within()
+
+
+def test_large_sample_substitute_takes_exactly_its_place(mixed: Index, tmp_path: Path) -> None:
+    victim = _big_victim(mixed, _spec(mixed, batch_size=2))
+    broken = _broken_mixed(mixed, tmp_path, victim)
+    spec = _spec(broken, batch_size=2)
+    planned = [k for b in _planned_keys(broken, spec) for k in b]
+    runs = {}
+    for threads in (0, 2):
+        counters = Counters()
+        stage = fetch(ReadOptions(local_threads=threads), spec=spec, handler=lambda e: True, counters=counters)
+        runs[threads] = [s["__key__"] for s in stage(iter(PlannedSource(spec, worker=(0, 1))))]
+        hits = planned.count(broken.key(victim))
+        assert counters.substituted == hits >= 1 and broken.key(victim) in counters.failures[0]
+        assert stage.reader.stats.ranges == len(planned)  # failed reads are not counted
+    assert runs[0] == runs[2]  # the same stand-ins with or without threads
+    diffs = [(p, g) for p, g in zip(planned, runs[2]) if p != g]
+    assert len(diffs) == planned.count(broken.key(victim))
+    assert all(p == broken.key(victim) for p, _ in diffs)
+
+
+def test_dropping_a_large_sample_stream_stops_its_threads(mixed: Index) -> None:
+    spec = _spec(mixed, batch_size=2)
+    before = set(_read_ahead_threads())
+    stream = fetch(ReadOptions(local_threads=3))(iter(PlannedSource(spec, worker=(0, 1))))
+    taken = list(itertools.islice(stream, 10))
+    mine = set(_read_ahead_threads()) - before
+    assert len(taken) == 10 and len(mine) == 3
+    del stream, taken  # abandoned mid-epoch, never closed explicitly
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in mine) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.is_alive() for t in mine)

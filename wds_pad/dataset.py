@@ -58,7 +58,8 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
         oversubscribe: keep buckets smaller than one global step, filled cyclically.
         pad_to: ``batch`` | ``rank``.
         repeats, weights, names: per index (or one value for all).
-        read_options: concurrency, read-ahead bound, retries, timeouts.
+        read_options: concurrency, read-ahead bound, read-ahead threads for large local
+            samples (``local_threads``), retries, timeouts.
         storage_options: fsspec options for remote shards (merged into read_options).
         handler: webdataset-style handler; if it returns True for a failed sample, a
             deterministic substitute from the same bucket takes its place.

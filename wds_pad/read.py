@@ -12,6 +12,11 @@ Invariants:
       most ``max_bytes_in_flight`` plus one largest sample.
     * Local files are read inline with ``os.pread`` on cached descriptors: no threads, no
       fsspec call per read, a few microseconds per range.
+    * Large local samples may instead be read (and parsed) ahead by ``local_threads``
+      threads (:meth:`RangeReader.local_read_ahead`): results come back in input order,
+      within the same ``max_in_flight`` / ``max_bytes_in_flight`` bounds, each error with
+      its own item; the threads belong to one stream and stop when it is closed or
+      collected. A descriptor in use by such a thread is never evicted from the cache.
     * Remote reads run as coroutines on fsspec's IO loop: async filesystems (s3fs,
       HTTP) natively, sync ones through a thread pool. Every attempt has a timeout;
       transient failures are retried with exponential backoff whose jitter derives from
@@ -30,13 +35,15 @@ import functools
 import logging
 import operator
 import os
+import queue
 import re
 import threading
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 import fsspec.asyn
@@ -44,7 +51,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError, WdsPadError
 
-__all__ = ["RangeReader", "ReadOptions", "ReadStats", "get_filesystem", "redact"]
+__all__ = ["LocalReadAhead", "RangeReader", "ReadOptions", "ReadStats", "get_filesystem", "redact"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +65,10 @@ class ReadOptions:
 
     Attributes:
         max_in_flight: Requests (single or merged ranges) outstanding at once, per
-            process or DataLoader worker. 16-64 hide object-store latency.
-        max_bytes_in_flight: Read-ahead memory bound. Peak buffered bytes are at most
-            this plus one largest sample.
+            process or DataLoader worker. 16-64 hide object-store latency. Also the
+            number of large local samples read ahead (see ``local_threads``).
+        max_bytes_in_flight: Read-ahead memory bound, remote requests and large local
+            samples alike. Peak buffered bytes are at most this plus one largest sample.
         merge_gap: Consecutive ranges of one URL whose gap is at most this many bytes
             are fetched as one request and sliced (0: only exactly adjacent ranges).
         max_merged_bytes: Largest merged request (0 disables merging).
@@ -71,6 +79,12 @@ class ReadOptions:
         storage_options: Passed to fsspec (credentials, endpoint_url, ...). A value that
             is a dict under a protocol name (``{"s3": {...}}``) applies to that protocol
             only, which is how options for chained or mixed URLs are given.
+        local_threads: Threads per process or DataLoader worker that read large local
+            samples (the fetch stage's, 256 KB and more) ahead of the consumer, so the
+            kernel's copy of the next samples overlaps the Python work on this one; the
+            consumer joins in rather than wait. Order is kept; ``max_in_flight`` and
+            ``max_bytes_in_flight`` bound what is read ahead. They start with a stream and
+            stop with it. 0 reads every local sample inline in the consuming thread.
     """
 
     max_in_flight: int = 32
@@ -82,10 +96,11 @@ class ReadOptions:
     backoff_max: float = 5.0
     timeout: float = 60.0
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, hash=False)
+    local_threads: int = 2
 
     def __post_init__(self) -> None:
         for name, low in (("max_in_flight", 1), ("max_bytes_in_flight", 1), ("merge_gap", 0),
-                          ("max_merged_bytes", 0), ("retries", 0)):
+                          ("max_merged_bytes", 0), ("retries", 0), ("local_threads", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"ReadOptions.{name} must be an int >= {low}, got {value!r}")
@@ -401,6 +416,15 @@ def _check_range(rng: Any) -> tuple[str, int, int]:
     return url, offset, length
 
 
+def _close_fds(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
 class RangeReader:
     """Reads byte ranges from any fsspec filesystem, concurrently and in order.
 
@@ -421,8 +445,12 @@ class RangeReader:
         self._stats_lock = threading.Lock()
         self._pid = os.getpid()
         self._targets: dict[str, _Target] = {}
-        self._fds: dict[str, int] = {}
+        self._fds: dict[str, int] = {}  # never replaced: the finalizer closes what it holds
+        self._busy: dict[int, int] = {}  # descriptor -> reads in flight on read-ahead threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # a reader per stream is common (BucketedWebDataset makes one per iteration): its
+        # descriptors must not outlive it, or every epoch leaks one per shard
+        weakref.finalize(self, _close_fds, self._fds)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}
@@ -437,24 +465,19 @@ class RangeReader:
         self.close()
 
     def close(self) -> None:
-        """Closes cached file descriptors and the thread pool (the reader stays usable)."""
-        if self._pid == os.getpid():
-            for fd in self._fds.values():
-                os.close(fd)
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-        self._fds, self._targets, self._pool = {}, {}, None
+        """Closes cached file descriptors and the thread pool (the reader stays usable).
+
+        Also done when the reader is garbage collected (descriptors only).
+        """
+        if self._pid == os.getpid() and self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        _close_fds(self._fds)  # after a fork: the child's inherited copies
+        self._targets, self._pool, self._busy = {}, None, {}
         self._pid = os.getpid()
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():
-            for fd in self._fds.values():  # the child's inherited copies
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._fds, self._targets, self._pool = {}, {}, None
-            self._pid = os.getpid()
+            self.close()
 
     def local_fd(self, url: str) -> int | None:
         """The cached read-only descriptor of a local shard; None on other filesystems.
@@ -485,9 +508,16 @@ class RangeReader:
                                  f"{offset}: {_cause(exc, 0)}; check the path, or rebuild the "
                                  "index if shards moved") from exc
             if len(self._fds) >= _MAX_OPEN_FDS:
-                os.close(self._fds.pop(next(iter(self._fds))))
+                # the oldest descriptor no read-ahead thread is reading from
+                idle = next((u for u, d in self._fds.items() if d not in self._busy), None)
+                if idle is not None:
+                    os.close(self._fds.pop(idle))
             self._fds[url] = fd
         return fd
+
+    def local_read_ahead(self) -> LocalReadAhead:
+        """A read-ahead of large local ranges for one stream (see :class:`LocalReadAhead`)."""
+        return LocalReadAhead(self, self.options.local_threads)
 
     def _pread(self, url: str, offset: int, length: int) -> bytes:
         try:
@@ -723,3 +753,268 @@ class RangeReader:
             for req in pending:
                 if req.future is not None:
                     req.future.cancel()
+
+
+# ---------------------------------------------------------------- local read-ahead
+
+class _Job:
+    """One local range to parse, run by whoever acquires ``claim`` first: a read-ahead
+    thread, or the consumer when it would otherwise wait. ``done`` is released after."""
+
+    __slots__ = ("claim", "done", "parse", "fd", "url", "offset", "length", "arg", "result",
+                 "error")
+
+    def __init__(self, parse: Callable[..., Any], fd: int, url: str, offset: int, length: int,
+                 arg: Any) -> None:
+        self.claim = threading.Lock()
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.parse, self.fd, self.url, self.offset, self.length, self.arg = (
+            parse, fd, url, offset, length, arg)
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.parse(self.fd, self.url, self.offset, self.length, self.arg)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer with its item
+            self.error = exc
+        finally:
+            self.done.release()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.release()
+
+
+def _serve(jobs: queue.SimpleQueue[_Job | None], stopped: list[bool]) -> None:
+    """A read-ahead thread: runs the jobs it claims, in arrival order, until it takes None.
+
+    It holds only the queue and the flag, never the stream, so a stream dropped without
+    being closed is still collected (and its finalizer stops the thread).
+    """
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        if job.claim.acquire(False):
+            if stopped[0]:
+                job.fail(ReadError(f"the read-ahead was closed before byte offset {job.offset} "
+                                   f"of {redact(job.url)!r} was read"))
+            else:
+                job.run()
+        job = None  # type: ignore[assignment]  # no finished sample stays alive while idle
+
+
+def _stop(jobs: queue.SimpleQueue[_Job | None], stopped: list[bool], threads: int) -> None:
+    stopped[0] = True  # jobs still queued are skipped, not read
+    for _ in range(threads):
+        jobs.put(None)
+
+
+class LocalReadAhead:
+    """Large local ranges read (and parsed) ahead of one consumer by a few threads.
+
+    ``os.pread`` releases the GIL, so while the consumer turns item i into a sample, the
+    kernel copies the bytes of the next items on another core. When the next item is not
+    ready, the consumer runs the first item no thread has started itself instead of
+    waiting: ``threads`` threads plus the consumer keep that many cores busy. One object
+    per stream, made by :meth:`RangeReader.local_read_ahead`.
+
+    Invariants:
+        * :meth:`run` yields one ``(arg, result, error)`` per item, in input order;
+          ``error`` is what that item's parse (or opening its shard) raised, and later
+          items are still read. An error of the item iterator itself is raised after
+          every item before it was yielded.
+        * At most ``max_in_flight`` items and ``max(max_bytes_in_flight, largest item)``
+          bytes are taken ahead of the consumer (the reader's ``ReadOptions``), as for
+          ``read_many``; ``peak_*_in_flight`` in the reader's stats show the peaks.
+        * Threads start on first use in the current process and stop on :meth:`close`
+          or when this object is garbage collected, without waiting for an item in
+          progress; a :meth:`run` abandoned half way drops the items no thread started.
+          After ``os.fork`` the child starts its own threads and reads again what the
+          parent's had not finished.
+        * A descriptor stays open (pinned in the reader's cache) while a thread may read it.
+        * With 0 threads every item is parsed inline, in the consumer.
+
+    Args:
+        reader: Opens the shards (in the consumer's thread) and counts stats.
+        threads: Read-ahead threads; 0 parses inline.
+    """
+
+    def __init__(self, reader: RangeReader, threads: int) -> None:
+        self.reader = reader
+        self.threads = threads
+        self._jobs: queue.SimpleQueue[_Job | None] | None = None
+        self._pid = -1
+        self._stopper: weakref.finalize | None = None
+        self._workers: list[threading.Thread] = []
+
+    def __enter__(self) -> LocalReadAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def workers(self) -> list[threading.Thread]:
+        """The threads started in this process (none before first use and after close)."""
+        return list(self._workers) if self._pid == os.getpid() else []
+
+    def close(self) -> None:
+        """Stops the threads (queued items are skipped); the object stays usable."""
+        if self._stopper is not None:
+            if self._pid == os.getpid():
+                self._stopper()
+            else:
+                self._stopper.detach()  # forked: those threads live in the parent only
+        self._jobs, self._stopper, self._workers, self._pid = None, None, [], -1
+
+    def _queue(self) -> queue.SimpleQueue[_Job | None]:
+        if self._jobs is None or self._pid != os.getpid():
+            self.close()
+            jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+            stopped = [False]
+            self._workers = [threading.Thread(target=_serve, args=(jobs, stopped), daemon=True,
+                                              name=f"wds_pad-local-read-{i}")
+                             for i in range(self.threads)]
+            for thread in self._workers:
+                thread.start()
+            self._stopper = weakref.finalize(self, _stop, jobs, stopped, self.threads)
+            self._jobs, self._pid = jobs, os.getpid()
+        return self._jobs
+
+    def _submit(self, parse: Callable[..., Any], url: str, offset: int, length: int,
+                arg: Any) -> _Job:
+        reader = self.reader
+        try:
+            fd = reader.local_fd(url)
+            if fd is None:
+                raise ConfigError(f"{redact(url)!r} is not a local file; only local ranges "
+                                  "are read ahead by threads")
+        except Exception as exc:  # noqa: BLE001 - delivered with this item, in order
+            job = _Job(parse, -1, url, offset, length, arg)
+            job.claim.acquire()
+            job.fail(exc)
+            return job
+        job = _Job(parse, fd, url, offset, length, arg)
+        busy = reader._busy  # the descriptor stays open while a thread may read it
+        busy[fd] = busy.get(fd, 0) + 1
+        self._queue().put(job)
+        return job
+
+    def _unpin(self, job: _Job) -> None:
+        busy = self.reader._busy
+        n = busy.get(job.fd, 0)
+        if n > 1:
+            busy[job.fd] = n - 1
+        elif n:
+            del busy[job.fd]
+
+    def run(self, items: Iterable[tuple[str, int, int, Any]],
+            parse: Callable[[int, str, int, int, Any], Any],
+            ) -> Iterator[tuple[Any, Any, BaseException | None]]:
+        """Yields ``(arg, parse(fd, url, offset, length, arg), None)`` per item, in order.
+
+        Args:
+            items: ``(url, offset, length, arg)`` of ranges of local files.
+            parse: Called on a read-ahead thread (or in the consumer) with the shard's
+                cached descriptor; it must not keep the descriptor.
+
+        Yields:
+            ``(arg, result, None)``, or ``(arg, None, error)`` for an item whose parse or
+            shard failed.
+        """
+        if self.threads == 0:
+            yield from self._inline(items, parse)
+            return
+        st, opts = self.reader.stats, self.reader.options
+        max_n, max_b = opts.max_in_flight, opts.max_bytes_in_flight
+        window: deque[_Job] = deque()
+        inflight, pid = 0, os.getpid()
+        it = iter(items)
+        held: tuple[str, int, int, Any] | None = None
+        exhausted, failure = False, None
+        try:
+            while True:
+                if os.getpid() != pid:  # forked while suspended: the parent's threads are gone
+                    pid = os.getpid()
+                    self._resubmit(window)
+                while not exhausted:
+                    if held is None:
+                        try:
+                            held = next(it)
+                        except StopIteration:
+                            exhausted = True
+                            break
+                        except Exception as exc:  # noqa: BLE001 - raised after the items before it
+                            exhausted, failure = True, exc
+                            break
+                    if window and (len(window) >= max_n or inflight + held[2] > max_b):
+                        break
+                    window.append(self._submit(parse, *held))
+                    inflight += held[2]
+                    held = None
+                    if inflight > st.peak_bytes_in_flight:
+                        st.peak_bytes_in_flight = inflight
+                    if len(window) > st.peak_requests_in_flight:
+                        st.peak_requests_in_flight = len(window)
+                if not window:
+                    break
+                job = window[0]
+                while not job.done.acquire(False):
+                    for other in window:  # the first item no thread has started
+                        if other.claim.acquire(False):
+                            other.run()
+                            if other.error is not None and not isinstance(other.error, Exception):
+                                raise other.error  # KeyboardInterrupt: at once, not in turn
+                            break
+                    else:
+                        job.done.acquire()
+                        break
+                window.popleft()
+                inflight -= job.length
+                self._unpin(job)
+                if job.error is None:
+                    st.ranges += 1
+                    st.requests += 1
+                    st.bytes += job.length
+                yield job.arg, job.result, job.error
+                job = None  # type: ignore[assignment]
+            if failure is not None:
+                raise failure
+        finally:
+            for job in window:  # abandoned: claim what no thread started, so none will
+                if job.claim.acquire(False):
+                    job.fail(ReadError(f"the stream was closed before byte offset {job.offset} "
+                                       f"of {redact(job.url)!r} was read"))
+                self._unpin(job)
+
+    def _resubmit(self, window: deque[_Job]) -> None:
+        """In a forked child: submits again every item the parent had not finished."""
+        old = list(window)
+        window.clear()
+        for job in old:
+            if job.done.locked():
+                job = self._submit(job.parse, job.url, job.offset, job.length, job.arg)
+            else:
+                job.fd = -1  # finished; that number may now be one of the child's own
+            window.append(job)
+
+    def _inline(self, items: Iterable[tuple[str, int, int, Any]],
+                parse: Callable[[int, str, int, int, Any], Any],
+                ) -> Iterator[tuple[Any, Any, BaseException | None]]:
+        reader, st = self.reader, self.reader.stats
+        for url, offset, length, arg in items:
+            try:
+                fd = reader.local_fd(url)
+                if fd is None:
+                    raise ConfigError(f"{redact(url)!r} is not a local file")
+                result = parse(fd, url, offset, length, arg)
+            except Exception as exc:  # noqa: BLE001 - the caller decides, as with threads
+                yield arg, None, exc
+                continue
+            st.ranges += 1
+            st.requests += 1
+            st.bytes += length
+            yield arg, result, None

@@ -10,7 +10,9 @@ Invariants:
   so DataLoader's round-robin hands the trainer batches in plan order for any N;
 - ``fetch`` turns each reference into an ordinary webdataset sample dict (``__key__``,
   ``__url__``, one entry per member extension, plus ``__bucket__``, ``__dataset__``,
-  ``__pad__``, ``__epoch__``, ``__step__``), reading many byte ranges concurrently;
+  ``__pad__``, ``__epoch__``, ``__step__``), in reference order, reading many byte ranges
+  concurrently: remote ones as concurrent requests, large local ones on read-ahead
+  threads that live as long as the stream (``ReadOptions.local_threads``);
 - a sample whose bytes fail to read or parse raises with URL, offset and key, unless a
   webdataset-style ``handler`` continues: then a deterministic substitute from the same
   bucket (derived from the seed) takes its place, so batch sizes never change;
@@ -28,7 +30,7 @@ import numpy as np
 from .errors import ConfigError, WdsPadError
 from .index import Index, load_index
 from .plan import Mode, PadTo, Plan, Policy, plan_epoch, resolve_policy
-from .read import RangeReader, ReadOptions
+from .read import LocalReadAhead, RangeReader, ReadOptions
 from .seed import derive_rng, stable_digest
 from .tarscan import parse_sample, parse_sample_at
 from .topology import Topology
@@ -287,13 +289,21 @@ class _Fetch:
 
     def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         # Large local samples are parsed straight from the file (each payload its own
-        # pread, no copy out of a bigger buffer); runs of the others share one read_many.
-        for big, group in itertools.groupby(src, key=self._is_big_local):
-            if big:
-                for ref in group:
-                    yield self._expand_big(ref)
-            else:
-                yield from self._expand_many(group)
+        # pread, no copy out of a bigger buffer) by read-ahead threads, so the kernel's
+        # copy of the next ones overlaps the Python work on this one; runs of the others
+        # share one read_many. The threads live as long as this stream.
+        ahead: LocalReadAhead | None = None
+        try:
+            for big, group in itertools.groupby(src, key=self._is_big_local):
+                if big:
+                    if ahead is None:
+                        ahead = self.reader.local_read_ahead()
+                    yield from self._expand_big(ahead, group)
+                else:
+                    yield from self._expand_many(group)
+        finally:
+            if ahead is not None:
+                ahead.close()
 
     def _is_big_local(self, ref: Mapping[str, Any]) -> bool:
         if ref["__length__"] < BIG_SAMPLE:
@@ -307,21 +317,15 @@ class _Fetch:
                 local = False  # let the ordinary path raise with the full context
         return local
 
-    def _expand_big(self, ref: dict[str, Any]) -> dict[str, Any]:
-        reader = self.reader
-        try:
-            fd = reader.local_fd(ref["__url__"])
-            members = parse_sample_at(fd, ref["__url__"], ref["__offset__"], ref["__length__"],  # type: ignore[arg-type]
-                                      ref["__key__"])
-        except WdsPadError as exc:
-            return self._substitute(ref, exc)
-        reader.stats.ranges += 1
-        reader.stats.requests += 1
-        reader.stats.bytes += ref["__length__"]
-        sample = dict(ref)
-        del sample["__offset__"], sample["__length__"]
-        sample.update(members)
-        return sample
+    def _expand_big(self, ahead: LocalReadAhead, refs: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        items = ((ref["__url__"], ref["__offset__"], ref["__length__"], ref) for ref in refs)
+        for ref, sample, error in ahead.run(items, _expand_at):
+            if error is None:
+                yield sample
+            elif isinstance(error, WdsPadError):
+                yield self._substitute(ref, error)
+            else:
+                raise error
 
     def _expand_many(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         reader = self.reader
@@ -368,6 +372,15 @@ class _Fetch:
                 raise exc
             raise type(exc)(message) if isinstance(exc, WdsPadError) else exc
         return substitute(self.spec, self.reader, ref, self.counters, message)
+
+
+def _expand_at(fd: int, url: str, offset: int, length: int, ref: dict[str, Any]) -> dict[str, Any]:
+    """``expand`` reading straight from the shard (on a read-ahead thread, or inline)."""
+    members = parse_sample_at(fd, url, offset, length, ref["__key__"])
+    sample = dict(ref)
+    del sample["__offset__"], sample["__length__"]
+    sample.update(members)
+    return sample
 
 
 def _chain_ranges(rest: list[dict[str, Any]], refs: Iterator[dict[str, Any]],
@@ -426,7 +439,8 @@ def fetch(options: ReadOptions | None = None, *, handler: Callable[[BaseExceptio
     """The fetch stage: sample references in, webdataset sample dicts out, in order.
 
     Args:
-        options: how to read (concurrency, read-ahead bound, retries, timeouts, storage options).
+        options: how to read (concurrency, read-ahead bound, read-ahead threads for large
+            local samples, retries, timeouts, storage options).
         handler: webdataset-style exception handler; if it returns True for a failure,
             a deterministic substitute from the same bucket replaces the sample (needs ``spec``).
         spec: the PlanSpec (for substitutes).

@@ -5,7 +5,10 @@ Generates local shards with ``make_blob_shards`` (small ~10 KB samples and large
 best of ``--repeat``:
 
 * ``wds_pad direct``  ``BucketedWebDataset`` iterated in the main process (no decode):
-  the plan's random order, one ``os.pread`` per sample, a webdataset sample dict each;
+  the plan's random order, one ``os.pread`` per sample (per payload for large samples,
+  read ahead by ``ReadOptions.local_threads`` threads), a webdataset sample dict each;
+* ``wds_pad direct, inline``  the same with ``local_threads=0``: every read in the
+  iterating thread (large samples only differ);
 * ``wds_pad Loader(1)``  the same through ``Loader(ds, num_workers=1)`` (one DataLoader
   worker process; batches cross a process boundary);
 * ``webdataset``  ``wds.WebDataset(urls, shardshuffle=False)`` iterating every sample
@@ -16,8 +19,11 @@ best of ``--repeat``:
 * ``raw read 8 MiB``  reading the shard files sequentially with 8 MiB reads into one
   reused buffer: the bandwidth of the page cache.
 
-Prints a table with samples/s, MB/s and the ratios against the peers, and the Python
-overhead per sample (wds_pad's time per sample minus the bare pread loop's).
+Prints a table with samples/s, MB/s and the ratios against the peers (all from wall
+time), the Python overhead per sample (wds_pad's time per sample minus the bare pread
+loop's), and the CPU time per sample of the process, its threads and its finished
+DataLoader workers (above the wall time when threads overlap). The machine should be
+otherwise idle: another busy process takes the core the read-ahead threads need.
 Targets: small samples >= 3x webdataset's samples/s; large samples >= 0.8x the raw
 read bandwidth. Usage::
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -41,16 +48,36 @@ from wds_pad.dataset import BucketedWebDataset, Loader
 from wds_pad.errors import DroppedBucketWarning
 from wds_pad.index import Index
 from wds_pad.indexer import build_index
+from wds_pad.read import ReadOptions
 from wds_pad.topology import Topology
 
 
-def best_of(repeat: int, fn: Callable[[], Any]) -> tuple[float, Any]:
-    times, result = [], None
+def cpu_seconds() -> float:
+    """CPU time of this process (all threads) and of its children that have exited."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def machine_busy() -> float | None:
+    """CPU seconds the whole machine has spent busy so far (Linux ``/proc/stat``), else None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def best_of(repeat: int, fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """(wall seconds, CPU seconds, result) of the fastest of ``repeat`` runs."""
+    runs, result = [], None
     for _ in range(repeat):
-        t = time.perf_counter()
+        c, t = cpu_seconds(), time.perf_counter()
         result = fn()
-        times.append(time.perf_counter() - t)
-    return min(times), result
+        runs.append((time.perf_counter() - t, cpu_seconds() - c))
+    wall, cpu = min(runs)
+    return wall, cpu, result
 
 
 # -- contenders ---------------------------------------------------------------------------
@@ -77,8 +104,8 @@ def webdataset_iter(urls: list[str]) -> int:
     return n
 
 
-def bare_pread(index: Index, ids: np.ndarray, batch_size: int) -> float:
-    """The floor: os.pread of every planned range, nothing else; returns seconds.
+def bare_pread(index: Index, ids: np.ndarray, batch_size: int) -> tuple[float, float]:
+    """The floor: os.pread of every planned range, nothing else; returns (wall, CPU) seconds.
 
     Descriptors are opened once, outside the timing. Like a trainer, the loop holds one
     batch of results alive at a time, so it pays the same allocator cost as a stream.
@@ -87,13 +114,13 @@ def bare_pread(index: Index, ids: np.ndarray, batch_size: int) -> float:
     try:
         shard = [fds[s] for s in index.shard[ids].tolist()]
         offsets, lengths = index.offset[ids].tolist(), index.length[ids].tolist()
-        t = time.perf_counter()
+        c, t = cpu_seconds(), time.perf_counter()
         pread, batch = os.pread, []
         for fd, off, ln in zip(shard, offsets, lengths):
             batch.append(pread(fd, ln, off))
             if len(batch) == batch_size:
                 batch = []
-        return time.perf_counter() - t
+        return time.perf_counter() - t, cpu_seconds() - c
     finally:
         for fd in fds:
             os.close(fd)
@@ -114,26 +141,33 @@ def run_case(label: str, urls: list[str], index: Index, batch_size: int, repeat:
              rows: list[list[str]]) -> dict[str, float]:
     raw_read(urls)  # warm the page cache
     total_file = sum(os.path.getsize(u) for u in urls)
-    ds = BucketedWebDataset(index, batch_size=batch_size, topology=Topology(world_size=1, rank=0),
-                            seed=0, check_agreement=False)
+    def dataset(**read: Any) -> BucketedWebDataset:
+        return BucketedWebDataset(index, batch_size=batch_size, topology=Topology(world_size=1, rank=0),
+                                  seed=0, check_agreement=False,
+                                  read_options=ReadOptions(**read) if read else None)
+
+    ds, inline = dataset(), dataset(local_threads=0)
     plan = ds.plan()
     ids = np.concatenate([b.samples for b in plan])
     planned, planned_bytes = int(ids.size), int(index.length[ids].sum())
     rate: dict[str, float] = {}   # samples/s
     bw: dict[str, float] = {}     # MB/s
+    cpu: dict[str, float] = {}    # CPU us per sample
     for name, fn, expect, nbytes in [
         ("wds_pad direct", lambda: ours_direct(ds), planned, planned_bytes),
+        ("wds_pad direct, inline", lambda: ours_direct(inline), planned, planned_bytes),
         ("wds_pad Loader(1)", lambda: ours_loader(ds, 1), planned, planned_bytes),
         ("webdataset", lambda: webdataset_iter(urls), len(index), total_file),
         ("raw read 8 MiB", lambda: raw_read(urls), total_file, total_file),
     ]:
-        secs, got = best_of(repeat, fn)
+        secs, cpu_secs, got = best_of(repeat, fn)
         if got != expect:
             raise SystemExit(f"{label}/{name}: counted {got}, expected {expect}")
         count = expect if name != "raw read 8 MiB" else len(index)
-        rate[name], bw[name] = count / secs, nbytes / secs / 1e6
-    pread_secs = min(bare_pread(index, ids, batch_size) for _ in range(repeat))
+        rate[name], bw[name], cpu[name] = count / secs, nbytes / secs / 1e6, cpu_secs / count * 1e6
+    pread_secs, pread_cpu = min(bare_pread(index, ids, batch_size) for _ in range(repeat))
     rate["bare pread loop"], bw["bare pread loop"] = planned / pread_secs, planned_bytes / pread_secs / 1e6
+    cpu["bare pread loop"] = pread_cpu / planned * 1e6
     floor_us = 1e6 / rate["bare pread loop"]
     for name in rate:
         us = 1e6 / rate[name]
@@ -141,10 +175,11 @@ def run_case(label: str, urls: list[str], index: Index, batch_size: int, repeat:
         vs_wds = f"{rate[name] / rate['webdataset']:.2f}x" if name != "webdataset" else "1.00x"
         vs_raw = f"{bw[name] / bw['raw read 8 MiB']:.2f}x"
         rows.append([label, name, f"{rate[name]:,.0f}", f"{bw[name]:,.0f}", f"{us:.1f}", over,
-                     vs_wds, vs_raw])
+                     f"{cpu[name]:.1f}", vs_wds, vs_raw])
     return {"rate_ratio": rate["wds_pad direct"] / rate["webdataset"],
             "bw_ratio": bw["wds_pad direct"] / bw["raw read 8 MiB"],
-            "overhead_us": 1e6 / rate["wds_pad direct"] - floor_us}
+            "overhead_us": 1e6 / rate["wds_pad direct"] - floor_us,
+            "cpu_overhead_us": cpu["wds_pad direct"] - cpu["bare pread loop"]}
 
 
 def _shards(root: str, label: str, n: int, size: int, shards: int) -> tuple[list[str], Index]:
@@ -165,23 +200,33 @@ def main(argv: list[str] | None = None) -> int:
     cases = [("10 KB", args.small, 10_000, 10, 32), ("500 KB", args.large, 500_000, 4, 8)]
     rows: list[list[str]] = []
     results = {}
+    busy0, ours0, t0 = machine_busy(), cpu_seconds(), time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for label, n, size, shards, batch in cases:
             urls, index = _shards(tmp, label, n, size, shards)
             results[label] = run_case(f"{label} x {n}", urls, index, batch, args.repeat, rows)
+    busy1, ours1, wall = machine_busy(), cpu_seconds(), time.perf_counter() - t0
     from wds_pad.cli import format_table
 
     print(format_table(["case", "contender", "samples/s", "MB/s", "us/sample", "py us/sample",
-                        "vs webdataset", "vs raw read"], rows, align="llrrrrrr"))
-    print("(py us/sample: time per sample minus the bare pread loop's, in the same order)")
+                        "cpu us/sample", "vs webdataset", "vs raw read"], rows, align="llrrrrrrr"))
+    print("(py us/sample: time per sample minus the bare pread loop's, in the same order, "
+          "negative when threads overlap\n cpu us/sample: CPU time of the process, its threads "
+          "and exited DataLoader workers)")
     print()
     small, large = results["10 KB"], results["500 KB"]
     ok = small["rate_ratio"] >= 3.0 and large["bw_ratio"] >= 0.8
     print(f"10 KB: wds_pad direct streams {small['rate_ratio']:.2f}x webdataset's samples/s "
-          f"(target >= 3x); Python overhead {small['overhead_us']:.1f} us/sample")
+          f"(target >= 3x); Python overhead {small['overhead_us']:.1f} us/sample "
+          f"({small['cpu_overhead_us']:.1f} us of CPU)")
     print(f"500 KB: wds_pad direct reaches {large['bw_ratio']:.2f}x the raw read bandwidth "
-          f"(target >= 0.8x); Python overhead {large['overhead_us']:.1f} us/sample")
+          f"(target >= 0.8x); Python overhead {large['overhead_us']:.1f} us/sample "
+          f"({large['cpu_overhead_us']:.1f} us of CPU: read-ahead threads overlap it with the reads)")
     print("all targets met" if ok else "SOME TARGETS MISSED")
+    if busy0 is not None and busy1 is not None:
+        others = max(0.0, (busy1 - busy0) - (ours1 - ours0))
+        print(f"other processes kept {others / wall:.0%} of a core busy during the run"
+              + (" (results unreliable: rerun on an idle machine)" if others > 0.05 * wall + 0.3 else ""))
     return 0
 
 
