@@ -2,22 +2,23 @@
 
 :func:`scan_rows` finds the same samples as :func:`wds_pad.tarscan.scan_tar`, but as
 columns (offsets, lengths, keys, extension masks) rather than one object per sample,
-which is what an index needs and about twice as fast.
+which is what an index needs; :func:`scan_many` does it for a group of shards.
 
-How: the loop reads a header, parses only its size field, keeps the 512 bytes and jumps
-to the next header. Every few thousand headers (in stream mode: before the buffer moves
-on) :func:`_settle` checks all kept headers at once in numpy -- checksum, ASCII, plain
-regular-file type, no ustar prefix, a terminated size field, a name webdataset groups
-without special rules -- then derives keys, extensions and sample boundaries with array
-operations, and reads the wanted members' payloads. The last sample of a batch is held
-back (its next member may still come).
+How: in seek mode the loop reads a header, parses only its size field, keeps the 512
+bytes and jumps to the next header; in stream mode the run of headers in each 8 MiB
+buffer is found with array operations. Every few thousand headers (in stream mode:
+before the buffer moves on; for small shards: the last headers of up to 64 shards
+together) :func:`_settle_many` checks the kept headers at once in numpy -- checksum,
+plain regular-file type, no ustar prefix, a terminated size field, a name webdataset
+groups without special rules -- then derives keys, extensions and sample boundaries
+with array operations and picks the wanted members' payloads. A shard's last sample is
+held back (its next member may still come) unless its archive ends there.
 
 Anything else -- an extension header (GNU long name, pax), a link or directory, a
-metadata or ``__bad__`` member, a repeated suffix, a bad checksum, truncation, the end of
-the archive -- hands the rest of the shard, from the start of the sample it occurs in, to
-tarscan's general parser, which applies every rule and raises the precise error. So the
-two paths cannot disagree: the lean one only ever accepts headers the general one would
-read the same way.
+metadata or ``__bad__`` member, a repeated suffix, a bad checksum, truncation -- hands
+the rest of the shard, from the start of the sample it occurs in, to tarscan's general
+parser, which applies every rule and raises the precise error. So the two paths cannot
+disagree: the lean one only ever accepts headers the general one reads the same way.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ _MAX_EXT = 16  # longer extensions go to the general parser
 _IDX8 = np.arange(104, dtype=np.uint8)  # name columns
 _EXT_COLS = np.arange(_MAX_EXT, dtype=np.uint8)
 _ZERO_BLOCK = bytes(512)
-_HIGH = np.uint64(0x8080808080808080)  # the high bit of each byte of a word
 _LOW = np.uint64(0x00FF00FF00FF00FF)
 _LANES = np.uint64(0x0001000100010001)
 _DIGIT_MASK, _DIGITS = np.uint64(0x0000F8F8F8F8F8F8), np.uint64(0x0000303030303030)  # bytes 0-5 in "0".."7"

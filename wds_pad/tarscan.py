@@ -229,8 +229,9 @@ class _Reader:
             return
         try:
             fd = f.fileno()
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                self._fd, self.eof = fd, os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                self._fd, self.eof = fd, st.st_size
         except (AttributeError, OSError, ValueError):
             pass
         if self._fd < 0:
