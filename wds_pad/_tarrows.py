@@ -221,11 +221,10 @@ def scan_many(
     def check_waiting() -> None:
         segs = [_Segment(acc, len(o.H), o.payload, o.end) for _, _, acc, o in waiting]
         H = [h for *_, o in waiting for h in o.H]
-        P, S = array("q"), array("q")
+        P = array("q")
         for *_, o in waiting:
             P.extend(o.P)
-            S.extend(o.S)
-        _settle_many(segs, H, P, S, head)
+        _settle_many(segs, H, P, head)
         for (i, r, acc, o), seg in zip(waiting, segs):
             finish(i, r, acc, o.settled(seg))
         waiting.clear()
@@ -267,7 +266,6 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
     fd, eof, pread = r._fd, r.eof, os.pread
     H: list[bytes] = []
     P = array("q")  # header offsets
-    S = array("q")  # payload sizes
     W: list[bytes | None] = []  # each small payload read with its header (to be picked from)
     pos, buf, base = 0, b"", 0
 
@@ -285,7 +283,7 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
         return [read(i, n) if (w := W[i]) is None else w[:n] for i, n in zip(members, sizes)]
 
     # the loop runs once per tar member: locals only, the batch check only on a new window
-    add_h, add_p, add_s, add_w = H.append, P.append, S.append, W.append
+    add_h, add_p, add_w = H.append, P.append, W.append
     keep = bool(acc.want)  # then small payloads are kept as they pass (a .json, a .cls)
     window_size, batch = _WINDOW, _BATCH
     have = 0
@@ -295,10 +293,10 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
             if pos + 512 > eof:
                 break
             if len(H) >= batch:
-                done, stop = _settle(acc, H, P, S, head, payload)
+                done, stop = _settle(acc, H, P, head, payload)
                 if stop:
                     return P[done] if done < len(P) else pos
-                del H[:done], P[:done], S[:done], W[: done if W else 0]
+                del H[:done], P[:done], W[: done if W else 0]
             try:
                 buf = pread(fd, window_size, pos)
             except OSError:
@@ -311,19 +309,18 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
             size = int(h[124:135], 8)
         except ValueError:
             break
-        nxt = pos + 512 + ((size + 511) & ~511)
+        nxt = (pos + 1023 + size) & ~511  # past the header and the 512-padded payload
         if size < 0 or nxt > eof:
             break
         add_h(h)
         add_p(pos)
-        add_s(size)
         if keep:
             add_w(buf[rel + 512 : rel + 512 + size] if rel + 512 + size <= have else None)
         pos = nxt
     end = pos > 0 and (pos == eof or (pos + 512 <= eof and pread(fd, 512, pos) == _ZERO_BLOCK))  # a clean end
     if not H:
         return -1 if end else pos
-    return _Open(H, P, S, payload, end, pos)
+    return _Open(H, P, payload, end, pos)
 
 
 @dataclass
@@ -333,7 +330,6 @@ class _Open:
 
     H: list[bytes]
     P: array
-    S: array
     payload: Callable[[list[int], list[int]], list[bytes]]
     end: bool  # the archive ends cleanly after them
     pos: int  # where the loop stopped
@@ -353,7 +349,6 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
     readinto: Callable[[Any], int] | None = getattr(f, "readinto", None)
     H = bytearray()  # the pending headers, back to back
     P = array("q")
-    S = array("q")
     buf = bytearray(_CHUNK)
     fill, base, pos, at_eof = 0, 0, 0, False
     state = {"buf": buf, "base": 0}
@@ -391,8 +386,8 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
             if H:
                 state["buf"], state["base"] = buf, base
                 read = len(P)
-                done, stop = _settle(acc, H, P, S, head, payload)
-                del H[: 512 * done], P[:done], S[:done]
+                done, stop = _settle(acc, H, P, head, payload)
+                del H[: 512 * done], P[:done]
                 if stop or read * _SPAN < fill:
                     # large samples: the general parser reads past payloads without
                     # keeping them, and the checks cost too much per member here
@@ -409,7 +404,7 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
             base = keep
             read_more(max(pos + 512 - base, len(buf) if pos else _PROBE))  # a small first read tells the sample size
             with memoryview(buf) as mv:
-                pos = _chain(mv[:fill], base, pos, H, P, S)  # the run of plain headers, found in numpy
+                pos = _chain(mv[:fill], base, pos, H, P)  # the run of plain headers, found in numpy
             rel = pos - base
             if rel + 512 > fill:
                 if not at_eof:
@@ -424,14 +419,13 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
             break
         H += h
         P.append(pos)
-        S.append(size)
         pos += 512 + ((size + 511) & ~511)
     if H and not stop:
         rel = pos - base
         end = (at_eof and rel == fill) or (rel + 512 <= fill and buf[rel : rel + 512] == _ZERO_BLOCK)  # a clean end
         state["buf"], state["base"] = buf, base
-        done, stop = _settle(acc, H, P, S, head, payload, final=end)
-        del H[: 512 * done], P[:done], S[:done]
+        done, stop = _settle(acc, H, P, head, payload, final=end)
+        del H[: 512 * done], P[:done]
         if end and not stop:
             return -1
     start = P[0] if H else pos
@@ -442,13 +436,13 @@ def _lean_stream(r: _Reader, acc: _Acc, head: int | None) -> int:
     return start  # the general reader finds the end of the stream itself, as scan_tar would
 
 
-def _chain(buf: memoryview, base: int, pos: int, H: bytearray, P: array, S: array) -> int:
+def _chain(buf: memoryview, base: int, pos: int, H: bytearray, P: array) -> int:
     """Find the run of headers from ``pos`` in a stream buffer with array operations.
 
     Candidates are the 512-byte blocks with the ustar magic and a size of eleven octal
     digits; the run follows each one's size to the next and stops where the next is
     not a candidate (a block of payload that looks like a header is never on the run:
-    it is jumped over). The run's headers are appended to ``H``/``P``/``S``, unchecked,
+    it is jumped over). The run's headers are appended to ``H``/``P``, unchecked,
     as the per-member loop would; returns where that loop goes on.
     """
     first, blocks = (pos - base) // 512, len(buf) // 512
@@ -473,7 +467,6 @@ def _chain(buf: memoryview, base: int, pos: int, H: bytearray, P: array, S: arra
     at = cand[:k]
     H += B[at].tobytes()
     P.frombytes((base + (first + at) * 512).astype(np.int64).tobytes())
-    S.frombytes(size[:k].tobytes())
     return base + (first + int(nxt[k - 1])) * 512
 
 
@@ -502,16 +495,16 @@ class _Segment:
     stop: bool = False
 
 
-def _settle(acc: _Acc, H: list[bytes] | bytearray, P: array, S: array, head: int | None,
+def _settle(acc: _Acc, H: list[bytes] | bytearray, P: array, head: int | None,
             payload: Callable[[list[int], list[int]], list[bytes]], final: bool = False) -> tuple[int, bool]:
     """:func:`_settle_many` for one shard; returns ``(done, stop)``."""
     seg = _Segment(acc, len(P), payload, final)
-    _settle_many([seg], H, P, S, head)
+    _settle_many([seg], H, P, head)
     return seg.done, seg.stop
 
 
-def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, S: array, head: int | None) -> None:
-    """Check the pending headers ``H`` (at offsets ``P``, payload sizes ``S``) of one or
+def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, head: int | None) -> None:
+    """Check the pending headers ``H`` (at offsets ``P``) of one or
     more shards (``segs``, back to back) and add each shard's complete samples to its
     ``acc``. Checking the headers of many small shards at once costs about what one
     shard costs: numpy's fixed cost per operation is paid once.
@@ -598,7 +591,8 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, S: 
     group_seg = seg_of[starts]
     emit = members > 0
     ends = np.append(starts[1:], m)
-    Pa, Sa = np.frombuffer(P, np.int64, m), np.frombuffer(S, np.int64, m)
+    Pa = np.frombuffer(P, np.int64, m)
+    Sa = (A[:, 124:135].astype(np.int64) - 48) @ _POW8_11  # payload sizes (eleven digits: checked)
     for s, seg in enumerate(segs):
         lo_g, hi_g = (int(x) for x in np.searchsorted(group_seg, [s, s + 1]))
         nv = int(np.count_nonzero(emit[lo_g:hi_g]))  # groups with usable members: a prefix
@@ -668,5 +662,6 @@ def _headers_ok(A: np.ndarray) -> np.ndarray:
     field_sum = ((lanes * _LANES) >> _U48).astype(np.int64)
     total = np.add.reduce(A, axis=1, dtype=np.uint32).astype(np.int64) - field_sum + 256
     kind = A[:, 156]
-    return (form & (stored == total) & ((kind == 48) | (kind == 0))
-            & (A[:, 345] == 0) & ((A[:, 135] & 0xDF) == 0))  # the size field ends in NUL or space
+    digits = A[:, 124:135]  # the size: eleven octal digits (int() would take rarer spellings too)
+    return (form & (stored == total) & ((kind == 48) | (kind == 0)) & (A[:, 345] == 0)
+            & ((A[:, 135] & 0xDF) == 0) & ((digits & 0xF8) == 0x30).all(1))

@@ -373,7 +373,7 @@ class AspectBuckets(_OneMember):
         try:
             texts = [raw.decode("utf-8") for raw in column]  # type: ignore[union-attr]
             parsed = [scan(t, 0) for t in texts]
-            if all(end == len(t) for (_, end), t in zip(parsed, texts)):
+            if [end for _, end in parsed] == list(map(len, texts)):  # nothing after the object
                 ws = [doc[wf] for doc, _ in parsed]
                 hs = [doc[hf] for doc, _ in parsed]
                 if set(map(type, ws)) <= _NUMBER and set(map(type, hs)) <= _NUMBER:

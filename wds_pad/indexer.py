@@ -215,7 +215,9 @@ def _bucket_keys(url: str, fn: BucketFn, scanned: ScanRows, on_error: str, rows:
                 out.append(fn(key, d))
             except Exception as exc:  # noqa: BLE001 - a user's bucket function: wrap, name the sample
                 out.append(exc)
-    for i in [i for i, b in enumerate(out) if b is None or isinstance(b, Exception)]:  # usually none
+    types = set(map(type, out))  # usually one or a few str / int types: no exclusion, no failure
+    odd = type(None) in types or any(issubclass(t, BaseException) for t in types)
+    for i in [i for i, b in enumerate(out) if b is None or isinstance(b, Exception)] if odd else ():
         b = out[i]
         if b is None:
             rows.excluded.append({"url": url, "offset": int(scanned.offset[i]), "key": keys[i],
@@ -402,7 +404,7 @@ def _assemble(parts: Sequence[_ShardRows], fn: BucketFn, skipped: list[dict[str,
         shard_col.append(np.full(n, si, dtype=np.int32))
         offset.append(p.offset)
         length.append(p.length)
-        distinct = dict.fromkeys(p.buckets)  # first-seen order, one lookup per distinct key
+        distinct = set(p.buckets)  # make_index orders the buckets canonically
         for b in distinct:
             if b not in bucket_id:
                 bucket_id[b] = len(bucket_keys)
