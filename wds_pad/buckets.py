@@ -28,10 +28,12 @@ import csv
 import functools
 import hashlib
 import io
+import itertools
 import json
 import json.scanner
 import math
 import numbers
+import operator
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -231,6 +233,7 @@ def _load_json(key: str, data: Mapping[str, bytes], member: str) -> Any:
 _json_decode = json.JSONDecoder().decode
 _json_scan = json.scanner.make_scanner(json.JSONDecoder())  # one value at an offset: (value, end)
 _NUMBER = frozenset((int, float))  # JSON numbers (bool is not one)
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def _get_path(doc: Any, path: str, key: str, member: str) -> Any:
@@ -370,12 +373,13 @@ class AspectBuckets(_OneMember):
         Whole-column steps in C first (decode, scan, field lookups, type sets); any
         exception sends every sample through the per-sample loop below instead."""
         scan, wf, hf = _json_scan, self.width_field, self.height_field
-        try:
-            texts = [raw.decode("utf-8") for raw in column]  # type: ignore[union-attr]
-            parsed = [scan(t, 0) for t in texts]
-            if [end for _, end in parsed] == list(map(len, texts)):  # nothing after the object
-                ws = [doc[wf] for doc, _ in parsed]
-                hs = [doc[hf] for doc, _ in parsed]
+        try:  # map() with C functions: no Python frame per sample
+            texts = list(map(bytes.decode, column))  # type: ignore[arg-type]
+            parsed = list(map(scan, texts, itertools.repeat(0)))
+            if list(map(_SECOND, parsed)) == list(map(len, texts)):  # nothing after the object
+                docs = list(map(_FIRST, parsed))
+                ws = list(map(operator.itemgetter(wf), docs))
+                hs = list(map(operator.itemgetter(hf), docs))
                 if set(map(type, ws)) <= _NUMBER and set(map(type, hs)) <= _NUMBER:
                     w, h = np.array(ws, np.float64), np.array(hs, np.float64)
                     good = (w > 0) & (h > 0) & (w < math.inf) & (h < math.inf)
