@@ -630,10 +630,14 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, hea
                 continue
             span = slice(int(first[0]), int(ends[g_end - 1]))
             wanted = np.flatnonzero(ids[span] == exts.index(e)) + span.start
-            sample_of = np.searchsorted(first, wanted, side="right") - 1 + base
+            sample_of = np.searchsorted(first, wanted, side="right") - 1
             sizes = Sa[wanted] if head is None else np.minimum(Sa[wanted], head)
-            for jj, data in zip(sample_of.tolist(), seg.payload((wanted - base_i).tolist(), sizes.tolist())):
-                col[jj] = data
+            got = seg.payload((wanted - base_i).tolist(), sizes.tolist())
+            if len(got) == g:  # every sample has the member (at most once: no repeated suffix)
+                col[base:] = got
+            else:
+                for jj, data in zip((sample_of + base).tolist(), got):
+                    col[jj] = data
         acc.samples += g
 
 
