@@ -840,3 +840,27 @@ def test_scan_many_keeps_samples_and_errors_per_shard(tmp_path):
     with open(bad_sum, "rb") as fc, open(not_tar, "rb") as fd:
         with pytest.raises(TarFormatError, match="c.tar: invalid tar header"):
             scan_many([(fc, str(bad_sum)), (fd, str(not_tar))])
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_checksum_sum_past_two_bytes_is_not_wrapped(tmp_path, seekable):
+    """A header whose byte sum passes 65535 (owner names in UTF-8, say) is checked with
+    the full sum: a stored checksum equal to the sum modulo 2**16 is a bad checksum."""
+    h = bytearray(_raw_header(b"s1.jpg", 3))
+    h[265:297] = b"\xc3\xa9" * 16  # uname: 32 non-ASCII bytes
+    h[297:329] = b"\xff" * 32  # gname
+    h[346:500] = b"\xff" * 154  # after the prefix field's NUL: ignored by tarfile, summed all the same
+    h[157:257] = b"\xff" * 100  # linkname: ignored for a regular file
+    h[148:156] = b" " * 8
+    true_sum = sum(h)
+    assert true_sum >= 65536
+    h[148:156] = b"%06o\0 " % (true_sum % 65536)  # wrong by 65536
+    body = b"".join(_member_bytes(b"s0.%s" % e, b"x") for e in (b"jpg", b"json")) + bytes(h) + b"abc".ljust(512, b"\0")
+    body += b"".join(_member_bytes(b"s2.%s" % e, b"y") for e in (b"jpg", b"json")) + b"\0" * 1024
+    path = tmp_path / "wide.tar"
+    path.write_bytes(body)
+    with pytest.raises(TarFormatError, match="bad header checksum"):
+        scan_path(path, seekable=seekable)  # scan_rows raises the same
+    h[148:156] = b"%06o\0 " % true_sum  # the right sum: read like any other header
+    path.write_bytes(body.replace(body[2048:2560], bytes(h)))
+    assert [s.key for s in scan_path(path, seekable=seekable)] == ["s0", "s1", "s2"]
