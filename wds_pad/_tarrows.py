@@ -137,10 +137,11 @@ class _Acc:
         self.samples += 1
 
     def rows(self, url: str, fault: TarFormatError | None) -> ScanRows:
-        self.offset.append(np.array(self.tail_offset, np.int64))
-        self.length.append(np.array(self.tail_length, np.int64))
-        self.mask.append(np.array(self.tail_mask, np.uint64))
-        cat = lambda xs, dt: np.concatenate(xs).astype(dt, copy=False)  # noqa: E731
+        if self.tail_offset or not self.offset:
+            self.offset.append(np.array(self.tail_offset, np.int64))
+            self.length.append(np.array(self.tail_length, np.int64))
+            self.mask.append(np.array(self.tail_mask, np.uint64))
+        cat = lambda xs, dt: (xs[0] if len(xs) == 1 else np.concatenate(xs)).astype(dt, copy=False)  # noqa: E731
         exts = sorted(self.bits, key=self.bits.__getitem__)
         return ScanRows(url, cat(self.offset, np.int64), cat(self.length, np.int64), self.keys, exts,
                         cat(self.mask, np.uint64), self.data, fault)
@@ -219,8 +220,8 @@ def scan_many(
         out[i] = acc.rows(r.url, fault)
 
     def check_waiting() -> None:
-        segs = [_Segment(acc, len(o.H), o.payload, o.end) for _, _, acc, o in waiting]
-        H = [h for *_, o in waiting for h in o.H]
+        segs = [_Segment(acc, len(o.P), o.payload, o.end) for _, _, acc, o in waiting]
+        H = waiting[0][3].H if len(waiting) == 1 else bytearray().join(o.H for *_, o in waiting)
         P = array("q")
         for *_, o in waiting:
             P.extend(o.P)
@@ -249,7 +250,7 @@ def scan_many(
             continue
         if isinstance(start, _Open):
             waiting.append((i, r, acc, start))
-            if len(waiting) >= _MAX_WAITING or sum(len(o.H) for *_, o in waiting) >= _BATCH:
+            if len(waiting) >= _MAX_WAITING or sum(len(o.P) for *_, o in waiting) >= _BATCH:
                 check_waiting()
         else:
             if waiting:  # keep shard order, for the first error and for the samples
@@ -264,7 +265,7 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
     """Seek mode over a local file: return where the general parser takes over (-1:
     nowhere), or the last headers, still to be checked."""
     fd, eof, pread = r._fd, r.eof, os.pread
-    H: list[bytes] = []
+    H = bytearray()  # the headers, back to back
     P = array("q")  # header offsets
     W: list[bytes | None] = []  # each small payload read with its header (to be picked from)
     pos, buf, base = 0, b"", 0
@@ -283,7 +284,7 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
         return [read(i, n) if (w := W[i]) is None else w[:n] for i, n in zip(members, sizes)]
 
     # the loop runs once per tar member: locals only, the batch check only on a new window
-    add_h, add_p, add_w = H.append, P.append, W.append
+    add_h, add_p, add_w = H.extend, P.append, W.append
     keep = bool(acc.want)  # then small payloads are kept as they pass (a .json, a .cls)
     window_size, batch = _WINDOW, _BATCH
     have = 0
@@ -292,33 +293,33 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
         if rel + 512 > have:
             if pos + 512 > eof:
                 break
-            if len(H) >= batch:
+            if len(P) >= batch:
                 done, stop = _settle(acc, H, P, head, payload)
                 if stop:
                     return P[done] if done < len(P) else pos
-                del H[:done], P[:done], W[: done if W else 0]
+                del H[: 512 * done], P[:done], W[: done if W else 0]
             try:
                 buf = pread(fd, window_size, pos)
             except OSError:
                 break  # the general parser retries and reports it with the offset
             base, rel, have = pos, 0, len(buf)
+            view = memoryview(buf)
             if have < 512:
                 break
-        h = buf[rel : rel + 512]
         try:
-            size = int(h[124:135], 8)
+            size = int(buf[rel + 124 : rel + 135], 8)
         except ValueError:
             break
         nxt = (pos + 1023 + size) & ~511  # past the header and the 512-padded payload
         if size < 0 or nxt > eof:
             break
-        add_h(h)
+        add_h(view[rel : rel + 512])
         add_p(pos)
         if keep:
             add_w(buf[rel + 512 : rel + 512 + size] if rel + 512 + size <= have else None)
         pos = nxt
     end = pos > 0 and (pos == eof or (pos + 512 <= eof and pread(fd, 512, pos) == _ZERO_BLOCK))  # a clean end
-    if not H:
+    if not P:
         return -1 if end else pos
     return _Open(H, P, payload, end, pos)
 
@@ -328,7 +329,7 @@ class _Open:
     """A shard's last headers, read by the lean loop and not yet checked: they wait to be
     checked with those of other shards (:func:`scan_many`)."""
 
-    H: list[bytes]
+    H: bytearray
     P: array
     payload: Callable[[list[int], list[int]], list[bytes]]
     end: bool  # the archive ends cleanly after them

@@ -436,6 +436,8 @@ def _present_exts(p: _ShardRows) -> list[str]:
 
 def _remap_mask(p: _ShardRows, bit: Mapping[str, int]) -> np.ndarray:
     """``p``'s masks with its extension bits moved to the index's table."""
+    if all(bit.get(e) == i for i, e in enumerate(p.exts)):
+        return p.mask  # the same bits (a shard with every extension, in the same order)
     out = np.zeros(len(p.mask), np.uint64)
     for i, e in enumerate(p.exts):
         if e in bit:
