@@ -268,7 +268,7 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
     H = bytearray()  # the headers, back to back
     P = array("q")  # header offsets
     W: list[bytes | None] = []  # each small payload read with its header (to be picked from)
-    pos, buf, base = 0, b"", 0
+    pos, base = 0, 0
 
     def read(i: int, n: int) -> bytes:
         try:
@@ -286,7 +286,10 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
     # the loop runs once per tar member: locals only, the batch check only on a new window
     add_h, add_p, add_w = H.extend, P.append, W.append
     keep = bool(acc.want)  # then small payloads are kept as they pass (a .json, a .cls)
-    window_size, batch = _WINDOW, _BATCH
+    batch, preadv = _BATCH, os.preadv
+    buf = bytearray(_WINDOW)
+    view = memoryview(buf)
+    windows = [view]
     have = 0
     while True:
         rel = pos - base
@@ -299,11 +302,10 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
                     return P[done] if done < len(P) else pos
                 del H[: 512 * done], P[:done], W[: done if W else 0]
             try:
-                buf = pread(fd, window_size, pos)
+                have = preadv(fd, windows, pos)  # into the one reused window
             except OSError:
                 break  # the general parser retries and reports it with the offset
-            base, rel, have = pos, 0, len(buf)
-            view = memoryview(buf)
+            base, rel = pos, 0
             if have < 512:
                 break
         try:
@@ -316,7 +318,7 @@ def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
         add_h(view[rel : rel + 512])
         add_p(pos)
         if keep:
-            add_w(buf[rel + 512 : rel + 512 + size] if rel + 512 + size <= have else None)
+            add_w(bytes(view[rel + 512 : rel + 512 + size]) if rel + 512 + size <= have else None)
         pos = nxt
     end = pos > 0 and (pos == eof or (pos + 512 <= eof and pread(fd, 512, pos) == _ZERO_BLOCK))  # a clean end
     if not P:
