@@ -864,3 +864,26 @@ def test_checksum_sum_past_two_bytes_is_not_wrapped(tmp_path, seekable):
     h[148:156] = b"%06o\0 " % true_sum  # the right sum: read like any other header
     path.write_bytes(body.replace(body[2048:2560], bytes(h)))
     assert [s.key for s in scan_path(path, seekable=seekable)] == ["s0", "s1", "s2"]
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_scan_many_reports_progress_as_it_goes(tmp_path, monkeypatch, seekable):
+    """A large shard reports its samples batch by batch (a progress bar moves during
+    it); the reports add up to the samples returned, up to a fault met by the general
+    parser."""
+    from wds_pad import _tarrows
+    from wds_pad._tarrows import scan_many
+
+    monkeypatch.setattr(_tarrows, "_BATCH", 64)
+    monkeypatch.setattr(_tarrows, "_CHUNK", 16 * 1024)
+    monkeypatch.setattr(_tarrows, "_PROBE", 16 * 1024)
+    members = [(b"s%04d.%s" % (i, e), b"p" * 100, {}) for i in range(600) for e in (b"jpg", b"json")]
+    members.insert(900, (b"s0450.jpg", b"dup", {}))  # a repeated suffix: the general parser from there
+    path = tmp_path / "big.tar"
+    path.write_bytes(b"".join(_member_bytes(n, p, **kw) for n, p, kw in members) + b"\0" * 1024)
+    reports: list[int] = []
+    with open(path, "rb") as f:
+        source = (f, str(path)) if seekable else (NonSeekable(path.read_bytes(), 4096), str(path))
+        rows = scan_many([source], seekable=seekable, progress=reports.append, on_error="skip")[0]
+    assert len(rows) == 450 and rows.fault is not None and "duplicate suffix" in str(rows.fault)
+    assert sum(reports) == 450 and len(reports) > 3

@@ -107,6 +107,8 @@ class _Acc:
     keys: list[str] = field(default_factory=list)
     data: dict[str, list[bytes | None]] = field(default_factory=dict)
     samples: int = 0
+    report: Callable[[int], None] | None = None  # told of samples found, as they are
+    reported: int = 0
     tail_offset: list[int] = field(default_factory=list)  # the general parser's samples
     tail_length: list[int] = field(default_factory=list)
     tail_mask: list[int] = field(default_factory=list)
@@ -135,8 +137,14 @@ class _Acc:
         for e, col in self.data.items():
             col.append(s.data.get(e))
         self.samples += 1
+        if self.report is not None and self.samples - self.reported >= 1024:
+            self.report(self.samples - self.reported)
+            self.reported = self.samples
 
     def rows(self, url: str, fault: TarFormatError | None) -> ScanRows:
+        if self.report is not None and self.samples > self.reported:
+            self.report(self.samples - self.reported)
+            self.reported = self.samples
         if self.tail_offset or not self.offset:
             self.offset.append(np.array(self.tail_offset, np.int64))
             self.length.append(np.array(self.tail_length, np.int64))
@@ -188,6 +196,7 @@ def scan_many(
     head_bytes: int | None = None,
     seekable: bool | None = None,
     on_error: str | OnError = "raise",
+    progress: Callable[[int], None] | None = None,
 ) -> list[ScanRows]:
     """:func:`scan_rows` for several shards, checking the headers of small local shards
     together (numpy's fixed cost per operation, about 0.1 ms a shard, is then shared).
@@ -196,6 +205,8 @@ def scan_many(
         sources: ``(file, url)`` pairs, open until this returns; a third item,
             ``seekable``, overrides the argument for that source.
         want, head_bytes, seekable, on_error: As for :func:`scan_rows`.
+        progress: Called with counts of samples found as the scan goes (their sum is
+            the samples returned), for a progress bar.
 
     Returns:
         One :class:`ScanRows` per source, in order.
@@ -234,7 +245,7 @@ def scan_many(
         seek = mode_of[0] if mode_of else seekable
         if seek is None:
             seek = bool(getattr(f, "seekable", lambda: False)())
-        acc = _Acc(wanted)
+        acc = _Acc(wanted, report=progress)
         try:
             r = _Reader(f, url, seek)
             if seek and r._fd >= 0:
@@ -642,6 +653,9 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, hea
                 for jj, data in zip((sample_of + base).tolist(), got):
                     col[jj] = data
         acc.samples += g
+        if acc.report is not None:  # a large shard shows progress batch by batch
+            acc.report(acc.samples - acc.reported)
+            acc.reported = acc.samples
 
 
 def _remap(group_bits: np.ndarray, local: list[int]) -> np.ndarray:

@@ -145,7 +145,8 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
             stack.enter_context(f)
             opened.append((i, url, size, stamp, f, seekable))
         sources = [(f, redact(url), seekable) for _, url, _, _, f, seekable in opened]
-        kw = {"want": tuple(fn.members), "head_bytes": fn.head_bytes, "on_error": on_error}
+        kw = {"want": tuple(fn.members), "head_bytes": fn.head_bytes, "on_error": on_error,
+              "progress": lambda n: progress.advance(samples=n)}
         try:
             scanned = scan_many(sources, **kw)
         except ShardError:
@@ -160,7 +161,6 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
                     scanned.append(None)  # type: ignore[arg-type]
     for (i, url, size, stamp, _, _), rows in zip(opened, scanned):
         if rows is not None:
-            progress.advance(samples=len(rows))
             out[i] = _shard_rows(url, size, stamp, rows, fn, on_error, storage_options)
     return out  # type: ignore[return-value]
 
