@@ -887,3 +887,38 @@ def test_scan_many_reports_progress_as_it_goes(tmp_path, monkeypatch, seekable):
         rows = scan_many([source], seekable=seekable, progress=reports.append, on_error="skip")[0]
     assert len(rows) == 450 and rows.fault is not None and "duplicate suffix" in str(rows.fault)
     assert sum(reports) == 450 and len(reports) > 3
+
+
+def test_lean_scan_takes_over_again_after_an_odd_member(tmp_path, monkeypatch):
+    """A directory entry first, one long name in the middle: the general parser reads a
+    sample at each, and the lean path the rest (in seek mode); the rows stay scan_tar's."""
+    from wds_pad import _tarrows
+
+    entries = [("d", None)] + [(f"d/s{i:03d}.{e}", b"%d" % i * 50) for i in range(100) for e in ("jpg", "json")]
+    entries[101] = ("d/" + "x" * 120 + ".jpg", b"long")
+    path = write_tar(tmp_path / "dir.tar", entries)
+    general: list[str] = []
+    real = _tarrows._samples
+
+    def counting(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        for s in real(*a, **kw):
+            general.append(s.key)
+            yield s
+
+    monkeypatch.setattr(_tarrows, "_samples", counting)
+    samples = scan_path(path, want=("json",))  # compares scan_rows with scan_tar
+    assert len(samples) == 101 and len(general) <= 4, general
+
+
+def test_lean_scan_gives_up_on_shards_of_odd_members(tmp_path, monkeypatch):
+    """Every sample with a long name: after a few short turns the general parser keeps
+    the shard (no numpy check per sample)."""
+    from wds_pad import _tarrows
+
+    entries = [(f"{'x' * 110}{i:03d}.{e}", b"%d" % i) for i in range(60) for e in ("jpg", "json")]
+    path = write_tar(tmp_path / "long.tar", entries)
+    turns: list[int] = []
+    real = _tarrows._lean_seek
+    monkeypatch.setattr(_tarrows, "_lean_seek", lambda *a, **kw: turns.append(1) or real(*a, **kw))
+    assert len(scan_path(path)) == 60  # compares scan_rows with scan_tar
+    assert len(turns) == 1 + _tarrows._REENTER

@@ -44,6 +44,8 @@ _BATCH = 4096  # seek mode: headers per numpy check
 _MAX_WAITING = 64  # scan_many: shards (open files) waiting to be checked together
 _MAX_HELD = 64 << 20  # stream mode: longer samples go to the general parser
 _MAX_EXT = 16  # longer extensions go to the general parser
+_REENTER = 4  # seek mode: the lean path stops taking over from the general parser after
+_LEAN_RUN = 16  # this many turns in a row that each added fewer than this many samples
 _IDX8 = np.arange(104, dtype=np.uint8)  # name columns
 _EXT_COLS = np.arange(_MAX_EXT, dtype=np.uint8)
 _ZERO_BLOCK = bytes(512)
@@ -141,14 +143,19 @@ class _Acc:
             self.report(self.samples - self.reported)
             self.reported = self.samples
 
-    def rows(self, url: str, fault: TarFormatError | None) -> ScanRows:
-        if self.report is not None and self.samples > self.reported:
-            self.report(self.samples - self.reported)
-            self.reported = self.samples
+    def flush(self) -> None:
+        """The general parser's samples so far become a chunk (before the lean path adds more)."""
         if self.tail_offset or not self.offset:
             self.offset.append(np.array(self.tail_offset, np.int64))
             self.length.append(np.array(self.tail_length, np.int64))
             self.mask.append(np.array(self.tail_mask, np.uint64))
+            self.tail_offset, self.tail_length, self.tail_mask = [], [], []
+
+    def rows(self, url: str, fault: TarFormatError | None) -> ScanRows:
+        if self.report is not None and self.samples > self.reported:
+            self.report(self.samples - self.reported)
+            self.reported = self.samples
+        self.flush()
         cat = lambda xs, dt: (xs[0] if len(xs) == 1 else np.concatenate(xs)).astype(dt, copy=False)  # noqa: E731
         exts = sorted(self.bits, key=self.bits.__getitem__)
         return ScanRows(url, cat(self.offset, np.int64), cat(self.length, np.int64), self.keys, exts,
@@ -221,9 +228,25 @@ def scan_many(
     def finish(i: int, r: _Reader, acc: _Acc, start: int) -> None:
         fault = None
         try:
-            if start >= 0:  # -1: the lean path read the archive to its end
-                for s in _samples(r, wanted, head, start):
-                    acc.add(s)
+            # -1: the lean path read the archive to its end. Otherwise the general parser
+            # reads on; in seek mode the lean path takes over again after one sample (an
+            # odd member -- a directory entry first, one long name -- is usually alone),
+            # until it has handed back soon after taking over a few times in a row
+            short = 0 if r._seek and r._fd >= 0 else _REENTER
+            while start >= 0:
+                samples = _samples(r, wanted, head, start)
+                if short >= _REENTER:
+                    for s in samples:
+                        acc.add(s)
+                    break
+                s = next(samples, None)
+                samples.close()
+                if s is None:
+                    break
+                acc.add(s)
+                before = acc.samples
+                start = _settled(_lean_seek(r, acc, head, s.offset + s.length), acc, head)
+                short = 0 if acc.samples - before >= _LEAN_RUN else short + 1
         except TarFormatError as exc:
             if mode is OnError.RAISE:
                 raise
@@ -272,14 +295,24 @@ def scan_many(
     return out  # type: ignore[return-value]
 
 
-def _lean_seek(r: _Reader, acc: _Acc, head: int | None) -> int | _Open:
-    """Seek mode over a local file: return where the general parser takes over (-1:
-    nowhere), or the last headers, still to be checked."""
+def _settled(start: int | _Open, acc: _Acc, head: int | None) -> int:
+    """Check a shard's waiting headers now; return where the general parser takes over."""
+    if not isinstance(start, _Open):
+        return start
+    seg = _Segment(acc, len(start.P), start.payload, start.end)
+    _settle_many([seg], start.H, start.P, head)
+    return start.settled(seg)
+
+
+def _lean_seek(r: _Reader, acc: _Acc, head: int | None, pos: int = 0) -> int | _Open:
+    """Seek mode over a local file, from ``pos`` (a sample's first header): return where
+    the general parser takes over (-1: nowhere), or the last headers, still to be
+    checked."""
     fd, eof, pread = r._fd, r.eof, os.pread
     H = bytearray()  # the headers, back to back
     P = array("q")  # header offsets
     W: list[bytes | None] = []  # each small payload read with its header (to be picked from)
-    pos, base = 0, 0
+    base = pos
 
     def read(i: int, n: int) -> bytes:
         try:
@@ -630,6 +663,8 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, hea
         last = ends[lo_g:g_end] - 1
         offset = Pa[first]
         acc = seg.acc
+        if acc.tail_offset:
+            acc.flush()
         acc.offset.append(offset)
         acc.length.append(Pa[last] + 512 + ((Sa[last] + 511) & ~511) - offset)
         seen = int(np.bitwise_or.reduce(group_bits[lo_g:g_end]))
