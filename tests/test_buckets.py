@@ -573,7 +573,7 @@ _good_number = st.one_of(st.integers(1, 5000), st.floats(0.5, 1e5))
 
 @settings(max_examples=200, deadline=None)
 @given(docs=st.lists(st.fixed_dictionaries({"width": _good_number, "height": _good_number}), min_size=1, max_size=10),
-       odd=st.sampled_from([None, True, 0, -1.5, float("inf"), "7", [3], 10**400]),
+       odd=st.sampled_from([None, True, 0, -1.5, float("inf"), "7", [3], 10**400, 1e-320, 1e300]),
        where=st.integers(0, 9), field=st.sampled_from(["width", "height"]),
        tail=st.sampled_from([b"", b" ", b"\n", b" x", b"{}"]), step=st.none() | st.just(0.25))
 def test_aspect_many_batch_path_equals_one_call_per_sample(docs, odd, where, field, tail, step) -> None:

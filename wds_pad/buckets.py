@@ -382,9 +382,12 @@ class AspectBuckets(_OneMember):
                 hs = list(map(operator.itemgetter(hf), docs))
                 if set(map(type, ws)) <= _NUMBER and set(map(type, hs)) <= _NUMBER:
                     w, h = np.array(ws, np.float64), np.array(hs, np.float64)
-                    good = (w > 0) & (h > 0) & (w < math.inf) & (h < math.inf)
-                    fast = np.flatnonzero(good).tolist()
-                    return fast, (w[good] / h[good]).tolist()
+                    with np.errstate(all="ignore"):
+                        r = w / h
+                    # positive finite fields, and a ratio that neither underflows to 0 nor
+                    # overflows: __call__ says what happens to the others
+                    good = (w > 0) & (h > 0) & (w < math.inf) & (h < math.inf) & (r > 0) & (r < math.inf)
+                    return np.flatnonzero(good).tolist(), r[good].tolist()
         except Exception:  # noqa: BLE001 - one sample is unusual: look at each below
             pass
         fast: list[int] = []
@@ -396,8 +399,10 @@ class AspectBuckets(_OneMember):
                 doc, end = scan(t, 0)
                 w, h = doc[wf], doc[hf]
                 if end == len(t) and type(w) in _NUMBER and type(h) in _NUMBER and 0 < w < inf and 0 < h < inf:
-                    ratios.append(float(w) / float(h))
-                    fast.append(i)
+                    r = float(w) / float(h)
+                    if 0 < r < inf:
+                        ratios.append(r)
+                        fast.append(i)
             except Exception:  # noqa: BLE001 - the per-sample path says what is wrong
                 pass
         return fast, ratios
