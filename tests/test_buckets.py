@@ -11,7 +11,7 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from PIL import Image, features
 
@@ -550,6 +550,10 @@ _doc_value = st.one_of(st.integers(-3, 4000), st.floats(allow_nan=True, allow_in
                                   b'{"width": 4, "height": 3} x', b'{"width": 4e400, "height": 1}']), max_size=3),
     fields=st.sampled_from([("width", "height"), ("meta.w", "meta.h")]),
     step=st.none() | st.sampled_from([0.25, 0.1]))
+@example(docs=[{"width": 10842130985062.0, "height": 2.4124542225372354e-295}], raw=[],
+         fields=("width", "height"), step=0.25)  # a ratio past the float maximum once divided by the step
+@example(docs=[{"width": 43368523940248.0, "height": 2.4124542225372354e-295}, {"width": 5e-324, "height": 7}],
+         raw=[], fields=("width", "height"), step=None)  # ratios that overflow to inf and underflow to 0
 def test_aspect_many_equals_one_call_per_sample(docs, raw, fields, step) -> None:
     """AspectBuckets.many (the indexer's batch path) gives what __call__ gives, sample by
     sample: the same bucket, or an exception of the same type and message."""

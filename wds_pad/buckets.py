@@ -355,7 +355,10 @@ class AspectBuckets(_OneMember):
                 out[i] = exc
         if fast and self.step is not None:
             for i, r in zip(fast, ratios):
-                out[i] = _quantize(r, None, (), self.step)
+                try:  # a ratio near the float maximum overflows when divided by the step
+                    out[i] = _quantize(r, None, (), self.step)
+                except Exception as exc:  # noqa: BLE001 - returned, as from __call__
+                    out[i] = exc
         elif fast:  # the nearest candidate in log space, the first listed on ties, as _quantize
             logs = np.fromiter(map(math.log, ratios), dtype=np.float64, count=len(ratios))
             nearest = np.abs(logs[:, None] - np.asarray(self._logs)[None, :]).argmin(1)
