@@ -482,3 +482,42 @@ def test_image_size_beyond_head_bytes_rereads_the_sample(tmp_path) -> None:
     for url in (path, "file://" + path):  # file:// streams through fsspec
         index = build_index([url], fn)
         assert [index.buckets[b] for b in index.bucket] == ["4:3", "1:1", "3:4"]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_skip_leaves_out_a_shard_whose_read_fails_midway(shards, monkeypatch, workers) -> None:
+    """on_error="skip": a shard whose stream fails part way is recorded as skipped, and
+    the shards scanned with it in the same group keep exactly their rows."""
+
+    class Failing(io.RawIOBase):
+        def __init__(self, path: str) -> None:
+            self._f, self.read_so_far = open(path, "rb"), 0
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b) -> int:  # type: ignore[no-untyped-def]
+            if self.read_so_far > 3000:
+                raise OSError("connection reset by peer")
+            got = self._f.readinto(b)
+            self.read_so_far += got
+            return got
+
+        def close(self) -> None:
+            self._f.close()
+            super().close()
+
+    real = indexer_mod._open_for_scan
+    bad = shards[1]
+    monkeypatch.setattr(indexer_mod, "_open_for_scan",
+                        lambda url, so: (Failing(url), False) if url == bad else real(url, so))
+    index = build_index(shards, "aspect", on_error="skip", workers=workers)
+    assert [s["url"] for s in index.excluded["shards"]] == [bad]
+    assert "connection reset" in index.excluded["shards"][0]["reason"]
+    monkeypatch.setattr(indexer_mod, "_open_for_scan", real)
+    good = build_index([shards[0], shards[2]], "aspect")
+    assert [rows_of(index, 0), rows_of(index, 2)] == [rows_of(good, 0), rows_of(good, 1)]
+    with pytest.raises(ShardError, match="connection reset"):
+        monkeypatch.setattr(indexer_mod, "_open_for_scan",
+                            lambda url, so: (Failing(url), False) if url == bad else real(url, so))
+        build_index(shards, "aspect", workers=workers)

@@ -149,15 +149,23 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
               "progress": lambda n: progress.advance(samples=n)}
         try:
             scanned = scan_many(sources, **kw)
-        except ShardError:
-            if on_error != "skip" or len(sources) == 1:
+        except ShardError as exc:
+            if on_error != "skip":
                 raise
-            scanned = []  # one by one, so that only the unreadable shard is left out
-            for (i, url, *_), source in zip(opened, sources):
+            if len(opened) == 1:
+                out[opened[0][0]] = _unreadable(opened[0][1], exc)
+                return out  # type: ignore[return-value]
+            # again one by one, from freshly opened files (a stream cannot go back), so
+            # that only the unreadable shard is left out
+            scanned = []
+            for i, url, *_ in opened:
                 try:
-                    scanned.append(scan_many([source], **kw)[0])
-                except ShardError as exc:
-                    out[i] = _unreadable(url, exc)
+                    f, seekable = _open_for_scan(url, storage_options)
+                    stack.enter_context(f)
+                    scanned.append(scan_many([(f, redact(url), seekable)], **kw)[0])
+                except (ShardError, OSError) as exc2:
+                    out[i] = _unreadable(url, exc2 if isinstance(exc2, ShardError) else ShardError(
+                        f"shard {redact(url)!r} could not be opened again: {exc2}"))
                     scanned.append(None)  # type: ignore[arg-type]
     for (i, url, size, stamp, _, _), rows in zip(opened, scanned):
         if rows is not None:
