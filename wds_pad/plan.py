@@ -39,6 +39,7 @@ from .seed import derive_rng, derive_seed, encode_key
 from .topology import Topology
 
 __all__ = [
+    "MAX_EPOCH",
     "Batch",
     "BucketStats",
     "Dataset",
@@ -47,10 +48,46 @@ __all__ = [
     "Plan",
     "Policy",
     "bucket_order",
+    "check_epoch",
     "iter_steps",
     "plan_epoch",
     "resolve_policy",
 ]
+
+
+#: The largest epoch number accepted anywhere (planner, CLI, loaders, set_epoch). An epoch
+#: is a count of passes over the data: 2**31 - 1 is far beyond any real run, fits every
+#: int32/int64 field and state file, and refuses a step count or a timestamp passed by
+#: mistake. Import it rather than repeating the number.
+MAX_EPOCH = 2**31 - 1
+
+
+def check_epoch(epoch: Any, what: str = "epoch") -> int:
+    """Validate an epoch number: an int (not bool) with ``0 <= epoch <= MAX_EPOCH``.
+
+    Args:
+        epoch: the value to check (int or numpy integer).
+        what: how to name it in the message (``"epoch"``, ``"start_epoch"``, ...).
+
+    Returns:
+        The epoch as a Python int.
+
+    Raises:
+        ConfigError: not an int (a float, str or bool is never truncated or parsed),
+            negative, or above MAX_EPOCH.
+    """
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+        raise ConfigError(
+            f"{what} must be an int in [0, {MAX_EPOCH}], got {type(epoch).__name__} {epoch!r}; "
+            "pass a whole number such as int(epoch)"
+        )
+    value = int(epoch)
+    if not 0 <= value <= MAX_EPOCH:
+        raise ConfigError(
+            f"{what} must be in [0, MAX_EPOCH={MAX_EPOCH}], got {value}; an epoch counts passes "
+            "over the data (pass the epoch number, not a step count or a timestamp)"
+        )
+    return value
 
 
 class Policy(str, Enum):
