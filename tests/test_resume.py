@@ -8,6 +8,7 @@ Every check compares the resumed stream with the uninterrupted one batch for bat
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -271,6 +272,7 @@ def test_elastic_state_resumes_again_on_the_same_and_on_a_third_layout(index: In
     # same layout: continues exactly
     again = make_ds(index, topology=Topology(2, 1))
     again.load_state_dict(states2[1])
+    it.close()  # twos[1]'s open iterator would refuse the load
     twos[1].load_state_dict(states2[1])
     assert [batch_key(b) for b in again] == [batch_key(b) for b in twos[1]]
     # a third layout: 4 -> 2 -> 1
@@ -366,3 +368,197 @@ def test_torchdata_stateful_dataloader_resumes_exactly(index: Index, num_workers
     ref = take(iter, make(), total, batch_key)
     for stop in (0, 3, 7, total - 1):
         check_resume(make, stop, key=batch_key, total=total, reference=ref, roundtrip=False)
+
+
+# ---------------------------------------------------------------- the loops of README.md and docs/
+class _Preempted(Exception):
+    pass
+
+
+class _Recorder:
+    """Stands in for the loader in a documented loop: records each batch the loop receives
+    and, after ``stop_after`` of them, saves the loader's state and raises (a preemption)."""
+
+    def __init__(self, loader: Any, stop_after: int | None = None) -> None:
+        self.loader, self.stop_after, self.got, self.state = loader, stop_after, [], None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        for batch in self.loader:
+            self.got.append(_batch_keys(batch))
+            yield batch
+            if self.stop_after is not None and len(self.got) == self.stop_after:
+                self.state = json.loads(json.dumps(self.loader.state_dict()))
+                raise _Preempted
+
+
+def _batch_keys(batch: Any) -> tuple[Any, ...]:
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], dict):
+        return tuple((s["__key__"], bool(s["__pad__"])) for s in batch)
+    return tuple(str(k) for k in batch[0])  # a to_tuple batch: keys first
+
+
+def _doc_loop(path: str, first_line: str) -> str:
+    """The code of a documented loop, as written: from ``first_line`` to the end of its block."""
+    text = (ROOT / path).read_text()
+    for block in re.findall(r"```python\n(.*?)```", text, re.S):
+        lines = block.splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith(first_line)]
+        if starts:
+            return "\n".join(lines[starts[0]:])
+    raise AssertionError(f"{path} has no python block with a line starting {first_line!r}")
+
+
+def _run_doc_loop(code: str, loader: Any, stop_after: int | None, tmp_path: Path, **names: Any) -> _Recorder:
+    rec = _Recorder(loader, stop_after)
+    scope = {"loader": rec, "torch": __import__("torch"), **names}
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # a loop may save files into the working directory
+    try:
+        exec(compile(code, "<doc loop>", "exec"), scope)
+        assert stop_after is None, "the loop ended before the preemption point"
+    except _Preempted:
+        pass
+    finally:
+        os.chdir(cwd)
+    return rec
+
+
+DOC_LOOPS = {
+    "README": ("README.md", "for epoch in range(loader.epoch, epochs):", dict(epochs=3)),
+    "streaming": ("docs/streaming.md", "for epoch in range(", {}),
+    "resume": ("docs/resume.md", "epoch = loader.epoch", dict(
+        EPOCHS=3, EVERY=7, step=0, model=None, opt=None, train_step=lambda model, opt, batch: 0.0,
+        save=lambda step: None)),
+}
+
+
+def _doc_dataset(index: Index) -> BucketedWebDataset:
+    return make_ds(index).to_tuple("__key__", "__pad__")
+
+
+@pytest.mark.parametrize("where", ["mid first epoch", "end of first epoch", "mid second epoch"])
+@pytest.mark.parametrize("doc", list(DOC_LOOPS))
+def test_documented_loops_resume_exactly(index: Index, tmp_path: Path, doc: str, where: str) -> None:
+    path, first_line, names = DOC_LOOPS[doc]
+    code = _doc_loop(path, first_line)
+    epochs = names.get("epochs", names.get("EPOCHS", 10))
+    if doc == "streaming":  # range(loader.epoch, 10): stop after three epochs
+        code = code.replace("range(loader.epoch, 10)", "range(loader.epoch, 3)")
+        assert "range(loader.epoch, 3)" in code, code
+        epochs = 3
+    per_epoch = len(make_ds(index))
+    stop = {"mid first epoch": 5, "end of first epoch": per_epoch, "mid second epoch": per_epoch + 3}[where]
+
+    def fresh() -> Loader:
+        ds = _doc_dataset(index)
+        return Loader(ds)
+
+    full = _run_doc_loop(code, fresh(), None, tmp_path, dataset=fresh().dataset, **dict(names))
+    assert len(full.got) == epochs * per_epoch
+    first = _run_doc_loop(code, fresh(), stop, tmp_path, dataset=fresh().dataset, **dict(names))
+    resumed = fresh()
+    resumed.load_state_dict(first.state)
+    second = _run_doc_loop(code, resumed, None, tmp_path, dataset=resumed.dataset, **dict(names))
+    assert first.got + second.got == full.got  # nothing twice, nothing lost
+
+
+def test_readme_loop_resumes_exactly_with_workers(index: Index, tmp_path: Path) -> None:
+    path, first_line, names = DOC_LOOPS["README"]
+    code = _doc_loop(path, first_line).replace("range(loader.epoch, epochs)", "range(loader.epoch, 2)")
+    per_epoch = len(make_ds(index))
+    full = _run_doc_loop(code, Loader(_doc_dataset(index), num_workers=2), None, tmp_path)
+    first = _run_doc_loop(code, Loader(_doc_dataset(index), num_workers=2), per_epoch + 5, tmp_path)
+    resumed = Loader(_doc_dataset(index), num_workers=2)
+    resumed.load_state_dict(first.state)
+    second = _run_doc_loop(code, resumed, None, tmp_path)
+    assert first.got + second.got == full.got
+
+
+def test_shards_doc_loop_resumes_exactly(index: Index, tmp_path: Path) -> None:
+    import wds_pad
+    from wds_pad.shardstream import ShardLoader, ShardStream
+
+    code = _doc_loop("docs/shards.md", "if resuming:")
+
+    def fresh() -> ShardLoader:
+        stream = ShardStream(index, seed=1234, topology=Topology(1, 0))
+        return ShardLoader(stream.to_tuple("__key__", "__pad__").batched(4))
+
+    names: dict[str, Any] = dict(wds_pad=wds_pad, rank=0, step=1, path=str(tmp_path / "ckpt" / "s.json"))
+    full = _run_doc_loop(code, fresh(), None, tmp_path, resuming=False, **names)
+    first = _run_doc_loop(code, fresh(), 4, tmp_path, resuming=False, **names)
+    written = wds_pad.save_state_file(first.state, str(tmp_path / "ckpt"), 0)
+    names["path"] = written
+    second = _run_doc_loop(code, fresh(), None, tmp_path, resuming=True, **names)
+    assert first.got + second.got == full.got
+
+
+def test_set_epoch_after_a_restore_keeps_its_epoch_and_moves_to_another(index: Index) -> None:
+    whole = [batch_key(b) for b in make_ds(index)]
+    epoch1 = [batch_key(b) for b in make_ds(index, epoch=1)]
+    ds = make_ds(index)
+    it = iter(ds)
+    head = [batch_key(next(it)) for _ in range(4)]
+    state = ds.state_dict()
+    it.close()
+    for make_loader in (lambda d: d, Loader):
+        again = make_loader(make_ds(index))
+        again.load_state_dict(state)
+        again.set_epoch(0)  # the restored epoch: the position stays
+        again.set_epoch(0)
+        assert head + [batch_key(b) for b in again] == whole
+        moved = make_loader(make_ds(index))
+        moved.load_state_dict(state)
+        moved.set_epoch(1)  # another epoch: deliberately its first batch
+        assert [batch_key(b) for b in moved] == epoch1
+        moved.set_epoch(1)  # not restored any more: set_epoch starts the epoch again
+        assert [batch_key(b) for b in moved] == epoch1
+
+
+# ---------------------------------------------------------------- load_state_dict while iterating
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loading_while_a_loader_iterator_is_open_is_refused(index: Index, num_workers: int) -> None:
+    from wds_pad.errors import StateError
+
+    other = make_ds(index)
+    o = iter(other)
+    next(o), next(o), next(o)
+    state = other.state_dict()
+    o.close()
+    loader = Loader(make_ds(index), num_workers=num_workers)
+    it = iter(loader)
+    got = [batch_key(next(it)) for _ in range(5)]
+    before = loader.state_dict()
+    with pytest.raises(StateError, match="(?i)load the state before iterating"):
+        loader.load_state_dict(state)
+    with pytest.raises(StateError, match="an iterator of this loader is still open"):
+        loader.dataset.load_state_dict(state)
+    assert loader.state_dict() == before  # never a mix
+    got += [batch_key(b) for b in it]  # the open iterator goes on with its own plan
+    assert got == [batch_key(b) for b in make_ds(index)]
+    loader.load_state_dict(state)  # closed (finished): now it loads
+    assert [batch_key(b) for b in loader] == [batch_key(b) for b in make_ds(index)][3:]
+
+
+def test_loading_while_a_dataset_iterator_is_open_is_refused(index: Index) -> None:
+    from wds_pad.errors import StateError
+
+    ds = make_ds(index)
+    state = ds.state_dict()
+    it = iter(ds)
+    next(it)
+    with pytest.raises(StateError, match="(?i)load the state before iterating"):
+        ds.load_state_dict(state)
+    with pytest.raises(StateError, match="still open"):
+        Loader(ds).load_state_dict(state)
+    it.close()
+    ds.load_state_dict(state)
+    unstarted = iter(ds)  # created but not started: it starts where the state says
+    ds.load_state_dict(state)
+    assert [batch_key(b) for b in unstarted] == [batch_key(b) for b in make_ds(index)]

@@ -411,7 +411,9 @@ def test_epoch_end_and_set_epoch(five: tuple[list[str], Index]) -> None:
     assert state["done"] and state["index"] == len(first) == ds.plan().target
     again = _stream(index, topo)
     again.load_state_dict(state)
-    assert [s["__key__"] for s in again] == first  # a finished epoch iterates from its start
+    again.set_epoch(state["epoch"])  # the restored epoch keeps the restored position
+    assert [s["__key__"] for s in again] == []  # restored at its end: nothing is left of it
+    assert [s["__key__"] for s in again] == first  # finished, it iterates again from its start
     again.set_epoch(1)
     assert [s["__key__"] for s in again] != first
 

@@ -118,7 +118,7 @@ def test_state_without_topology_is_refused_in_a_distributed_run(indexes: tuple[I
     a, _ = indexes
     state = make(a).state_dict()
     del state["topology"]
-    with pytest.raises(TopologyMismatchError, match=r"no topology \(an older format\).*world_size 4"):
+    with pytest.raises(TopologyMismatchError, match=r"no topology and this is a distributed run.*world_size 4"):
         make(a).load_state_dict(state)
     solo = make(a, topology=Topology(1, 0))
     legacy = solo.state_dict()
@@ -129,11 +129,11 @@ def test_state_without_topology_is_refused_in_a_distributed_run(indexes: tuple[I
 @pytest.mark.parametrize("damage,match", [
     (lambda s: {**s, "version": 99}, "version 99 is not supported"),
     (lambda s: {**s, "format": "other"}, "not a wds_pad loader state"),
-    (lambda s: {**s, "index": -1}, "'index' must be an int >= 0"),
-    (lambda s: {**s, "epoch": True}, "'epoch' must be an int >= 0"),
+    (lambda s: {**s, "index": -1}, r"'index' must be an int in \[0, "),
+    (lambda s: {**s, "epoch": True}, r"'epoch' must be an int in \[0, "),
     (lambda s: {**s, "topology": {"rank": 1}}, "'topology' must map"),
     (lambda s: {**s, "elastic": {"segments": [[0, 1]]}}, "'elastic' must be"),
-    (lambda s: {k: v for k, v in s.items() if k != "fingerprint"}, "'fingerprint' is missing"),
+    (lambda s: {k: v for k, v in s.items() if k != "fingerprint"}, "'fingerprint' must be 32 hex digits, got None"),
     (lambda s: [1, 2], "must be a dict"),
 ])
 def test_malformed_states_are_state_errors(indexes: tuple[Index, Index], damage: Any, match: str) -> None:
@@ -234,3 +234,168 @@ def test_elastic_view_keeps_the_new_schedule_order() -> None:
     assert view.to_json() == {"segments": [[4, 3]]}
     with pytest.raises(StateMismatchError, match="past the end of epoch 0"):
         elastic_view(plan_for, 0, [(4, 10_000)], plan_for(2))
+
+
+# ---------------------------------------------------------------- the layout is in the fingerprint
+def test_a_state_without_topology_from_another_layout_is_refused(indexes: tuple[Index, Index]) -> None:
+    a, _ = indexes
+    saved_ds = make(a, topology=Topology(4, 3, cp_size=2))  # dp 2, cp 2
+    it = iter(saved_ds)
+    next(it), next(it)
+    state = json.loads(json.dumps(saved_ds.state_dict()))
+    del state["topology"]
+    solo = make(a, topology=Topology(1, 0))
+    assert len(solo.plan(0)) != len(saved_ds.plan(0))  # another plan: resuming would be silent loss
+    before = solo.state_dict()
+    with pytest.raises(TopologyMismatchError, match=r"plan\.dp_size: saved 2, now 1.*plan\.pad_unit"):
+        solo.load_state_dict(state)
+    assert solo.state_dict() == before
+    with pytest.raises(TopologyMismatchError, match="plan.dp_size: saved 2, now 1"):
+        Loader(solo).load_state_dict(state)
+    # the same state, kept whole, is refused for its topology as before
+    full = json.loads(json.dumps(saved_ds.state_dict()))
+    with pytest.raises(TopologyMismatchError, match="topology.world_size: saved 4, now 1"):
+        solo.load_state_dict(full)
+
+
+def test_fingerprint_covers_the_layout_and_equals_on_every_rank(indexes: tuple[Index, Index]) -> None:
+    a, _ = indexes
+    fps = {make(a, topology=Topology(4, r, cp_size=2)).spec.fingerprint() for r in range(4)}
+    assert len(fps) == 1  # the agreement check compares it across ranks
+    assert make(a, topology=Topology(2, 0)).spec.fingerprint() in fps  # dp 2 either way
+    assert make(a, topology=Topology(4, 0)).spec.fingerprint() not in fps  # dp 4
+    assert make(a, topology=Topology(1, 0)).spec.fingerprint() not in fps
+    assert make(a, topology=Topology(2, 0), pad_to="rank").spec.fingerprint() not in fps
+
+
+def test_elastic_without_topology_maps_from_the_plans_layout(indexes: tuple[Index, Index]) -> None:
+    a, _ = indexes
+    two = make(a, topology=Topology(2, 0))
+    state = json.loads(json.dumps(two.state_dict()))  # the epoch's start maps onto any layout
+    del state["topology"]
+    solo = make(a, topology=Topology(1, 0))
+    solo.load_state_dict(state, allow_elastic=True)
+    assert keys(solo) == keys(make(a, topology=Topology(1, 0)))
+
+
+def test_an_edited_plan_block_no_longer_matches_its_fingerprint(indexes: tuple[Index, Index]) -> None:
+    a, _ = indexes
+    state = json.loads(json.dumps(make(a).state_dict()))
+    state["plan"]["batch_size"] = 8
+    with pytest.raises(StateError, match="'plan' does not match the state's fingerprint"):
+        make(a).load_state_dict(state)
+    del state["plan"]
+    with pytest.raises(StateError, match="'plan' is missing"):
+        make(a).load_state_dict(state)
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda s: {**s, "version": "2"}, "'version' must be an int, got str"),
+    (lambda s: {**s, "version": 2.0}, "'version' must be an int, got float"),
+    (lambda s: {**s, "version": True}, "'version' must be an int, got bool"),
+    (lambda s: {**s, "epoch": 2**31}, r"'epoch' must be an int in \[0, 2147483647\]"),
+    (lambda s: {**s, "epoch": 10**30}, r"'epoch' must be an int in \[0, 2147483647\]"),
+    (lambda s: {**s, "epoch": 1.0}, r"'epoch' must be an int in"),
+    (lambda s: {**s, "index": 2**60}, r"'index' must be an int in"),
+    (lambda s: {**s, "batches_in_epoch": "7"}, "'batches_in_epoch' must be an int"),
+    (lambda s: {**s, "kind": "other"}, "'kind' must be one of bucketed, shards"),
+    (lambda s: {**s, "mode": 1}, "'mode' must be one of epochs, steps"),
+    (lambda s: {**s, "fingerprint": "zz"}, "'fingerprint' must be 32 hex digits"),
+    (lambda s: {**s, "plan": [1]}, "'plan' must be a dict"),
+    (lambda s: {**s, "plan": {**s["plan"], "dp_size": "4"}}, r"'plan\.dp_size' must be an int >= 1"),
+])
+def test_every_field_verification_reads_is_type_checked(indexes: tuple[Index, Index], damage: Any,
+                                                        match: str) -> None:
+    ds = make(indexes[0])
+    before = ds.state_dict()
+    with pytest.raises(StateError, match=match):
+        ds.load_state_dict(damage(json.loads(json.dumps(before))))
+    assert ds.state_dict() == before
+
+
+def _as_version_1(state: dict[str, Any], ds: BucketedWebDataset) -> dict[str, Any]:
+    old = json.loads(json.dumps(state))
+    old["version"] = 1
+    old["fingerprint"] = ds.spec.legacy_fingerprint()
+    for name in ("dp_size", "mode"):
+        del old["plan"][name]
+    return old
+
+
+def test_a_version_1_state_resumes_only_with_its_topology(indexes: tuple[Index, Index]) -> None:
+    a, _ = indexes
+    ds = make(a, topology=Topology(1, 0))
+    it = iter(ds)
+    head = keys([next(it), next(it)])
+    old = _as_version_1(ds.state_dict(), ds)
+    full = keys(make(a, topology=Topology(1, 0)))
+    again = make(a, topology=Topology(1, 0))
+    again.load_state_dict(old)
+    assert head + keys(again) == full
+    del old["topology"]
+    with pytest.raises(TopologyMismatchError, match="version 1, whose fingerprint does not cover"):
+        make(a, topology=Topology(1, 0)).load_state_dict(old)
+
+
+# ---------------------------------------------------------------- state files
+def test_saved_by_rank_is_covered_by_the_checksum(indexes: tuple[Index, Index], tmp_path: Path) -> None:
+    ds = make(indexes[0])
+    path = save_state_file(ds.state_dict(), str(tmp_path), rank=1)
+    doc = json.loads(Path(path).read_text())
+    assert doc["format"] == "wds_pad.state_file"
+    for forged in (0, "1", None, True):
+        Path(path).write_text(json.dumps({**doc, "saved_by_rank": forged}))
+        with pytest.raises(StateError, match="checksum does not match"):
+            load_state_file(path, rank=0 if forged == 0 else 1)
+    Path(path).write_text(json.dumps(doc))
+    assert load_state_file(path, rank=1) == ds.state_dict()
+
+
+def test_a_state_file_of_the_earlier_format_still_loads(indexes: tuple[Index, Index], tmp_path: Path) -> None:
+    import hashlib
+    state = make(indexes[0]).state_dict()
+    checksum = hashlib.blake2b(json.dumps(state, sort_keys=True).encode(), digest_size=16).hexdigest()
+    path = tmp_path / "loader-rank00001.json"
+    path.write_text(json.dumps({"saved_by_rank": 1, "checksum": checksum, "state": state}))
+    assert load_state_file(str(path), rank=1) == state
+    path.write_text(json.dumps({"saved_by_rank": "1", "checksum": checksum, "state": state}))
+    with pytest.raises(StateError, match="'saved_by_rank' must be an int"):
+        load_state_file(str(path), rank=1)
+
+
+def test_state_files_on_the_wrong_kind_of_path_are_state_errors(indexes: tuple[Index, Index],
+                                                               tmp_path: Path) -> None:
+    state = make(indexes[0]).state_dict()
+    with pytest.raises(StateError, match="is a directory; pass the file of this rank"):
+        load_state_file(str(tmp_path), rank=0)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(StateError, match="is a file, not a directory"):
+        save_state_file(state, str(a_file), rank=0)
+    with pytest.raises(StateError, match="is a file, not a directory"):
+        save_state_file(state, str(a_file / "sub"), rank=0)
+    taken = tmp_path / "ckpt"
+    os_path = state_path(str(taken), 3)
+    Path(os_path).mkdir(parents=True)
+    with pytest.raises(StateError, match="a directory has that name"):
+        save_state_file(state, str(taken), rank=3)
+    for bad in (-1, "0", 1.0, True):
+        with pytest.raises(StateError, match="rank must be an int >= 0"):
+            save_state_file(state, str(tmp_path / "ok"), rank=bad)  # type: ignore[arg-type]
+        with pytest.raises(StateError, match="rank must be an int >= 0"):
+            load_state_file(str(a_file), rank=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "ok").exists()
+
+
+# ---------------------------------------------------------------- epochs are ints
+@pytest.mark.parametrize("bad", [1.5, "2", True, -1, 2**31, None])
+def test_epochs_that_are_not_ints_in_range_are_refused(indexes: tuple[Index, Index], bad: Any) -> None:
+    from wds_pad.errors import ConfigError
+    with pytest.raises(ConfigError, match="epoch must be"):
+        make(indexes[0], epoch=bad)
+    ds = make(indexes[0], epoch=1)
+    with pytest.raises(ConfigError, match="epoch must be"):
+        ds.set_epoch(bad)
+    with pytest.raises(ConfigError, match="epoch must be"):
+        Loader(ds).set_epoch(bad)
+    assert ds.epoch == 1

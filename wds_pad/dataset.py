@@ -7,7 +7,12 @@ Invariants:
   batches j with (j - start) mod N == w);
 - ``state_dict()`` is exact: the dataset counts what it yielded (num_workers=0), the
   Loader counts what the trainer received in the main process (any num_workers);
-- ``load_state_dict()`` verifies the whole state first; on refusal nothing changes;
+- ``load_state_dict()`` verifies the whole state first; on refusal nothing changes; it is
+  refused while an iterator of the same dataset or loader is open in this process
+  (that iterator would go on from its own position and undo the restored one);
+- after a restore, ``set_epoch`` of the restored epoch keeps the restored position (the
+  documented loops call it at the top of every epoch); ``set_epoch`` of another epoch
+  moves to that epoch's start;
 - resuming is a seek into the plan: no earlier sample is read again.
 """
 
@@ -22,9 +27,9 @@ from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
 
 from ._loaderargs import check_loader_args
-from .errors import ConfigError, StateMismatchError, WdsPadError
+from .errors import ConfigError, StateError, StateMismatchError, WdsPadError
 from .index import Index, load_index
-from .plan import Mode, PadTo, Policy, _enum
+from .plan import Mode, PadTo, Policy, _enum, check_epoch
 from .read import ReadOptions, ReadStats
 from .seed import shared_seed
 from .stages import Counters, PlannedSource, PlanSpec, Position, fetch, substitute
@@ -122,7 +127,8 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
             oversubscribe=bool(oversubscribe), repeats=_per_index(repeats, n, "repeats", int),
             weights=tuple(float(w) for w in _per_index(weights, n, "weights", (int, float))),  # type: ignore[arg-type]
         )
-        self.spec.plan(int(epoch))  # validates every argument now, in the main process
+        epoch = check_epoch(epoch)
+        self.spec.plan(epoch)  # validates every argument now, in the main process
         self.read_options = read_options
         self.handler = handler
         self.collation_fn = collation_fn
@@ -131,11 +137,16 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
         self.stages: list[Callable[[Any], Any]] = []
         self.counters = Counters()
         self._read_stats: ReadStats | None = None
-        self._position = Position(int(epoch), 0)
+        self._position = Position(epoch, 0)
         self._view: ElasticView | None = None  # the epoch resumed on another DP layout
         self._worker: tuple[int, int] | None = None  # set in a worker: _position is its own next batch
         self._pinned = False  # the next iteration starts exactly at _position (a restored state)
         self._agreed: set[int] = set()
+        self._live = 0  # iterators of this dataset (or of a Loader over it) open in this process
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (compose, a DataLoader worker) has no open iterator of its own
+        return {**self.__dict__, "_live": 0}
 
     # -- the fluid interface -----------------------------------------------------------
     def compose(self, *stages: Callable[[Any], Any]) -> "BucketedWebDataset":
@@ -177,8 +188,20 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
         return self._position.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` at its first batch on the next iteration."""
-        self._position = Position(int(epoch), 0)
+        """Start ``epoch`` at its first batch on the next iteration.
+
+        After ``load_state_dict``, and until the next iteration starts, ``set_epoch`` of
+        the restored epoch keeps the restored position, so a loop that calls it at the
+        top of every epoch resumes exactly; ``set_epoch`` of another epoch moves to that
+        epoch's first batch (the restored position is given up, deliberately).
+
+        Raises:
+            ConfigError: ``epoch`` is not an int in [0, MAX_EPOCH].
+        """
+        epoch = check_epoch(epoch)
+        if self._pinned and epoch == self._position.epoch:
+            return
+        self._position = Position(epoch, 0)
         self._view = None
         self._worker = None
         self._pinned = False
@@ -217,6 +240,7 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
         info = get_worker_info()
         worker = None if info is None else (info.id, info.num_workers)
         r = restore(self.spec, state, allow_elastic=allow_elastic, worker=worker)
+        _refuse_while_open(self, "BucketedWebDataset")
         self._position, self._view, self._worker = Position(r.epoch, r.index), r.view, r.worker
         self._pinned = True  # even a finished epoch: resuming there yields nothing, not a rerun
 
@@ -228,9 +252,17 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
             self._agreed.add(self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        in_worker = get_worker_info() is not None
-        if not in_worker:
+        if get_worker_info() is not None:
+            yield from self._iterate()
+            return
+        self._live += 1
+        try:
             self.agree()
+            yield from self._iterate()
+        finally:
+            self._live -= 1
+
+    def _iterate(self) -> Iterator[Any]:
         source = self._source()
         fetcher = fetch(self.read_options, handler=self.handler, spec=self.spec, counters=self.counters)
         self._read_stats = fetcher.reader.stats
@@ -341,6 +373,15 @@ class _ViewSource(PlannedSource):
         return plan, range(len(plan))
 
 
+def _refuse_while_open(ds: BucketedWebDataset, what: str) -> None:
+    if ds._live:
+        raise StateError(
+            f"{what}.load_state_dict: an iterator of this loader is still open in this process; it "
+            "would go on from its own position and undo the restored one. Load the state before "
+            "iterating, or finish or close the open iterator first (leave its for loop, or call "
+            ".close() on the iterator you kept)")
+
+
 def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> None:
     """All ranks compare plan fingerprint, epoch and batch count (one all_gather).
 
@@ -417,7 +458,8 @@ class Loader:
         return self._position.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` at its first batch on the next iteration."""
+        """As :meth:`BucketedWebDataset.set_epoch`: the restored epoch keeps a restored
+        position; another epoch starts at its first batch."""
         self.dataset.set_epoch(epoch)
         self._position = self.dataset._position
 
@@ -437,12 +479,21 @@ class Loader:
                 the loader is left exactly as it was.
         """
         r = restore(self.dataset.spec, state, allow_elastic=allow_elastic)
+        _refuse_while_open(self.dataset, "Loader")
         position = Position(r.epoch, r.index)
         ds = self.dataset
         ds._position, ds._view, ds._worker, ds._pinned = position, r.view, None, True
         self._position = position
 
     def __iter__(self) -> Iterator[Any]:
+        ds = self.dataset
+        ds._live += 1
+        try:
+            yield from self._iterate()
+        finally:
+            ds._live -= 1
+
+    def _iterate(self) -> Iterator[Any]:
         ds = self.dataset
         spec = ds.spec
         start = self._position

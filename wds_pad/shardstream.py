@@ -36,11 +36,12 @@ from webdataset.filters import default_collation_fn
 from ._loaderargs import check_loader_args
 from .errors import ConfigError, StaleShardError, StateError, StateMismatchError
 from .index import Index, load_index
+from .plan import check_epoch
 from .indexer import shard_info
 from .read import get_filesystem, redact
 from .seed import shared_seed, stable_digest
 from .shards import WorkerPlan, local_path, shard_counts, worker_plan
-from .state import STATE_FORMAT, STATE_VERSION, verify_state
+from .state import STATE_FORMAT, STATE_VERSION, fingerprint_of, verify_state
 from .tarscan import scan_tar
 from .topology import Topology
 
@@ -107,7 +108,7 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
         self.storage_options = dict(storage_options or {})
         self.open_options = dict(open_options or {})
         self.stages: list[Callable[[Any], Any]] = []
-        self._epoch = int(epoch)
+        self._epoch = check_epoch(epoch)
         self._progress = _Progress()
         self._rotation = 0  # torch worker i plays logical worker (i + rotation) % n
         self._tag = False   # under ShardLoader: yield (worker, position, item)
@@ -115,8 +116,12 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
         self._fields = {"order": ORDER, "seed_hash": stable_digest(self.seed, size=8).hex(),
                         "shards": hashlib.blake2b(json.dumps(shards).encode(), digest_size=16).hexdigest(),
                         "num_shards": len(shards), "samples": sum(self.counts.values())}
-        self._fingerprint = hashlib.blake2b(json.dumps(self._fields, sort_keys=True).encode(),
-                                            digest_size=16).hexdigest()
+        # version 1 of the state: the same fields without the layout
+        self._legacy_fingerprint = hashlib.blake2b(json.dumps(self._fields, sort_keys=True).encode(),
+                                                   digest_size=16).hexdigest()
+        self._fields["dp_size"] = int(self.topology.dp_size)  # the shards are dealt to dp_size ranks
+        self._fingerprint = fingerprint_of(self._fields)
+        self._pinned = False  # a restored state: the next iteration starts exactly there
 
     # -- the fluid interface and epochs ----------------------------------------------------
     def compose(self, *stages: Callable[[Any], Any]) -> "ShardStream":
@@ -144,8 +149,16 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` at its beginning on the next iteration."""
-        self._epoch, self._progress = int(epoch), _Progress()
+        """Start ``epoch`` at its beginning on the next iteration.
+
+        After ``load_state_dict``, ``set_epoch`` of the restored epoch keeps the restored
+        position (so ``for e in range(s.epoch, n): s.set_epoch(e); ...`` resumes exactly);
+        ``set_epoch`` of another epoch moves there, at its beginning.
+        """
+        epoch = check_epoch(epoch)
+        if self._pinned and epoch == self._epoch:
+            return
+        self._epoch, self._progress, self._pinned = epoch, _Progress(), False
 
     def plan(self, worker: int = 0, num_workers: int = 1) -> WorkerPlan:
         """What logical ``worker`` of this rank streams in the current epoch."""
@@ -171,10 +184,12 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
             On any error the stream is left exactly as it was.
         """
         self._epoch, self._progress = self._verify(state)
+        self._pinned = True
 
     def _verify(self, state: Mapping[str, Any], num_workers: int | None = None) -> tuple[int, _Progress]:
         state = verify_state(state, kind="shards", mode="epochs", topology=self.topology,
-                             fingerprint=self._fingerprint, plan_fields=self._fields)
+                             fingerprint=self._fingerprint, plan_fields=self._fields,
+                             legacy_fingerprint=self._legacy_fingerprint)
         workers, n, nxt = state.get("workers"), state.get("num_workers"), state.get("next_worker")
         if not isinstance(workers, list) or n != len(workers) or not isinstance(nxt, int) or not 0 <= nxt < max(n, 1):
             raise StateError("shard-stream state fields 'workers', 'num_workers' and 'next_worker' are "
@@ -218,6 +233,10 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         n, wid = (1, 0) if info is None else (info.num_workers, info.id)
+        if info is None and not self._tag:
+            pinned, self._pinned = self._pinned, False
+            if pinned and self._progress.done:
+                return  # restored at the end of the epoch: nothing is left of it
         progress = _Progress() if self._progress.done else self._progress
         self._check_workers(progress, n if info is not None else 0)
         logical = (wid + self._rotation) % n
@@ -342,12 +361,16 @@ class ShardLoader:
         """As :meth:`ShardStream.load_state_dict`, also refusing another worker count."""
         ds = self.dataset
         ds._epoch, ds._progress = ds._verify(state, self.num_workers)
+        ds._pinned = True
 
     def __iter__(self) -> Iterator[Any]:
         ds, n = self.dataset, self.num_workers
         if n == 0:
             yield from ds
             return
+        pinned, ds._pinned = ds._pinned, False
+        if pinned and ds._progress.done:
+            return  # restored at the end of the epoch: nothing is left of it
         progress = _Progress() if ds._progress.done else ds._progress
         ds._check_workers(progress, n)
         worker = copy.copy(ds)

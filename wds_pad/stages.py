@@ -29,9 +29,10 @@ import numpy as np
 
 from .errors import ConfigError, WdsPadError
 from .index import Index, load_index
-from .plan import Mode, PadTo, Plan, Policy, plan_epoch, resolve_policy
+from .plan import MAX_EPOCH, Mode, PadTo, Plan, Policy, plan_epoch, resolve_policy
 from .read import LocalReadAhead, RangeReader, ReadOptions
 from .seed import derive_rng, stable_digest
+from .state import fingerprint_of
 from .tarscan import parse_sample, parse_sample_at
 from .topology import Topology
 
@@ -55,6 +56,8 @@ class Position:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"Position.{name} must be an int >= 0, got {v!r}")
+        if self.epoch > MAX_EPOCH:
+            raise ConfigError(f"Position.epoch must be at most MAX_EPOCH={MAX_EPOCH}, got {self.epoch}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,7 +125,13 @@ class PlanSpec:
         return plan
 
     def fingerprint(self) -> str:
-        """A hash of everything the plan depends on (not the topology, which is saved apart)."""
+        """A digest of everything that shapes the plan but this rank's own place in it:
+        :meth:`fingerprint_fields` (so the data-parallel layout is covered; the rank is
+        checked through the topology saved beside it). Equal on every rank of a job."""
+        return fingerprint_of(self.fingerprint_fields())
+
+    def legacy_fingerprint(self) -> str:
+        """The fingerprint as state version 1 computed it (no data-parallel layout)."""
         parts: list[Any] = ["wds_pad.plan/1", stable_digest(self.seed).hex(), self.batch_size,
                             self.resolved_policy.value, self.pad_to.value, self.oversubscribe]
         for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights):
@@ -130,12 +139,14 @@ class PlanSpec:
         return stable_digest(*[tuple(p) if isinstance(p, list) else p for p in parts], size=16).hex()
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        """The fingerprint's ingredients, JSON-safe, for error messages."""
+        """The fingerprint's ingredients, JSON-safe (saved in a state as ``plan``)."""
         return {
             "seed_hash": stable_digest(self.seed, size=8).hex(),
             "batch_size": self.batch_size,
             "policy": self.resolved_policy.value,
+            "mode": self.mode.value,
             "pad_to": self.pad_to.value,
+            "dp_size": int(self.topology.dp_size),
             "pad_unit": int(self.topology.dp_size) * (self.batch_size if self.pad_to is PadTo.BATCH else 1),
             "oversubscribe": self.oversubscribe,
             "datasets": [{"name": n, "index_digest": ix.digest, "repeats": r, "weight": float(w)}
