@@ -523,3 +523,22 @@ def test_equalize_pairs_with_the_latest_splitter_when_none_is_passed(tmp_path) -
         ds = wds.WebDataset(urls, nodesplitter=splitter, shardshuffle=False).compose(stage)
         counts.append(sum(1 for _ in ds))
     assert len(set(counts)) == 1 and counts[0] * 3 >= 60
+
+
+def test_loading_while_a_shard_stream_iterator_is_open_is_refused(five: tuple[list[str], Index]) -> None:
+    from wds_pad.errors import StateError
+    from wds_pad.shardstream import ShardLoader
+
+    _, index = five
+    topo = Topology(world_size=3, rank=2)
+    ds = _stream(index, topo)
+    state = ds.state_dict()
+    for target in (ds, ShardLoader(ds)):
+        it = iter(target)
+        next(it)
+        before = ds.state_dict()
+        with pytest.raises(StateError, match="Load the state before iterating"):
+            target.load_state_dict(state)
+        assert ds.state_dict() == before
+        it.close()
+        target.load_state_dict(state)  # closed: now it loads

@@ -122,6 +122,11 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
         self._fields["dp_size"] = int(self.topology.dp_size)  # the shards are dealt to dp_size ranks
         self._fingerprint = fingerprint_of(self._fields)
         self._pinned = False  # a restored state: the next iteration starts exactly there
+        self._live = 0  # iterators of this stream (or of a ShardLoader over it) open in this process
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (compose, a DataLoader worker) has no open iterator of its own
+        return {**self.__dict__, "_live": 0}
 
     # -- the fluid interface and epochs ----------------------------------------------------
     def compose(self, *stages: Callable[[Any], Any]) -> "ShardStream":
@@ -183,7 +188,9 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
             StaleShardError: a shard a worker stands in changed since the state was saved.
             On any error the stream is left exactly as it was.
         """
-        self._epoch, self._progress = self._verify(state)
+        verified = self._verify(state)
+        _refuse_while_open(self, "ShardStream")
+        self._epoch, self._progress = verified
         self._pinned = True
 
     def _verify(self, state: Mapping[str, Any], num_workers: int | None = None) -> tuple[int, _Progress]:
@@ -231,6 +238,16 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        if get_worker_info() is not None or self._tag:
+            yield from self._iterate()
+            return
+        self._live += 1
+        try:
+            yield from self._iterate()
+        finally:
+            self._live -= 1
+
+    def _iterate(self) -> Iterator[Any]:
         info = get_worker_info()
         n, wid = (1, 0) if info is None else (info.num_workers, info.id)
         if info is None and not self._tag:
@@ -325,6 +342,15 @@ class _Batcher:
             yield self.collate(batch) if self.collate is not None else batch
 
 
+def _refuse_while_open(ds: ShardStream, what: str) -> None:
+    if ds._live:
+        raise StateError(
+            f"{what}.load_state_dict: an iterator of this stream is still open in this process; it "
+            "would go on from its own position and undo the restored one. Load the state before "
+            "iterating, or finish or close the open iterator first (leave its for loop, or call "
+            ".close() on the iterator you kept)")
+
+
 class ShardLoader:
     """A DataLoader over a :class:`ShardStream` whose ``state_dict()`` is exact with workers.
 
@@ -360,10 +386,19 @@ class ShardLoader:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """As :meth:`ShardStream.load_state_dict`, also refusing another worker count."""
         ds = self.dataset
-        ds._epoch, ds._progress = ds._verify(state, self.num_workers)
+        verified = ds._verify(state, self.num_workers)
+        _refuse_while_open(ds, "ShardLoader")
+        ds._epoch, ds._progress = verified
         ds._pinned = True
 
     def __iter__(self) -> Iterator[Any]:
+        self.dataset._live += 1
+        try:
+            yield from self._iterate()
+        finally:
+            self.dataset._live -= 1
+
+    def _iterate(self) -> Iterator[Any]:
         ds, n = self.dataset, self.num_workers
         if n == 0:
             yield from ds
