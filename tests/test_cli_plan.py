@@ -134,6 +134,13 @@ def test_summary_table() -> None:
         (["--buckets", "a=4", "--mode", "steps"], "--mode steps needs --steps K"),
         (["--buckets", "a=4", "--summary"], "not allowed with argument"),
         ([], "give either INDEX file(s) or --buckets"),
+        (["--buckets", "a=4", "--seed", "18446744073709551616"], "seed must be in [0, 2**64), got 18446744073709551616"),
+        (["--buckets", "a=4", "--seed", "-1"], "seed must be in [0, 2**64), got -1"),
+        (["--buckets", "a=4", "--seed", "1.5"], "seed must be an integer, got '1.5'"),
+        (["--buckets", "a=4", "--epoch", "1.5"], "epoch must be an integer, got '1.5'"),
+        (["--buckets", "a=4", "--epoch", "2147483648"], "epoch must be in [0, MAX_EPOCH=2147483647], got 2147483648"),
+        (["--buckets", "a=4", "--batch-size", "10000000000000", "--pad", "cyclic", "--oversubscribe"],
+         "would be filled cyclically (oversubscribe) to one global step of 20000000000000 entries"),
     ],
 )
 def test_bad_arguments_print_one_line_and_exit_2(args: list[str], match: str) -> None:
@@ -224,3 +231,36 @@ def test_a_dropped_bucket_warning_is_one_line_of_advice() -> None:
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("wds-pad plan: warning: 2 bucket(s)"), out.stderr
     assert "--oversubscribe" in lines[0]
+
+
+@pytest.mark.parametrize("seed", [0, 2**64 - 1, -1, 2**64])
+def test_cli_and_api_accept_exactly_the_same_seeds(seed: int) -> None:
+    from wds_pad import ConfigError, shared_seed
+
+    try:
+        api_ok = shared_seed(seed) == seed
+        plan_epoch({"a": [1]}, Topology(1, 0), seed=seed, batch_size=1)
+    except ConfigError:
+        api_ok = False
+    out = wds_pad("plan", "--buckets", "a=1", "--world-size", "1", "--rank", "0", "--batch-size", "1",
+                  "--seed", str(seed), "--json")
+    assert (out.returncode == 0) == api_ok == (0 <= seed < 2**64), out.stderr
+    if not api_ok:
+        assert out.returncode == 2 and "seed must be in [0, 2**64)" in out.stderr
+
+
+@pytest.mark.parametrize("epoch", ["0", "2147483647", "-1", "2147483648", "1.5", "2e3"])
+def test_cli_and_api_accept_exactly_the_same_epochs(epoch: str) -> None:
+    from wds_pad import ConfigError
+
+    try:
+        api_ok = plan_epoch({"a": [1]}, Topology(1, 0), seed=1, epoch=int(epoch), batch_size=1).epoch == int(epoch)
+    except (ConfigError, ValueError):
+        api_ok = False
+    out = wds_pad("plan", "--buckets", "a=1", "--world-size", "1", "--rank", "0", "--batch-size", "1",
+                  "--seed", "1", "--epoch", epoch, "--json")
+    assert (out.returncode == 0) == api_ok, out.stderr
+    if api_ok:
+        assert json.loads(out.stdout.splitlines()[0])["epoch"] == int(epoch)
+    else:
+        assert out.returncode == 2 and "epoch must be" in out.stderr

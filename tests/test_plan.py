@@ -35,7 +35,7 @@ from wds_pad import (
     plan_epoch,
 )
 from wds_pad._permute import permute_one
-from wds_pad.plan import bucket_order, resolve_policy
+from wds_pad.plan import MAX_EPOCH, MAX_PLANNED_ENTRIES, bucket_order, resolve_policy
 from wds_pad.seed import derive_seed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -346,9 +346,9 @@ def test_plan_input_forms_and_indexing() -> None:
     [
         (dict(batch_size=0), "batch_size must be an int >= 1"),
         (dict(batch_size=True), "batch_size"),
-        (dict(seed=-1), "seed must be an int >= 0"),
+        (dict(seed=-1), r"seed must be in \[0, 2\*\*64\), got -1"),
         (dict(seed=1.5), "seed"),
-        (dict(epoch=-1), "epoch must be an int >= 0"),
+        (dict(epoch=-1), r"epoch must be in \[0, MAX_EPOCH=2147483647\], got -1"),
         (dict(policy="cyclical"), "unknown padding policy 'cyclical'; expected one of: auto, cyclic, drop, none"),
         (dict(mode="epoch"), "unknown mode 'epoch'"),
         (dict(pad_to="sample"), "unknown pad_to 'sample'"),
@@ -657,3 +657,90 @@ def test_inv4_identical_plans_in_other_processes_under_any_hashseed(tmp_path: Pa
     with contextlib.redirect_stdout(buf):
         exec(compile(_DIGEST_SCRIPT, "digest", "exec"), namespace)
     assert buf.getvalue().strip() == digest
+
+
+# -- what plan_epoch refuses: seeds, epochs, absurd padded sizes ---------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2**63, 2**64 - 1, np.uint64(2**64 - 1)])
+def test_plan_epoch_accepts_every_seed_in_0_to_2_pow_64(seed: Any) -> None:
+    plan = plan_epoch({"a": [1, 2]}, Topology(1, 0), seed=seed, batch_size=2)
+    assert len(plan) == 1
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 2**70, 1.0, "3", True])
+def test_plan_epoch_refuses_the_seeds_shared_seed_refuses(seed: Any) -> None:
+    from wds_pad import shared_seed
+
+    with pytest.raises(ConfigError, match="seed must be"):
+        shared_seed(seed)
+    with pytest.raises(ConfigError, match="seed must be"):
+        plan_epoch({"a": [1, 2]}, Topology(1, 0), seed=seed, batch_size=2)
+
+
+@pytest.mark.parametrize("epoch", [0, 1, np.int64(7), MAX_EPOCH])
+def test_plan_epoch_accepts_epochs_up_to_max_epoch(epoch: Any) -> None:
+    plan = plan_epoch({"a": [1, 2]}, Topology(1, 0), seed=1, epoch=epoch, batch_size=2)
+    assert plan.epoch == int(epoch) and type(plan.epoch) is int
+
+
+@pytest.mark.parametrize(
+    ("epoch", "match"),
+    [
+        (1.5, "epoch must be an int in .* got float 1.5"),
+        (2.0, "got float 2.0"),
+        ("2", "got str '2'"),
+        (True, "got bool True"),
+        (np.float64(1), "got float"),
+        (None, "got NoneType"),
+        (-1, "epoch must be in"),
+        (MAX_EPOCH + 1, rf"MAX_EPOCH={MAX_EPOCH}\], got {MAX_EPOCH + 1}"),
+        (2**64, "not a step count or a timestamp"),
+    ],
+)
+def test_plan_epoch_refuses_what_is_not_an_epoch(epoch: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        plan_epoch({"a": [1, 2]}, Topology(1, 0), seed=1, epoch=epoch, batch_size=2)
+    with pytest.raises(ConfigError, match=match.replace("epoch must", "start_epoch must")):
+        next(iter_steps({"a": [1, 2]}, Topology(1, 0), seed=1, start_epoch=epoch, batch_size=2))
+
+
+def test_max_epoch_is_one_exported_constant() -> None:
+    import wds_pad.plan as plan_mod
+
+    assert plan_mod.MAX_EPOCH == 2**31 - 1 and "MAX_EPOCH" in plan_mod.__all__
+    assert plan_mod.check_epoch(np.int32(5)) == 5
+
+
+def test_an_absurd_oversubscribed_step_is_refused_before_allocating() -> None:
+    # one global step of 8 x 10^13 entries: numpy would try to allocate 72 TiB per rank
+    with pytest.raises(ConfigError) as err:
+        plan_epoch({"a": [1, 2, 3, 4]}, Topology(8, 0), seed=1, batch_size=10**13, policy="cyclic",
+                   oversubscribe=True)
+    msg = str(err.value)
+    assert "bucket 'a' (4 entries) would be filled cyclically (oversubscribe)" in msg
+    assert f"{8 * 10**13} entries per epoch" in msg and f"2**40 = {MAX_PLANNED_ENTRIES}" in msg
+    assert "batch size" in msg and "world size" in msg and "oversubscribe off" in msg
+    # without oversubscribe the small bucket is simply dropped: nothing to refuse
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DroppedBucketWarning)
+        assert len(plan_epoch({"a": [1, 2]}, Topology(8, 0), seed=1, batch_size=10**13, policy="cyclic")) == 0
+
+
+def test_absurd_repeats_and_a_total_over_the_limit_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"dataset 'd' bucket 'a' would hold 2000000000000002 entries .*"
+                                          r"2 samples x 1000000000000001 passes.*lower the dataset's repeats"):
+        plan_epoch(Dataset("d", {"a": [1, 2]}, repeats=10**15), Topology(1, 0), seed=1, batch_size=1)
+    # every bucket is under the limit, their sum is not
+    half = MAX_PLANNED_ENTRIES // 2 + 1
+    with pytest.raises(ConfigError, match=rf"would plan {2 * half} entries over all buckets"):
+        plan_epoch({"a": [1], "b": [2]}, Topology(1, 0), seed=1, batch_size=half, policy="cyclic",
+                   oversubscribe=True)
+
+
+def test_the_padded_size_limit_is_inclusive() -> None:
+    from wds_pad.plan import _check_planned_size
+
+    _check_planned_size("d", "a", 1, 1, MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, MAX_PLANNED_ENTRIES, True)
+    _check_planned_size("d", "a", MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, 1, 1, 1, False)
+    with pytest.raises(ConfigError, match="padded to"):
+        _check_planned_size("d", "a", 3, 1, MAX_PLANNED_ENTRIES + 1, 1, 4, 4, False)

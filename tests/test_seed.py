@@ -130,3 +130,19 @@ def test_drawn_seed_is_broadcast_from_rank_zero(tmp_path: Path) -> None:
     # over the subgroup [1, 2] the root is the group's rank 0, i.e. global rank 1
     assert [res[1]["tagged_sub"], res[2]["tagged_sub"]] == [1001, 1001]
     assert res[1]["drawn_sub"] == res[2]["drawn_sub"] and "drawn_sub" not in res[0]
+
+
+def test_check_seed_is_the_one_rule_of_the_api_and_the_cli() -> None:
+    import argparse
+
+    from wds_pad.cli import _seed_arg
+    from wds_pad.seed import MAX_SEED, check_seed
+
+    assert MAX_SEED == 2**64 - 1
+    for good in (0, 2**64 - 1):
+        assert check_seed(good) == shared_seed(good) == _seed_arg(str(good)) == good
+    for bad in (-1, 2**64):
+        with pytest.raises(ConfigError, match=r"seed must be in \[0, 2\*\*64\)"):
+            check_seed(bad)
+        with pytest.raises(argparse.ArgumentTypeError, match=r"seed must be in \[0, 2\*\*64\)"):
+            _seed_arg(str(bad))

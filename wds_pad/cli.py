@@ -2,13 +2,17 @@
 
 Starts fast: nothing here imports torch; subcommands import what they need lazily.
 Bad arguments print one line starting ``wds-pad <cmd>: error:`` and exit with 2.
+Ctrl-C (SIGINT) and SIGTERM stop a command the same way: one line on stderr, exit 130
+or 143 (128 + the signal number), and a file being written keeps its previous content.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from typing import Any, Callable, Sequence
 
 from .errors import WdsPadError
@@ -16,6 +20,28 @@ from .errors import WdsPadError
 __all__ = ["main"]
 
 EXIT_USAGE = 2
+EXIT_SIGINT = 128 + signal.SIGINT
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread the way Ctrl-C raises KeyboardInterrupt.
+
+    A KeyboardInterrupt, so everything that cleans up after Ctrl-C (temp files, the
+    progress bar) does the same after SIGTERM.
+    """
+
+
+def interrupt_exit(exc: KeyboardInterrupt) -> tuple[int, str]:
+    """(exit status, what happened) for an interrupt: 143 for SIGTERM, 130 for Ctrl-C."""
+    if isinstance(exc, Terminated):
+        return EXIT_SIGTERM, "terminated (SIGTERM)"
+    return EXIT_SIGINT, "interrupted"
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,6 +99,35 @@ def _non_negative(text: str) -> int:
     return _int_at_least(0, "an integer >= 0", text)
 
 
+def _library_int(check: Callable[[Any], int], what: str, text: str) -> int:
+    """Parse ``text`` as an int and validate it with the library's own ``check``.
+
+    The CLI and the API then accept exactly the same values: one rule, one message.
+    """
+    from .errors import ConfigError
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be an integer, got {text!r}") from None
+    try:
+        return check(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seed_arg(text: str) -> int:
+    from .seed import check_seed
+
+    return _library_int(check_seed, "seed", text)
+
+
+def _epoch_arg(text: str) -> int:
+    from .plan import check_epoch
+
+    return _library_int(check_epoch, "epoch", text)
+
+
 def synthetic_dataset(buckets: dict[str, int], name: str = "synthetic") -> Any:
     """A Dataset whose ids are numbered from 0 in the order the buckets are listed."""
     import numpy as np
@@ -95,8 +150,8 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--rank", type=_rank_arg, required=True, help="a rank, or 'all'")
     p.add_argument("--cp-size", type=_positive, default=1)
     p.add_argument("--batch-size", type=_positive, required=True)
-    p.add_argument("--seed", type=_non_negative, required=True)
-    p.add_argument("--epoch", type=_non_negative, default=0)
+    p.add_argument("--seed", type=_seed_arg, required=True, help="an integer in [0, 2**64)")
+    p.add_argument("--epoch", type=_epoch_arg, default=0, help="an integer in [0, 2**31 - 1]")
     p.add_argument("--pad", choices=["auto", "cyclic", "drop", "none"], default="auto")
     p.add_argument("--pad-to", choices=["batch", "rank"], default="batch")
     p.add_argument("--repeats", type=_non_negative, default=0, help="repeats of every dataset")
@@ -242,7 +297,7 @@ def _add_demo_parser(sub: Any) -> None:
     p.add_argument("--world-size", type=_positive, default=8)
     p.add_argument("--cp-size", type=_positive, default=2)
     p.add_argument("--batch-size", type=_positive, default=4)
-    p.add_argument("--seed", type=_non_negative, default=1234)
+    p.add_argument("--seed", type=_seed_arg, default=1234)
     p.add_argument("--samples", type=_positive, default=400, help="images to generate")
     p.add_argument("--shards", type=_positive, default=8, help="shards to write them into")
     p.set_defaults(func=_cmd_demo)
@@ -280,10 +335,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     saved_format = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *_rest, **_kw: (  # type: ignore[assignment]
         f"wds-pad {args.command}: warning: {message}\n")
+    # SIGTERM unwinds like Ctrl-C (temp files removed, one line, exit 143); only from the
+    # main thread, and not when the caller chose to ignore or handle SIGTERM itself
+    saved_sigterm = None
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        saved_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return _run(args)
     finally:
         warnings.formatwarning = saved_format
+        if saved_sigterm is not None:
+            signal.signal(signal.SIGTERM, saved_sigterm)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -297,6 +360,10 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE if isinstance(exc, ValueError) and not isinstance(exc, OSError) else 1
     except BrokenPipeError:  # `wds-pad plan ... | head`
         return 0
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+        code, what = interrupt_exit(exc)
+        sys.stderr.write(f"wds-pad {args.command}: {what}\n")
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover

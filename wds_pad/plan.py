@@ -35,11 +35,12 @@ import numpy as np
 
 from .errors import ConfigError, DroppedBucketWarning
 from ._permute import ROUNDS, permute, round_keys
-from .seed import derive_rng, derive_seed, encode_key
+from .seed import check_seed, derive_rng, derive_seed, encode_key
 from .topology import Topology
 
 __all__ = [
     "MAX_EPOCH",
+    "MAX_PLANNED_ENTRIES",
     "Batch",
     "BucketStats",
     "Dataset",
@@ -60,6 +61,17 @@ __all__ = [
 #: int32/int64 field and state file, and refuses a step count or a timestamp passed by
 #: mistake. Import it rather than repeating the number.
 MAX_EPOCH = 2**31 - 1
+
+
+#: The most entries (sample appearances, padded copies included) one epoch may plan,
+#: summed over every bucket and dataset. 2**40 (about 1.1e12) is a thousand times the
+#: largest index the planner is built for (10^9 samples), so real data never reaches it,
+#: while every position, offset and cumulative sum the planner computes in int64
+#: (``d + dp * k``, per-bucket bases, ...) stays 2**23 times below overflow. A plan above
+#: it is a configuration mistake — a batch size or world size that makes one global step
+#: (the pad unit every bucket is padded to) absurdly large, or absurd repeats — and is
+#: refused before anything is allocated, instead of failing inside numpy.
+MAX_PLANNED_ENTRIES = 2**40
 
 
 def check_epoch(epoch: Any, what: str = "epoch") -> int:
@@ -323,6 +335,29 @@ def _padded_length(m: int, unit: int, policy: Policy, oversubscribe: bool) -> in
     return (m // unit) * unit
 
 
+def _check_planned_size(
+    name: str, key: Hashable, n: int, passes: int, length: int, dp: int, bs: int, unit: int,
+    oversubscribe: bool,
+) -> None:
+    """Refuse a bucket whose epoch (before or after padding) exceeds MAX_PLANNED_ENTRIES."""
+    m = n * passes
+    if m > MAX_PLANNED_ENTRIES:
+        raise ConfigError(
+            f"dataset {name!r} bucket {key!r} would hold {m} entries per epoch ({n} samples x "
+            f"{passes} passes), above the planner's limit of MAX_PLANNED_ENTRIES = 2**40 = "
+            f"{MAX_PLANNED_ENTRIES}; lower the dataset's repeats"
+        )
+    if length > MAX_PLANNED_ENTRIES:
+        how = "filled cyclically (oversubscribe) to one global step of" if oversubscribe and m < unit else "padded to"
+        raise ConfigError(
+            f"dataset {name!r} bucket {key!r} ({m} entries) would be {how} {length} entries per "
+            f"epoch (pad unit {unit} = {dp} DP ranks x batch {bs}), above the planner's limit of "
+            f"MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower the batch size or the world "
+            "size, or turn oversubscribe off (oversubscribe=False, no --oversubscribe) so buckets "
+            "smaller than one global step are dropped"
+        )
+
+
 def _check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
@@ -348,8 +383,8 @@ def plan_epoch(
         datasets: a Dataset, an Index (anything with ``to_dataset()``), a mapping of
             bucket key -> sample ids, or a list of those (several datasets).
         topology: this rank's Topology.
-        seed: the shared seed (identical on every rank).
-        epoch: the epoch number (>= 0).
+        seed: the shared seed (identical on every rank), an int in [0, 2**64).
+        epoch: the epoch number, an int in [0, MAX_EPOCH].
         batch_size: samples per batch per DP rank.
         policy: ``auto`` | ``cyclic`` | ``drop`` | ``none``.
         mode: ``epochs`` | ``steps`` (only matters for ``auto``).
@@ -365,11 +400,8 @@ def plan_epoch(
     """
     if not isinstance(topology, Topology):
         raise ConfigError(f"topology must be a wds_pad.Topology, got {type(topology).__name__}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"seed must be an int >= 0, got {seed!r}")
-    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-        raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
-    seed, epoch = int(seed), int(epoch)
+    seed = check_seed(seed)
+    epoch = check_epoch(epoch)
     bs = _check_positive("batch_size", batch_size)
     mode = _enum(Mode, mode, "mode")
     pad_to = _enum(PadTo, pad_to, "pad_to")
@@ -383,12 +415,15 @@ def plan_epoch(
     kept: list[tuple[np.ndarray, int, int, int, list[list[int]]]] = []  # ids, n, m, length, keys
     bucket_steps: list[int] = []
     dropped_names: list[str] = []
+    planned = 0  # entries of the whole epoch over all buckets, checked before allocating
     for di, ds in enumerate(dss):
         passes = 1 + ds.repeats
         for key, ids in ds.buckets.items():
             n = int(ids.size)
             m = n * passes
             length = _padded_length(m, unit, policy, bool(oversubscribe)) if n else 0
+            _check_planned_size(ds.name, key, n, passes, length, dp, bs, unit, bool(oversubscribe))
+            planned += length
             dropped = n > 0 and length == 0
             steps = -(-length // (dp * bs)) if length else 0
             stats.append(BucketStats(
@@ -406,6 +441,12 @@ def plan_epoch(
             keys = [round_keys(derive_seed(seed, epoch, ds.name, key, "shuffle", j)) for j in range(passes)]
             kept.append((ids, n, m, length, keys))
             bucket_steps.append(steps)
+    if planned > MAX_PLANNED_ENTRIES:
+        raise ConfigError(
+            f"epoch {epoch} would plan {planned} entries over all buckets and datasets, above the "
+            f"planner's limit of MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower repeats, "
+            f"the batch size ({bs}) or the world size ({dp} DP ranks), or turn oversubscribe off"
+        )
     flat, flat_pad, counts = _rank_entries(kept, dp, d)
     if warn and dropped_names:
         warnings.warn(
@@ -514,10 +555,10 @@ def iter_steps(
     """Steps mode: an endless sequence of epoch plans, each with the same policy.
 
     Raises:
-        ConfigError: the epoch plan has no steps at all (every bucket dropped), which
-            would otherwise loop forever.
+        ConfigError: ``start_epoch`` is not an int in [0, MAX_EPOCH]; or the epoch plan
+            has no steps at all (every bucket dropped), which would otherwise loop forever.
     """
-    epoch = start_epoch
+    epoch = check_epoch(start_epoch, "start_epoch")
     dss = _as_datasets(datasets)
     while True:
         plan = plan_epoch(dss, topology, seed=seed, epoch=epoch, batch_size=batch_size,

@@ -20,9 +20,11 @@ import numpy as np
 
 from .errors import ConfigError, SeedError
 
-__all__ = ["derive_rng", "derive_seed", "encode_key", "shared_seed", "stable_digest"]
+__all__ = ["MAX_SEED", "check_seed", "derive_rng", "derive_seed", "encode_key", "shared_seed", "stable_digest"]
 
 SEED_BITS = 63
+#: The largest seed accepted anywhere (API and CLI): seeds are unsigned 64-bit integers.
+MAX_SEED = 2**64 - 1
 
 
 def encode_key(part: Hashable) -> bytes:
@@ -72,13 +74,30 @@ def derive_rng(seed: int, *parts: Hashable) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
 
 
-def _validate(seed: Any) -> int:
+def check_seed(seed: Any) -> int:
+    """Validate a configured seed: an int (not bool) in ``[0, 2**64)``.
+
+    The one rule for every entry point (``shared_seed``, ``plan_epoch``, the loaders and
+    ``wds-pad ... --seed``), so the CLI and the API accept exactly the same seeds.
+
+    Args:
+        seed: the value to check (int or numpy integer).
+
+    Returns:
+        The seed as a Python int.
+
+    Raises:
+        ConfigError: not an int, or outside ``[0, 2**64)``.
+    """
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ConfigError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     seed = int(seed)
-    if not 0 <= seed < 2**64:
-        raise ConfigError(f"seed must be in [0, 2**64), got {seed}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"seed must be in [0, 2**64), got {seed}; pick a seed between 0 and {MAX_SEED}")
     return seed
+
+
+_validate = check_seed  # the former private name
 
 
 def shared_seed(seed: int | None = None, group: Any = None) -> int:
@@ -98,7 +117,7 @@ def shared_seed(seed: int | None = None, group: Any = None) -> int:
             to agree on a drawn seed — configure a seed or initialise torch.distributed.
     """
     if seed is not None:
-        return _validate(seed)
+        return check_seed(seed)
     dist = _initialized_dist() if group is None else _import_dist()
     if dist is None:
         import os
