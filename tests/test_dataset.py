@@ -443,3 +443,49 @@ def test_dropped_iterator_leaves_no_threads_and_epochs_leak_no_descriptors(mixed
         time.sleep(0.01)
     assert not _read_ahead_threads()
     assert len(os.listdir("/proc/self/fd")) == fds  # each epoch's reader closed its shards
+
+
+# ---------------------------------------------------------------- DataLoader arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(num_workers=1, prefetch_factor=0), r"prefetch_factor must be a positive int .* got 0"),
+        (dict(num_workers=1, prefetch_factor=-2), "prefetch_factor must be a positive int"),
+        (dict(num_workers=1, prefetch_factor=2.0), "prefetch_factor must be a positive int"),
+        (dict(num_workers=1, prefetch_factor=True), "prefetch_factor must be a positive int"),
+        (dict(num_workers=0, prefetch_factor=2), r"prefetch_factor=2 needs num_workers > 0"),
+        (dict(num_workers=1.0), "num_workers must be an int >= 0, got 1.0; use 0"),
+        (dict(num_workers=True), "num_workers must be an int >= 0"),
+        (dict(num_workers=1, timeout=-1), "timeout must be a finite number of seconds >= 0"),
+        (dict(num_workers=1, timeout=float("inf")), "timeout must be a finite number"),
+        (dict(num_workers=1, timeout="5"), "timeout must be a finite number"),
+        (dict(num_workers=0, multiprocessing_context="fork"), "multiprocessing_context='fork' needs num_workers > 0"),
+        (dict(num_workers=1, multiprocessing_context="forq"), "'forq' is not a start method here; use one of"),
+        (dict(num_workers=1, multiprocessing_context=3), "must be a start method name"),
+        (dict(num_workers=1, pin_memory="yes"), "pin_memory must be True or False"),
+        (dict(num_workers=1, worker_init_fn=5), "worker_init_fn must be a callable or None"),
+        (dict(num_workers=1, drop_last=True), "does not take drop_last=True"),
+        (dict(num_workers=1, prefetch=2), "unknown DataLoader argument"),
+    ],
+)
+def test_loader_refuses_dataloader_arguments_torch_checks_late_or_by_assert(tmp_path, kwargs, match) -> None:
+    from wds_pad import BucketedWebDataset, ConfigError, Loader, Topology, build_index
+    from wds_pad._synth import make_image_shards
+
+    index = build_index(make_image_shards(str(tmp_path / "s"), samples=8, shards=1, seed=1))
+    ds = BucketedWebDataset(index, batch_size=2, topology=Topology(1, 0), seed=1, check_agreement=False)
+    with pytest.raises(ConfigError, match=rf"^Loader\b.*{match}"):
+        Loader(ds, **kwargs)
+
+
+def test_loader_with_a_positive_prefetch_factor_and_timeout_still_streams(tmp_path) -> None:
+    from wds_pad import BucketedWebDataset, Loader, Topology, build_index
+    from wds_pad._synth import make_image_shards
+
+    index = build_index(make_image_shards(str(tmp_path / "s"), samples=8, shards=1, seed=1))
+    ds = BucketedWebDataset(index, batch_size=2, topology=Topology(1, 0), seed=1, check_agreement=False)
+    loader = Loader(ds, num_workers=1, prefetch_factor=1, timeout=60, multiprocessing_context="fork",
+                    pin_memory=False, in_order=True)
+    assert sum(len(b) for b in loader) == 8

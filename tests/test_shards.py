@@ -542,3 +542,28 @@ def test_loading_while_a_shard_stream_iterator_is_open_is_refused(five: tuple[li
         assert ds.state_dict() == before
         it.close()
         target.load_state_dict(state)  # closed: now it loads
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(num_workers=1, prefetch_factor=0), r"prefetch_factor must be a positive int .* got 0"),
+        (dict(num_workers=0, prefetch_factor=2), r"prefetch_factor=2 needs num_workers > 0"),
+        (dict(num_workers=-1), "num_workers must be an int >= 0"),
+        (dict(num_workers=1, timeout=-0.5), "timeout must be a finite number of seconds >= 0"),
+        (dict(num_workers=0, multiprocessing_context="spawn"), "needs num_workers > 0"),
+        (dict(num_workers=1, drop_last=True), "does not take drop_last=True"),
+        (dict(num_workers=1, bogus=1), "unknown DataLoader argument"),
+    ],
+)
+def test_shardloader_refuses_dataloader_arguments_torch_checks_late_or_by_assert(
+        three: tuple[list[str], Index], kwargs: dict[str, Any], match: str) -> None:
+    _, index = three
+    with pytest.raises(ConfigError, match=rf"^ShardLoader\b.*{match}"):
+        ShardLoader(ShardStream(index, topology=Topology(1, 0), seed=1), **kwargs)
+
+
+def test_shardloader_with_prefetch_factor_one_streams_everything(three: tuple[list[str], Index]) -> None:
+    _, index = three
+    loader = ShardLoader(ShardStream(index, topology=Topology(1, 0), seed=1), num_workers=1, prefetch_factor=1)
+    assert len(list(loader)) == len(list(ShardStream(index, topology=Topology(1, 0), seed=1)))
