@@ -260,7 +260,7 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
     parts = _serialize(index)
     if "://" not in path or path.startswith("file://"):
         local = path[len("file://"):] if path.startswith("file://") else path
-        atomic_write(local, parts, tmp_prefix=".tmp-wdsidx-")
+        atomic_write(local, parts)
         return local
     from .read import get_filesystem
 
