@@ -233,3 +233,123 @@ def test_pack_keys_round_trips_any_keys(keys):
     offsets, blob = _pack_keys(keys)
     assert offsets[0] == 0 and offsets[-1] == len(blob) and len(offsets) == len(keys) + 1
     assert [bytes(blob[offsets[i]:offsets[i + 1]]).decode("utf-8") for i in range(len(keys))] == keys
+
+
+# -- what write_index refuses to overwrite ------------------------------------------------
+def test_write_index_replaces_an_index_but_refuses_other_files_unless_forced(tmp_path) -> None:
+    from wds_pad.errors import ConfigError
+
+    path = tmp_path / "toy.wdsidx"
+    write_index(small_index("first"), str(path))
+    write_index(small_index("second"), str(path))  # an index is replaced: re-indexing, --update
+    assert load_index(str(path)).name == "second"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    with pytest.raises(ConfigError, match=r"'.*notes\.txt' exists and is not a wds_pad index \(8 bytes.*--force"):
+        write_index(small_index(), str(notes))
+    assert notes.read_text() == "my notes"
+    write_index(small_index("forced"), str(notes), force=True)
+    assert load_index(str(notes)).name == "forced"
+    empty = tmp_path / "empty.wdsidx"  # e.g. from mktemp: nothing to lose
+    empty.write_bytes(b"")
+    write_index(small_index("was empty"), str(empty))
+    assert load_index(str(empty)).name == "was empty"
+
+
+def test_write_index_refuses_a_shard_it_indexes(tmp_path) -> None:
+    from wds_pad.errors import ConfigError
+
+    shard = tmp_path / "a.tar"
+    shard.write_bytes(b"\0" * 10240)
+    index = make_index([ShardInfo(str(shard), 10240, "mtime=1", 1)],
+                       {k: np.zeros(1, np.int64) for k in ("shard", "offset", "length", "bucket", "exts")},
+                       ["all"], ["k"], bucket_by={"kind": "none"}, exts=[])
+    os.symlink(shard, tmp_path / "link.tar")
+    os.link(shard, tmp_path / "hard.tar")
+    for target in (str(shard), f"{tmp_path}/./a.tar", f"file://{shard}", str(tmp_path / "link.tar"),
+                   str(tmp_path / "hard.tar")):
+        for force in (False, True):
+            with pytest.raises(ConfigError, match="input shard.*would destroy the shard"):
+                write_index(index, target, force=force)
+    assert shard.read_bytes() == b"\0" * 10240
+
+
+def test_write_index_refuses_unwritable_places_before_writing(tmp_path) -> None:
+    from wds_pad.errors import ConfigError
+
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        ("", "path is empty"),
+        (str(tmp_path), "is a directory; give a file path, e.g. -o"),
+        (f"{tmp_path}/new-dir/", "is a directory"),
+        (str(tmp_path / "afile" / "i.wdsidx"), r"cannot be created: '.*afile' is a file, not a directory"),
+        (str(tmp_path / "afile" / "deeper" / "i.wdsidx"), "is a file, not a directory"),
+    ]
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        cases.append((str(tmp_path / "fifo"), "not a regular file"))
+    for path, message in cases:
+        for force in (False, True):
+            with pytest.raises(ConfigError, match=message):
+                write_index(small_index(), path, force=force)
+    assert sorted(os.listdir(tmp_path)) == sorted(["afile"] + (["fifo"] if hasattr(os, "mkfifo") else []))
+    write_index(small_index(), str(tmp_path / "made" / "for" / "it.wdsidx"))  # missing parents are created
+    assert load_index(str(tmp_path / "made" / "for" / "it.wdsidx")).name == "toy"
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write anywhere")
+def test_write_index_refuses_a_read_only_directory(tmp_path) -> None:
+    from wds_pad.errors import ConfigError
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match="no permission to write in directory"):
+            write_index(small_index(), str(locked / "sub" / "i.wdsidx"))
+    finally:
+        locked.chmod(0o700)
+
+
+def test_write_index_remote_refusals() -> None:
+    from wds_pad.errors import ConfigError
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/refuse/notes.txt", b"my notes")
+    fs.pipe("/refuse/dir/x.bin", b"x")
+    with pytest.raises(ConfigError, match="'memory://refuse/notes.txt' exists and is not a wds_pad index"):
+        write_index(small_index(), "memory://refuse/notes.txt")
+    with pytest.raises(ConfigError, match="is a directory"):
+        write_index(small_index(), "memory://refuse/dir")
+    assert fs.cat("/refuse/notes.txt") == b"my notes"
+    write_index(small_index("one"), "memory://refuse/i.wdsidx")
+    write_index(small_index("two"), "memory://refuse/i.wdsidx")
+    write_index(small_index("forced"), "memory://refuse/notes.txt", force=True)
+    assert load_index("memory://refuse/notes.txt").name == "forced"
+
+
+def test_build_index_checks_its_output_before_scanning(tmp_path, monkeypatch) -> None:
+    import wds_pad.indexer as indexer_mod
+    from wds_pad._synth import make_image_shards
+    from wds_pad.errors import ConfigError
+    from wds_pad.indexer import build_index
+
+    shards = make_image_shards(tmp_path / "shards", samples=8, shards=2, seed=1)
+    before = [open(s, "rb").read() for s in shards]
+
+    def no_scan(*args, **kw):
+        raise AssertionError("scanned before the output was checked")
+
+    monkeypatch.setattr(indexer_mod, "_scan_group", no_scan)
+    (tmp_path / "notes.txt").write_text("mine")
+    for output, message in [(shards[1], "input shards"), (str(tmp_path), "is a directory"),
+                            (str(tmp_path / "notes.txt"), "not a wds_pad index"),
+                            (os.path.join(shards[0], "i.wdsidx"), "is a file, not a directory")]:
+        with pytest.raises(ConfigError, match=message):
+            build_index(shards, output=output)
+    with pytest.raises(ConfigError, match="input shards"):
+        build_index(shards, output=shards[0], force=True)
+    assert [open(s, "rb").read() for s in shards] == before
+    monkeypatch.undo()
+    out = build_index(shards, output=str(tmp_path / "notes.txt"), force=True)
+    assert load_index(str(tmp_path / "notes.txt")).digest == out.digest

@@ -9,6 +9,9 @@ Invariants:
   progress bar and notes go to stderr;
 - ``index`` writes its output atomically: interrupted or failed, the path holds either
   nothing or the previous valid index;
+- ``index`` refuses, before scanning anything, an output that is one of its shards, a
+  directory, an unwritable place, or an existing file that is not an index (unless
+  ``--force``);
 - ``inspect --json`` prints exactly one JSON object; ``verify`` exits 1 if and only if
   it prints a stale or missing shard.
 """
@@ -104,6 +107,8 @@ def _add_index(sub: Any) -> None:
                    help="bad shard or sample: stop with an error (default), or leave it out and report it")
     p.add_argument("--name", help="dataset name the index plans under (default: the INDEX file stem)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--force", action="store_true",
+                   help="let -o replace an existing file that is not a wds_pad index (never a shard being indexed)")
     p.set_defaults(func=_cmd_index)
 
 
@@ -116,12 +121,15 @@ def _exists(path: str) -> bool:
 
 def _cmd_index(args: argparse.Namespace) -> int:
     from .buckets import parse_bucket_by
-    from .index import load_index
-    from .indexer import build_index
+    from .index import check_output, load_index
+    from .indexer import build_index, expand_urls
 
     fn = parse_bucket_by(args.bucket_by, ratios=args.ratios, boundaries=args.boundaries, step=args.step)
     previous = None
     if args.update:
+        # refuse a bad -o before reading it as the previous index (build_index checks it
+        # again, before scanning, in every case)
+        check_output(args.output, expand_urls(args.urls), force=args.force)
         if _exists(args.output):
             previous = load_index(args.output)
         else:
@@ -133,7 +141,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
         index = build_index(args.urls, fn, output=args.output, workers=args.workers, on_error=args.on_error,
-                            update=previous, name=args.name, progress=not args.no_progress)
+                            update=previous, name=args.name, progress=not args.no_progress, force=args.force)
     except KeyboardInterrupt:
         sys.stderr.write(f"wds-pad index: interrupted; {args.output} was not changed\n")
         return 130
