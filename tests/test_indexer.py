@@ -21,6 +21,8 @@ from wds_pad.index import load_index
 from wds_pad.indexer import build_index, expand_urls, verify_index
 from wds_pad.tarscan import parse_sample
 
+pytest_plugins = ["conftest_servers"]
+
 # -- helpers ------------------------------------------------------------------------------
 
 
@@ -521,3 +523,116 @@ def test_skip_leaves_out_a_shard_whose_read_fails_midway(shards, monkeypatch, wo
         monkeypatch.setattr(indexer_mod, "_open_for_scan",
                             lambda url, so: (Failing(url), False) if url == bad else real(url, so))
         build_index(shards, "aspect", workers=workers)
+
+
+# -- issue 11: globs, raw exceptions, messages -------------------------------------------------
+def test_glob_patterns_local(tmp_path, shards, monkeypatch) -> None:
+    """`*`, `?`, `[...]` match sorted files; braces expand first, then each result globs;
+    directories are left out of a glob; a relative pattern comes out absolute."""
+    root = os.path.dirname(shards[0])
+    (tmp_path / "shards" / "sub").mkdir()  # a directory: never a match
+    ref = build_index(sorted(shards))
+    for pattern in (f"{root}/*.tar", f"{root}/shard-00000?.tar", f"{root}/shard-00000[0-2].tar",
+                    f"{root}/shard-{{000000,000001,000002}}*"):
+        index = build_index(pattern)
+        assert list(index.urls) == sorted(shards) and index.digest == ref.digest, pattern
+    assert expand_urls(f"{root}/shard-{{000002,000000}}.t?r") == [shards[2], shards[0]]  # brace order kept
+    assert expand_urls(f"{root}/**/*.tar") == sorted(shards)
+    monkeypatch.chdir(tmp_path)
+    assert expand_urls("shards/*.tar") == sorted(shards)
+    odd = make_tar(str(tmp_path / "odd[1].tar"), [("a.txt", b"1")])  # an existing name is taken literally
+    assert expand_urls(odd) == [odd]
+
+
+def test_glob_that_matches_nothing_or_cannot_list(tmp_path, shards) -> None:
+    root = os.path.dirname(shards[0])
+    with pytest.raises(ShardError, match=rf"shard pattern '{root}/nope-\*\.tar' matches no files; check the directory"):
+        build_index(f"{root}/nope-*.tar")
+    with pytest.raises(ShardError, match=r"matches no files"):
+        build_index([shards[0], f"{root}/x[0-9].tar"])
+    with pytest.raises(ConfigError, match=r"https:// cannot list files; globs need a listable store"):
+        expand_urls("https://example.com/train-*.tar")
+    assert expand_urls("https://example.com/a.tar?X-Sig=1") == ["https://example.com/a.tar?X-Sig=1"]  # a query
+    with pytest.raises(ConfigError, match="listed twice"):
+        expand_urls([shards[0], f"{root}/*.tar"])
+
+
+def test_glob_on_s3(moto_server, s3_bucket, shards) -> None:
+    """A glob lists the bucket (sorted), combined with braces; a prefix is no shard."""
+    for i, path in enumerate(shards):
+        moto_server.upload(path, f"s3://{s3_bucket}/train/shard-{i:03d}.tar")
+    moto_server.upload(shards[0], f"s3://{s3_bucket}/val/shard-000.tar")
+    opts = moto_server.storage_options
+    want = [f"s3://{s3_bucket}/train/shard-{i:03d}.tar" for i in range(3)]
+    index = build_index(f"s3://{s3_bucket}/train/*.tar", storage_options=opts)
+    assert list(index.urls) == want and len(index) == len(build_index(shards))
+    assert expand_urls(f"s3://{s3_bucket}/{{val,train}}/shard-00[01].tar", opts) == [
+        f"s3://{s3_bucket}/val/shard-000.tar", *want[:2]]
+    with pytest.raises(ShardError, match=rf"shard pattern 's3://{s3_bucket}/test/\*\.tar' matches no files"):
+        build_index(f"s3://{s3_bucket}/test/*.tar", storage_options=opts)
+    prefix = f"s3://{s3_bucket}/train"
+    with pytest.raises(ShardError, match=rf"shard '{prefix}' is a directory, not a tar file"):
+        build_index([prefix, want[0]], storage_options=opts)
+    index = build_index([prefix, want[0]], storage_options=opts, on_error="skip")
+    assert [s["url"] for s in index.excluded["shards"]] == [prefix] and index.shards[1].samples > 0
+
+
+def test_bad_patterns_and_types_are_config_errors(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"shard URL pattern 'shards/\{a' has unbalanced braces"):
+        build_index("shards/{a")
+    for bad in (None, 7, b"shard.tar", {"a.tar": 1}):
+        with pytest.raises(ConfigError, match="shard URLs must be a str or a list of str"):
+            build_index(bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="shard URLs must be a str or a list of str"):
+        build_index(["a.tar", None])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_directory_given_as_a_shard(tmp_path, shards, workers) -> None:
+    folder = os.path.dirname(shards[0])
+    with pytest.raises(ShardError, match=rf"shard '{folder}' is a directory, not a tar file; .*'{folder}/\*\.tar'"):
+        build_index([shards[0], folder], workers=workers)
+    index = build_index([shards[0], folder, shards[1]], workers=workers, on_error="skip")
+    assert [s["url"] for s in index.excluded["shards"]] == [folder]
+    assert index.shards[1].error and "is a directory" in index.shards[1].error
+    assert len(index) == index.shards[0].samples + index.shards[2].samples > 0
+
+
+def _many_exts(path: str, prefix: str, n: int) -> str:
+    return make_tar(path, [(f"s{i // 5:02d}.{prefix}{i:02d}", b"x") for i in range(n)])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_extension_limit_names_the_shard_and_skip_skips_it(tmp_path, shards, workers) -> None:
+    """More than 64 extensions in one shard, or in the shards together: the message names
+    the shard and extensions; with on_error="skip" that shard is left out, not the build."""
+    many = _many_exts(str(tmp_path / "many.tar"), "e", 70)
+    with pytest.raises(ShardError, match=rf"{many}: more than 64 distinct member extensions \('e00', .*on_error='skip'"):
+        build_index([shards[0], many], workers=workers)
+    index = build_index([shards[0], many, shards[1]], on_error="skip", workers=workers)
+    assert [s["url"] for s in index.excluded["shards"]] == [many]
+    assert len(index) == index.shards[0].samples + index.shards[2].samples
+    a, b = _many_exts(str(tmp_path / "a.tar"), "e", 40), _many_exts(str(tmp_path / "b.tar"), "f", 40)
+    with pytest.raises(ShardError, match=rf"shard '{b}' adds member extensions \['f00', .* more than the 64"):
+        build_index([a, b, shards[0]], workers=workers)
+    index = build_index([a, b, shards[0]], on_error="skip", workers=workers)
+    assert [s["url"] for s in index.excluded["shards"]] == [b] and len(index.exts) <= 64
+    assert index.shards[2].samples > 0
+
+
+def test_deep_verify_says_what_differs_in_plain_ints(tmp_path) -> None:
+    url = make_tar(str(tmp_path / "s.tar"), [("a.txt", b"1" * 700), ("b.txt", b"2" * 700)])
+    index = build_index([url])
+    st = os.stat(url)
+
+    def rewrite(members) -> str:  # same size and mtime: only --deep sees it
+        make_tar(url, members)
+        os.utime(url, ns=(st.st_atime_ns, st.st_mtime_ns))
+        [problem] = verify_index(index, deep=True)
+        assert "np." not in problem.reason
+        return problem.reason
+
+    assert rewrite([("c.txt", b"1" * 700), ("b.txt", b"2" * 700)]) == (
+        "sample 'a' was renamed: the sample at byte offset 0 is now key 'c' (1536 bytes; indexed: 1536 bytes)")
+    assert rewrite([("b.txt", b"2" * 700), ("a.txt", b"1" * 700)]) == (
+        "sample 'a' moved to another offset: indexed at byte offset 0 (1536 bytes), now at 1536 (1536 bytes)")

@@ -365,8 +365,9 @@ def test_truncated(tmp_path: Path, seekable: bool) -> None:
         scan_path(tmp_path / "pay.tar", seekable=seekable)
     with pytest.raises(TarFormatError, match=r"truncated inside the payload.*s1\.a"):
         scan_path(tmp_path / "pay.tar", seekable=seekable, want=("a",))
-    # One read returns the whole stream: EOF shows only when the next header is read.
-    with pytest.raises(TarFormatError, match=r"truncated inside the payload of the member before offset 3072.*s1\.a"):
+    # One read returns the whole stream: EOF shows only when the next header is read
+    # (the same message as seek mode, at the offset where the file ends).
+    with pytest.raises(TarFormatError, match=r"truncated inside the payload \(301 bytes at byte offset 2560, padded to 3072\): the file ends at byte offset 2610, member 's1\.a'"):
         list(scan_tar(NonSeekable((tmp_path / "pay.tar").read_bytes()), "u"))
 
 
@@ -922,3 +923,100 @@ def test_lean_scan_gives_up_on_shards_of_odd_members(tmp_path, monkeypatch):
     monkeypatch.setattr(_tarrows, "_lean_seek", lambda *a, **kw: turns.append(1) or real(*a, **kw))
     assert len(scan_path(path)) == 60  # compares scan_rows with scan_tar
     assert len(turns) == 1 + _tarrows._REENTER
+
+
+# ---------------------------------------------------------------- messages name the right member (issue 11)
+
+
+def _fix_checksum(blob: bytearray, h: int) -> None:
+    blob[h + 148 : h + 156] = b"%06o\0 " % (sum(blob[h : h + 148]) + 256 + sum(blob[h + 156 : h + 512]))
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_bad_header_is_named_after_its_own_member(tmp_path: Path, seekable: bool) -> None:
+    """A bad checksum in the header of s1.b names s1.b (not s1.a, the member before it);
+    both scanners (scan_path compares them) in both modes give the same message."""
+    blob = bytearray(sample_shard(tmp_path).read_bytes())
+    h = 3 * 1024  # header of s1.b (each member: one header block, one payload block)
+    assert blob[h : h + 4] == b"s1.b"
+    blob[h + 40] ^= 0x55  # past the name's NUL: the checksum no longer matches
+    (tmp_path / "bad.tar").write_bytes(blob)
+    with pytest.raises(TarFormatError, match=rf"invalid tar header \(bad header checksum\) at byte offset {h}, member 's1\.b';"):
+        scan_path(tmp_path / "bad.tar", seekable=seekable)
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+@pytest.mark.parametrize("first", ["plain", "long name"])
+def test_bad_header_with_an_unreadable_name_is_placed_after_the_member_before(tmp_path: Path, seekable: bool,
+                                                                               first: str) -> None:
+    """Where the bad header's own name is unreadable, the message names the member before
+    it -- also when the general parser starts right at it (after a long-name sample)."""
+    name0 = "s0.a" if first == "plain" else "x" * 110 + ".a"
+    path = write_tar(tmp_path / "t.tar", [(name0, b"0" * 300), ("s1.a", b"1" * 300), ("s2.a", b"2" * 300)])
+    blob = bytearray(path.read_bytes())
+    h = next(o for o in range(0, len(blob), 512) if blob[o : o + 4] == b"s1.a")
+    blob[h : h + 4] = b"\x01\x02\x03\x04"  # not printable
+    blob[h + 40] ^= 0x55
+    (tmp_path / "bad.tar").write_bytes(blob)
+    with pytest.raises(TarFormatError, match=rf"at byte offset {h}, the header after member '{name0}' "
+                                             r"\(its own name is unreadable\);"):
+        scan_path(tmp_path / "bad.tar", seekable=seekable)
+    _fix_checksum(blob, h)  # a readable-checksum header whose name is garbage is just a member
+    blob[h + 40] ^= 0x55
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_truncated_header_names_the_cut_member_when_its_name_is_there(tmp_path: Path, seekable: bool) -> None:
+    blob = sample_shard(tmp_path).read_bytes()
+    (tmp_path / "a.tar").write_bytes(blob[: 2048 + 100])  # the header of s1.a, name complete
+    with pytest.raises(TarFormatError, match=r"truncated tar header \(100 of 512 bytes\) at byte offset 2048, member 's1\.a';"):
+        scan_path(tmp_path / "a.tar", seekable=seekable)
+    (tmp_path / "b.tar").write_bytes(blob[: 2048 + 2])  # the name itself is cut
+    with pytest.raises(TarFormatError, match=r"\(2 of 512 bytes\) at byte offset 2048, the header after member 's0\.b'"):
+        scan_path(tmp_path / "b.tar", seekable=seekable)
+
+
+def _scan_message(blob: bytes, path: Path, scanner: str, seekable: bool, step: int, want: tuple[str, ...]) -> str | None:
+    kw = {"want": want}
+    try:
+        if seekable:
+            with open(path, "rb") as f:
+                list(scan_tar(f, str(path), seekable=True, **kw)) if scanner == "tar" else scan_rows(f, str(path), seekable=True, **kw)
+        else:
+            f = NonSeekable(blob, step=step)
+            list(scan_tar(f, str(path), **kw)) if scanner == "tar" else scan_rows(f, str(path), **kw)
+    except TarFormatError as exc:
+        return str(exc)
+    return None
+
+
+@settings(max_examples=120, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(entries=entries_st, fmt=st.sampled_from([tarfile.GNU_FORMAT, tarfile.PAX_FORMAT]),
+       cut=st.integers(0, 10**6), step=st.sampled_from([7, 511, 777, 4096, 1 << 20]),
+       chunk=st.sampled_from([512, 1000, 4096, 1 << 20]), want=st.sampled_from([(), ("json",), ("jpg", "txt")]))
+def test_property_truncation_reported_alike_in_seek_and_stream_mode(tmp_path, monkeypatch, entries, fmt, cut, step,
+                                                                   chunk, want):
+    """A shard cut at any byte: seek and stream mode, general and lean scanner, report the
+    same fault at the same offset -- where the file ends, or the start of the cut header."""
+    from wds_pad import _tarrows
+
+    monkeypatch.setattr(_tarrows, "_CHUNK", chunk)
+    names = [(kind, f"{base}.{ext}" if ext or kind != "file" else base, size) for kind, base, ext, size in entries]
+    full = _entries_tar(names, fmt)
+    blob = full[: cut % (len(full) + 1)]
+    path = tmp_path / "t.tar"
+    path.write_bytes(blob)
+    messages = {(scanner, seekable): _scan_message(blob, path, scanner, seekable, step, want)
+                for scanner in ("tar", "rows") for seekable in (True, False)}
+    assert len(set(messages.values())) == 1, messages
+    message = messages["tar", True]
+    if message is None or "truncated" not in message:
+        return  # a fault of the archive itself (a repeated suffix, ...), not of the cut
+    offset = int(message.split(" at byte offset ")[-1].split(",")[0].split(";")[0])
+    if "truncated inside the payload" in message:
+        assert offset == len(blob)
+    elif "truncated tar header" in message:
+        got = int(message.split("truncated tar header (")[1].split(" of")[0])
+        assert offset + got == len(blob)
+    else:
+        assert "truncated long-name or pax header" in message and offset < len(blob)

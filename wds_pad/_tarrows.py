@@ -31,7 +31,7 @@ from typing import Any, BinaryIO, Callable, Collection, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .errors import ConfigError, ShardError, TarFormatError
+from .errors import ShardError, TarFormatError
 from .tarscan import OnError, ScannedSample, _options, _Reader, _samples
 
 __all__ = ["ScanRows", "scan_many", "scan_rows"]
@@ -98,6 +98,17 @@ class ScanRows:
         return tuple(e for b, e in enumerate(self.exts) if m >> b & 1)
 
 
+def too_many_exts(url: str, exts: Collection[str]) -> ShardError:
+    """The error for a shard whose members have more extensions than an index records."""
+    names = sorted(set(exts))
+    shown = ", ".join(map(repr, names[:10])) + (f", ... ({len(names) - 10} more)" if len(names) > 10 else "")
+    return ShardError(
+        f"{url}: more than 64 distinct member extensions ({shown}); an index records at most 64 "
+        "per dataset: give the members fewer distinct suffixes, or index with on_error='skip' "
+        "(--on-error skip) to leave this shard out"
+    )
+
+
 @dataclass
 class _Acc:
     """Rows as they are found, in archive order."""
@@ -114,16 +125,17 @@ class _Acc:
     tail_offset: list[int] = field(default_factory=list)  # the general parser's samples
     tail_length: list[int] = field(default_factory=list)
     tail_mask: list[int] = field(default_factory=list)
+    bits: dict[str, int] = field(default_factory=dict)
+    url: str = ""  # the shard, for messages
 
     def __post_init__(self) -> None:
         self.data = {e: [] for e in sorted(self.want)}
-    bits: dict[str, int] = field(default_factory=dict)
 
     def bit(self, ext: str) -> int:
         b = self.bits.get(ext)
         if b is None:
             if len(self.bits) == 64:
-                raise ConfigError("more than 64 distinct member extensions; the index records at most 64")
+                raise too_many_exts(self.url, [*self.bits, ext])
             b = self.bits[ext] = len(self.bits)
         return b
 
@@ -190,8 +202,9 @@ def scan_rows(
     Raises:
         TarFormatError: The shard is not a valid tar archive for webdataset (with
             ``on_error="raise"``); the message names the URL, byte offset and member.
-        ShardError: Reading ``f`` failed.
-        ConfigError: An argument is invalid, or the shard has more than 64 extensions.
+        ShardError: Reading ``f`` failed, or the shard's members have more than 64
+            distinct extensions (the message names the shard and them).
+        ConfigError: An argument is invalid.
     """
     return scan_many([(f, url)], want=want, head_bytes=head_bytes, seekable=seekable, on_error=on_error)[0]
 
@@ -268,7 +281,7 @@ def scan_many(
         seek = mode_of[0] if mode_of else seekable
         if seek is None:
             seek = bool(getattr(f, "seekable", lambda: False)())
-        acc = _Acc(wanted, report=progress)
+        acc = _Acc(wanted, report=progress, url=url)
         try:
             r = _Reader(f, url, seek)
             if seek and r._fd >= 0:
@@ -623,7 +636,12 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, hea
     j = int(np.argmin(ids)) if ids.size and ids.min() < 0 else -1
     while j >= 0:
         if len(exts) == 64:
-            raise ConfigError("more than 64 distinct member extensions; the index records at most 64")
+            if len(segs) > 1:  # shards checked together: each on its own (each may fit)
+                for seg, lo_s, hi_s in zip(segs, seg_first.tolist(), seg_end.tolist()):
+                    _settle_many([seg], bytearray(A[lo_s:hi_s].tobytes()), P[lo_s:hi_s], head)
+                return
+            new_ext = E[j].tobytes().rstrip(b"\0").decode("ascii")
+            raise too_many_exts(segs[0].acc.url, [*segs[0].acc.bits, *exts, new_ext])
         same = lo == lo[j]
         if two:
             same &= codes[:, 1] == codes[j, 1]

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
-from braceexpand import braceexpand
 
 from ._progress import Progress
 from .buckets import BucketFn, SingleBucket, wrap_callable
 from .errors import BucketError, ConfigError, ShardError, WdsPadError
-from .index import Index, ShardInfo, check_output, load_index, make_index, write_index
+from .index import Index, ShardInfo, load_index, make_index, write_index
 from .read import get_filesystem, redact
 from ._tarrows import ScanRows, scan_many
+from ._urls import expand_urls
 from .tarscan import parse_sample
 
 __all__ = ["Problem", "build_index", "expand_urls", "verify_index"]
@@ -37,25 +37,6 @@ __all__ = ["Problem", "build_index", "expand_urls", "verify_index"]
 _GROUP = 32  # shards scanned by one task (see _scan_group)
 _STAMP_FIELDS = ("ETag", "etag", "checksum", "md5Hash", "crc32c", "mtime", "LastModified",
                  "last_modified", "updated", "created")
-
-
-def expand_urls(urls: str | Iterable[str]) -> list[str]:
-    """Brace-expand one URL pattern or a list of them (``s3://b/train-{000..099}.tar``)."""
-    items = [urls] if isinstance(urls, str) else list(urls)
-    out: list[str] = []
-    for item in items:
-        if not isinstance(item, str) or not item:
-            raise ConfigError(f"shard URL must be a non-empty str, got {item!r}")
-        for url in braceexpand(item):
-            if "://" not in url and not os.path.isabs(url):
-                url = os.path.abspath(url)  # ranks may run in another working directory
-            out.append(url)
-    if not out:
-        raise ConfigError("no shard URLs given")
-    if len(set(out)) != len(out):
-        dup = next(u for u in out if out.count(u) > 1)
-        raise ConfigError(f"shard {redact(dup)!r} is listed twice")
-    return out
 
 
 def _stamp(info: Mapping[str, Any]) -> str:
@@ -109,6 +90,21 @@ class _ShardRows:
     fault: dict[str, Any] | None = None  # on_error="skip": why the shard (or its rest) was left out
 
 
+def _directory(url: str) -> ShardError:
+    return ShardError(f"shard {redact(url)!r} is a directory, not a tar file; list the shards in it "
+                      f"instead, e.g. {redact(url.rstrip('/')) + '/*.tar'!r}")
+
+
+def _not_a_prefix(url: str, storage_options: Mapping[str, Any] | None) -> None:
+    fs, path = get_filesystem(url, storage_options)
+    try:
+        is_dir = fs.isdir(path)
+    except OSError:
+        return  # the scan reports it
+    if is_dir:
+        raise IsADirectoryError(path)
+
+
 def _open_for_scan(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, bool]:
     if _plain_local(url):
         return open(url, "rb", buffering=0), True
@@ -134,9 +130,13 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
             try:
                 size, stamp = shard_info(url, storage_options)
                 try:
+                    if size == 0 and not _plain_local(url):  # an object store lists a prefix as empty
+                        _not_a_prefix(url, storage_options)
                     f, seekable = _open_for_scan(url, storage_options)
                 except FileNotFoundError:
                     raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
+                except IsADirectoryError:
+                    raise _directory(url) from None
             except ShardError as exc:
                 if on_error != "skip":
                     raise
@@ -286,7 +286,6 @@ def build_index(
     head_bytes: int | None = None,
     name: str | None = None,
     progress: bool | None = False,
-    force: bool = False,
 ) -> Index:
     """Index tar shards into buckets.
 
@@ -306,25 +305,20 @@ def build_index(
         head_bytes: for a plain callable, read only this many bytes of each member.
         name: the dataset name the index plans under (default: output file stem).
         progress: show a progress bar on stderr (None: only when stderr is a tty).
-        force: let ``output`` replace an existing file that is not a wds_pad index.
 
     Returns:
         The Index (also written to ``output`` if given).
 
     Raises:
         ShardError, TarFormatError, BucketError: bad input, naming URL, offset and key.
-        ConfigError: wrong arguments, or an ``output`` that is refused before any
-            shard is scanned (one of the shards, a directory, an existing file that is
-            not an index without ``force``, an unwritable place: see ``check_output``).
+        ConfigError: wrong arguments.
     """
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be an int >= 1, got {workers!r}")
     fn = _as_bucket_fn(bucket_by, members, head_bytes)
-    shard_urls = expand_urls(urls)
-    if output is not None:
-        check_output(output, shard_urls, force=force, storage_options=storage_options)
+    shard_urls = expand_urls(urls, storage_options)
     previous = load_index(update, storage_options=storage_options) if isinstance(update, str) else update
     if previous is not None and dict(previous.bucket_by) != dict(fn.describe()):
         raise ConfigError(
@@ -361,11 +355,11 @@ def build_index(
         raise
     finally:
         bar.close()
-    parts = [results[u] for u in shard_urls]
+    parts = _fit_exts([results[u] for u in shard_urls], on_error)
     skipped = [p.fault for p in parts if p.fault is not None]  # shard order: same for any workers
     index = _assemble(parts, fn, skipped, name or _default_name(output, shard_urls))
     if output is not None:
-        write_index(index, output, storage_options, force=force)
+        write_index(index, output, storage_options)
         object.__setattr__(index, "path", output)
     return index
 
@@ -440,6 +434,29 @@ def _assemble(parts: Sequence[_ShardRows], fn: BucketFn, skipped: list[dict[str,
         excluded["truncated"] = True
     return make_index([p.info for p in parts], rows, bucket_keys, keys, bucket_by=fn.describe(),
                       exts=ext_table, excluded=excluded, name=name)
+
+
+def _fit_exts(parts: list[_ShardRows], on_error: str) -> list[_ShardRows]:
+    """The shards whose extensions fit one index's table of 64, in shard order: the first
+    shard that would overflow it raises (naming it and its extensions), or with
+    on_error="skip" is left out, as are any later ones that would."""
+    table: set[str] = set()
+    for i, p in enumerate(parts):
+        present = _present_exts(p)
+        if len(table.union(present)) <= 64:
+            table.update(present)
+            continue
+        new = sorted(set(present) - table)
+        exc = ShardError(
+            f"shard {redact(p.info.url)!r} adds member extensions {new[:10]}{' ...' if len(new) > 10 else ''} "
+            f"to the {len(table)} that the shards before it use: more than the 64 distinct extensions "
+            "an index records; give the members fewer distinct suffixes, index these shards "
+            "separately, or index with on_error='skip' (--on-error skip) to leave this shard out"
+        )
+        if on_error != "skip":
+            raise exc
+        parts[i] = _unreadable(p.info.url, exc)
+    return parts
 
 
 def _present_exts(p: _ShardRows) -> list[str]:
@@ -525,9 +542,27 @@ def _deep_compare(index: Index, si: int, fn: Any, storage_options: Mapping[str, 
     ids = np.flatnonzero(index.shard == si)
     keys = [index.key(int(i)) for i in ids]
     # Samples excluded by the bucket function are absent from the index: compare by key.
-    got = {k: (o, n) for k, o, n in zip(rows.keys, rows.offset, rows.length)}
+    got = dict(zip(rows.keys, zip(rows.offset.tolist(), rows.length.tolist())))
     for i, k in zip(ids, keys):
-        if got.get(k) != (int(index.offset[i]), int(index.length[i])):
-            return f"sample {k!r} moved: indexed at {int(index.offset[i])}+{int(index.length[i])}, now {got.get(k)}"
+        was = (int(index.offset[i]), int(index.length[i]))
+        now = got.get(k)
+        if now != was:
+            return _difference(k, was, now, rows)
     return ""
+
+
+def _difference(key: str, was: tuple[int, int], now: tuple[int, int] | None, rows: _ShardRows) -> str:
+    """What differs for one indexed sample, in words (plain ints)."""
+    (offset, length) = was
+    if now is None:
+        at = np.flatnonzero(rows.offset == offset)
+        if at.size:
+            other = rows.keys[int(at[0])]
+            return (f"sample {key!r} was renamed: the sample at byte offset {offset} is now key {other!r} "
+                    f"({int(rows.length[int(at[0])])} bytes; indexed: {length} bytes)")
+        return f"sample {key!r} is gone: indexed at byte offset {offset} ({length} bytes), no such key now"
+    if now[0] == offset:
+        return f"sample {key!r} at byte offset {offset} changed size: {now[1]} bytes now, {length} indexed"
+    return (f"sample {key!r} moved to another offset: indexed at byte offset {offset} ({length} bytes), "
+            f"now at {now[0]} ({now[1]} bytes)")
 

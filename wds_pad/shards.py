@@ -24,7 +24,6 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 from urllib.parse import urlparse
@@ -35,6 +34,7 @@ from .errors import ConfigError, StaleShardError
 from .index import Index, load_index
 from .read import RangeReader, ReadOptions, redact
 from .seed import derive_rng, shared_seed
+from ._urls import canonical_url, expand_urls
 from .tarscan import parse_sample
 from .topology import Topology
 
@@ -44,13 +44,13 @@ __all__ = ["Equalize", "SplitByNode", "WorkerPlan", "assign_shards", "equalize",
 _NO_SAMPLES = "No samples found in dataset"  # webdataset's check_empty message
 
 
-def canonical_url(url: str) -> str:
-    """The URL as the index stores it: local paths absolute, ``file://`` stripped."""
-    if url.startswith("file://"):
-        url = url[len("file://"):]
-    elif "://" in url or "::" in url:
-        return url
-    return url if os.path.isabs(url) else os.path.abspath(url)
+def _is_pattern(url: Any) -> bool:
+    """Whether a pipeline's shard URL needs expanding (braces, or a glob off http)."""
+    if not isinstance(url, str):
+        return False
+    if url.startswith(("http://", "https://")):
+        return "{" in url or "*" in url
+    return any(c in url for c in "{*?[")
 
 
 def local_path(url: str) -> str | None:
@@ -155,7 +155,9 @@ class SplitByNode:
 
     def __call__(self, src: Iterable[Any]) -> Iterator[dict[str, Any]]:
         items = [s if isinstance(s, dict) else {"url": s} for s in src]
-        self.urls = [s["url"] for s in items]
+        # a glob or brace pattern in the list becomes its shards, as build_index reads it;
+        # a plain URL stays as given (webdataset opens it and names samples after it)
+        self.urls = [u for s in items for u in (expand_urls(s["url"]) if _is_pattern(s["url"]) else [s["url"]])]
         for url, padded in self.assignment(self.urls)[int(self.topology.dp_rank)]:  # type: ignore[arg-type]
             # webdataset's openers read only "url"; the marker is for custom stages.
             yield {"url": url, "__pad_shard__": padded}

@@ -178,8 +178,11 @@ def _not_a_tar(r: _Reader, head: bytes, why: str) -> TarFormatError:
     return _fault(r.url, 0, f"not a tar archive ({why})")
 
 
-def _checked(r: _Reader, pos: int, hdr: bytes, total: int, prev: str | None) -> int:
-    """Verify a header by tarfile's rules; return its size or raise TarFormatError."""
+def _checked(r: _Reader, pos: int, hdr: bytes, total: int, name: str | None, prev: _Entry | None) -> int:
+    """Verify a header by tarfile's rules; return its size or raise TarFormatError.
+
+    ``name`` is the member's name from a long-name or pax header before it, if any;
+    ``prev`` the entry before (named when this header's own name is unreadable)."""
     try:
         if not _checksum_ok(hdr, total):
             raise ValueError("bad header checksum")
@@ -190,7 +193,7 @@ def _checked(r: _Reader, pos: int, hdr: bytes, total: int, prev: str | None) -> 
     except ValueError as exc:
         if pos == 0:
             raise _not_a_tar(r, hdr, str(exc)) from exc
-        raise _fault(r.url, pos, f"invalid tar header ({exc})", name=prev) from exc
+        raise _bad_header(r, pos, f"invalid tar header ({exc})", name or _header_name(hdr), prev) from exc
 
 
 def _pax(buf: bytes) -> dict[str, str]:
@@ -207,9 +210,41 @@ def _pax(buf: bytes) -> dict[str, str]:
     return out
 
 
-def _fault(url: str, offset: int, what: str, *, name: str | None = None, key: str | None = None) -> TarFormatError:
-    where = "".join((f", member {name!r}" if name else "", f", sample key {key!r}" if key else ""))
+def _fault(url: str, offset: int, what: str, *, name: str | None = None, key: str | None = None,
+           after: str | None = None) -> TarFormatError:
+    where = "".join((f", member {name!r}" if name else "",
+                     f", the header after member {after!r} (its own name is unreadable)" if after and not name else "",
+                     f", sample key {key!r}" if key else ""))
     return TarFormatError(f"{url}: {what} at byte offset {offset}{where}; {_HINT}")
+
+
+def _header_name(hdr: bytes) -> str | None:
+    """The member name a (possibly damaged or cut) header block spells, if it is readable:
+    complete, non-empty and printable."""
+    field = hdr[:100]
+    end = field.find(0)
+    if end < 0 and len(hdr) < 100:
+        return None  # cut inside the name
+    raw = field if end < 0 else field[:end]
+    if not raw:
+        return None
+    name = raw.decode(_ENC, "surrogateescape")
+    if len(hdr) >= 500 and hdr[345]:
+        name = f"{_nts(hdr[345:500])}/{name}"
+    return name if name.isprintable() else None
+
+
+def _bad_header(r: _Reader, pos: int, what: str, name: str | None, prev: _Entry | None) -> TarFormatError:
+    """A fault in the header at ``pos``: named after its member, or after the entry before."""
+    return _fault(r.url, pos, what, name=name, after=None if name or prev is None else prev[4])
+
+
+def _cut(r: _Reader, name: str | None, data: int, size: int, nxt: int, got: int = -1) -> TarFormatError:
+    """The archive ends inside a member's payload (or its padding): the same message in
+    seek and stream mode, at the offset where the file ends."""
+    end = r.eof if r.eof >= 0 else data + max(got, 0)
+    return _fault(r.url, end, f"truncated inside the payload ({size} bytes at byte offset {data}, padded to "
+                              f"{nxt}): the file ends", name=name)
 
 
 class _Reader:
@@ -306,7 +341,7 @@ class _Reader:
 _Entry = tuple[int, int, int, int, str, bool]
 
 
-def _end_of_data(r: _Reader, pos: int, start: int, got: int, prev: str | None) -> None:
+def _end_of_data(r: _Reader, pos: int, start: int, got: int, name: str | None, prev: _Entry | None) -> None:
     """Raise unless a short read at header ``pos`` is the clean end of the archive."""
     if pos == start and not got and pos == r.eof and pos:
         return  # EOF right at a header boundary ends the archive, as in tarfile
@@ -316,19 +351,25 @@ def _end_of_data(r: _Reader, pos: int, start: int, got: int, prev: str | None) -
             raise _fault(r.url, 0, "empty file, not a tar archive")
         raise _not_a_tar(r, head, f"only {len(head)} bytes")
     if not got and 0 <= r.eof < pos:
-        raise _fault(r.url, r.eof, f"truncated inside the payload of the member before offset {pos}", name=prev)
-    raise _fault(r.url, pos, f"truncated tar header ({got} of {_BLOCK} bytes)", name=prev)
+        if prev is not None and prev[3] == pos:  # the entry before runs past the end
+            raise _cut(r, prev[4], prev[1], prev[2], prev[3])
+        raise _fault(r.url, r.eof, f"truncated inside the payload of the member before offset {pos}")
+    header = r.at(pos, got)
+    raise _bad_header(r, pos, f"truncated tar header ({got} of {_BLOCK} bytes)",
+                      name if name is not None else _header_name(header), prev)
 
 
-def _entry(r: _Reader, pos: int, prev: str | None) -> _Entry | None:
-    """Read the archive entry starting at ``pos``; ``None`` at the end of the archive."""
+def _entry(r: _Reader, pos: int, prev: _Entry | None) -> _Entry | None:
+    """Read the archive entry starting at ``pos``; ``None`` at the end of the archive.
+
+    ``prev`` is the entry before it, if known (for messages)."""
     start, name, size_override, adler, unpack = pos, None, None, zlib.adler32, _FIELDS.unpack_from
     while True:
         buf, rel = r._buf, pos - r._base
         if rel < 0 or rel + _BLOCK > len(buf):
             got = len(r.at(pos, _BLOCK))
             if got < _BLOCK:
-                _end_of_data(r, pos, start, got, prev)
+                _end_of_data(r, pos, start, got, name, prev)
                 return None
             buf, rel = r._buf, pos - r._base
         # The exact byte sum from adler32 (its low half is 1 + sum mod 65521): one call
@@ -348,12 +389,12 @@ def _entry(r: _Reader, pos: int, prev: str | None) -> _Entry | None:
             if int(chk.rstrip(b"\0 "), 8) != total - sum(chk) + 256 or size < 0:
                 raise ValueError
         except ValueError:
-            size = _checked(r, pos, hdr, total, prev)
+            size = _checked(r, pos, hdr, total, name, prev)
         if kind in _EXTENSION:
             rel += _BLOCK
             ext = buf[rel : rel + size] if rel + size <= len(buf) else r.at(pos + _BLOCK, size)
             if len(ext) < size:
-                raise _fault(r.url, pos, "truncated long-name or pax header", name=prev)
+                raise _bad_header(r, pos, "truncated long-name or pax header", name, prev)
             if kind == b"L":
                 if name is None:
                     name = _nts(ext)
@@ -374,7 +415,7 @@ def _entry(r: _Reader, pos: int, prev: str | None) -> _Entry | None:
         data = pos + _BLOCK
         nxt = data if kind in _NO_PAYLOAD else data + ((size + 511) & ~511)
         if 0 <= r.eof < nxt:
-            raise _fault(r.url, data, f"truncated inside the payload ({size} bytes, file ends at {r.eof})", name=name)
+            raise _cut(r, name, data, size, nxt)
         return start, data, size, nxt, name, kind in _REGULAR and not (kind == b"\0" and raw.endswith("/"))
 
 
@@ -473,8 +514,7 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None, start: int = 0)
             e = _entry(r, pos, prev)
             if e is None:
                 break
-        start, off, size, pos, name, regular = e
-        prev = name
+        start, off, size, pos, name, regular = prev = e
         if not regular or (name.startswith("__") and _is_meta(name)):
             continue
         # webdataset's base_plus_ext without a regex: key = up to the first dot of the
@@ -494,6 +534,8 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None, start: int = 0)
                 yield _sample(key, members, data)
             key, members, data, exts, bad = k, [], {}, [], False
         if ext in exts or ext in _RESERVED_EXTS:
+            if r.eof < 0 and pos > off and not r.at(pos - 1, 1):  # stream mode: a cut payload, as seek mode sees first
+                raise _cut(r, name, off, size, pos)
             raise _fault(r.url, start, f"duplicate suffix {ext!r} in one sample (webdataset rejects it)", name=name, key=k)
         exts.append(ext)
         members.append(_member(name, ext, start, off, size))
@@ -504,7 +546,7 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None, start: int = 0)
             rel = off - r._base
             payload = r._buf[rel : rel + n] if rel >= 0 and rel + n <= len(r._buf) else r.at(off, n)
             if len(payload) < n:
-                raise _fault(r.url, off, f"truncated inside the payload ({size} bytes)", name=name, key=k)
+                raise _cut(r, name, off, size, pos, len(payload))
             data[ext] = payload
     if key is not None and not bad:
         yield _sample(key, members, data)
@@ -627,10 +669,10 @@ def parse_sample_at(fd: int, url: str, offset: int, length: int, key: str | None
 def _parse_range(r: _Reader, url: str, start: int, end: int, base: int, key: str | None) -> dict[str, bytes]:
     """Members of the one sample in ``[start, end)`` of ``r``; ``base`` shifts offsets in messages."""
     out: dict[str, bytes] = {}
-    pos, got, name = start, None, None
+    pos, got, e = start, None, None
     try:
         while pos < end:
-            e = _entry(r, pos, name)
+            e = _entry(r, pos, e)
             if e is None:
                 raise ValueError(f"end-of-archive block at offset {base + pos}")
             _, off, size, pos, name, regular = e
