@@ -192,6 +192,55 @@ def test_index_interrupted_keeps_previous_file(tmp_path, shards, capsys, monkeyp
     assert code == 130 and "interrupted" in stderr and out.read_bytes() == before
 
 
+@pytest.fixture()
+def no_scan(monkeypatch):
+    """Fail if any shard is scanned: refusals must come before the scan."""
+    def refuse(*args, **kw):
+        raise AssertionError("a shard was scanned before the output was checked")
+
+    monkeypatch.setattr(indexer_mod, "_scan_group", refuse)
+
+
+def test_index_refuses_an_input_shard_as_output(tmp_path, shards, capsys, monkeypatch, no_scan) -> None:
+    monkeypatch.chdir(tmp_path)
+    before = open(shards[2], "rb").read()
+    for extra in ([], ["--force"]):
+        code, stdout, stderr = run(capsys, "index", "shards/shard-{000000..000002}.tar", "-o",
+                                   "shards/shard-000002.tar", "--no-progress", *extra)
+        line = one_error_line(stderr, "index")
+        assert code == 2 and stdout == ""
+        assert "'shards/shard-000002.tar' is one of the input shards" in line and "choose another output" in line
+    assert open(shards[2], "rb").read() == before
+
+
+def test_index_refuses_a_file_that_is_not_an_index_unless_forced(tmp_path, shards, capsys, monkeypatch) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    real = indexer_mod._scan_group
+    monkeypatch.setattr(indexer_mod, "_scan_group", lambda *a, **kw: pytest.fail("scanned"))
+    code, stdout, stderr = run(capsys, "index", *shards, "-o", str(notes), "--no-progress")
+    line = one_error_line(stderr, "index")
+    assert code == 2 and stdout == "" and notes.read_text() == "my notes\n"
+    assert f"'{notes}' exists and is not a wds_pad index (9 bytes" in line and "pass --force" in line
+    monkeypatch.setattr(indexer_mod, "_scan_group", real)
+    assert run(capsys, "index", *shards, "-o", str(notes), "--no-progress", "--force")[0] == 0
+    assert len(load_index(str(notes))) == 48
+    assert run(capsys, "index", *shards, "-o", str(notes), "--no-progress")[0] == 0  # now it is an index
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("{tmp}", "is a directory; give a file path, e.g. -o '{tmp}/train.wdsidx'"),
+    ("{shard}/i.wdsidx", "cannot be created: '{shard}' is a file, not a directory"),
+    ("", "index output path is empty"),
+])
+@pytest.mark.parametrize("update", [[], ["--update"]])
+def test_index_bad_output_is_refused_before_scanning(tmp_path, shards, capsys, no_scan, bad, fragment,
+                                                     update) -> None:
+    fill = dict(tmp=str(tmp_path), shard=shards[0])
+    code, stdout, stderr = run(capsys, "index", *shards, "-o", bad.format(**fill), *update)
+    assert code == 2 and stdout == "" and fragment.format(**fill) in one_error_line(stderr, "index")
+
+
 def test_console_script_one_line_error(tmp_path) -> None:
     script = os.path.join(os.path.dirname(sys.executable), "wds-pad")
     proc = subprocess.run([script, "index", str(tmp_path / "nope.tar"), "-o", str(tmp_path / "i.wdsidx")],

@@ -26,7 +26,7 @@ import numpy as np
 from ._progress import Progress
 from .buckets import BucketFn, SingleBucket, wrap_callable
 from .errors import BucketError, ConfigError, ShardError, WdsPadError
-from .index import Index, ShardInfo, load_index, make_index, write_index
+from .index import Index, ShardInfo, check_output, load_index, make_index, write_index
 from .read import get_filesystem, redact
 from ._tarrows import ScanRows, scan_many
 from ._urls import expand_urls
@@ -286,6 +286,7 @@ def build_index(
     head_bytes: int | None = None,
     name: str | None = None,
     progress: bool | None = False,
+    force: bool = False,
 ) -> Index:
     """Index tar shards into buckets.
 
@@ -305,13 +306,16 @@ def build_index(
         head_bytes: for a plain callable, read only this many bytes of each member.
         name: the dataset name the index plans under (default: output file stem).
         progress: show a progress bar on stderr (None: only when stderr is a tty).
+        force: let ``output`` replace an existing file that is not a wds_pad index.
 
     Returns:
         The Index (also written to ``output`` if given).
 
     Raises:
         ShardError, TarFormatError, BucketError: bad input, naming URL, offset and key.
-        ConfigError: wrong arguments.
+        ConfigError: wrong arguments, or an ``output`` that is refused before any
+            shard is scanned (one of the shards, a directory, an existing file that is
+            not an index without ``force``, an unwritable place: see ``check_output``).
     """
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -319,6 +323,8 @@ def build_index(
         raise ConfigError(f"workers must be an int >= 1, got {workers!r}")
     fn = _as_bucket_fn(bucket_by, members, head_bytes)
     shard_urls = expand_urls(urls, storage_options)
+    if output is not None:
+        check_output(output, shard_urls, force=force, storage_options=storage_options)
     previous = load_index(update, storage_options=storage_options) if isinstance(update, str) else update
     if previous is not None and dict(previous.bucket_by) != dict(fn.describe()):
         raise ConfigError(
@@ -359,7 +365,7 @@ def build_index(
     skipped = [p.fault for p in parts if p.fault is not None]  # shard order: same for any workers
     index = _assemble(parts, fn, skipped, name or _default_name(output, shard_urls))
     if output is not None:
-        write_index(index, output, storage_options)
+        write_index(index, output, storage_options, force=force)
         object.__setattr__(index, "path", output)
     return index
 
