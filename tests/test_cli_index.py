@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import numpy as np
 import pytest
@@ -239,6 +241,96 @@ def test_index_bad_output_is_refused_before_scanning(tmp_path, shards, capsys, n
     fill = dict(tmp=str(tmp_path), shard=shards[0])
     code, stdout, stderr = run(capsys, "index", *shards, "-o", bad.format(**fill), *update)
     assert code == 2 and stdout == "" and fragment.format(**fill) in one_error_line(stderr, "index")
+
+
+def test_other_commands_stop_on_an_interrupt_with_one_line(capsys, monkeypatch) -> None:
+    import wds_pad.cli as cli
+
+    for exc, code, what in [(KeyboardInterrupt(), 130, "interrupted"), (cli.Terminated(), 143, "terminated")]:
+        def stop(*args, _exc=exc, **kw):
+            raise _exc
+
+        monkeypatch.setattr("wds_pad.plan.plan_epoch", stop)
+        got, stdout, stderr = run(capsys, "plan", "--buckets", "a=4", "--world-size", "2", "--rank", "0",
+                                  "--batch-size", "1", "--seed", "0", "--summary")
+        assert got == code and stdout == ""
+        assert stderr.splitlines() == [f"wds-pad plan: {what}" + (" (SIGTERM)" if code == 143 else "")]
+
+
+# A `wds-pad index` that blocks at a chosen point until the test has sent SIGTERM (no
+# timing guesses): at "scan" in the middle of scanning, at "write" with the complete temp
+# file fsynced, just before the rename. It records how many shard groups it started.
+SIGNALLED_INDEX = """
+import concurrent.futures, os, sys, threading, time
+import wds_pad._atomic as atomic
+import wds_pad.cli as cli
+import wds_pad.indexer as indexer
+where, ready, calls = sys.argv[1], sys.argv[2], sys.argv[3]
+got_sigterm = threading.Event()
+real_handler = cli._on_sigterm
+def on_sigterm(signum, frame):
+    got_sigterm.set()
+    real_handler(signum, frame)
+cli._on_sigterm = on_sigterm
+futures = []
+real_submit = concurrent.futures.ThreadPoolExecutor.submit
+def submit(self, *args, **kw):
+    futures.append(real_submit(self, *args, **kw))
+    return futures[-1]
+concurrent.futures.ThreadPoolExecutor.submit = submit
+def block():
+    open(ready, "w").close()
+    while not got_sigterm.wait(0.01):
+        pass
+    for _ in range(3000):  # a worker thread: let the main thread stop the pool first (30 s cap)
+        if threading.current_thread() is threading.main_thread() or any(f.cancelled() for f in futures):
+            break
+        time.sleep(0.01)
+real_scan = indexer.scan_many
+def scan(sources, **kw):
+    with open(calls, "a") as f:
+        f.write("scan\\n")
+    if where == "scan":
+        block()
+    return real_scan(sources, **kw)
+indexer.scan_many = scan
+real_replace = os.replace
+def replace(src, dst):
+    if where == "write":
+        block()
+    return real_replace(src, dst)
+atomic.os.replace = replace
+sys.exit(cli.main(sys.argv[4:]))
+"""
+
+
+@pytest.mark.parametrize("where, workers", [("scan", 1), ("scan", 2), ("write", 1)])
+def test_sigterm_exits_143_and_leaves_the_index_as_it_was(tmp_path, capsys, where, workers) -> None:
+    shards = make_image_shards(tmp_path / "shards", samples=40, shards=40, seed=3)
+    out = tmp_path / "train.wdsidx"
+    assert run(capsys, "index", *shards[:2], "-o", str(out), "--no-progress")[0] == 0
+    before, listing = out.read_bytes(), sorted(os.listdir(tmp_path))
+    ready, calls = tmp_path.parent / f"{tmp_path.name}.ready", tmp_path.parent / f"{tmp_path.name}.calls"
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED_INDEX, where, str(ready), str(calls), "index",
+                             *shards, "-o", str(out), "--workers", str(workers), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not ready.exists():  # the child is mid-scan / mid-write
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        if where == "write":
+            assert any(n.endswith(".tmp") for n in os.listdir(tmp_path))  # the complete temp file
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, stderr
+    assert stdout == "" and stderr.splitlines() == [f"wds-pad index: terminated (SIGTERM); {out} was not changed"]
+    assert out.read_bytes() == before and sorted(os.listdir(tmp_path)) == listing  # and no temp left
+    groups = calls.read_text().count("scan")
+    assert where == "write" or groups <= workers  # nothing more started after SIGTERM (of 2 groups with 1 worker, 8 with 2)
 
 
 def test_console_script_one_line_error(tmp_path) -> None:

@@ -7,8 +7,8 @@ line ``wds-pad <cmd>: error: ...``.
 Invariants:
 - nothing is written to stdout but the command's result (reports, tables, JSON); the
   progress bar and notes go to stderr;
-- ``index`` writes its output atomically: interrupted or failed, the path holds either
-  nothing or the previous valid index;
+- ``index`` writes its output atomically: interrupted (Ctrl-C: exit 130, SIGTERM: exit
+  143) or failed, the path holds either nothing or the previous valid index;
 - ``index`` refuses, before scanning anything, an output that is one of its shards, a
   directory, an unwritable place, or an existing file that is not an index (unless
   ``--force``);
@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any, Hashable
 
-from .cli import _non_negative, _positive, _usage, format_table
+from .cli import _non_negative, _positive, _usage, format_table, interrupt_exit
 from .errors import ConfigError
 
 __all__ = ["add_parsers"]
@@ -119,12 +119,28 @@ def _exists(path: str) -> bool:
     return bool(fs.exists(fpath))
 
 
+def _stamp(path: str) -> Any:
+    """What changes when a local ``path`` is replaced (None if missing or remote)."""
+    import os
+
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    elif "://" in path:
+        return None
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _cmd_index(args: argparse.Namespace) -> int:
     from .buckets import parse_bucket_by
     from .index import check_output, load_index
     from .indexer import build_index, expand_urls
 
     fn = parse_bucket_by(args.bucket_by, ratios=args.ratios, boundaries=args.boundaries, step=args.step)
+    before = _stamp(args.output)
     previous = None
     if args.update:
         # refuse a bad -o before reading it as the previous index (build_index checks it
@@ -142,9 +158,13 @@ def _cmd_index(args: argparse.Namespace) -> int:
     try:
         index = build_index(args.urls, fn, output=args.output, workers=args.workers, on_error=args.on_error,
                             update=previous, name=args.name, progress=not args.no_progress, force=args.force)
-    except KeyboardInterrupt:
-        sys.stderr.write(f"wds-pad index: interrupted; {args.output} was not changed\n")
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the temp file is gone, the target untouched
+        code, what = interrupt_exit(exc)
+        if _stamp(args.output) == before:
+            sys.stderr.write(f"wds-pad index: {what}; {args.output} was not changed\n")
+        else:  # the signal came after the rename: the new index is complete
+            sys.stderr.write(f"wds-pad index: {what} after {args.output} was written\n")
+        return code
     finally:
         scan_log.setLevel(level)
     elapsed = time.monotonic() - start

@@ -354,8 +354,12 @@ def build_index(
         else:
             with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
                 futures = {pool.submit(task, group): group for group in groups}
-                for fut in concurrent.futures.as_completed(futures):
-                    results.update(zip(futures[fut], fut.result()))
+                try:
+                    for fut in concurrent.futures.as_completed(futures):
+                        results.update(zip(futures[fut], fut.result()))
+                except BaseException:  # a failed shard, Ctrl-C, SIGTERM: start no further group
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
     except BaseException:
         bar.enabled = bar.enabled and bar.tty  # in a log, a failed build ends with its error line
         raise
