@@ -567,3 +567,16 @@ def test_shardloader_with_prefetch_factor_one_streams_everything(three: tuple[li
     _, index = three
     loader = ShardLoader(ShardStream(index, topology=Topology(1, 0), seed=1), num_workers=1, prefetch_factor=1)
     assert len(list(loader)) == len(list(ShardStream(index, topology=Topology(1, 0), seed=1)))
+
+
+def test_splitter_expands_a_glob_and_file_urls_match_the_index(five) -> None:
+    """split_by_node expands a pattern in its URL list as build_index does, and an index
+    built from file:// URLs is the same as one built from paths (one canonical form)."""
+    paths, index = five
+    root = os.path.dirname(paths[0])
+    topo = Topology(world_size=1, rank=0)
+    by_glob = list(_dropin([f"{root}/*.tar"], index, topo))
+    assert sorted(s["__key__"] for s in by_glob) == sorted(s["__key__"] for s in _dropin(paths, index, topo))
+    from_file_urls = build_index(["file://" + p for p in paths])
+    assert list(from_file_urls.urls) == list(index.urls) and from_file_urls.digest == index.digest
+    assert len(list(_dropin(paths, from_file_urls, topo))) == len(index)
