@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import itertools
+import os
 import pickle
 import re
 import shutil
@@ -26,6 +27,7 @@ from wds_pad.dataset import BucketedWebDataset, Loader
 from wds_pad.errors import ConfigError, StaleShardError, StateMismatchError
 from wds_pad.index import Index, load_index
 from wds_pad.indexer import build_index
+from wds_pad.read import ReadOptions
 from wds_pad.topology import Topology
 
 SOLO = Topology(world_size=1, rank=0)
@@ -225,9 +227,12 @@ def _copy(index: Index, tmp_path: Path) -> Index:
 
 
 def _break_header(index: Index, i: int) -> None:
-    with open(index.url(i), "r+b") as f:  # same size: only the header checksum changes
+    """Bit rot the file's size and mtime do not show: only the header checksum changes."""
+    stat = os.stat(index.url(i))
+    with open(index.url(i), "r+b") as f:
         f.seek(int(index.offset[i]) + 148)
         f.write(b"7777777\0")
+    os.utime(index.url(i), ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
 def test_bad_sample_default_raises_naming_url_offset_key(index: Index, tmp_path: Path) -> None:
@@ -300,6 +305,71 @@ def test_truncated_shard_is_detected(index: Index, tmp_path: Path) -> None:
         f.truncate(int(broken.offset[last]) + 100)
     with pytest.raises(StaleShardError, match=re.escape(broken.urls[0])):
         list(ds)
+
+
+def _change_shard(index: Index, shard: int, how: str) -> None:
+    """Change a shard so that every indexed byte range still parses: bytes appended, a
+    payload byte edited in place (same size, new mtime), or another file put in its place."""
+    path = index.urls[shard]
+    stat = os.stat(path)
+    first = int(np.flatnonzero(index.shard == shard)[0])
+    payload = int(index.offset[first]) + 512  # the first member's data, after its header
+    if how == "append":
+        with open(path, "ab") as f:
+            f.write(b"\0" * 10240)
+        return
+    data = bytearray(open(path, "rb").read())
+    data[payload] ^= 0xFF
+    if how == "edit":
+        with open(path, "r+b") as f:
+            f.seek(payload)
+            f.write(data[payload:payload + 1])
+    else:  # replaced by another shard with the same members at the same offsets
+        with open(f"{path}.new", "wb") as f:
+            f.write(data)
+        os.replace(f"{path}.new", path)
+    # a distinct mtime even if the filesystem's clock has not ticked since indexing
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
+
+
+CHANGES = ["append", "edit", "replace"]
+
+
+@pytest.mark.parametrize("how", CHANGES)
+@pytest.mark.parametrize("workers", [None, 0, 2])
+def test_shard_changed_since_indexing_is_refused(index: Index, tmp_path: Path, how: str,
+                                                 workers: int | None) -> None:
+    changed = _copy(index, tmp_path)
+    ds = _ds(changed.path)
+    shard = int(changed.shard[int(ds.plan()[2].samples[0])])
+    url, (size, stamp) = changed.urls[shard], (changed.shards[shard].size, changed.shards[shard].stamp)
+    _change_shard(changed, shard, how)
+    with pytest.raises(StaleShardError) as err:
+        list(ds if workers is None else Loader(ds, num_workers=workers))
+    msg = str(err.value)
+    assert url in msg and f"the index records {size} bytes, {stamp}" in msg
+    assert "wds-pad index" in msg and "--update" in msg
+    assert f"now has {os.path.getsize(url)} bytes, mtime=" in msg
+
+
+@pytest.mark.parametrize("how", CHANGES)
+def test_changed_shard_with_a_handler_that_continues_gets_substitutes(index: Index, tmp_path: Path,
+                                                                      how: str) -> None:
+    changed = _copy(index, tmp_path)
+    ds = _ds(changed.path, handler=lambda e: True)
+    shard = int(changed.shard[int(ds.plan()[1].samples[0])])
+    _change_shard(changed, shard, how)
+    got = _keys(Loader(ds, num_workers=0))
+    planned = _plan_keys(ds, changed)
+    assert [len(b) for b in got] == [len(b) for b in planned]
+    in_shard = {changed.key(i) for i in np.flatnonzero(changed.shard == shard)}
+    hits = sum(k in in_shard for b in planned for k in b)
+    assert hits >= 1 and ds.counters.substituted == hits
+    assert not in_shard & {k for b in got for k in b}  # nothing of the changed shard streams
+    for want, have in zip(itertools.chain(*planned), itertools.chain(*got)):
+        assert have == want or want in in_shard  # the unchanged shards stream as before
+    assert "--update" in ds.counters.failures[0]
+    assert _keys(Loader(ds, num_workers=2)) == got  # the same substitutes in workers
 
 
 # ---------------------------------------------------------------- state (smoke)
@@ -489,3 +559,21 @@ def test_loader_with_a_positive_prefetch_factor_and_timeout_still_streams(tmp_pa
     loader = Loader(ds, num_workers=1, prefetch_factor=1, timeout=60, multiprocessing_context="fork",
                     pin_memory=False, in_order=True)
     assert sum(len(b) for b in loader) == 8
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_changed_shard_of_large_samples_is_refused_or_substituted(tmp_path: Path, threads: int) -> None:
+    """Large local samples are read on the read-ahead path: the shard is checked there too."""
+    mixed = _mixed_index(tmp_path / "mixed")
+    ds = _ds(mixed.path, batch_size=2, read_options=ReadOptions(local_threads=threads))
+    big = next(int(i) for b in ds.plan() for i in b.samples if mixed.length[i] >= 256 * 1024)
+    shard = int(mixed.shard[big])
+    _change_shard(mixed, shard, "append")
+    with pytest.raises(StaleShardError, match=re.escape(mixed.urls[shard])):
+        list(ds)
+    kept = _ds(mixed.path, batch_size=2, read_options=ReadOptions(local_threads=threads),
+               handler=lambda e: True)
+    got = _keys(kept)
+    assert [len(b) for b in got] == [len(b.samples) for b in kept.plan()]
+    in_shard = {mixed.key(i) for i in np.flatnonzero(mixed.shard == shard)}
+    assert kept.counters.substituted >= 1 and not in_shard & {k for b in got for k in b}

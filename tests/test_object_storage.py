@@ -15,6 +15,9 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,11 +30,13 @@ import webdataset as wds
 from faultproxy import Fault, FaultProxy, Request, Rule
 from servers import MotoServer
 from wds_pad._synth import make_image_shards
+from wds_pad.cli import main as cli_main
+from wds_pad.errors import ReadError, ShardError
 from wds_pad.dataset import BucketedWebDataset, Loader
 from wds_pad import read as wds_read
-from wds_pad.errors import IndexFormatError
-from wds_pad.index import Index, load_index
-from wds_pad.indexer import build_index
+from wds_pad.errors import IndexFormatError, StaleShardError
+from wds_pad.index import Index, load_index, write_index
+from wds_pad.indexer import build_index, verify_index
 from wds_pad.read import RangeReader, ReadOptions
 from wds_pad.topology import Topology
 

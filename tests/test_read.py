@@ -40,6 +40,9 @@ class _State:
         self.stall = 0.0
         self.faults: deque[str] = deque()
         self.requests = 0
+        self.active = 0  # requests inside their delay right now, and the most at once
+        self.peak_active = 0
+        self.etags: dict[str, str] = {}  # path -> ETag header of its answers
         self.lock = threading.Lock()
 
 
@@ -69,7 +72,12 @@ class _Handler(BaseHTTPRequestHandler):
             state.requests += 1
             fault = state.faults.popleft() if state.faults else None
         if state.delay:
+            with state.lock:
+                state.active += 1
+                state.peak_active = max(state.peak_active, state.active)
             time.sleep(state.delay)
+            with state.lock:
+                state.active -= 1
         if fault == "503":
             return self._send(503, b"busy")
         if fault == "403":
@@ -278,26 +286,22 @@ def test_closing_the_iterator_early_is_clean(http: tuple[str, _State]) -> None:
 
 def test_missing_local_file_is_a_shard_error(tmp_path: Any) -> None:
     reader = RangeReader(ReadOptions(backoff=5.0, backoff_max=5.0))
-    start = time.monotonic()
     with pytest.raises(ShardError, match="nope.tar"):
         reader.read(str(tmp_path / "nope.tar"), 0, 10)
     with pytest.raises(ShardError, match=r"byte offset 7 .*nope\.tar"):
         reader.read("memory://wdsread/nope.tar", 7, 10)
-    assert time.monotonic() - start < 1.0
-    assert reader.stats.retries == 0
+    assert reader.stats.retries == 0  # fails fast: no retry (each would have slept 5 s)
 
 
 def test_http_404_and_403_fail_fast_without_retries(http: tuple[str, _State]) -> None:
     base, state = http
     reader = RangeReader(ReadOptions(backoff=5.0, backoff_max=5.0))
-    start = time.monotonic()
     with pytest.raises(ShardError, match=r"byte offset 3 of 'http://127\.0\.0\.1:\d+/gone\.tar'"):
         reader.read(f"{base}/gone.tar", 3, 10)
     state.faults.append("403")
     with pytest.raises(ShardError, match="403"):
         reader.read(f"{base}/a.tar", 0, 10)
-    assert time.monotonic() - start < 1.0
-    assert state.requests == 2 and reader.stats.retries == 0
+    assert state.requests == 2 and reader.stats.retries == 0  # fail fast: each asked once
 
 
 def test_short_read_is_a_stale_shard_error(tmp_path: Any, http: tuple[str, _State]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import itertools
 import json
+import os
 import pickle
 import re
 import shutil
@@ -232,9 +233,11 @@ def _corrupt_copy(index: Index, tmp_path: Path, victim: int) -> Index:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.wdsidx"))
     copy = build_index(sorted(glob.glob(str(dst / "*.tar"))), "aspect:width,height",
                        output=str(dst / "index.wdsidx"))
+    stat = os.stat(copy.url(victim))
     with open(copy.url(victim), "r+b") as f:  # same size, broken header: "changed shard"
         f.seek(int(copy.offset[victim]) + 148)
         f.write(b"9999999\0")
+    os.utime(copy.url(victim), ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: mtime kept
     return copy
 
 
@@ -383,9 +386,11 @@ def _broken_mixed(mixed: Index, tmp_path: Path, victim: int) -> Index:
     shutil.copytree(Path(mixed.urls[0]).parent, dst, ignore=shutil.ignore_patterns("*.wdsidx"))
     copy = build_index(sorted(glob.glob(str(dst / "*.tar"))), "aspect:width,height",
                        output=str(dst / "index.wdsidx"))
+    stat = os.stat(copy.url(victim))
     with open(copy.url(victim), "r+b") as f:  # same size, broken header: "changed shard"
         f.seek(int(copy.offset[victim]) + 148)
         f.write(b"7777777\0")
+    os.utime(copy.url(victim), ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: mtime kept
     return copy
 
 

@@ -27,6 +27,7 @@ from ._progress import Progress
 from .buckets import BucketFn, SingleBucket, wrap_callable
 from .errors import BucketError, ConfigError, ShardError, WdsPadError
 from .index import Index, ShardInfo, check_output, load_index, make_index, write_index
+from .read import change_stamp as _stamp  # one definition: the reader checks against it
 from .read import get_filesystem, redact
 from ._tarrows import ScanRows, scan_many
 from ._urls import expand_urls
@@ -35,16 +36,6 @@ from .tarscan import parse_sample
 __all__ = ["Problem", "build_index", "expand_urls", "verify_index"]
 
 _GROUP = 32  # shards scanned by one task (see _scan_group)
-_STAMP_FIELDS = ("ETag", "etag", "checksum", "md5Hash", "crc32c", "mtime", "LastModified",
-                 "last_modified", "updated", "created")
-
-
-def _stamp(info: Mapping[str, Any]) -> str:
-    for name in _STAMP_FIELDS:
-        value = info.get(name)
-        if value is not None and value != "":
-            return f"{name}={value}"
-    return ""
 
 
 def _plain_local(url: str) -> bool:

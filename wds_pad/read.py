@@ -24,6 +24,12 @@ Invariants:
     * Filesystems, descriptors and pools belong to one process: after ``os.fork`` they
       are made anew (checked with ``os.getpid()``).
     * No message or log line carries a credential: all pass through :func:`redact`.
+    * Given the indexed ``(size, stamp)`` of each shard (``expected``), a reader checks a
+      shard once, when it first opens it: a local file by one ``fstat`` (size, mtime), an
+      S3 or HTTP object by the Content-Range total size and ETag of its first ranged GET
+      response (no extra request). A shard that differs raises :class:`StaleShardError`
+      for every range of it. Other filesystems (chained caches, memory, ...) are not
+      checked beyond the short-read test.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import operator
 import os
 import queue
 import re
+import sys
 import threading
 import weakref
 import zlib
@@ -51,12 +58,35 @@ from fsspec.implementations.local import LocalFileSystem
 
 from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError, WdsPadError
 
-__all__ = ["LocalReadAhead", "RangeReader", "ReadOptions", "ReadStats", "get_filesystem", "redact"]
+__all__ = ["LocalReadAhead", "RangeReader", "ReadOptions", "ReadStats", "change_stamp", "get_filesystem",
+           "redact"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_OPEN_FDS = 256
 _CACHE_WRAPPERS = frozenset({"simplecache", "filecache", "blockcache", "cached"})
+# the fields of an fsspec info dict that may stamp a shard's version, in order of trust
+_STAMP_FIELDS = ("ETag", "etag", "checksum", "md5Hash", "crc32c", "mtime", "LastModified",
+                 "last_modified", "updated", "created")
+
+
+def change_stamp(info: Mapping[str, Any]) -> str:
+    """A shard's change stamp, as the index records it: ``"<field>=<value>"``.
+
+    The first of ETag, checksum, mtime, LastModified, ... that ``info`` (an fsspec info
+    dict, or a dict of one field such as ``{"mtime": st.st_mtime}``) holds; ``""`` if none.
+
+    Args:
+        info: fsspec ``info()`` of the shard, or the fields a read response carried.
+
+    Returns:
+        The stamp; equal stamps of one kind (the part before ``=``) mean the same version.
+    """
+    for name in _STAMP_FIELDS:
+        value = info.get(name)
+        if value is not None and value != "":
+            return f"{name}={value}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -365,18 +395,73 @@ def _backoff(options: ReadOptions, url: str, offset: int, attempt: int) -> float
 # ---------------------------------------------------------------- the reader
 
 class _Target:
-    __slots__ = ("fs", "path", "local", "is_async", "loop")
+    """A shard's filesystem and path; ``get`` says how a ranged GET shows its headers:
+    "s3" (s3fs), "http" (fsspec's aiohttp HTTPFileSystem) or "" (``_cat_file``, no headers)."""
+
+    __slots__ = ("fs", "path", "local", "is_async", "loop", "get")
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
         self.fs, self.path = fs, path
         self.local = isinstance(fs, LocalFileSystem)
         self.is_async = bool(getattr(fs, "async_impl", False)) and not self.local
+        self.get = "" if self.local or not self.is_async else _get_kind(fs)
         self.loop = None
         if self.is_async:
             try:
                 self.loop = fs.loop
             except (NotImplementedError, RuntimeError, AttributeError):
                 self.loop = fsspec.asyn.get_loop()
+
+
+def _get_kind(fs: fsspec.AbstractFileSystem) -> str:
+    # the modules are loaded already when fs is one of theirs: nothing is imported here
+    s3 = sys.modules.get("s3fs.core")
+    if s3 is not None and isinstance(fs, s3.S3FileSystem) and hasattr(s3, "_error_wrapper"):
+        return "s3"
+    http = sys.modules.get("fsspec.implementations.http")
+    if http is not None and isinstance(fs, http.HTTPFileSystem):
+        return "http"
+    return ""
+
+
+def _total_size(content_range: Any) -> int | None:
+    """The object size of a Content-Range header (``bytes 0-99/12345``); None if unknown."""
+    if not isinstance(content_range, str):
+        return None
+    total = content_range.rpartition("/")[2].strip()
+    return int(total) if total.isdigit() else None
+
+
+async def _s3_get(fs: Any, path: str, start: int, end: int) -> tuple[bytes, Any, Any]:
+    """s3fs's ``_cat_file`` for one range, keeping ContentRange and ETag of the response."""
+    from s3fs.core import _error_wrapper
+
+    bucket, key, version = fs.split_path(path)
+    extra = {"VersionId": version} if version else {}
+
+    async def call_and_read() -> tuple[bytes, Any, Any]:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                 Range=f"bytes={start}-{end - 1}", **extra)
+        try:
+            data = await resp["Body"].read()
+        finally:
+            resp["Body"].close()
+        return data, resp.get("ContentRange"), resp.get("ETag")
+
+    return await _error_wrapper(call_and_read, retries=fs.retries)
+
+
+async def _http_get(fs: Any, url: str, start: int, end: int) -> tuple[bytes, Any, Any]:
+    """fsspec HTTPFileSystem's ``_cat_file`` for one range, keeping Content-Range and ETag."""
+    kw = fs.kwargs.copy()
+    headers = kw.pop("headers", {}).copy()
+    headers["Range"] = f"bytes={start}-{end - 1}"
+    kw["headers"] = headers
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), **kw) as r:
+        data = await r.read()
+        fs._raise_not_found_for_status(r, url)
+        return data, r.headers.get("Content-Range"), r.headers.get("ETag")
 
 
 class _Request:
@@ -435,12 +520,20 @@ class RangeReader:
 
     Args:
         options: How to read; defaults to ``ReadOptions()``.
+        expected: The indexed ``(size, change stamp)`` of shard URLs (the index's
+            ``ShardInfo``). Each listed shard is checked once, when first opened (see the
+            module invariants); a shard that changed raises :class:`StaleShardError`.
+            None (or a URL not listed): no check beyond short reads.
     """
 
-    def __init__(self, options: ReadOptions | None = None) -> None:
+    def __init__(self, options: ReadOptions | None = None, *,
+                 expected: Mapping[str, tuple[int, str]] | None = None) -> None:
         self.options = options if options is not None else ReadOptions()
         if not isinstance(self.options, ReadOptions):
             raise ConfigError(f"options must be a ReadOptions, got {type(options).__name__}")
+        self.expected = expected
+        # url -> None (checked, unchanged) or the StaleShardError message: one check per shard
+        self._verdicts: dict[str, str | None] = {}
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
         self._pid = os.getpid()
@@ -453,10 +546,10 @@ class RangeReader:
         weakref.finalize(self, _close_fds, self._fds)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options}
+        return {"options": self.options, "expected": self.expected}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["options"])  # type: ignore[misc]
+        self.__init__(state["options"], expected=state.get("expected"))  # type: ignore[misc]
 
     def __enter__(self) -> RangeReader:
         return self
@@ -507,6 +600,17 @@ class RangeReader:
                 raise ShardError(f"cannot open shard {redact(url)!r} to read byte offset "
                                  f"{offset}: {_cause(exc, 0)}; check the path, or rebuild the "
                                  "index if shards moved") from exc
+            if self.expected is not None and url not in self._verdicts:
+                try:
+                    st = os.fstat(fd)
+                except OSError:
+                    st = None  # unknowable: the reads themselves will tell
+                if st is not None:
+                    self._verdicts[url] = self._changed(url, st.st_size,
+                                                        change_stamp({"mtime": st.st_mtime}))
+            if self._verdicts.get(url) is not None:
+                os.close(fd)
+                raise StaleShardError(self._verdicts[url])
             if len(self._fds) >= _MAX_OPEN_FDS:
                 # the oldest descriptor no read-ahead thread is reading from
                 idle = next((u for u, d in self._fds.items() if d not in self._busy), None)
@@ -596,6 +700,44 @@ class RangeReader:
             st.requests += count
             st.bytes += nbytes
 
+    def _changed(self, url: str, size: int | None, stamp: str) -> str | None:
+        """None if the shard is as indexed (or unlisted), else the StaleShardError message.
+
+        The size is compared when both are known; the stamp only when the index recorded
+        one of the same kind (an ETag with an ETag, an mtime with an mtime).
+        """
+        want = self.expected.get(url) if self.expected is not None else None
+        if want is None:
+            return None
+        want_size, want_stamp = want
+        differs = size is not None and want_size >= 0 and size != want_size
+        same_kind = bool(stamp) and stamp.partition("=")[0] == want_stamp.partition("=")[0]
+        differs = differs or (same_kind and stamp != want_stamp)
+        if not differs:
+            return None
+        now = f"{size} bytes" if size is not None else "size unknown"
+        return (f"shard {redact(url)!r} changed since it was indexed: it now has {now}"
+                f"{f', {stamp}' if same_kind else ''}, the index records {want_size} bytes"
+                f"{f', {want_stamp}' if same_kind else ''}; its samples may no longer be at the "
+                "indexed byte ranges. Re-index the changed shards: `wds-pad index SHARDS -o INDEX "
+                "--update` (or restore the shard)")
+
+    async def _get(self, target: _Target, url: str, start: int, end: int) -> bytes:
+        """One ranged GET; the first response of a listed S3/HTTP shard also checks it."""
+        if self.expected is None or not target.get:
+            return await target.fs._cat_file(target.path, start=start, end=end)
+        if self._verdicts.get(url) is not None:  # known to have changed: no more requests
+            raise StaleShardError(self._verdicts[url])
+        get = _s3_get if target.get == "s3" else _http_get
+        data, content_range, etag = await get(target.fs, target.path, start, end)
+        if url not in self._verdicts:  # the first answer decides; all run on one IO loop
+            self._verdicts[url] = self._changed(url, _total_size(content_range),
+                                                change_stamp({"ETag": etag}))
+        verdict = self._verdicts[url]
+        if verdict is not None:
+            raise StaleShardError(verdict)
+        return data
+
     def _stale(self, url: str, offset: int, length: int, got: int) -> StaleShardError:
         return StaleShardError(
             f"shard {redact(url)!r} returned {got} of {length} bytes at byte offset {offset}: "
@@ -629,7 +771,7 @@ class RangeReader:
             attempt += 1
             try:
                 if pool is None:
-                    call = target.fs._cat_file(target.path, start=start, end=start + length)
+                    call = self._get(target, url, start, start + length)
                 else:
                     call = asyncio.get_running_loop().run_in_executor(pool, functools.partial(
                         target.fs.cat_file, target.path, start=start, end=start + length))

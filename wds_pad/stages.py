@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -277,6 +278,42 @@ def _keys(ix: Index, ids: np.ndarray) -> list[str]:
     return [str(table[a:b], "utf-8") for a, b in zip(ko[ids].tolist(), ko[ids + 1].tolist())]
 
 
+_SHARD_TABLES: weakref.WeakKeyDictionary[Index, dict[str, tuple[int, str]]] = weakref.WeakKeyDictionary()
+
+
+class _IndexedShards(Mapping[str, tuple[int, str]]):
+    """``url -> (size, stamp)`` of the indexes' shards, as RangeReader's ``expected``.
+
+    Built on the first lookup (the first shard a stream opens) and kept per Index for
+    the life of the process, so a stream pays for it once, not per sample or per epoch.
+    """
+
+    def __init__(self, indexes: Sequence[Index]) -> None:
+        self.indexes = tuple(indexes)
+
+    def _tables(self) -> list[dict[str, tuple[int, str]]]:
+        tables = []
+        for ix in self.indexes:
+            table = _SHARD_TABLES.get(ix)
+            if table is None:
+                table = _SHARD_TABLES[ix] = {s.url: (s.size, s.stamp) for s in ix.shards
+                                             if s.error is None and s.size >= 0}
+            tables.append(table)
+        return tables
+
+    def __getitem__(self, url: str) -> tuple[int, str]:
+        for table in self._tables():
+            if url in table:
+                return table[url]
+        raise KeyError(url)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({url: None for table in self._tables() for url in table})
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class _Fetch:
     """The configured fetch stage (picklable): reads and expands sample references."""
 
@@ -295,7 +332,9 @@ class _Fetch:
     @property
     def reader(self) -> RangeReader:
         if self._reader is None:
-            self._reader = RangeReader(self.options)
+            # with the indexes at hand, every shard is checked against them once per stream
+            expected = _IndexedShards(self.spec.indexes) if self.spec is not None else None
+            self._reader = RangeReader(self.options, expected=expected)
         return self._reader
 
     def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
