@@ -15,9 +15,6 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,13 +27,11 @@ import webdataset as wds
 from faultproxy import Fault, FaultProxy, Request, Rule
 from servers import MotoServer
 from wds_pad._synth import make_image_shards
-from wds_pad.cli import main as cli_main
-from wds_pad.errors import ReadError, ShardError
 from wds_pad.dataset import BucketedWebDataset, Loader
 from wds_pad import read as wds_read
 from wds_pad.errors import IndexFormatError, StaleShardError
-from wds_pad.index import Index, load_index, write_index
-from wds_pad.indexer import build_index, verify_index
+from wds_pad.index import Index, load_index
+from wds_pad.indexer import build_index
 from wds_pad.read import RangeReader, ReadOptions
 from wds_pad.topology import Topology
 
@@ -259,6 +254,81 @@ def test_http_index_equals_local_index_rows(http_base: str, shard_dir: Path) -> 
     for column in ("offset", "length", "bucket", "shard"):
         assert getattr(remote, column).tolist() == getattr(local, column).tolist()
     assert [remote.key(i) for i in range(len(remote))] == [local.key(i) for i in range(len(local))]
+
+
+# ---------------------------------------------------------------- changed shards
+
+
+def _changed_bytes(data: bytes, how: str) -> bytes:
+    """The shard with bytes appended, or with one payload byte edited (same size): every
+    indexed byte range still parses either way."""
+    if how == "append":
+        return data + b"\0" * 10240
+    edited = bytearray(data)
+    edited[512] ^= 0xFF  # the first member's data, after its 512-byte header
+    return bytes(edited)
+
+
+def _only_ranged_gets(proxy: FaultProxy) -> list[Request]:
+    requests = proxy.requests
+    assert requests and all(r.method == "GET" and r.header("Range") for r in requests), \
+        sorted({(r.method, r.header("Range") is not None) for r in requests})
+    return requests
+
+
+@pytest.mark.parametrize("how", ["append", "edit"])
+def test_s3_changed_shard_is_refused_with_no_extra_request(moto_server: MotoServer, s3_bucket: str,
+                                                            shard_dir: Path, fault_proxy: Any,
+                                                            how: str) -> None:
+    client = moto_server.client()
+    for i in range(4):
+        client.upload_file(str(shard_dir / f"train-{i:06d}.tar"), s3_bucket, f"train-{i:06d}.tar")
+    index = build_index(f"s3://{s3_bucket}/train-{{000000..000003}}.tar", BUCKET_BY,
+                        storage_options=moto_server.storage_options)
+    proxy: FaultProxy = fault_proxy(moto_server)
+    ds = _ds(index, storage_options=moto_server.storage_options_via(proxy.url))
+    assert _keys(ds) == _plan_keys(ds, index)  # unchanged: streams as before
+    assert len(_only_ranged_gets(proxy)) == ds.read_stats.requests  # type: ignore[union-attr]
+    shard = int(index.shard[int(ds.plan()[1].samples[0])])
+    key = f"train-{shard:06d}.tar"
+    client.put_object(Bucket=s3_bucket, Key=key,
+                      Body=_changed_bytes((shard_dir / key).read_bytes(), how))
+    proxy.reset_counters()
+    with pytest.raises(StaleShardError) as err:
+        list(ds)
+    msg = str(err.value)
+    assert f"s3://{s3_bucket}/{key}" in msg and "--update" in msg
+    assert index.shards[shard].stamp in msg and index.shards[shard].stamp.startswith("ETag=")
+    assert len(_only_ranged_gets(proxy)) <= ds.read_stats.requests  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("how", ["append", "edit"])
+def test_http_changed_shard_is_refused_with_no_extra_request(nginx_server: Any, shard_dir: Path,
+                                                              fault_proxy: Any, how: str) -> None:
+    root = nginx_server.root_dir / f"changed-{how}"
+    root.mkdir()
+    for i in range(4):
+        shutil.copyfile(shard_dir / f"train-{i:06d}.tar", root / f"train-{i:06d}.tar")
+    proxy: FaultProxy = fault_proxy(nginx_server)
+    base = f"{proxy.url}/changed-{how}"
+    index = build_index(f"{base}/train-{{000000..000003}}.tar", BUCKET_BY)
+    assert all(s.stamp.startswith("ETag=") for s in index.shards)
+    proxy.reset_counters()
+    ds = _ds(index)
+    assert _keys(Loader(ds, num_workers=0)) == _plan_keys(ds, index)  # unchanged: as before
+    assert len(_only_ranged_gets(proxy)) == ds.read_stats.requests  # type: ignore[union-attr]
+    shard = int(index.shard[int(ds.plan()[1].samples[0])])
+    path = root / f"train-{shard:06d}.tar"
+    stat = path.stat()
+    path.write_bytes(_changed_bytes(path.read_bytes(), how))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))  # nginx: seconds
+    proxy.reset_counters()
+    with pytest.raises(StaleShardError) as err:
+        list(Loader(ds, num_workers=0))
+    msg = str(err.value)
+    assert f"{base}/train-{shard:06d}.tar" in msg and "--update" in msg
+    assert index.shards[shard].stamp in msg
+    assert len(_only_ranged_gets(proxy)) <= ds.read_stats.requests  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- caching chains

@@ -40,8 +40,6 @@ class _State:
         self.stall = 0.0
         self.faults: deque[str] = deque()
         self.requests = 0
-        self.active = 0  # requests inside their delay right now, and the most at once
-        self.peak_active = 0
         self.etags: dict[str, str] = {}  # path -> ETag header of its answers
         self.lock = threading.Lock()
 
@@ -72,12 +70,7 @@ class _Handler(BaseHTTPRequestHandler):
             state.requests += 1
             fault = state.faults.popleft() if state.faults else None
         if state.delay:
-            with state.lock:
-                state.active += 1
-                state.peak_active = max(state.peak_active, state.active)
             time.sleep(state.delay)
-            with state.lock:
-                state.active -= 1
         if fault == "503":
             return self._send(503, b"busy")
         if fault == "403":
@@ -103,8 +96,10 @@ class _Handler(BaseHTTPRequestHandler):
         end = min(int(m.group(2)) + 1 if m.group(2) else len(data), len(data))
         if start >= len(data):
             return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
+        etag = state.etags.get(self.path.split("?")[0])
         return self._send(206, data[start:end],
-                          {"Content-Range": f"bytes {start}-{end - 1}/{len(data)}"})
+                          {"Content-Range": f"bytes {start}-{end - 1}/{len(data)}",
+                           **({"ETag": etag} if etag else {})})
 
 
 class _Server(ThreadingHTTPServer):
@@ -286,22 +281,26 @@ def test_closing_the_iterator_early_is_clean(http: tuple[str, _State]) -> None:
 
 def test_missing_local_file_is_a_shard_error(tmp_path: Any) -> None:
     reader = RangeReader(ReadOptions(backoff=5.0, backoff_max=5.0))
+    start = time.monotonic()
     with pytest.raises(ShardError, match="nope.tar"):
         reader.read(str(tmp_path / "nope.tar"), 0, 10)
     with pytest.raises(ShardError, match=r"byte offset 7 .*nope\.tar"):
         reader.read("memory://wdsread/nope.tar", 7, 10)
-    assert reader.stats.retries == 0  # fails fast: no retry (each would have slept 5 s)
+    assert time.monotonic() - start < 1.0
+    assert reader.stats.retries == 0
 
 
 def test_http_404_and_403_fail_fast_without_retries(http: tuple[str, _State]) -> None:
     base, state = http
     reader = RangeReader(ReadOptions(backoff=5.0, backoff_max=5.0))
+    start = time.monotonic()
     with pytest.raises(ShardError, match=r"byte offset 3 of 'http://127\.0\.0\.1:\d+/gone\.tar'"):
         reader.read(f"{base}/gone.tar", 3, 10)
     state.faults.append("403")
     with pytest.raises(ShardError, match="403"):
         reader.read(f"{base}/a.tar", 0, 10)
-    assert state.requests == 2 and reader.stats.retries == 0  # fail fast: each asked once
+    assert time.monotonic() - start < 1.0
+    assert state.requests == 2 and reader.stats.retries == 0
 
 
 def test_short_read_is_a_stale_shard_error(tmp_path: Any, http: tuple[str, _State]) -> None:
@@ -856,3 +855,132 @@ def test_local_threads_is_validated() -> None:
     for bad in (-1, True, 1.5):
         with pytest.raises(ConfigError, match="local_threads"):
             ReadOptions(local_threads=bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- changed shards
+
+
+def _change(path: Any, how: str) -> None:
+    """Change a shard so that its indexed byte ranges still read: append bytes, edit a
+    payload byte in place (same size, a new mtime), or replace it by another file."""
+    stat = os.stat(path)
+    if how == "append":
+        with open(path, "ab") as f:
+            f.write(b"\0" * 1024)
+    elif how == "edit":
+        with open(path, "r+b") as f:
+            f.seek(700)
+            byte = f.read(1)
+            f.seek(700)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    else:  # replaced: another file of the same size takes its name
+        data = bytearray(open(path, "rb").read())
+        data[700] ^= 0xFF
+        other = f"{path}.new"
+        with open(other, "wb") as f:
+            f.write(data)
+        os.replace(other, path)
+    # an mtime surely distinct from the indexed one (a filesystem's clock ticks coarsely)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
+
+
+@pytest.mark.parametrize("how", ["append", "edit", "replace"])
+def test_local_shard_changed_since_indexing_is_stale_when_first_opened(tmp_path: Any,
+                                                                       how: str) -> None:
+    from wds_pad.indexer import shard_info
+
+    paths = [str(tmp_path / f"s{i}.tar") for i in range(2)]
+    for p in paths:
+        with open(p, "wb") as f:
+            f.write(os.urandom(8_000))
+    expected = {p: shard_info(p) for p in paths}  # what the index records
+    assert expected[paths[0]][1].startswith("mtime=")
+    _change(paths[0], how)
+    reader = RangeReader(ReadOptions(local_threads=0), expected=expected)
+    assert reader.read(paths[1], 0, 10) == open(paths[1], "rb").read(10)  # unchanged: as before
+    for _ in range(2):  # every range of the changed shard, not just the first
+        with pytest.raises(StaleShardError) as info:
+            list(reader.read_many([(paths[1], 10, 10), (paths[0], 100, 10)]))
+        msg = str(info.value)
+        size, stamp = expected[paths[0]]
+        assert paths[0] in msg and "wds-pad index" in msg and "--update" in msg
+        assert f"the index records {size} bytes, {stamp}" in msg
+        assert f"now has {os.path.getsize(paths[0])} bytes, mtime=" in msg
+    with pytest.raises(StaleShardError):  # the descriptor path of the read-ahead too
+        reader.local_fd(paths[0])
+    # without the index's records the reader reads the changed shard as it is
+    assert RangeReader().read(paths[0], 100, 10) == open(paths[0], "rb").read()[100:110]
+
+
+def test_local_check_is_one_fstat_per_shard(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from wds_pad.indexer import shard_info
+
+    paths = [str(tmp_path / f"s{i}.tar") for i in range(3)]
+    for p in paths:
+        with open(p, "wb") as f:
+            f.write(os.urandom(20_000))
+    reader = RangeReader(expected={p: shard_info(p) for p in paths})
+    calls = []
+    real = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda fd: calls.append(fd) or real(fd))
+    ranges = [(paths[i % 3], 10 * i, 10) for i in range(300)]
+    assert list(reader.read_many(ranges)) == [open(u, "rb").read()[o:o + n] for u, o, n in ranges]
+    assert len(calls) == 3
+    reader._fds.clear()  # descriptors evicted and opened again: still checked only once
+    list(reader.read_many(ranges))
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("how", ["append", "replace"])
+def test_http_shard_changed_is_stale_from_the_get_headers_alone(http: tuple[str, _State],
+                                                                how: str) -> None:
+    base, state = http
+    url, other = f"{base}/a.tar", f"{base}/b.tar"
+    state.etags = {"/a.tar": '"v1"', "/b.tar": '"b1"'}
+    expected = {url: (200_000, 'ETag="v1"'), other: (50_000, 'ETag="b1"')}
+    reader = RangeReader(ReadOptions(**FAST), expected=expected)
+    assert reader.read(other, 5, 10) == state.files["/b.tar"][5:15]  # unchanged: as before
+    if how == "append":
+        state.files["/a.tar"] += b"\0" * 100
+    else:  # same size, another version
+        state.etags["/a.tar"] = '"v2"'
+    state.requests = 0
+    for _ in range(2):
+        with pytest.raises(StaleShardError) as info:
+            reader.read(url, 1_000, 100)
+        msg = str(info.value)
+        assert url in msg and "the index records 200000 bytes" in msg and "--update" in msg
+        assert ("200100 bytes" in msg) if how == "append" else ('ETag="v2"' in msg)
+    assert state.requests == 1  # the first GET told: no HEAD, and no GET after it
+    # a stamp of another kind is not compared with the ETag: only the size is
+    reader = RangeReader(ReadOptions(**FAST), expected={url: (len(state.files["/a.tar"]),
+                                                              "mtime=1.5")})
+    assert reader.read(url, 0, 10) == state.files["/a.tar"][:10]
+
+
+def test_s3_shard_changed_is_stale_from_the_get_headers_alone(s3: tuple[dict[str, Any], bytes]) -> None:
+    from wds_pad.indexer import shard_info
+
+    options, _ = s3
+    writer = fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=options["s3"]["endpoint_url"],
+                               key=options["s3"]["key"], secret=options["s3"]["secret"])
+    urls = [f"s3://wds-bucket/changed-{i}.tar" for i in range(3)]
+    blob = os.urandom(30_000)
+    for u in urls:
+        writer.pipe(u, blob)
+    expected = {u: shard_info(u, options) for u in urls}
+    assert all(stamp.startswith("ETag=") for _, stamp in expected.values())
+    writer.pipe(urls[0], blob + b"\0" * 10)  # appended
+    writer.pipe(urls[1], bytes(reversed(blob)))  # same size, another object
+    reader = RangeReader(ReadOptions(storage_options=options, **FAST), expected=expected)
+    assert reader.read(urls[2], 100, 50) == blob[100:150]  # unchanged: as before
+    for u, what in ((urls[0], "30010 bytes"), (urls[1], "ETag=")):
+        with pytest.raises(StaleShardError) as info:
+            reader.read(u, 100, 50)
+        msg = str(info.value)
+        assert u in msg and what in msg and expected[u][1] in msg and "--update" in msg
+        assert options["s3"]["secret"] not in msg
+    assert reader.stats.requests == 3  # one GET per read: the check needs no request of its own
+    with pytest.raises(StaleShardError):
+        reader.read(urls[0], 200, 50)
+    assert reader.stats.requests == 4  # counted as submitted; answered without a request
