@@ -40,6 +40,8 @@ class _State:
         self.stall = 0.0
         self.faults: deque[str] = deque()
         self.requests = 0
+        self.active = 0  # requests inside their delay right now, and the most at once
+        self.peak_active = 0
         self.etags: dict[str, str] = {}  # path -> ETag header of its answers
         self.lock = threading.Lock()
 
@@ -70,7 +72,12 @@ class _Handler(BaseHTTPRequestHandler):
             state.requests += 1
             fault = state.faults.popleft() if state.faults else None
         if state.delay:
+            with state.lock:
+                state.active += 1
+                state.peak_active = max(state.peak_active, state.active)
             time.sleep(state.delay)
+            with state.lock:
+                state.active -= 1
         if fault == "503":
             return self._send(503, b"busy")
         if fault == "403":
@@ -281,26 +288,22 @@ def test_closing_the_iterator_early_is_clean(http: tuple[str, _State]) -> None:
 
 def test_missing_local_file_is_a_shard_error(tmp_path: Any) -> None:
     reader = RangeReader(ReadOptions(backoff=5.0, backoff_max=5.0))
-    start = time.monotonic()
     with pytest.raises(ShardError, match="nope.tar"):
         reader.read(str(tmp_path / "nope.tar"), 0, 10)
     with pytest.raises(ShardError, match=r"byte offset 7 .*nope\.tar"):
         reader.read("memory://wdsread/nope.tar", 7, 10)
-    assert time.monotonic() - start < 1.0
-    assert reader.stats.retries == 0
+    assert reader.stats.retries == 0  # fails fast: no retry (each would have slept 5 s)
 
 
 def test_http_404_and_403_fail_fast_without_retries(http: tuple[str, _State]) -> None:
     base, state = http
     reader = RangeReader(ReadOptions(backoff=5.0, backoff_max=5.0))
-    start = time.monotonic()
     with pytest.raises(ShardError, match=r"byte offset 3 of 'http://127\.0\.0\.1:\d+/gone\.tar'"):
         reader.read(f"{base}/gone.tar", 3, 10)
     state.faults.append("403")
     with pytest.raises(ShardError, match="403"):
         reader.read(f"{base}/a.tar", 0, 10)
-    assert time.monotonic() - start < 1.0
-    assert state.requests == 2 and reader.stats.retries == 0
+    assert state.requests == 2 and reader.stats.retries == 0  # fail fast: each asked once
 
 
 def test_short_read_is_a_stale_shard_error(tmp_path: Any, http: tuple[str, _State]) -> None:
@@ -384,25 +387,24 @@ def test_exhausted_retries_raise_read_error_naming_everything(fake: type[FakeFS]
 
 def test_stalled_request_times_out_then_retry_succeeds(http: tuple[str, _State]) -> None:
     base, state = http
-    state.stall = 1.0
+    # a stall far longer than the timeout, and a timeout no answer that does not stall
+    # comes near on a busy machine: the count of timeouts is the proof, not elapsed time
+    state.stall = 20.0
     state.faults.append("stall")
-    reader = RangeReader(ReadOptions(timeout=0.2, backoff=0.01, backoff_max=0.01))
-    start = time.monotonic()
+    reader = RangeReader(ReadOptions(timeout=1.0, backoff=0.01, backoff_max=0.01))
     assert reader.read(f"{base}/a.tar", 10, 20) == state.files["/a.tar"][10:30]
-    assert time.monotonic() - start < 0.9
-    assert reader.stats.timeouts == 1 and reader.stats.retries == 1
+    assert reader.stats.timeouts == 1 and reader.stats.retries == 1 and state.requests == 2
 
 
 def test_always_stalled_request_fails_in_bounded_time(http: tuple[str, _State]) -> None:
     base, state = http
-    state.stall = 2.0
+    state.stall = 20.0  # every attempt stalls far longer than its timeout
     state.faults.extend(["stall"] * 5)
     reader = RangeReader(ReadOptions(timeout=0.15, retries=2, backoff=0.01, backoff_max=0.01))
-    start = time.monotonic()
     with pytest.raises(ReadError, match=r"3 attempts.*TimeoutError.*ReadOptions\.timeout"):
         reader.read(f"{base}/a.tar", 10, 20)
-    assert time.monotonic() - start < 1.5
-    assert state.requests == 3
+    # bounded: three attempts, each cut by its timeout (never a wait for a stall to end)
+    assert state.requests == 3 and reader.stats.timeouts == 3 and reader.stats.retries == 2
 
 
 def test_backoff_is_deterministic_and_capped() -> None:
@@ -419,17 +421,20 @@ def test_backoff_is_deterministic_and_capped() -> None:
 
 
 def test_many_in_flight_hide_latency(http: tuple[str, _State]) -> None:
+    """Requests overlap at the server (counted there and by the reader), not "it was
+    fast": throughput against one at a time is tools/bench/remote.py's ratio."""
     base, state = http
-    state.delay = 0.02
-    ranges = [(f"{base}/a.tar", 1000 * i, 100) for i in range(32)]
-    timings = {}
-    for n in (1, 32):
+    state.delay = 0.1
+    peaks = {}
+    for n, count in ((1, 8), (32, 32)):
+        ranges = [(f"{base}/a.tar", 1000 * i, 100) for i in range(count)]
+        state.peak_active = 0
         reader = RangeReader(ReadOptions(max_in_flight=n, **FAST))
-        start = time.monotonic()
-        assert len(list(reader.read_many(ranges))) == 32
-        timings[n] = time.monotonic() - start
-    assert timings[1] >= 32 * 0.02
-    assert timings[1] / timings[32] >= 4, timings
+        assert len(list(reader.read_many(ranges))) == count
+        assert reader.stats.peak_requests_in_flight == n and reader.stats.requests == count
+        peaks[n] = state.peak_active
+    # one at a time never overlaps; 32 in flight overlap inside the server's 100 ms delay
+    assert peaks[1] == 1 and peaks[32] >= 8, peaks
 
 
 # ---------------------------------------------------------------- filesystems and fork
@@ -568,7 +573,6 @@ def test_s3_ranges_merges_and_errors(s3: tuple[dict[str, Any], bytes]) -> None:
     ranges += [("s3://wds-bucket/train-000.tar", 97_000 - 3000 * i, 700) for i in range(20)]
     assert list(reader.read_many(ranges)) == [blob[o:o + n] for _, o, n in ranges]
     assert reader.stats.requests == 10 + 20 and reader.stats.merged == 30
-    start = time.monotonic()
     errors = []
     for rng, kind in [(("s3://wds-bucket/nope.tar", 5, 10), ShardError),
                       (("s3://no-such-bucket/x.tar", 5, 10), ShardError),
@@ -577,7 +581,7 @@ def test_s3_ranges_merges_and_errors(s3: tuple[dict[str, Any], bytes]) -> None:
         with pytest.raises(kind, match=f"byte offset {rng[1]}") as info:
             reader.read(*rng)
         errors.append(info.value)
-    assert time.monotonic() - start < 2.0 and reader.stats.retries == 0
+    assert reader.stats.retries == 0  # fail fast: none of them retried
     for exc in errors:
         chain = f"{exc} {exc.__cause__}"
         assert options["s3"]["secret"] not in chain and options["s3"]["key"] not in chain
@@ -708,11 +712,13 @@ def test_read_ahead_raises_a_source_error_after_the_items_before_it(
 def test_abandoned_read_ahead_skips_queued_items_and_stops(local_files: dict[str, bytes]) -> None:
     url = sorted(local_files)[0]
     started: list[int] = []
+    finished: list[int] = []
     release = threading.Event()
 
     def parse(fd: int, url: str, offset: int, length: int, arg: int) -> int:
         started.append(arg)
-        release.wait(5)
+        release.wait(60)
+        finished.append(arg)
         return arg
 
     reader = RangeReader(ReadOptions(local_threads=2, max_in_flight=16))
@@ -722,10 +728,11 @@ def test_abandoned_read_ahead_skips_queued_items_and_stops(local_files: dict[str
     assert next(it)[0] == 0
     release.clear()  # from now on the threads block in the next items they take
     time.sleep(0.05)
-    begun = len(started)
-    start = time.monotonic()
+    blocked = len(started) - len(finished)
     it.close()  # must not wait for the blocked threads
-    assert time.monotonic() - start < 1.0
+    # they are still blocked (they wait up to 60 s): close returned without them
+    assert len(started) - len(finished) >= blocked
+    begun = len(started)
     assert not reader._busy  # every descriptor pin was dropped
     release.set()  # the threads live on (the read-ahead is not closed) but find nothing to do
     time.sleep(0.1)

@@ -211,10 +211,12 @@ def test_proxy_latency_delays_every_request(nginx_server, web, fault_proxy) -> N
         t0 = time.perf_counter()
         assert fs.cat_file(proxy.url + web, start=0, end=10) == DATA[:10]
         assert time.perf_counter() - t0 >= 0.5
+    # 0 switches it off: with a minute of latency still on, a client that gives up after
+    # 20 s would time out (no claim that a request "is fast", which a busy machine breaks)
+    proxy.set_latency(60_000)
     proxy.set_latency(0)
-    t0 = time.perf_counter()
-    fs.cat_file(proxy.url + web, start=0, end=10)
-    assert time.perf_counter() - t0 < 0.5
+    patient = _http_fs(timeout=aiohttp.ClientTimeout(total=20))
+    assert patient.cat_file(proxy.url + web, start=0, end=10) == DATA[:10]
 
 
 def test_proxy_fails_next_n_then_recovers(nginx_server, web, fault_proxy) -> None:  # noqa: ANN001
@@ -266,9 +268,9 @@ def test_proxy_stall_times_out_a_client(nginx_server, web, fault_proxy) -> None:
     fs = _http_fs(timeout=aiohttp.ClientTimeout(total=1))
     proxy.stall_next(1)
     t0 = time.perf_counter()
-    with pytest.raises(FSTimeoutError):
+    with pytest.raises(FSTimeoutError):  # the stall never ends: only the client's timeout does
         fs.cat_file(proxy.url + web, start=0, end=10)
-    assert 0.9 <= time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 >= 0.9  # it waited its 1 s (a lower bound: load only adds)
     assert fs.cat_file(proxy.url + web, start=0, end=10) == DATA[:10]
 
 
