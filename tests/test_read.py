@@ -24,6 +24,7 @@ from fsspec.spec import AbstractFileSystem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from wds_pad import read as wds_read
 from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError
 from wds_pad.read import RangeReader, ReadOptions, get_filesystem, redact
 
@@ -545,6 +546,74 @@ def test_error_messages_never_carry_secrets(fake: type[FakeFS], http: tuple[str,
         chain = f"{exc} {exc.__cause__} {exc.__context__}"
         assert secret not in chain and "pa55word" not in chain, chain
         assert "byte offset 0" in str(exc)
+
+
+# ---------------------------------------------------------------- redaction keeps prose
+
+
+_PROSE_WORDS = ["unable", "to", "locate", "credentials", "credential", "the", "token", "secret",
+                "key", "password", "signature", "authorization", "expired", "refresh", "your",
+                "see", "docs", "found", "missing", "in", "env", "set", "storage", "options",
+                "check", "request", "we", "calculated", "does", "not", "match", "you",
+                "provided", "Unable", "Partial", "The", "Check", "NoCredentialsError",
+                "PartialCredentialsError", "SignatureDoesNotMatch", "ExpiredToken",
+                "InvalidAccessKeyId", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "aws",
+                "configure", "access", "denied", "none"]
+_PROSE = st.lists(st.tuples(st.sampled_from(_PROSE_WORDS), st.sampled_from([" ", ": ", ", ", ". ", "; "])),
+                  min_size=1, max_size=14).map(lambda ws: "".join(w + s for w, s in ws).rstrip())
+
+
+@pytest.mark.parametrize("text", [
+    "NoCredentialsError: Unable to locate credentials",
+    "PartialCredentialsError: Partial credentials found in env, missing: AWS_SECRET_ACCESS_KEY",
+    "Unable to locate credentials. You can configure credentials by running \"aws configure\".",
+    "the token expired; refresh your credentials: see the docs",
+    "SignatureDoesNotMatch: The request signature we calculated does not match the signature "
+    "you provided. Check your key and signing method.",
+    "ExpiredToken: The provided token has expired.",
+    "InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our records.",
+    "shard 's3://b/x.tar': the store found no credentials: set them in storage_options",
+])
+def test_redact_keeps_messages_about_credentials(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wds_read, "_SECRETS", set())  # only the patterns, not other tests' secrets
+    assert redact(text) == text
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_PROSE)
+def test_redact_leaves_sentences_about_credentials_unchanged(text: str) -> None:
+    with _no_registered_secrets():
+        assert redact(text) == text
+
+
+_SECRET_VALUE = st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-_",
+                        min_size=8, max_size=40).map(lambda v: v[:-1] + "7")  # keys carry a digit
+_ASSIGNED = [
+    "secret={v}", "aws_secret_access_key = {v}", "'secret': '{v}'", '"token": "{v}"', "token: {v}",
+    "password={v}", "X-Amz-Security-Token: {v}", "Authorization: Bearer {v}",
+    "Authorization: AWS4-HMAC-SHA256 Credential={v}/20240101/us-east-1/s3/aws4_request",
+    "https://s3.example/b/k?X-Amz-Signature={v}&part=1", "Signature={v}", "https://user:{v}@host/x",
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=_PROSE, after=_PROSE, value=_SECRET_VALUE, form=st.sampled_from(_ASSIGNED))
+def test_redact_hides_secret_values_inside_prose(before: str, after: str, value: str, form: str) -> None:
+    with _no_registered_secrets():
+        out = redact(f"{before} {form.format(v=value)} {after}")
+    assert value not in out and "***" in out
+    assert out.startswith(f"{before} ") and out.endswith(f" {after}")  # the prose around is kept
+
+
+class _no_registered_secrets:
+    """redact() with only its patterns (hypothesis runs many examples in one test call)."""
+
+    def __enter__(self) -> None:
+        self.saved = wds_read._SECRETS
+        wds_read._SECRETS = set()
+
+    def __exit__(self, *exc: object) -> None:
+        wds_read._SECRETS = self.saved
 
 
 # ---------------------------------------------------------------- S3 protocol (moto on loopback)

@@ -181,9 +181,52 @@ _USERINFO = re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s@?#]+@")
 _SIGNED_PARAM = re.compile(
     r"([?&;][^=&\s#]*(?:sig|signature|credential|token|secret|key|password|auth)[^=&\s#]*=)"
     r"[^&\s#'\"]*", re.I)
+# ``name=value``, ``"name": "value"``, ``name: value``, where name is a whole identifier
+# holding a secret word (aws_secret_access_key, X-Amz-Credential, Authorization, ...)
 _SECRET_ASSIGN = re.compile(
-    r"((?:secret|token|password|passwd|credential|access_key|secret_key|api_key|key_id|"
-    r"authorization)[\w-]*['\"]?\s*[=:]\s*['\"]?)(?:(?:Bearer|Basic|Digest|Token|\*\*\*)\s+)?[^\s'\",}&]+", re.I)
+    r"(?<![\w-])(?P<name>[\w-]*?(?:secret|token|password|passwd|credential|access_key|"
+    r"api_key|key_id|authorization|signature)[\w-]*)(?P<sep>['\"]?[ \t]*[=:][ \t]*)"
+    r"(?P<quote>['\"]?)(?P<scheme>(?-i:Bearer|Basic|Digest|Token|\*\*\*)[ \t]+)?"
+    r"(?P<value>[^\s'\",}&{\[(<][^\s'\",}&]*)", re.I)
+
+
+# words and names: Unable, NoCredentialsError, AWS_PROFILE, aws_secret_access_key (but
+# not AKIAIOSFODNNEXAMPLE: 16 capitals in a row are a key id)
+_WORDS = re.compile(r"[A-Z]?[a-z]+(?:[A-Z][a-z]+)*|[a-z]+(?:_[a-z]+)+|[A-Z]{1,15}|[A-Z]+(?:_[A-Z]+)+")
+
+
+def _looks_like_a_key(value: str) -> bool:
+    """A word after ``name: `` in prose (``Unable``, ``see``) is no secret; a key is."""
+    value = value.rstrip(".;:!?)")
+    return len(value) >= 6 and (any(c.isdigit() for c in value) or any(c in "+/=" for c in value)
+                                or not _WORDS.fullmatch(value))
+
+
+_NAME_FOLLOWS = re.compile(r"['\"]?[ \t]*[=:]")
+
+
+def _is_prose(match: re.Match[str]) -> bool:
+    """"NoCredentialsError: Unable to locate credentials", "refresh your token: see the
+    docs" are sentences; "token: 5b2c8d9e", "Authorization: Bearer x", "secret=x" are not."""
+    name, sep, quote, scheme, value = match.group("name", "sep", "quote", "scheme", "value")
+    prose = ":" in sep and sep.endswith((" ", "\t")) and not quote and not sep.startswith(("'", '"'))
+    return prose and not _looks_like_a_key(value) and not (
+        scheme and name.lower().endswith("authorization"))
+
+
+def _hide_assigned(text: str) -> str:
+    out, pos = [], 0
+    while (match := _SECRET_ASSIGN.search(text, pos)) is not None:
+        # keep prose, and a "value" that is the next name ("credentials: 'secret': 'x'"),
+        # then look again right after "name: "
+        if _is_prose(match) or match["value"].endswith(":") or _NAME_FOLLOWS.match(text, match.end()):
+            out.append(text[pos:match.end("sep")])
+            pos = match.end("sep")
+        else:
+            out.append(f"{text[pos:match.start('quote')]}{match['quote']}***")
+            pos = match.end()
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def _register_secrets(options: Any, name: str = "") -> None:
@@ -206,8 +249,11 @@ def redact(text: str) -> str:
 
     Hides values of secret-like storage options seen by this process (keys, secrets,
     tokens, passwords, auth headers), ``user:password@`` in URLs, signed query
-    parameters (``X-Amz-Signature``, ``sig``, ``token``, ...) and ``secret=...``
-    assignments.
+    parameters (``X-Amz-Signature``, ``sig``, ``token``, ...) and the values of
+    ``secret=...``, ``"token": "..."``, ``Authorization: Bearer ...`` assignments.
+    Sentences about credentials stay as they are: in ``name: value`` prose only a value
+    that looks like a key (digits, ``+/=``, random case) is hidden, so
+    ``NoCredentialsError: Unable to locate credentials`` keeps every word.
 
     Args:
         text: Any message, URL or exception text.
@@ -223,7 +269,7 @@ def redact(text: str) -> str:
             text = text.replace(secret, "***")
     text = _USERINFO.sub(r"\1***@", text)
     text = _SIGNED_PARAM.sub(r"\1***", text)
-    return _SECRET_ASSIGN.sub(r"\1***", text)
+    return _hide_assigned(text)
 
 
 # ---------------------------------------------------------------- filesystems
