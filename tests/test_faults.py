@@ -18,6 +18,7 @@ and s3fs retries S3's ``SlowDown`` code by itself, so raw S3 faults use status 5
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import shutil
@@ -293,6 +294,27 @@ def test_s3_access_denied_and_missing_key_fail_fast(moto_server: MotoServer, s3_
                  read_options=ReadOptions(backoff=2.0, backoff_max=2.0)))
     asked = [r.header("range") for r in s3_proxy.requests if _ranged(r)]
     assert asked and len(asked) == len(set(asked))
+
+
+def test_s3_403_with_many_reads_in_flight_is_one_error_and_nothing_on_stderr(
+        s3_index: Index, s3_options: dict[str, Any], s3_proxy: FaultProxy,
+        caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]) -> None:
+    """Every ranged GET is refused while 32 are in flight: the first refusal is raised,
+    the others are cancelled and their late errors retrieved, never printed by asyncio."""
+    s3_proxy.set_latency(20)
+    s3_proxy.fail_randomly(1.0, status=403, match=_ranged)
+    ds = _ds(s3_index, storage_options=s3_options,
+             read_options=ReadOptions(max_in_flight=32, max_merged_bytes=0, **FAST))
+    for _ in range(4):
+        with pytest.raises(ShardError, match="not readable with these credentials"):
+            list(ds)
+    assert _gets(s3_proxy) > 4  # many were in flight
+    time.sleep(0.5)  # the cancelled ones finish on the IO loop
+    gc.collect()
+    never = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert not never, never[0]
+    err = capfd.readouterr().err
+    assert "never retrieved" not in err and "Traceback" not in err, err
 
 
 # ---------------------------------------------------------------- stalls and timeouts

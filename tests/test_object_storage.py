@@ -15,6 +15,9 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,11 +30,12 @@ import webdataset as wds
 from faultproxy import Fault, FaultProxy, Request, Rule
 from servers import MotoServer
 from wds_pad._synth import make_image_shards
+from wds_pad.cli import main as cli_main
 from wds_pad.dataset import BucketedWebDataset, Loader
 from wds_pad import read as wds_read
-from wds_pad.errors import IndexFormatError, StaleShardError
-from wds_pad.index import Index, load_index
-from wds_pad.indexer import build_index
+from wds_pad.errors import IndexFormatError, ReadError, ShardError, StaleShardError
+from wds_pad.index import Index, load_index, write_index
+from wds_pad.indexer import build_index, verify_index
 from wds_pad.read import RangeReader, ReadOptions
 from wds_pad.topology import Topology
 
@@ -226,6 +230,148 @@ def test_s3_credentials_and_endpoint_from_the_environment(
 def test_s3_missing_index_is_a_clear_error(moto_server: MotoServer, s3_train: str) -> None:
     with pytest.raises(IndexFormatError, match=f"s3://{s3_train}/nope.wdsidx.*does not exist"):
         _ds(f"s3://{s3_train}/nope.wdsidx", storage_options=moto_server.storage_options)
+
+
+# ---------------------------------------------------------------- faults of the store itself
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on: bound, then closed."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# botocore and s3fs would retry a refused connection for seconds: one attempt, short waits
+QUICK = {"config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 2,
+                           "read_timeout": 10}}
+
+
+@pytest.fixture
+def no_credentials(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                   forget_filesystems: None) -> dict[str, Any]:
+    """The environment points at moto but holds no credentials anywhere (nor does a
+    config file; no metadata server is asked); returns storage_options to match."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    for name, value in {"AWS_ENDPOINT_URL": moto_server.endpoint_url,
+                        "AWS_ENDPOINT_URL_S3": moto_server.endpoint_url,
+                        "AWS_DEFAULT_REGION": moto_server.region, "AWS_EC2_METADATA_DISABLED": "true",
+                        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-credentials"),
+                        "AWS_CONFIG_FILE": str(tmp_path / "no-config"), "AWS_MAX_ATTEMPTS": "1",
+                        "AWS_RETRY_MODE": "standard"}.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    wds_read._FS_CACHE.clear()
+    return {"client_kwargs": {"endpoint_url": moto_server.endpoint_url,
+                              "region_name": moto_server.region}, **QUICK}
+
+
+def test_s3_without_credentials_is_a_read_error_saying_what_to_set(
+        s3_train: str, s3_index: tuple[str, Index], no_credentials: dict[str, Any], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    index_url, _ = s3_index
+    shard = f"s3://{s3_train}/train-000000.tar"
+    for call, url in ((lambda: build_index(shard, None, storage_options=no_credentials), shard),
+                      (lambda: load_index(index_url, storage_options=no_credentials), index_url)):
+        with pytest.raises(ReadError, match="found no credentials") as info:
+            call()
+        msg = str(info.value)
+        assert url in msg and "Unable to locate credentials" in msg  # redaction keeps the words
+        assert "AWS_ACCESS_KEY_ID" in msg and "storage_options" in msg
+    # The CLI takes the environment alone: one line of advice, exit 1, no traceback.
+    for argv, url in ((["index", shard, "-o", str(tmp_path / "x.wdsidx"), "--no-progress"], shard),
+                      (["inspect", index_url], index_url)):
+        assert cli_main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"wds-pad {argv[0]}: error: cannot read ") and url in err, err
+        assert "found no credentials" in err and len(err.strip().splitlines()) == 1, err
+
+
+_STREAM_WITHOUT_CREDENTIALS = """
+import gc, sys
+from wds_pad.dataset import BucketedWebDataset
+from wds_pad.errors import ReadError
+from wds_pad.read import ReadOptions
+from wds_pad.topology import Topology
+
+options = {"client_kwargs": {"endpoint_url": sys.argv[2], "region_name": "us-east-1"},
+           "config_kwargs": {"retries": {"total_max_attempts": 1}}}
+for attempt in range(8):
+    ds = BucketedWebDataset(sys.argv[1], batch_size=4, topology=Topology(world_size=1, rank=0),
+                            seed=attempt, storage_options=options,
+                            read_options=ReadOptions(max_in_flight=32, max_merged_bytes=0))
+    try:
+        list(ds)
+    except ReadError as exc:  # the user's own handler
+        print("caught:", exc, flush=True)
+    gc.collect()
+"""
+
+
+def test_a_permanent_failure_with_many_reads_in_flight_prints_nothing_to_stderr(
+        moto_server: MotoServer, s3_index: tuple[str, Index], no_credentials: dict[str, Any],
+        tmp_path: Path) -> None:
+    """32 ranged GETs in flight fail for want of credentials: the one error reaches the
+    handler; the others are cancelled and retrieved, so asyncio prints nothing."""
+    index_path = str(tmp_path / "train.wdsidx")
+    write_index(s3_index[1], index_path)
+    package = str(Path(wds_read.__file__).resolve().parents[1])  # this checkout's wds_pad
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore::UserWarning", "-c", _STREAM_WITHOUT_CREDENTIALS, index_path,
+         moto_server.endpoint_url],
+        env={**os.environ, "PYTHONPATH": package}, capture_output=True, text=True, timeout=100)
+    caught = [line for line in proc.stdout.splitlines() if line.startswith("caught:")]
+    assert proc.returncode == 0 and len(caught) == 8, (proc.stdout, proc.stderr[-3000:])
+    assert all("found no credentials" in line and "Unable to locate credentials" in line
+               for line in caught), caught[0]
+    assert "never retrieved" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr == ""
+
+
+def test_a_store_at_a_closed_port_cannot_be_reached_which_is_not_missing(
+        s3_train: str, capsys: pytest.CaptureFixture[str], forget_filesystems: None) -> None:
+    port = _closed_port()
+    http = f"http://127.0.0.1:{port}"
+    s3 = {"key": "wdspad-closed-port-key", "secret": "wdspad-closed-port-secret",
+          "client_kwargs": {"endpoint_url": http, "region_name": "us-east-1"}, **QUICK}
+    cases = [
+        (lambda: build_index(f"s3://{s3_train}/train-000000.tar", None, storage_options=s3),
+         f"s3://{s3_train}/train-000000.tar", "EndpointConnectionError"),
+        (lambda: load_index(f"s3://{s3_train}/train.wdsidx", storage_options=s3),
+         f"s3://{s3_train}/train.wdsidx", "EndpointConnectionError"),
+        (lambda: build_index(f"{http}/train-000000.tar", None), f"{http}/train-000000.tar",
+         "ClientConnectorError"),
+        (lambda: load_index(f"{http}/train.wdsidx"), f"{http}/train.wdsidx", "ClientConnectorError"),
+    ]
+    for call, url, raw in cases:
+        with pytest.raises(ReadError, match="cannot reach the store") as info:
+            call()
+        msg = str(info.value)
+        assert f"{url}'" in msg and raw in msg and "then retry" in msg, msg
+        assert "does not exist" not in msg and not isinstance(info.value, (ShardError, IndexFormatError))
+    assert cli_main(["inspect", f"{http}/train.wdsidx"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("wds-pad inspect: error: cannot read index") and "cannot reach the store" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_verify_says_unreachable_not_missing_when_the_store_is_down(
+        http_base: str, nginx_server: Any, fault_proxy: Any, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    proxy: FaultProxy = fault_proxy(nginx_server)
+    index_path = str(tmp_path / "v.wdsidx")
+    build_index(f"{proxy.url}/os-train/train-{{000000..000002}}.tar", BUCKET_BY, output=index_path)
+    assert cli_main(["verify", index_path]) == 0
+    capsys.readouterr()
+    proxy.stop()  # the server is gone: nothing listens on its port any more
+    problems = verify_index(index_path)
+    assert len(problems) == 3 and all(p.reason.startswith("unreachable: ") for p in problems)
+    assert cli_main(["verify", index_path]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" ", 1)[0] for line in out] == ["UNREACHABLE"] * 3 + ["3"], out
+    assert all("cannot reach the store" in line and "then retry" in line for line in out[:3])
+    assert out[3].startswith("3 of 3 shards not checked") and "--update" not in out[3], out[3]
 
 
 # ---------------------------------------------------------------- HTTP

@@ -6,6 +6,8 @@ and scripted faults) and against fake fsspec filesystems registered here.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import multiprocessing
 import os
 import re
@@ -18,14 +20,17 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import botocore.exceptions
 import fsspec
 import pytest
+from fsspec.asyn import AsyncFileSystem
 from fsspec.spec import AbstractFileSystem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad import read as wds_read
-from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError
+from wds_pad.errors import (ConfigError, IndexFormatError, ReadError, ShardError, StaleShardError,
+                            WdsPadError)
 from wds_pad.read import RangeReader, ReadOptions, get_filesystem, redact
 
 FAST = dict(backoff=0.01, backoff_max=0.02, timeout=2.0)
@@ -614,6 +619,109 @@ class _no_registered_secrets:
 
     def __exit__(self, *exc: object) -> None:
         wds_read._SECRETS = self.saved
+
+
+# ---------------------------------------------------------------- cancelled requests that fail late
+
+
+class LateFailFS(AsyncFileSystem):
+    """An async fs whose range at offset 0 fails at once and every other one fails late,
+    even when cancelled (as a client whose cleanup outlives the cancel)."""
+
+    protocol = "wdslate"
+    failed: list[int] = []
+
+    async def _cat_file(self, path: str, start: int | None = None, end: int | None = None,
+                        **kwargs: Any) -> bytes:
+        if start:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                pass
+            LateFailFS.failed.append(start)
+        raise PermissionError(f"denied: {path} at {start}")
+
+
+fsspec.register_implementation("wdslate", LateFailFS, clobber=True)
+
+
+def test_a_failure_cancels_what_is_in_flight_and_nothing_is_printed(
+        caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]) -> None:
+    LateFailFS.failed = []
+    reader = RangeReader(ReadOptions(max_in_flight=16, max_merged_bytes=0, **FAST))
+    with pytest.raises(ShardError, match=r"byte offset 0 of .wdslate://x\.tar"):
+        list(reader.read_many(("wdslate://x.tar", i * 100, 100) for i in range(64)))
+    deadline = time.monotonic() + 30
+    while len(LateFailFS.failed) < 15 and time.monotonic() < deadline:  # the 15 others, cancelled
+        time.sleep(0.01)
+    assert sorted(LateFailFS.failed) == [i * 100 for i in range(1, 16)]
+    time.sleep(0.1)  # their tasks finish on the IO loop
+    gc.collect()
+    never = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert not never, never[0].getMessage()
+    err = capfd.readouterr().err
+    assert "never retrieved" not in err and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------- one place judges store faults
+
+
+def _connector_error() -> BaseException:
+    import aiohttp
+
+    key = type("Key", (), {"ssl": False, "host": "127.0.0.1", "port": 9})()
+    return aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "Connect call failed"))
+
+
+def _not_found_from(cause: BaseException) -> BaseException:
+    exc = FileNotFoundError("http://127.0.0.1:9/x.tar")
+    exc.__cause__ = cause
+    return exc
+
+
+@pytest.mark.parametrize(("make", "expected", "says"), [
+    (lambda: botocore.exceptions.NoCredentialsError(), ReadError, "found no credentials.*AWS_ACCESS_KEY_ID"),
+    (lambda: botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9/b/x.tar"),
+     ReadError, "cannot reach the store.*endpoint_url"),
+    (_connector_error, ReadError, "cannot reach the store"),
+    (lambda: _not_found_from(_connector_error()), ReadError, "cannot reach the store"),
+    (lambda: TimeoutError(), ReadError, "cannot reach the store"),
+    (lambda: FileNotFoundError("x"), ShardError, "does not exist; check the URL or pattern"),
+    (lambda: PermissionError("Access Denied"), ShardError, "not readable: PermissionError: Access Denied"),
+    (lambda: OSError(5, "I/O error"), ReadError, "cannot read shard"),
+])
+def test_store_faults_become_our_errors_naming_url_and_fix(make: Any, expected: type, says: str) -> None:
+    def fail() -> None:
+        raise make()
+
+    url = "s3://bucket/x.tar"
+    with pytest.raises(expected, match=says) as info:
+        wds_read.call_store(fail, url)
+    assert url in str(info.value) and isinstance(info.value, WdsPadError)
+    assert isinstance(info.value, OSError)
+
+
+def test_store_faults_of_an_index_and_bugs() -> None:
+    def missing() -> None:
+        raise FileNotFoundError("gone")
+
+    with pytest.raises(IndexFormatError, match="index 'memory://i.wdsidx' does not exist; build it"):
+        wds_read.call_store(missing, "memory://i.wdsidx", what="index", missing=IndexFormatError,
+                            fix="build it with `wds-pad index`")
+
+    def forbidden() -> None:
+        raise PermissionError("denied")
+
+    with pytest.raises(ReadError, match="not readable"):  # an index: not IndexFormatError
+        wds_read.call_store(forbidden, "memory://i.wdsidx", what="index", missing=IndexFormatError,
+                            fix="")
+
+    def bug() -> None:
+        raise KeyError("ours")
+
+    with pytest.raises(KeyError):  # not a store's fault: raised as it is
+        wds_read.call_store(bug, "s3://b/x.tar")
+
 
 
 # ---------------------------------------------------------------- S3 protocol (moto on loopback)

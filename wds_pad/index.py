@@ -421,6 +421,8 @@ def load_index(path: str, *, verify: bool | None = None,
     Raises:
         IndexFormatError: missing file, not an index, another format version, a
             damaged header or truncated arrays, or (verify) a digest mismatch.
+        ReadError: a remote index whose store cannot be reached, found no credentials
+            or refused the read (the message says what to check).
     """
     buf: Any
     if "://" not in path or path.startswith("file://"):
@@ -434,13 +436,11 @@ def load_index(path: str, *, verify: bool | None = None,
         except IsADirectoryError:
             raise IndexFormatError(f"index {path!r} is a directory, not an index file") from None
     else:
-        from .read import get_filesystem
+        from .read import call_store, get_filesystem
 
         fs, fpath = get_filesystem(path, storage_options)
-        try:
-            buf = fs.cat_file(fpath)
-        except FileNotFoundError:
-            raise IndexFormatError(f"index {path!r} does not exist; build it with `wds-pad index`") from None
+        buf = call_store(lambda: fs.cat_file(fpath), path, what="index", missing=IndexFormatError,
+                         fix="build it with `wds-pad index`")
     if len(buf) < _PREFIX.size:
         raise IndexFormatError(f"{path!r} is not a wds_pad index (file of {len(buf)} bytes)")
     magic, version, crc, hlen = _PREFIX.unpack_from(buf, 0)

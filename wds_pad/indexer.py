@@ -25,10 +25,10 @@ import numpy as np
 
 from ._progress import Progress
 from .buckets import BucketFn, SingleBucket, wrap_callable
-from .errors import BucketError, ConfigError, ShardError, WdsPadError
+from .errors import BucketError, ConfigError, ReadError, ShardError, WdsPadError
 from .index import Index, ShardInfo, check_output, load_index, make_index, write_index
 from .read import change_stamp as _stamp  # one definition: the reader checks against it
-from .read import get_filesystem, redact
+from .read import call_store, get_filesystem, redact
 from ._tarrows import ScanRows, scan_many
 from ._urls import expand_urls
 from .tarscan import parse_sample
@@ -44,7 +44,13 @@ def _plain_local(url: str) -> bool:
 
 
 def shard_info(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[int, str]:
-    """(size, change stamp) of one shard, or ShardError naming it if it is missing."""
+    """(size, change stamp) of one shard.
+
+    Raises:
+        ShardError: It does not exist or is not readable.
+        ReadError: Its store cannot be reached or found no credentials (not the shard's
+            fault: nothing is known about it).
+    """
     if _plain_local(url):
         try:  # what fsspec's LocalFileSystem.info gives, without building its dict
             st = os.stat(url)
@@ -55,12 +61,7 @@ def shard_info(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
         if not os.path.isdir(url):
             return st.st_size, _stamp({"mtime": st.st_mtime})
     fs, path = get_filesystem(url, storage_options)
-    try:
-        info = fs.info(path)
-    except FileNotFoundError:
-        raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
-    except PermissionError as exc:
-        raise ShardError(f"shard {redact(url)!r} is not readable: permission denied") from exc
+    info = call_store(lambda: fs.info(path), url)
     size = info.get("size")
     if size is None:
         raise ShardError(f"shard {redact(url)!r}: the filesystem reports no size")
@@ -490,7 +491,9 @@ def verify_index(index: Index | str, *, deep: bool = False,
     """Check every shard's size and change stamp (deep: rescan and compare rows).
 
     Returns:
-        The problems found, one per stale or missing shard (empty when all is well).
+        The problems found, one per stale or missing shard (empty when all is well). A
+        shard whose store cannot be reached (or found no credentials) is a problem whose
+        reason starts with ``"unreachable: "``, one that does not exist ``"missing: "``.
     """
     if isinstance(index, str):
         index = load_index(index, storage_options=storage_options)
@@ -501,6 +504,9 @@ def verify_index(index: Index | str, *, deep: bool = False,
             continue  # missing when indexed (on_error="skip"): nothing recorded to compare
         try:
             size, stamp = shard_info(shard.url, storage_options)
+        except ReadError as exc:  # the store, not the shard: nothing is known about it
+            problems.append(Problem(shard.url, f"unreachable: {exc}"))
+            continue
         except ShardError as exc:
             problems.append(Problem(shard.url, f"missing: {exc}"))
             continue

@@ -24,6 +24,14 @@ Invariants:
     * Filesystems, descriptors and pools belong to one process: after ``os.fork`` they
       are made anew (checked with ``os.getpid()``).
     * No message or log line carries a credential: all pass through :func:`redact`.
+    * A failed range (or a closed iterator) cancels every request in flight; an error a
+      cancelled one still ends in is retrieved, so asyncio prints nothing: the caller
+      sees one error.
+    * Every fault of a store, wherever it is met (filesystem, reader, shard info, index
+      file), is judged in one place (``_store_fault``, behind :func:`call_store` and the
+      reader): "cannot reach the store" and "no credentials" are a :class:`ReadError`,
+      "does not exist" the caller's (:class:`ShardError`, :class:`IndexFormatError`),
+      each with its own advice.
     * Given the indexed ``(size, stamp)`` of each shard (``expected``), a reader checks a
       shard once, when it first opens it: a local file by one ``fstat`` (size, mtime), an
       S3 or HTTP object by the Content-Range total size and ETag of its first ranged GET
@@ -58,8 +66,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError, WdsPadError
 
-__all__ = ["LocalReadAhead", "RangeReader", "ReadOptions", "ReadStats", "change_stamp", "get_filesystem",
-           "redact"]
+__all__ = ["LocalReadAhead", "RangeReader", "ReadOptions", "ReadStats", "call_store", "change_stamp",
+           "get_filesystem", "redact"]
 
 logger = logging.getLogger(__name__)
 
@@ -322,6 +330,8 @@ def get_filesystem(url: str, storage_options: Mapping[str, Any] | None = None,
 
     Raises:
         ConfigError: If the URL's protocol is unknown or the options are refused.
+        ReadError, ShardError: If making the filesystem already asks the store and that
+            fails (see :func:`call_store`).
     """
     if not isinstance(url, str) or not url:
         raise ConfigError(f"a shard URL must be a non-empty str, got {redact(repr(url))}")
@@ -363,6 +373,14 @@ def get_filesystem(url: str, storage_options: Mapping[str, Any] | None = None,
         return fs, inner_cls._strip_protocol(bits[-1])
     except (ValueError, ImportError, TypeError) as exc:
         failure: BaseException = exc
+        store = None
+    except Exception as exc:  # noqa: BLE001 - a store refusing already here (credentials, DNS)
+        store = _store_error(exc, url, "the store of", ShardError, "check the URL")
+        if store is None:
+            raise
+        failure = exc
+    if store is not None:
+        raise store from _chain(failure)
     error = ConfigError(f"cannot open a filesystem for {redact(url)!r}: {redact(repr(failure))}; "
                         "check the URL's protocol, that its fsspec implementation is installed, "
                         "and storage_options")
@@ -430,6 +448,123 @@ def _chain(exc: BaseException) -> BaseException | None:
     """The cause to chain, or None when its text holds a credential (tracebacks print it)."""
     text = f"{exc} {exc.__cause__ or ''} {exc.__context__ or ''}"
     return exc if redact(text) == text else None
+
+
+# ---------------------------------------------------------------- what a store's fault means
+# One place decides, for every edge that talks to a store (get_filesystem, the reader,
+# shard_info, load_index, verify_index), which of our errors a client's exception is.
+
+_UNREACHABLE_ERRNOS = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                                 errno.EHOSTDOWN, errno.ENETDOWN, errno.ETIMEDOUT})
+# exceptions of these packages are the store's answer (or its absence), never our bug
+_STORE_PACKAGES = frozenset({"botocore", "aiobotocore", "boto3", "s3fs", "aiohttp", "fsspec",
+                             "gcsfs", "google", "adlfs", "azure", "requests", "urllib3"})
+
+
+def _advice(fault: str, url: str) -> tuple[str, str] | None:
+    """(what is wrong, how to fix it) for a fault of the store itself, not of an object."""
+    s3 = url.split("::")[-1].startswith(("s3://", "s3a://"))
+    if fault == "credentials":
+        where = ("in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                 "AWS_PROFILE) or in storage_options (key and secret; anon=True for a public "
+                 "bucket)") if s3 else "in the environment or in storage_options"
+        return "the store found no credentials", f"set them {where}"
+    if fault == "unreachable":
+        endpoint = ("the endpoint URL (client_kwargs.endpoint_url in storage_options, or "
+                    "AWS_ENDPOINT_URL)") if s3 else "the host and port in the URL"
+        return ("cannot reach the store",
+                f"check {endpoint}, that the server is up and the network to it, then retry")
+    return None
+
+
+def _store_fault(exc: BaseException) -> tuple[str, BaseException] | None:
+    """What a failed store call means, looking through its causes.
+
+    Returns:
+        ``(fault, the exception that shows it)``, the fault one of ``"credentials"`` (none
+        found), ``"unreachable"`` (no connection, DNS, connect or read timeout),
+        ``"missing"`` (404, no such key or bucket), ``"forbidden"`` (401, 403) or
+        ``"other"`` (any other I/O or store-client error); None when ``exc`` is not a
+        store's fault (a bad argument, a bug) and must propagate as it is.
+    """
+    chain: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and len(chain) < 6 and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
+    for link in chain:  # fsspec's HTTP info() says FileNotFoundError for a refused connection
+        names = [c.__name__.lower() for c in type(link).__mro__]
+        if any("credential" in n or "tokenretrieval" in n or n.startswith(("sso", "unauthorizedsso"))
+               for n in names):
+            return "credentials", link
+        if isinstance(link, (ConnectionError, TimeoutError)) or getattr(link, "errno", None) \
+                in _UNREACHABLE_ERRNOS or any("connect" in n or "timeout" in n for n in names):
+            return "unreachable", link
+    status = _status_of(exc)
+    if isinstance(exc, FileNotFoundError) or status in (404, 410):
+        return "missing", exc
+    if isinstance(exc, PermissionError) or status in (401, 403):
+        return "forbidden", exc
+    if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _STORE_PACKAGES:
+        return "other", exc
+    return None
+
+
+def _store_error(exc: BaseException, url: str, what: str, missing: type[WdsPadError],
+                 fix: str) -> WdsPadError | None:
+    """Our error for a failed call to the store holding ``url`` (see :func:`call_store`)."""
+    found = _store_fault(exc)
+    if found is None:
+        return None
+    fault, culprit = found
+    where = f"{what} {redact(url)!r}"
+    cause = ("TimeoutError: no answer in time" if isinstance(culprit, TimeoutError)
+             and not str(culprit) else _cause(culprit, 0))
+    advice = _advice(fault, url)
+    if advice is not None:
+        return ReadError(f"cannot read {where}: {advice[0]} ({cause}); {advice[1]}")
+    if fault == "missing":
+        return missing(f"{where} does not exist; {fix}")
+    if fault == "forbidden":  # a shard: ShardError; an index (IndexFormatError is no OSError): ReadError
+        forbidden = missing if issubclass(missing, OSError) else ReadError
+        return forbidden(f"{where} is not readable: {cause}; check the credentials "
+                         "(storage_options or the environment) and the object's permissions")
+    return ReadError(f"cannot read {where}: {cause}; check the URL and storage_options, "
+                     "then retry")
+
+
+def call_store(fn: Callable[[], Any], url: str, *, what: str = "shard",
+               missing: type[WdsPadError] = ShardError,
+               fix: str = "check the URL or pattern") -> Any:
+    """Runs one call to a store, raising every fault of the store as one of our errors.
+
+    Args:
+        fn: The call, e.g. ``lambda: fs.info(path)``.
+        url: What it reads (named, redacted, in the error).
+        what: What ``url`` is, for the message ("shard", "index").
+        missing: The error for an object that does not exist (or is forbidden, if an
+            ``OSError``); e.g. :class:`ShardError` or :class:`IndexFormatError`.
+        fix: The advice for a missing object.
+
+    Returns:
+        What ``fn`` returns.
+
+    Raises:
+        ReadError: The store cannot be reached (connection refused, DNS, timeouts), no
+            credentials were found, or another I/O fault; the message says what to check.
+        WdsPadError: ``missing`` for an object that does not exist or is forbidden.
+    """
+    try:
+        return fn()
+    except WdsPadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - judged below, raised as ours
+        error = _store_error(exc, url, what, missing, fix)
+        if error is None:
+            raise
+        failure: BaseException = exc
+    # Raised outside the except clause so no __context__ holds an unredacted text.
+    raise error from _chain(failure)
 
 
 def _backoff(options: ReadOptions, url: str, offset: int, attempt: int) -> float:
@@ -530,6 +665,26 @@ class _Request:
         self.end = end
         self.parts.append((offset, length))
         return True
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # seen: asyncio no longer prints it when the future is collected
+
+
+def _watched(aw: Any) -> Any:
+    """``aw`` as a future whose failure counts as retrieved once it is done.
+
+    A request whose consumer stopped (or failed on an earlier range) is cancelled, but it
+    may still end in an error, racing the cancel; nobody is left to read that error, and
+    asyncio would print each one as "Task exception was never retrieved" with its traceback.
+    A consumer still waiting gets the error as before.
+    """
+    if aw is None:
+        return None
+    fut = asyncio.ensure_future(aw)
+    fut.add_done_callback(_retrieve)
+    return fut
 
 
 def _check_range(rng: Any) -> tuple[str, int, int]:
@@ -811,6 +966,7 @@ class RangeReader:
     async def _fetch(self, target: _Target, pool: concurrent.futures.Executor | None,
                      url: str, start: int, length: int, nparts: int) -> bytes:
         opts, attempt = self.options, 0
+        _watched(asyncio.current_task())  # cancelled by a consumer gone, it may still fail
         what = f"{length} bytes at byte offset {start} of {redact(url)!r}" + (
             f" (one request for {nparts} merged ranges)" if nparts > 1 else "")
         while True:
@@ -821,13 +977,13 @@ class RangeReader:
                 else:
                     call = asyncio.get_running_loop().run_in_executor(pool, functools.partial(
                         target.fs.cat_file, target.path, start=start, end=start + length))
-                return await asyncio.wait_for(call, opts.timeout)
+                return await asyncio.wait_for(_watched(call), opts.timeout)
             except WdsPadError:
                 raise
             except Exception as exc:  # noqa: BLE001 - judged below, raised as ours
                 failure: BaseException = exc
             # Raised outside the except clause so no __context__ holds an unredacted text.
-            error = self._judge(failure, what, attempt)
+            error = self._judge(failure, what, attempt, url)
             if error is not None:
                 raise error from _chain(failure)
             delay = _backoff(opts, url, start, attempt)
@@ -835,7 +991,8 @@ class RangeReader:
                         _cause(failure, opts.timeout))
             await asyncio.sleep(delay)
 
-    def _judge(self, exc: BaseException, what: str, attempt: int) -> Exception | None:
+    def _judge(self, exc: BaseException, what: str, attempt: int, url: str = "",
+               ) -> Exception | None:
         """Returns the error to raise for a failed attempt, or None to retry it."""
         opts = self.options
         kind, cause = _classify(exc), _cause(exc, opts.timeout)
@@ -846,7 +1003,11 @@ class RangeReader:
             return ShardError(f"cannot read {what}: {cause}; the shard is missing or not "
                               "readable with these credentials: check the URL and "
                               "storage_options, or rebuild the index")
+        found = _store_fault(exc)
+        advice = _advice(found[0], url) if found is not None else None
         if kind == "permanent":
+            if advice is not None:
+                return ReadError(f"reading {what} failed: {advice[0]} ({cause}); {advice[1]}")
             return ReadError(f"reading {what} failed: {cause} (not retried: not a transient "
                              "error)")
         with self._stats_lock:
@@ -857,7 +1018,9 @@ class RangeReader:
         hint = (f"ReadOptions.timeout (now {opts.timeout} s)" if isinstance(exc, TimeoutError)
                 else f"ReadOptions.retries (now {opts.retries}) or backoff_max")
         return ReadError(f"reading {what} failed after {attempt} attempts; last error: "
-                         f"{cause}. If the store is slow or overloaded, raise {hint}")
+                         f"{cause}. If the store is slow or overloaded, raise {hint}"
+                         + (f"; if it is down or the endpoint is wrong: {advice[1]}"
+                            if advice is not None and not isinstance(exc, TimeoutError) else ""))
 
     def _read_general(self, it: Iterator[Any], nxt: tuple[str, int, int] | None,
                       ) -> Iterator[bytes]:
