@@ -288,6 +288,21 @@ def test_s3_without_credentials_is_a_read_error_saying_what_to_set(
         assert "found no credentials" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_s3_output_without_credentials_is_a_read_error_before_any_scan(
+        s3_train: str, no_credentials: dict[str, Any], tmp_path: Path) -> None:
+    out = f"s3://{s3_train}/out-{tmp_path.name}.wdsidx"
+    scanned: list[str] = []
+
+    def bucket_fn(key: str, data: Any) -> str:
+        scanned.append(key)
+        return "all"
+
+    with pytest.raises(ReadError, match="found no credentials") as info:
+        build_index(f"s3://{s3_train}/train-000000.tar", bucket_fn, output=out,
+                    storage_options=no_credentials)
+    assert out in str(info.value) and not scanned  # refused before the shard was read
+
+
 _STREAM_WITHOUT_CREDENTIALS = """
 import gc, sys
 from wds_pad.dataset import BucketedWebDataset

@@ -345,14 +345,15 @@ def _check_parent(path: str, directory: str) -> None:
 
 def _check_remote(path: str, inputs: Sequence[str], force: bool,
                   storage_options: Mapping[str, Any] | None) -> None:
-    from .read import get_filesystem
+    from .errors import ShardError
+    from .read import call_store, get_filesystem
 
     if path in set(inputs):
         raise _refuse(path, "is one of the input shards; writing the index there would destroy the shard")
     fs, fpath = get_filesystem(path, storage_options)
-    try:
-        info = fs.info(fpath)
-    except OSError:  # missing (the usual case), or not checkable: the write itself reports real faults
+    try:  # a store that cannot be reached, or no credentials: a ReadError now, before any scan
+        info = call_store(lambda: fs.info(fpath), path, what="index output")
+    except ShardError:  # missing (the usual case), or forbidden to read: the write reports real faults
         return
     if info.get("type") == "directory":
         raise _refuse(path, "is a directory (a prefix with objects under it)",
@@ -388,6 +389,8 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
     Raises:
         ConfigError: ``path`` is refused (see :func:`check_output`), checked before
             anything is written.
+        ReadError, ShardError: a remote store cannot be reached, has no credentials, or
+            refuses the write.
     """
     check_output(path, index.urls, force=force, storage_options=storage_options)
     parts = _serialize(index)
@@ -395,10 +398,12 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
     if local is not None:
         atomic_write(local, parts)
         return local
-    from .read import get_filesystem
+    from .read import call_store, get_filesystem
 
     fs, fpath = get_filesystem(path, storage_options)
-    fs.pipe_file(fpath, b"".join(bytes(p) for p in parts))
+    data = b"".join(bytes(p) for p in parts)
+    call_store(lambda: fs.pipe_file(fpath, data), path, what="index output",
+               fix="check the output URL and that these credentials may write there")
     return path
 
 
