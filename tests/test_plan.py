@@ -744,3 +744,19 @@ def test_the_padded_size_limit_is_inclusive() -> None:
     _check_planned_size("d", "a", MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, 1, 1, 1, False)
     with pytest.raises(ConfigError, match="padded to"):
         _check_planned_size("d", "a", 3, 1, MAX_PLANNED_ENTRIES + 1, 1, 4, 4, False)
+
+
+def test_a_share_under_the_limit_that_memory_cannot_hold_is_a_config_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import wds_pad.plan as plan_mod
+
+    def no_memory(*args: Any) -> Any:  # what numpy raises for 3.6 TiB on a 24 GiB machine
+        raise MemoryError("Unable to allocate 3.64 TiB for an array")
+
+    monkeypatch.setattr(plan_mod, "_rank_entries", no_memory)
+    bs = 10**11
+    with pytest.raises(ConfigError, match=rf"this rank's share is {5 * bs} planned entries .*more than "
+                                          r"this machine can allocate.*lower the batch size") as err:
+        plan_epoch({k: [i] for i, k in enumerate("abcde")}, Topology(1, 0), seed=1, batch_size=bs,
+                   policy="cyclic", oversubscribe=True)
+    assert isinstance(err.value.__cause__, MemoryError)

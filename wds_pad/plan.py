@@ -447,7 +447,16 @@ def plan_epoch(
             f"planner's limit of MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower repeats, "
             f"the batch size ({bs}) or the world size ({dp} DP ranks), or turn oversubscribe off"
         )
-    flat, flat_pad, counts = _rank_entries(kept, dp, d)
+    try:
+        flat, flat_pad, counts = _rank_entries(kept, dp, d)
+    except MemoryError as exc:  # below the limit, but more than this machine holds
+        share = sum(max(0, -(-(k[3] - d) // dp)) for k in kept)
+        raise ConfigError(
+            f"epoch {epoch}: this rank's share is {share} planned entries (of {planned}; pad unit "
+            f"{unit} = {dp} DP ranks x batch {bs}), more than this machine can allocate to plan it "
+            f"(about {share * 64 / 2**30:.1f} GiB); lower the batch size, plan on more DP ranks, or "
+            "turn oversubscribe off"
+        ) from exc
     if warn and dropped_names:
         warnings.warn(
             f"{len(dropped_names)} bucket(s) smaller than one global step were dropped from "
