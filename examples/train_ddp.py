@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from wds_pad import BucketedWebDataset, Loader, WdsPadError, build_index, load_state_file, save_state_file
-from wds_pad.state import state_path
+from wds_pad import state_path
 
 INDEX_NAME = "images.wdsidx"
 PIXELS = 24 * 24  # every bucket is resized to about this many pixels, in its own aspect ratio
@@ -47,7 +47,7 @@ def ensure_dataset(data_dir: str, samples: int = 240, shards: int = 6) -> str:
     """Generate skewed image shards and their aspect index in ``data_dir`` unless present."""
     index = os.path.join(data_dir, INDEX_NAME)
     if not os.path.exists(index):
-        from wds_pad._synth import make_image_shards  # the test-data generator shipped with wds_pad
+        from wds_pad.cli.synth import make_image_shards  # the test-data generator shipped with wds_pad
 
         urls = make_image_shards(os.path.join(data_dir, "shards"), samples=samples, shards=shards)
         build_index(urls, "aspect:width,height", output=index)  # written atomically

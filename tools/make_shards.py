@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 try:
-    from wds_pad import _synth
+    from wds_pad.cli import synth as _synth
 except ImportError:  # run from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from wds_pad import _synth
+    from wds_pad.cli import synth as _synth
 
 from wds_pad.errors import WdsPadError
 

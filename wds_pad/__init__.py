@@ -3,6 +3,11 @@
 Bucketed, cyclically padded across data-parallel ranks, exactly resumable. Names that
 need torch (the streaming datasets and the loader) are imported lazily, so that the
 planner and the CLI start without importing torch.
+
+The packages are the stages of the flow (docs/architecture.md): ``core`` (topology,
+seed, plan; pure), ``io`` (filesystems, range reads), ``index`` (tar reading, buckets,
+the index file), ``state`` (resume), ``stream`` (webdataset stages, the loaders) and
+``cli``. Import public names from here, ``wds_pad``.
 """
 
 from __future__ import annotations
@@ -26,37 +31,40 @@ from .errors import (
     TopologyMismatchError,
     WdsPadError,
 )
-from .plan import Batch, BucketStats, Dataset, Mode, PadTo, Plan, Policy, iter_steps, plan_epoch
-from .seed import derive_rng, shared_seed
-from .topology import Topology
+from . import _moved
+from .core.plan import Batch, BucketStats, Dataset, Mode, PadTo, Plan, Policy, iter_steps, plan_epoch
+from .core.seed import derive_rng, shared_seed
+from .core.topology import Topology
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it (imported on first use)
 _LAZY: dict[str, str] = {
-    "BucketedWebDataset": "dataset",
-    "Equalize": "shards",
-    "Index": "index",
-    "Loader": "dataset",
-    "PlanSpec": "stages",
-    "PlannedSource": "stages",
-    "RangeReader": "read",
-    "ReadOptions": "read",
-    "ShardInfo": "index",
-    "ShardLoader": "shardstream",
-    "ShardStream": "shardstream",
-    "SplitByNode": "shards",
-    "build_index": "indexer",
-    "check_agreement": "dataset",
-    "equalize": "shards",
-    "fetch": "stages",
-    "load_index": "index",
-    "load_state_file": "state",
-    "plan_batched": "stages",
-    "save_state_file": "state",
-    "split_by_node": "shards",
-    "verify_index": "indexer",
-    "write_index": "index",
+    "BucketedWebDataset": "stream.dataset",
+    "Equalize": "stream.shards",
+    "Index": "index.format",
+    "Loader": "stream.dataset",
+    "PlanSpec": "stream.stages",
+    "PlannedSource": "stream.stages",
+    "Position": "stream.stages",
+    "RangeReader": "io.read",
+    "ReadOptions": "io.read",
+    "ShardInfo": "index.format",
+    "ShardLoader": "stream.shardstream",
+    "ShardStream": "stream.shardstream",
+    "SplitByNode": "stream.shards",
+    "build_index": "index.build",
+    "check_agreement": "stream.dataset",
+    "equalize": "stream.shards",
+    "fetch": "stream.stages",
+    "load_index": "index.format",
+    "load_state_file": "state.files",
+    "plan_batched": "stream.stages",
+    "save_state_file": "state.files",
+    "split_by_node": "stream.shards",
+    "state_path": "state.files",
+    "verify_index": "index.build",
+    "write_index": "index.format",
 }
 
 __all__ = sorted(

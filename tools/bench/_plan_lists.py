@@ -1,6 +1,6 @@
 """A pure-Python (lists and loops) reference planner: the test oracle and the benchmark peer.
 
-It implements the semantics of :func:`wds_pad.plan.plan_epoch` the obvious way, one
+It implements the semantics of :func:`wds_pad.core.plan.plan_epoch` the obvious way, one
 sample at a time, so that tests can check the vectorised planner against it and the
 benchmark can measure what vectorisation buys. To make outputs comparable it draws its
 random numbers exactly like the real planner: the shuffles use the same keyed
@@ -31,9 +31,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping
 
-from wds_pad.plan import bucket_order
-from wds_pad._permute import permute_one
-from wds_pad.seed import derive_rng, derive_seed
+from wds_pad.core.plan import bucket_order
+from wds_pad.core.permute import permute_one
+from wds_pad.core.seed import derive_rng, derive_seed
 
 __all__ = ["ListDataset", "ListPlan", "plan_epoch_lists"]
 

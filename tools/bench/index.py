@@ -43,10 +43,10 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from wds_pad._synth import make_blob_shards
-from wds_pad.buckets import AspectBuckets
-from wds_pad.indexer import build_index
-from wds_pad._tarrows import scan_rows
+from wds_pad.cli.synth import make_blob_shards
+from wds_pad.index.buckets import AspectBuckets
+from wds_pad.index.build import build_index
+from wds_pad.index.tarrows import scan_rows
 
 _RATIOS = AspectBuckets()  # the same quantisation for every contender
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             urls = make_blob_shards(os.path.join(tmp, label.replace(" ", "")), samples=n, sample_bytes=size,
                                     shards=shards)
             results[label] = run_case(f"{label} x {n}", urls, n, args.repeat, rows)
-    from wds_pad.cli import format_table
+    from wds_pad.cli.app import format_table
 
     print(f"best of {args.repeat}, single thread; ratios and rates from CPU time (load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")

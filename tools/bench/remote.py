@@ -46,13 +46,13 @@ import webdataset as wds
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: servers
 from servers import NginxServer, _wait_http, free_port  # noqa: E402
 
-from wds_pad._synth import make_blob_shards  # noqa: E402
-from wds_pad.dataset import BucketedWebDataset, Loader  # noqa: E402
+from wds_pad.cli.synth import make_blob_shards  # noqa: E402
+from wds_pad.stream.dataset import BucketedWebDataset, Loader  # noqa: E402
 from wds_pad.errors import DroppedBucketWarning  # noqa: E402
-from wds_pad.index import Index  # noqa: E402
-from wds_pad.indexer import build_index  # noqa: E402
-from wds_pad.read import ReadOptions  # noqa: E402
-from wds_pad.topology import Topology  # noqa: E402
+from wds_pad.index.format import Index  # noqa: E402
+from wds_pad.index.build import build_index  # noqa: E402
+from wds_pad.io.read import ReadOptions  # noqa: E402
+from wds_pad.core.topology import Topology  # noqa: E402
 
 FAULTPROXY = Path(__file__).resolve().parents[1] / "faultproxy.py"
 
@@ -210,8 +210,8 @@ def report(args: argparse.Namespace, proxy: ProxyProcess, urls: list[str], index
               f"{100 * r['our_cpu'] / r['wall']:12.0f}")
     best = max(r["sps"] for name, r in rows[1:])
     print(f"\nbest planned / webdataset sequential: {best / ref['sps']:.2f}x (target >= 0.5x)")
-    # The speed-up the tests used to assert in wall-clock time (tests/test_read.py and
-    # tests/test_object_storage.py now count requests in flight instead): the same reader,
+    # The speed-up the tests used to assert in wall-clock time (tests/io/test_read.py and
+    # tests/io/test_object_storage.py now count requests in flight instead): the same reader,
     # one request at a time as the peer, measured in this run.
     print(f"16 in flight / 1 in flight: {sweep[16] / sweep[1]:.1f}x, "
           f"32 / 1: {sweep[32] / sweep[1]:.1f}x (target >= 4x: latency hidden by requests in flight)")

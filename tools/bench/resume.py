@@ -33,11 +33,11 @@ from typing import Callable
 
 import numpy as np
 
-from wds_pad._synth import make_blob_shards
-from wds_pad.dataset import BucketedWebDataset
-from wds_pad.index import Index, load_index, make_index, write_index
-from wds_pad.indexer import build_index
-from wds_pad.topology import Topology
+from wds_pad.cli.synth import make_blob_shards
+from wds_pad.stream.dataset import BucketedWebDataset
+from wds_pad.index.format import Index, load_index, make_index, write_index
+from wds_pad.index.build import build_index
+from wds_pad.core.topology import Topology
 
 
 def replicate(base: Index, times: int, path: str) -> Index:

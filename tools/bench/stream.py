@@ -47,14 +47,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from wds_pad._synth import make_blob_shards
-from wds_pad.dataset import BucketedWebDataset, Loader
+from wds_pad.cli.synth import make_blob_shards
+from wds_pad.stream.dataset import BucketedWebDataset, Loader
 from wds_pad.errors import DroppedBucketWarning
-from wds_pad.index import Index
-from wds_pad.indexer import build_index
-from wds_pad.read import ReadOptions
-from wds_pad.stages import PlannedSource, fetch, plan_batched
-from wds_pad.topology import Topology
+from wds_pad.index.format import Index
+from wds_pad.index.build import build_index
+from wds_pad.io.read import ReadOptions
+from wds_pad.stream.stages import PlannedSource, fetch, plan_batched
+from wds_pad.core.topology import Topology
 
 
 def cpu_seconds() -> float:
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             urls, index = _shards(tmp, label, n, size, shards)
             results[label] = run_case(f"{label} x {n}", urls, index, batch, args.repeat, rows)
     busy1, ours1, wall = machine_busy(), cpu_seconds(), time.perf_counter() - t0
-    from wds_pad.cli import format_table
+    from wds_pad.cli.app import format_table
 
     print(format_table(["case", "contender", "samples/s", "MB/s", "us/sample", "py us/sample",
                         "cpu us/sample", "vs webdataset", "vs raw read"], rows, align="llrrrrrrr"))

@@ -1,0 +1,525 @@
+"""``wds-pad index | inspect | verify`` and ``plan INDEX --json`` through the real parser."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+import numpy as np
+import pytest
+
+import wds_pad.index.build as indexer_mod
+from wds_pad.cli.synth import make_image_shards
+from wds_pad.cli.app import main
+from wds_pad.index.format import load_index
+from wds_pad.index.tarscan import parse_sample
+
+
+@pytest.fixture()
+def shards(tmp_path) -> list[str]:
+    return make_image_shards(tmp_path / "shards", samples=48, shards=3, seed=11)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str, cmd: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"wds-pad {cmd}: error: "), err
+    return lines[0]
+
+
+def offsets_of(url: str) -> dict[str, int]:
+    with tarfile.open(url) as tf:
+        return {m.name: m.offset for m in tf.getmembers()}
+
+
+def pattern(shards: list[str]) -> str:
+    return os.path.join(os.path.dirname(shards[0]), "shard-{000000..000002}.tar")
+
+
+# -- index ------------------------------------------------------------------------------------
+def test_index_writes_and_reports(tmp_path, shards, capsys) -> None:
+    out = str(tmp_path / "train.wdsidx")
+    code, stdout, stderr = run(capsys, "index", pattern(shards), "-o", out, "--bucket-by", "aspect",
+                               "--workers", "2")
+    assert code == 0
+    index = load_index(out)
+    assert len(index) == 48 and index.name == "train"
+    assert "indexed 3 shards" in stdout and "48 samples in" in stdout and f"-> {out}" in stdout
+    counts = index.bucket_counts()
+    assert "buckets: " + ", ".join(f"{k}={v}" for k, v in counts.items()) in stdout
+    for word in ("3/3 shards", "shards/s", "samples/s", "MB/s"):  # the progress bar
+        assert word in stderr
+    assert "skipped" not in stdout and "excluded" not in stdout
+
+
+def test_index_options_reach_the_bucket_function(tmp_path, shards, capsys) -> None:
+    out = str(tmp_path / "i.wdsidx")
+    code, stdout, stderr = run(capsys, "index", *shards, "-o", out, "--bucket-by", "json:width",
+                               "--boundaries", "32,48", "--name", "widths", "--no-progress")
+    assert code == 0 and stderr == ""
+    index = load_index(out)
+    assert set(index.buckets) <= {"<32", "32-48", ">=48"} and index.name == "widths"
+    assert dict(index.bucket_by)["boundaries"] == [32, 48]
+    code, _, _ = run(capsys, "index", *shards, "-o", out, "--bucket-by", "aspect", "--step", "0.5",
+                     "--no-progress")
+    assert code == 0 and dict(load_index(out).bucket_by)["step"] == 0.5
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--bucket-by", "colour"], "--bucket-by 'colour' is not understood"),
+    (["--bucket-by", "none", "--ratios", "1:1"], "--ratios/--step apply only"),
+    (["--bucket-by", "json:len", "--boundaries", "3,x"], "--boundaries '3,x'"),
+])
+def test_index_bad_bucket_spec_is_one_line_exit_2(tmp_path, shards, capsys, argv, fragment) -> None:
+    out = tmp_path / "i.wdsidx"
+    code, stdout, stderr = run(capsys, "index", shards[0], "-o", str(out), "--no-progress", *argv)
+    assert code == 2 and stdout == "" and fragment in one_error_line(stderr, "index")
+    assert not out.exists()
+
+
+def test_index_update_reports_rescanned_shards(tmp_path, shards, capsys, monkeypatch) -> None:
+    out = str(tmp_path / "i.wdsidx")
+    code, stdout, stderr = run(capsys, "index", *shards, "-o", out, "--update", "--no-progress")
+    assert code == 0 and "no index at" in stderr and "indexing every shard" in stderr
+    first = load_index(out)
+    st = os.stat(shards[2])
+    os.utime(shards[2], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    scanned: list[str] = []
+    real = indexer_mod.scan_many
+    monkeypatch.setattr(indexer_mod, "scan_many",
+                        lambda sources, **kw: scanned.extend(u for _, u, *_ in sources) or real(sources, **kw))
+    code, stdout, _ = run(capsys, "index", *shards, "-o", out, "--update", "--no-progress")
+    assert code == 0 and scanned == [shards[2]]
+    assert "update: 1 shard scanned, 2 unchanged" in stdout
+    np.testing.assert_array_equal(load_index(out).offset, first.offset)
+    code, _, stderr = run(capsys, "index", *shards, "-o", out, "--update", "--bucket-by", "aspect", "--no-progress")
+    assert code == 2 and "rebuild without --update" in one_error_line(stderr, "index")
+
+
+def _bad_inputs(tmp_path, shards) -> dict[str, tuple[str, str]]:
+    """name -> (bad shard path, fragment the error must contain)."""
+    missing = str(tmp_path / "missing.tar")
+    nottar = str(tmp_path / "nottar.tar")
+    open(nottar, "wb").write(b"this is not a tar file\n" * 50)
+    corrupt = str(tmp_path / "corrupt.tar")
+    data = bytearray(open(shards[1], "rb").read())
+    victim = list(offsets_of(shards[1]).items())[4][1]
+    data[victim + 3] ^= 0x20
+    open(corrupt, "wb").write(bytes(data))
+    truncated = str(tmp_path / "truncated.tar")
+    last = max(offsets_of(shards[2]).values())
+    open(truncated, "wb").write(open(shards[2], "rb").read()[: last + 600])
+    return {
+        "missing": (missing, f"shard '{missing}' does not exist"),
+        "not a tar": (nottar, f"{nottar}: not a tar archive"),
+        "corrupt": (corrupt, f"{corrupt}: invalid tar header (bad header checksum) at byte offset {victim}"),
+        "truncated": (truncated, f"{truncated}: truncated inside the payload"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "not a tar", "corrupt", "truncated"])
+def test_index_bad_shard_fails_or_is_skipped(tmp_path, shards, capsys, caplog, case) -> None:
+    bad, fragment = _bad_inputs(tmp_path, shards)[case]
+    out = tmp_path / "i.wdsidx"
+    code, stdout, stderr = run(capsys, "index", shards[0], bad, "-o", str(out), "--no-progress")
+    assert code == 1  # an OSError-kind error (ShardError / TarFormatError)
+    assert fragment in one_error_line(stderr, "index") and not out.exists()
+    caplog.clear()
+    code, stdout, stderr = run(capsys, "index", shards[0], bad, "-o", str(out), "--no-progress",
+                               "--on-error", "skip")
+    assert code == 0 and stderr == ""
+    assert not [r for r in caplog.records if r.name == "wds_pad.index.tarscan"]  # the report says it once
+    assert "skipped 1 shard (on error: skip):" in stdout and f"  {bad}: " in stdout and fragment in stdout
+    index = load_index(str(out))
+    assert index.excluded["shards"][0]["url"] == bad and index.shards[1].error is not None
+    assert len(index) >= index.shards[0].samples > 0
+
+
+def bad_json_shard(tmp_path, shards) -> tuple[str, str, int]:
+    """A copy of shard 0 whose second sample's .json does not parse (same size)."""
+    src = shards[0]
+    with tarfile.open(src) as tf:
+        members = [m for m in tf.getmembers() if m.name.endswith(".json")]
+    victim = members[1]
+    data = bytearray(open(src, "rb").read())
+    start = victim.offset_data
+    data[start : start + 5] = b"{oops"
+    bad = str(tmp_path / "badjson.tar")
+    open(bad, "wb").write(bytes(data))
+    first = min(o for n, o in offsets_of(src).items() if n.split(".")[0] == victim.name.split(".")[0])
+    return bad, victim.name.split(".")[0], first
+
+
+def test_index_bad_json_and_raising_bucket_function(tmp_path, shards, capsys) -> None:
+    bad, key, offset = bad_json_shard(tmp_path, shards)
+    out = tmp_path / "i.wdsidx"
+    code, stdout, stderr = run(capsys, "index", bad, "-o", str(out), "--bucket-by", "aspect", "--no-progress")
+    line = one_error_line(stderr, "index")
+    assert code == 2 and f"sample '{key}'" in line and bad in line and f"byte offset {offset}" in line
+    assert "not valid JSON" in line and not out.exists()
+    code, stdout, stderr = run(capsys, "index", bad, "-o", str(out), "--bucket-by", "aspect", "--no-progress",
+                               "--on-error", "skip")
+    assert code == 0 and "excluded 1 sample:" in stdout
+    assert f"  '{key}' in {bad} at byte offset {offset}: " in stdout
+    assert load_index(str(out)).excluded["count"] == 1
+    # a field missing from the JSON is the same kind of error, raised by the bucket function
+    code, _, stderr = run(capsys, "index", shards[0], "-o", str(out), "--bucket-by", "aspect:w,h", "--no-progress")
+    assert code == 2 and "field 'w' is missing" in one_error_line(stderr, "index")
+
+
+def test_index_interrupted_keeps_previous_file(tmp_path, shards, capsys, monkeypatch) -> None:
+    out = tmp_path / "i.wdsidx"
+    assert run(capsys, "index", *shards, "-o", str(out), "--no-progress")[0] == 0
+    before = out.read_bytes()
+    real = indexer_mod.scan_many
+
+    def interrupt(sources, **kw):
+        if any(url == shards[1] for _, url, *_ in sources):
+            raise KeyboardInterrupt
+        return real(sources, **kw)
+
+    monkeypatch.setattr(indexer_mod, "scan_many", interrupt)
+    code, _, stderr = run(capsys, "index", *shards, "-o", str(out), "--no-progress", "--bucket-by", "aspect")
+    assert code == 130 and "interrupted" in stderr and out.read_bytes() == before
+
+
+@pytest.fixture()
+def no_scan(monkeypatch):
+    """Fail if any shard is scanned: refusals must come before the scan."""
+    def refuse(*args, **kw):
+        raise AssertionError("a shard was scanned before the output was checked")
+
+    monkeypatch.setattr(indexer_mod, "_scan_group", refuse)
+
+
+def test_index_refuses_an_input_shard_as_output(tmp_path, shards, capsys, monkeypatch, no_scan) -> None:
+    monkeypatch.chdir(tmp_path)
+    before = open(shards[2], "rb").read()
+    for extra in ([], ["--force"]):
+        code, stdout, stderr = run(capsys, "index", "shards/shard-{000000..000002}.tar", "-o",
+                                   "shards/shard-000002.tar", "--no-progress", *extra)
+        line = one_error_line(stderr, "index")
+        assert code == 2 and stdout == ""
+        assert "'shards/shard-000002.tar' is one of the input shards" in line and "choose another output" in line
+    assert open(shards[2], "rb").read() == before
+
+
+def test_index_refuses_a_file_that_is_not_an_index_unless_forced(tmp_path, shards, capsys, monkeypatch) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    real = indexer_mod._scan_group
+    monkeypatch.setattr(indexer_mod, "_scan_group", lambda *a, **kw: pytest.fail("scanned"))
+    code, stdout, stderr = run(capsys, "index", *shards, "-o", str(notes), "--no-progress")
+    line = one_error_line(stderr, "index")
+    assert code == 2 and stdout == "" and notes.read_text() == "my notes\n"
+    assert f"'{notes}' exists and is not a wds_pad index (9 bytes" in line and "pass --force" in line
+    monkeypatch.setattr(indexer_mod, "_scan_group", real)
+    assert run(capsys, "index", *shards, "-o", str(notes), "--no-progress", "--force")[0] == 0
+    assert len(load_index(str(notes))) == 48
+    assert run(capsys, "index", *shards, "-o", str(notes), "--no-progress")[0] == 0  # now it is an index
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("{tmp}", "is a directory; give a file path, e.g. -o '{tmp}/train.wdsidx'"),
+    ("{shard}/i.wdsidx", "cannot be created: '{shard}' is a file, not a directory"),
+    ("", "index output path is empty"),
+])
+@pytest.mark.parametrize("update", [[], ["--update"]])
+def test_index_bad_output_is_refused_before_scanning(tmp_path, shards, capsys, no_scan, bad, fragment,
+                                                     update) -> None:
+    fill = dict(tmp=str(tmp_path), shard=shards[0])
+    code, stdout, stderr = run(capsys, "index", *shards, "-o", bad.format(**fill), *update)
+    assert code == 2 and stdout == "" and fragment.format(**fill) in one_error_line(stderr, "index")
+
+
+def test_other_commands_stop_on_an_interrupt_with_one_line(capsys, monkeypatch) -> None:
+    import wds_pad.cli.app as cli
+
+    for exc, code, what in [(KeyboardInterrupt(), 130, "interrupted"), (cli.Terminated(), 143, "terminated")]:
+        def stop(*args, _exc=exc, **kw):
+            raise _exc
+
+        monkeypatch.setattr("wds_pad.core.plan.plan_epoch", stop)
+        got, stdout, stderr = run(capsys, "plan", "--buckets", "a=4", "--world-size", "2", "--rank", "0",
+                                  "--batch-size", "1", "--seed", "0", "--summary")
+        assert got == code and stdout == ""
+        assert stderr.splitlines() == [f"wds-pad plan: {what}" + (" (SIGTERM)" if code == 143 else "")]
+
+
+# A `wds-pad index` that blocks at a chosen point until the test has sent SIGTERM (no
+# timing guesses): at "scan" in the middle of scanning, at "write" with the complete temp
+# file fsynced, just before the rename. It records how many shard groups it started.
+SIGNALLED_INDEX = """
+import concurrent.futures, os, sys, threading, time
+import wds_pad.io.atomic as atomic
+import wds_pad.cli.app as cli
+import wds_pad.index.build as indexer
+where, ready, calls = sys.argv[1], sys.argv[2], sys.argv[3]
+got_sigterm = threading.Event()
+real_handler = cli._on_sigterm
+def on_sigterm(signum, frame):
+    got_sigterm.set()
+    real_handler(signum, frame)
+cli._on_sigterm = on_sigterm
+futures = []
+real_submit = concurrent.futures.ThreadPoolExecutor.submit
+def submit(self, *args, **kw):
+    futures.append(real_submit(self, *args, **kw))
+    return futures[-1]
+concurrent.futures.ThreadPoolExecutor.submit = submit
+def block():
+    open(ready, "w").close()
+    while not got_sigterm.wait(0.01):
+        pass
+    for _ in range(3000):  # a worker thread: let the main thread stop the pool first (30 s cap)
+        if threading.current_thread() is threading.main_thread() or any(f.cancelled() for f in futures):
+            break
+        time.sleep(0.01)
+real_scan = indexer.scan_many
+def scan(sources, **kw):
+    with open(calls, "a") as f:
+        f.write("scan\\n")
+    if where == "scan":
+        block()
+    return real_scan(sources, **kw)
+indexer.scan_many = scan
+real_replace = os.replace
+def replace(src, dst):
+    if where == "write":
+        block()
+    return real_replace(src, dst)
+atomic.os.replace = replace
+sys.exit(cli.main(sys.argv[4:]))
+"""
+
+
+@pytest.mark.parametrize("where, workers", [("scan", 1), ("scan", 2), ("write", 1)])
+def test_sigterm_exits_143_and_leaves_the_index_as_it_was(tmp_path, capsys, where, workers) -> None:
+    shards = make_image_shards(tmp_path / "shards", samples=40, shards=40, seed=3)
+    out = tmp_path / "train.wdsidx"
+    assert run(capsys, "index", *shards[:2], "-o", str(out), "--no-progress")[0] == 0
+    before, listing = out.read_bytes(), sorted(os.listdir(tmp_path))
+    ready, calls = tmp_path.parent / f"{tmp_path.name}.ready", tmp_path.parent / f"{tmp_path.name}.calls"
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED_INDEX, where, str(ready), str(calls), "index",
+                             *shards, "-o", str(out), "--workers", str(workers), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not ready.exists():  # the child is mid-scan / mid-write
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        if where == "write":
+            assert any(n.endswith(".tmp") for n in os.listdir(tmp_path))  # the complete temp file
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, stderr
+    assert stdout == "" and stderr.splitlines() == [f"wds-pad index: terminated (SIGTERM); {out} was not changed"]
+    assert out.read_bytes() == before and sorted(os.listdir(tmp_path)) == listing  # and no temp left
+    groups = calls.read_text().count("scan")
+    assert where == "write" or groups <= workers  # nothing more started after SIGTERM (of 2 groups with 1 worker, 8 with 2)
+
+
+def test_console_script_one_line_error(tmp_path) -> None:
+    script = os.path.join(os.path.dirname(sys.executable), "wds-pad")
+    proc = subprocess.run([script, "index", str(tmp_path / "nope.tar"), "-o", str(tmp_path / "i.wdsidx")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"wds-pad index: error: shard '{tmp_path / 'nope.tar'}' does not exist; check the URL or pattern"]
+
+
+# -- inspect ------------------------------------------------------------------------------------
+@pytest.fixture()
+def built(tmp_path, shards, capsys) -> str:
+    out = str(tmp_path / "train.wdsidx")
+    assert run(capsys, "index", *shards, "-o", out, "--bucket-by", "aspect", "--no-progress")[0] == 0
+    return out
+
+
+def test_inspect_table(built, capsys) -> None:
+    index = load_index(built)
+    code, out, _ = run(capsys, "inspect", built)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith(f"index {built} (format v1, digest {index.digest[:16]})")
+    head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["bucket", "samples"])
+    assert lines[head].split() == ["bucket", "samples", "%", "bytes", "mean", "sample"]
+    rows = {ln.split()[0]: ln.split() for ln in lines[head + 2 :] if ln and not ln.startswith(("shards", "total"))}
+    sizes = index.bucket_bytes()
+    for key, n in index.bucket_counts().items():
+        assert int(rows[key][1]) == n and rows[key][2] == f"{100 * n / len(index):.1f}%"
+        assert rows[key][3] == f"{sizes[key] / 1000:.1f}"
+    per_shard = [s.samples for s in index.shards]
+    assert "shards: 3, " in out and f"min {min(per_shard)} / max {max(per_shard)}, 0 with errors" in out
+
+
+def test_inspect_json_is_one_object(built, capsys) -> None:
+    index = load_index(built)
+    code, out, _ = run(capsys, "inspect", built, "--json")
+    assert code == 0 and len(out.strip().splitlines()) == 1
+    got = json.loads(out)
+    assert got["shards"] == 3 and got["samples"] == 48 and got["excluded"] == 0
+    assert got["buckets"] == {str(k): v for k, v in index.bucket_counts().items()}
+    assert got["bucket_bytes"] == {str(k): v for k, v in index.bucket_bytes().items()}
+    assert got["digest"] == index.digest and got["version"] == 1 and got["bucket_by"]["kind"] == "aspect"
+    assert "padding" not in got
+
+
+def test_inspect_padding_matches_the_planner(built, capsys) -> None:
+    from wds_pad.core.plan import plan_epoch
+    from wds_pad.core.topology import Topology
+
+    code, out, _ = run(capsys, "inspect", built, "--json", "--world-size", "4", "--cp-size", "2",
+                       "--batch-size", "4", "--seed", "7")
+    assert code == 0
+    got = json.loads(out)["padding"]
+    plan = plan_epoch(load_index(built), Topology(world_size=4, rank=0, cp_size=2), seed=7, batch_size=4,
+                      warn=False)
+    for s in plan.stats:
+        assert got[str(s.bucket)] == {"padded_length": s.padded_length, "padded_copies": s.padded_copies,
+                                      "truncated": s.truncated, "dropped": s.dropped, "steps": s.steps}
+    code, out, _ = run(capsys, "inspect", built, "--world-size", "4", "--batch-size", "4")
+    assert code == 0 and "pad copies" in out and "(padding for world size 4, cp size 1" in out
+    code, _, err = run(capsys, "inspect", built, "--world-size", "4")
+    assert code == 2 and "needs both --world-size and --batch-size" in one_error_line(err, "inspect")
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_inspect_plot_writes_a_png(built, tmp_path, capsys, padding) -> None:
+    png = tmp_path / "buckets.png"
+    extra = ["--world-size", "8", "--batch-size", "2", "--cp-size", "2"] if padding else []
+    code, out, _ = run(capsys, "inspect", built, "--plot", str(png), *extra)
+    assert code == 0 and f"plot written to {png}" in out
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+
+
+def test_inspect_plot_without_matplotlib_is_a_clear_error(built, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    code, _, err = run(capsys, "inspect", built, "--plot", str(tmp_path / "x.png"))
+    assert code == 2 and "--plot needs matplotlib: pip install 'wds-pad[plot]'" in one_error_line(err, "inspect")
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_inspect_reports_skipped_and_excluded(tmp_path, shards, capsys) -> None:
+    bad, key, offset = bad_json_shard(tmp_path, shards)
+    missing = str(tmp_path / "gone.tar")
+    out = str(tmp_path / "i.wdsidx")
+    run(capsys, "index", bad, missing, "-o", out, "--bucket-by", "aspect", "--on-error", "skip", "--no-progress")
+    code, text, _ = run(capsys, "inspect", out)
+    assert code == 0 and "1 with errors" in text and "skipped 1 shard" in text and missing in text
+    assert f"excluded 1 sample:\n  '{key}' in {bad} at byte offset {offset}" in text
+    got = json.loads(run(capsys, "inspect", out, "--json")[1])
+    assert got["excluded"] == 1 and got["excluded_samples"][0]["key"] == key
+    assert [s["url"] for s in got["skipped_shards"]] == [missing]
+
+
+def test_inspect_damaged_index_is_one_line(tmp_path, capsys, built) -> None:
+    data = bytearray(open(built, "rb").read())
+    data[30] ^= 0xFF
+    bad = tmp_path / "bad.wdsidx"
+    bad.write_bytes(bytes(data))
+    code, _, err = run(capsys, "inspect", str(bad))
+    assert code == 2 and "is damaged (header checksum mismatch)" in one_error_line(err, "inspect")
+
+
+# -- verify ---------------------------------------------------------------------------------------
+def test_verify_ok_stale_missing(built, shards, capsys) -> None:
+    code, out, _ = run(capsys, "verify", built)
+    assert (code, out) == (0, "3 shards OK\n")
+    code, out, _ = run(capsys, "verify", built, "--deep")
+    assert (code, out) == (0, "3 shards OK (deep)\n")
+    with open(shards[0], "ab") as f:
+        f.write(b"\0" * 1024)
+    os.remove(shards[2])
+    code, out, _ = run(capsys, "verify", built)
+    lines = out.splitlines()
+    assert code == 1
+    assert lines[0].startswith(f"STALE {shards[0]}: size ")
+    assert lines[1].startswith(f"MISSING {shards[2]}: missing: ")
+    assert lines[2].startswith("2 of 3 shards stale or missing;") and "--update" in lines[2]
+
+
+# -- plan INDEX --json --------------------------------------------------------------------------
+def test_plan_json_carries_urls_and_keys(built, capsys) -> None:
+    index = load_index(built)
+    code, out, _ = run(capsys, "plan", built, "--world-size", "2", "--rank", "all", "--batch-size", "3",
+                       "--seed", "1", "--json", "--pad", "cyclic", "--oversubscribe")
+    assert code == 0
+    records = [json.loads(line) for line in out.splitlines()]
+    assert records and {r["rank"] for r in records} == {0, 1}
+    seen = set()
+    for r in records:
+        assert len(r["urls"]) == len(r["keys"]) == len(r["samples"]) == len(r["pad"])
+        for sid, url, key in zip(r["samples"], r["urls"], r["keys"]):
+            assert url == index.url(sid) and key == index.key(sid)
+            assert index.buckets[int(index.bucket[sid])] == r["bucket"]
+            seen.add(sid)
+            off, n = int(index.offset[sid]), int(index.length[sid])
+            with open(url, "rb") as f:
+                f.seek(off)
+                sample = parse_sample(f.read(n), url, off, key=key)
+            assert json.loads(sample["json"])["index"] == int(key)
+    assert seen == set(range(len(index)))  # cyclic + oversubscribe: every sample at least once
+
+
+def test_index_empty_shard_has_zero_samples(tmp_path, shards, capsys) -> None:
+    empty = str(tmp_path / "empty.tar")
+    tarfile.open(empty, "w").close()  # a valid archive: just the end-of-archive blocks
+    out = str(tmp_path / "i.wdsidx")
+    code, stdout, _ = run(capsys, "index", empty, shards[0], "-o", out, "--no-progress")
+    assert code == 0 and "indexed 2 shards" in stdout and "skipped" not in stdout
+    index = load_index(out)
+    assert index.shards[0].samples == 0 and index.shards[0].error is None and len(index) == index.shards[1].samples
+    assert run(capsys, "verify", out)[1] == "2 shards OK\n"
+
+
+# -- issue 11: globs and messages -------------------------------------------------------------
+def test_index_glob_and_pattern_errors(tmp_path, shards, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = str(tmp_path / "g.wdsidx")
+    code, stdout, _ = run(capsys, "index", "shards/*.tar", "-o", out, "--no-progress")
+    assert code == 0 and "indexed 3 shards" in stdout and list(load_index(out).urls) == sorted(shards)
+    code, _, err = run(capsys, "index", "shards/nope-*.tar", "-o", out, "--no-progress")
+    assert code == 1 and "matches no files" in one_error_line(err, "index")
+    code, _, err = run(capsys, "index", "shards/{a", "-o", out, "--no-progress")
+    assert code == 2 and "unbalanced braces" in one_error_line(err, "index")
+    code, stdout, _ = run(capsys, "index", "shards", "shards/*.tar", "-o", out, "--on-error", "skip", "--no-progress")
+    assert code == 0 and "skipped 1 shard" in stdout and "is a directory, not a tar file" in stdout
+
+
+def test_verify_deep_prints_plain_ints_and_says_renamed(tmp_path, capsys) -> None:
+    url = str(tmp_path / "s.tar")
+
+    def write(names: list[str]) -> None:
+        import io
+
+        with tarfile.open(url, "w", format=tarfile.GNU_FORMAT) as tf:
+            for name in names:
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime = 700, 1_700_000_000
+                tf.addfile(info, io.BytesIO(b"x" * 700))
+
+    write(["a.txt", "b.txt"])
+    out = str(tmp_path / "v.wdsidx")
+    assert run(capsys, "index", url, "-o", out, "--no-progress")[0] == 0
+    st = os.stat(url)
+    write(["c.txt", "b.txt"])
+    os.utime(url, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, stdout, _ = run(capsys, "verify", out, "--deep")
+    assert code == 1 and "np." not in stdout
+    assert f"STALE {url}: sample 'a' was renamed: the sample at byte offset 0 is now key 'c'" in stdout

@@ -1,0 +1,266 @@
+"""Tests of ``wds-pad plan``, run as a real subprocess: JSON records, --rank all, the
+summary table, steps mode, one-line usage errors with exit code 2, and a fast start
+that never imports torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from wds_pad import Dataset, Topology, plan_epoch
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = {"rank", "dp_rank", "step", "epoch", "dataset", "bucket", "samples", "pad"}
+
+
+def wds_pad(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "wds_pad.cli", *args], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=ROOT)
+
+
+def plan_json(*args: str) -> list[dict[str, Any]]:
+    out = wds_pad("plan", *args, "--json")
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert records and all(set(r) == KEYS for r in records)
+    return records
+
+
+BASE = ["--buckets", "a=4,b=0,c=7", "--seed", "3"]
+
+
+def test_json_records_match_the_library() -> None:
+    recs = plan_json(*BASE, "--world-size", "4", "--rank", "all", "--batch-size", "2", "--oversubscribe")
+    assert sorted({r["rank"] for r in recs}) == [0, 1, 2, 3]
+    # ids are numbered from 0 in listed order: a = 0..3, c = 4..10; b is empty
+    ds = Dataset("synthetic", {"a": np.arange(0, 4), "b": np.arange(0), "c": np.arange(4, 11)})
+    for rank in range(4):
+        topo = Topology(4, rank)
+        expected = [b.to_json(topo) for b in plan_epoch(ds, topo, seed=3, batch_size=2, oversubscribe=True)]
+        assert [r for r in recs if r["rank"] == rank] == expected
+    by_bucket = defaultdict(list)
+    for r in recs:
+        assert r["dataset"] == "synthetic" and r["epoch"] == 0 and len(r["samples"]) == len(r["pad"]) == 2
+        by_bucket[r["bucket"]] += [s for s, p in zip(r["samples"], r["pad"]) if not p]
+    assert sorted(by_bucket) == ["a", "c"]
+    assert sorted(by_bucket["a"]) == [0, 1, 2, 3]
+    assert sorted(by_bucket["c"]) == list(range(4, 11))
+
+
+def test_single_rank_and_cp_peers() -> None:
+    recs = plan_json(*BASE, "--world-size", "4", "--cp-size", "2", "--rank", "all", "--batch-size", "2",
+                     "--oversubscribe")
+    per_rank = defaultdict(list)
+    for r in recs:
+        assert r["dp_rank"] == r["rank"] // 2
+        per_rank[r["rank"]].append((r["step"], r["bucket"], r["samples"], r["pad"]))
+    assert per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3] and per_rank[0] != per_rank[2]
+    only = plan_json(*BASE, "--world-size", "4", "--cp-size", "2", "--rank", "3", "--batch-size", "2",
+                     "--oversubscribe")
+    assert {r["rank"] for r in only} == {3}
+    assert [(r["step"], r["bucket"], r["samples"], r["pad"]) for r in only] == per_rank[3]
+
+
+def test_policies_repeats_and_epoch() -> None:
+    none = plan_json(*BASE, "--world-size", "3", "--rank", "all", "--batch-size", "2", "--pad", "none")
+    assert Counter(s for r in none for s in r["samples"]) == {i: 1 for i in range(11)}
+    # uneven on purpose: a gives ranks 2,1,1 entries (1 batch each), c gives 3,2,2 (2,1,1 batches)
+    assert Counter(r["rank"] for r in none) == {0: 3, 1: 2, 2: 2}
+    rep = plan_json(*BASE, "--world-size", "2", "--rank", "all", "--batch-size", "2", "--pad", "drop",
+                    "--repeats", "1")
+    counts = Counter(s for r in rep for s in r["samples"])
+    assert {i: counts[i] for i in range(4)} == {i: 2 for i in range(4)}  # a: 8 entries, a multiple of 4
+    assert set(counts) <= set(range(11)) and max(counts.values()) == 2
+    assert sum(len(r["samples"]) for r in rep if r["bucket"] == "c") == 12  # 14 entries -> 12
+    assert not any(p for r in rep for p in r["pad"])
+    short = plan_json(*BASE, "--world-size", "2", "--rank", "0", "--batch-size", "4", "--pad", "cyclic",
+                      "--pad-to", "rank")
+    assert [len(r["samples"]) for r in short] == [2, 4]  # c: 7 -> 8 = 4 per rank; a: 4 -> 2 per rank
+    e0 = plan_json(*BASE, "--world-size", "2", "--rank", "0", "--batch-size", "2")
+    e5 = plan_json(*BASE, "--world-size", "2", "--rank", "0", "--batch-size", "2", "--epoch", "5")
+    assert {r["epoch"] for r in e5} == {5}
+    assert [r["samples"] for r in e0] != [r["samples"] for r in e5]
+
+
+def test_steps_mode_prints_exactly_k_global_steps_across_epochs() -> None:
+    recs = plan_json(*BASE, "--world-size", "2", "--rank", "1", "--batch-size", "2", "--mode", "steps",
+                     "--steps", "7")
+    assert [(r["epoch"], r["step"]) for r in recs] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0)]
+    assert not any(p for r in recs for p in r["pad"])  # auto in steps mode = drop
+
+
+def test_summary_table() -> None:
+    out = wds_pad("plan", *BASE, "--world-size", "4", "--rank", "0", "--batch-size", "2", "--summary")
+    assert out.returncode == 0
+    lines = out.stdout.splitlines()
+    assert lines[0] == "epoch 0: world_size 4, dp_size 4, cp_size 1, batch 2, policy cyclic, pad unit 8"
+    assert lines[1].split() == ["dataset", "bucket", "samples", "repeats", "padded", "len", "pad", "copies",
+                                "pad", "%", "truncated", "status", "steps/epoch"]
+    rows = {line.split()[1]: line.split() for line in lines[3:6]}
+    assert rows["a"] == ["synthetic", "a", "4", "0", "0", "0", "0.0%", "4", "dropped", "0"]
+    assert rows["b"] == ["synthetic", "b", "0", "0", "0", "0", "0.0%", "0", "empty", "0"]
+    assert rows["c"] == ["synthetic", "c", "7", "0", "0", "0", "0.0%", "7", "dropped", "0"]
+    assert lines[6].startswith("total: 11 samples, 0 padded copies, 11 samples in dropped buckets")
+    assert "wds-pad plan: warning:" in out.stderr and "'a'" in out.stderr
+    kept = wds_pad("plan", *BASE, "--world-size", "4", "--rank", "0", "--batch-size", "2", "--summary",
+                   "--oversubscribe")
+    rows = {line.split()[1]: line.split() for line in kept.stdout.splitlines()[3:6]}
+    assert rows["a"] == ["synthetic", "a", "4", "0", "8", "4", "50.0%", "0", "oversubscribed", "1"]
+    assert rows["c"] == ["synthetic", "c", "7", "0", "8", "1", "12.5%", "0", "oversubscribed", "1"]
+    assert kept.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--buckets", "a=x"], "count 'x' is not an integer"),
+        (["--buckets", "a4"], "is not NAME=COUNT"),
+        (["--buckets", "a=-2"], "count must be >= 0"),
+        (["--buckets", "a=1,a=2"], "listed twice"),
+        (["--buckets", "a=4", "--rank", "2"], "--rank 2 is out of range for --world-size 2"),
+        (["--buckets", "a=4", "--rank", "x"], "--rank must be an integer or 'all'"),
+        (["--buckets", "a=4", "--cp-size", "3"], "not divisible by cp_size 3"),
+        (["--buckets", "a=4", "--batch-size", "0"], "expected a positive integer, got 0"),
+        (["--buckets", "a=4", "--pad", "weird"], "invalid choice: 'weird'"),
+        (["--buckets", "a=4", "--mode", "steps"], "--mode steps needs --steps K"),
+        (["--buckets", "a=4", "--summary"], "not allowed with argument"),
+        ([], "give either INDEX file(s) or --buckets"),
+        (["--buckets", "a=4", "--seed", "18446744073709551616"], "seed must be in [0, 2**64), got 18446744073709551616"),
+        (["--buckets", "a=4", "--seed", "-1"], "seed must be in [0, 2**64), got -1"),
+        (["--buckets", "a=4", "--seed", "1.5"], "seed must be an integer, got '1.5'"),
+        (["--buckets", "a=4", "--epoch", "1.5"], "epoch must be an integer, got '1.5'"),
+        (["--buckets", "a=4", "--epoch", "2147483648"], "epoch must be in [0, MAX_EPOCH=2147483647], got 2147483648"),
+        (["--buckets", "a=4", "--batch-size", "10000000000000", "--pad", "cyclic", "--oversubscribe"],
+         "would be filled cyclically (oversubscribe) to one global step of 20000000000000 entries"),
+    ],
+)
+def test_bad_arguments_print_one_line_and_exit_2(args: list[str], match: str) -> None:
+    full = {"--world-size": "2", "--rank": "0", "--batch-size": "1", "--seed": "0"}
+    for i in range(0, len(args) - 1):
+        if args[i] in full:
+            full[args[i]] = args[i + 1]
+    rest = [a for i, a in enumerate(args) if a not in full and (i == 0 or args[i - 1] not in full)]
+    argv = ["plan", *[x for kv in full.items() for x in kv], *rest, "--json"]
+    out = wds_pad(*argv)
+    assert out.returncode == 2, (argv, out.stderr)
+    assert out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("wds-pad plan: error: ") and match in lines[0]
+
+
+def test_missing_output_flag_and_unknown_command_are_usage_errors() -> None:
+    for argv in (["plan", *BASE, "--world-size", "2", "--rank", "0", "--batch-size", "1"], ["frob"], []):
+        out = wds_pad(*argv)
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and out.stdout == ""
+
+
+def test_help_exits_zero() -> None:
+    out = wds_pad("plan", "--help")
+    assert out.returncode == 0 and "--oversubscribe" in out.stdout and "--pad-to" in out.stdout
+
+
+_NO_TORCH = r"""
+import contextlib, io, sys
+from wds_pad.cli.app import main
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+    for out in ("--json", "--summary"):
+        main(["plan", "--buckets", "a=4,c=7", "--world-size", "4", "--cp-size", "2", "--rank", "all",
+              "--batch-size", "2", "--seed", "1", out])
+    main(["plan", "--buckets", "a=4,c=7", "--world-size", "4", "--rank", "1", "--batch-size", "2", "--seed", "1",
+          "--mode", "steps", "--steps", "3", "--json"])
+assert buf.getvalue()
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+def test_plan_never_imports_torch() -> None:
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_cli_starts_fast() -> None:
+    """CPU time of a whole ``wds-pad plan`` run (CPU, not wall time: CI machines are shared)."""
+    import resource
+
+    argv = [sys.executable, "-m", "wds_pad.cli", "plan", *BASE, "--world-size", "8", "--rank", "all",
+            "--batch-size", "2", "--oversubscribe", "--json"]
+    best = float("inf")
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(argv, capture_output=True, check=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        best = min(best, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    assert best < 0.8, f"wds-pad plan used {best:.2f} s of CPU"
+
+
+def test_every_command_in_the_planning_doc_prints_what_the_doc_shows() -> None:
+    import shlex
+
+    text = (ROOT / "docs" / "planning.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```console\n")[1:]]
+    checked = 0
+    for block in blocks:
+        lines = block.splitlines()
+        if not lines or not lines[0].startswith("$ wds-pad "):
+            continue
+        argv = shlex.split(lines[0][len("$ wds-pad "):])
+        out = wds_pad(*argv)
+        shown = "\n".join(lines[1:]) + "\n"
+        assert (out.stdout if out.returncode == 0 else out.stderr) == shown, lines[0]
+        checked += 1
+    assert checked >= 10
+
+
+def test_a_dropped_bucket_warning_is_one_line_of_advice() -> None:
+    out = wds_pad("plan", "--buckets", "a=4,c=7", "--world-size", "8", "--rank", "0",
+                  "--batch-size", "1", "--seed", "3", "--summary")
+    assert out.returncode == 0
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wds-pad plan: warning: 2 bucket(s)"), out.stderr
+    assert "--oversubscribe" in lines[0]
+
+
+@pytest.mark.parametrize("seed", [0, 2**64 - 1, -1, 2**64])
+def test_cli_and_api_accept_exactly_the_same_seeds(seed: int) -> None:
+    from wds_pad import ConfigError, shared_seed
+
+    try:
+        api_ok = shared_seed(seed) == seed
+        plan_epoch({"a": [1]}, Topology(1, 0), seed=seed, batch_size=1)
+    except ConfigError:
+        api_ok = False
+    out = wds_pad("plan", "--buckets", "a=1", "--world-size", "1", "--rank", "0", "--batch-size", "1",
+                  "--seed", str(seed), "--json")
+    assert (out.returncode == 0) == api_ok == (0 <= seed < 2**64), out.stderr
+    if not api_ok:
+        assert out.returncode == 2 and "seed must be in [0, 2**64)" in out.stderr
+
+
+@pytest.mark.parametrize("epoch", ["0", "2147483647", "-1", "2147483648", "1.5", "2e3"])
+def test_cli_and_api_accept_exactly_the_same_epochs(epoch: str) -> None:
+    from wds_pad import ConfigError
+
+    try:
+        api_ok = plan_epoch({"a": [1]}, Topology(1, 0), seed=1, epoch=int(epoch), batch_size=1).epoch == int(epoch)
+    except (ConfigError, ValueError):
+        api_ok = False
+    out = wds_pad("plan", "--buckets", "a=1", "--world-size", "1", "--rank", "0", "--batch-size", "1",
+                  "--seed", "1", "--epoch", epoch, "--json")
+    assert (out.returncode == 0) == api_ok, out.stderr
+    if api_ok:
+        assert json.loads(out.stdout.splitlines()[0])["epoch"] == int(epoch)
+    else:
+        assert out.returncode == 2 and "epoch must be" in out.stderr

@@ -1,0 +1,443 @@
+"""Tests of wds_pad.stream.stages: planned source, fetch, plan batching, substitutes.
+
+The raw stages are driven directly (worker split given explicitly) and composed in a
+plain ``wds.DataPipeline``; the sample bytes are checked against webdataset's own
+reading of the same shards.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+import pickle
+import re
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from wds_pad.cli.synth import make_image_shards
+from wds_pad.errors import ConfigError, StaleShardError
+from wds_pad.index.format import Index, load_index
+from wds_pad.index.build import build_index
+from wds_pad.core.plan import Mode
+from wds_pad.io.read import RangeReader, ReadOptions
+from wds_pad.stream.stages import (
+    BIG_SAMPLE,
+    META_KEYS,
+    Counters,
+    PlannedSource,
+    PlanSpec,
+    Position,
+    batch_refs,
+    expand,
+    fetch,
+    plan_batched,
+    substitute,
+)
+from wds_pad.core.topology import Topology
+
+SOLO = Topology(world_size=1, rank=0)
+pytestmark = pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning")
+
+
+def _index(shard_dir: Path, samples: int = 120, shards: int = 4, seed: int = 0) -> Index:
+    paths = make_image_shards(shard_dir, samples=samples, shards=shards, seed=seed)
+    return build_index(paths, "aspect:width,height", output=str(shard_dir / "index.wdsidx"))
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> Index:
+    built = _index(tmp_path_factory.mktemp("shards"))
+    return load_index(built.path)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def reference(index: Index) -> dict[str, dict[str, Any]]:
+    """webdataset's own reading of every sample, by key."""
+    return {s["__key__"]: s for s in wds.WebDataset(list(index.urls), shardshuffle=False)}
+
+
+def _spec(index: Index, **kw: Any) -> PlanSpec:
+    args: dict[str, Any] = dict(indexes=(index,), names=("img",), topology=SOLO, seed=7, batch_size=4)
+    args.update(kw)
+    return PlanSpec(**args)
+
+
+def _planned_keys(index: Index, spec: PlanSpec, epoch: int = 0) -> list[list[str]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = spec.plan(epoch)
+    return [[index.key(int(i)) for i in b.samples] for b in plan]
+
+
+# ---------------------------------------------------------------- PlanSpec
+
+
+def test_planspec_defaults_plan_every_index(index: Index) -> None:
+    spec = _spec(index)
+    assert spec.repeats == (0,) and spec.weights == (1.0,)
+    assert len(spec.plan(0)) > 0
+
+
+def test_planspec_refuses_mismatched_per_index_values(index: Index) -> None:
+    with pytest.raises(ConfigError, match="repeats"):
+        _spec(index, repeats=(0, 1))
+    with pytest.raises(ConfigError, match="name"):
+        _spec(index, names=("a", "b"))
+
+
+def test_planspec_pickles_index_as_path_and_replans_identically(index: Index) -> None:
+    spec = _spec(index)
+    spec.plan(0)
+    clone = pickle.loads(pickle.dumps(spec))
+    assert clone.indexes[0].path == index.path and clone.indexes[0].digest == index.digest
+    assert clone._cache == {}
+    assert _planned_keys(index, clone) == _planned_keys(index, spec)
+    assert clone.fingerprint() == spec.fingerprint()
+
+
+# ---------------------------------------------------------------- PlannedSource
+
+
+@pytest.mark.parametrize("nw", [1, 2, 3])
+@pytest.mark.parametrize("start", [0, 5])
+def test_source_worker_split_interleaves_to_plan_order(index: Index, nw: int, start: int) -> None:
+    spec = _spec(index)
+    plan = spec.plan(0)
+    per_worker = [[j for _, j in PlannedSource(spec, Position(0, start), worker=(w, nw)).batches()]
+                  for w in range(nw)]
+    for w, js in enumerate(per_worker):
+        assert js == [j for j in range(start, len(plan)) if (j - start) % nw == w]
+    # DataLoader's round-robin over the workers gives back the plan order
+    merged = [j for group in itertools.zip_longest(*per_worker) for j in group if j is not None]
+    assert merged == list(range(start, len(plan)))
+
+
+def test_source_refs_follow_plan(index: Index) -> None:
+    spec = _spec(index)
+    refs = list(PlannedSource(spec, worker=(0, 1)))
+    plan = spec.plan(0)
+    assert [r["__key__"] for r in refs] == [k for b in _planned_keys(index, spec) for k in b]
+    flat_pad = np.concatenate([b.pad for b in plan]).tolist()
+    assert [r["__pad__"] for r in refs] == flat_pad
+    for r in refs[:20]:
+        i = r["__index__"]
+        assert r["__url__"] == index.url(i)
+        assert (r["__offset__"], r["__length__"]) == (int(index.offset[i]), int(index.length[i]))
+        assert r["__bucket__"] == plan[r["__batch__"]].bucket
+        assert r["__step__"] == plan[r["__batch__"]].step and r["__epoch__"] == 0
+
+
+def test_source_epochs_mode_stops_steps_mode_runs_on(index: Index) -> None:
+    spec = _spec(index)
+    n0 = len(spec.plan(0))
+    assert len(list(PlannedSource(spec, worker=(0, 1)).batches())) == n0
+    steps = _spec(index, mode=Mode.STEPS)
+    taken = list(itertools.islice(PlannedSource(steps, worker=(0, 1)).batches(), len(steps.plan(0)) + 3))
+    assert [(p.epoch, j) for p, j in taken[-4:]] == [(0, len(steps.plan(0)) - 1), (1, 0), (1, 1), (1, 2)]
+
+
+def test_source_refuses_position_past_epoch(index: Index) -> None:
+    spec = _spec(index)
+    with pytest.raises(ConfigError, match="past the end"):
+        list(PlannedSource(spec, Position(0, len(spec.plan(0)) + 1), worker=(0, 1)))
+
+
+# ---------------------------------------------------------------- fetch
+
+
+def test_fetch_bytes_equal_webdataset(index: Index, reference: dict[str, dict[str, Any]]) -> None:
+    spec = _spec(index)
+    samples = list(fetch()(iter(PlannedSource(spec, worker=(0, 1)))))
+    assert len(samples) == sum(b.samples.size for b in spec.plan(0))
+    for s in samples:
+        ref = reference[s["__key__"]]
+        payload = {k for k in ref if not k.startswith("__")}
+        assert payload == {k for k in s if not k.startswith("__")}
+        for k in payload:
+            assert s[k] == ref[k], (s["__key__"], k)
+        assert s["__url__"] == ref["__url__"]
+        for meta in META_KEYS:
+            assert meta in s
+        assert "__offset__" not in s and "__length__" not in s
+
+
+def test_fetch_pickles_and_reads_in_a_clone(index: Index) -> None:
+    spec = _spec(index)
+    stage = fetch(spec=spec, handler=lambda e: True)
+    list(stage(iter(batch_refs(spec, spec.plan(0), 0))))  # opens descriptors
+    clone = pickle.loads(pickle.dumps(fetch(spec=spec)))
+    out = list(clone(iter(batch_refs(spec, spec.plan(0), 1))))
+    assert [s["__key__"] for s in out] == _planned_keys(index, spec)[1]
+
+
+def test_expand_refuses_bytes_of_another_sample(index: Index) -> None:
+    spec = _spec(index)
+    a, b = batch_refs(spec, spec.plan(0), 0)[:2]
+    data_b = RangeReader().read(b["__url__"], b["__offset__"], b["__length__"])
+    with pytest.raises(StaleShardError) as err:
+        expand(a, data_b)
+    assert a["__url__"] in str(err.value) and f"offset {a['__offset__']}" in str(err.value)
+
+
+# ---------------------------------------------------------------- batching and pipelines
+
+
+def test_plan_batched_groups_exactly_the_plan(index: Index) -> None:
+    spec = _spec(index)
+    batches = list(plan_batched()(fetch()(iter(PlannedSource(spec, worker=(0, 1))))))
+    assert [[s["__key__"] for s in b] for b in batches] == _planned_keys(index, spec)
+    lengths = list(plan_batched(len)(fetch()(iter(PlannedSource(spec, worker=(0, 1))))))
+    assert lengths == [4] * len(spec.plan(0))
+
+
+def test_raw_datapipeline_with_decode_and_map(index: Index) -> None:
+    spec = _spec(index)
+    pipe = wds.DataPipeline(
+        PlannedSource(spec, worker=(0, 1)), fetch(), wds.decode("pil"),
+        wds.map(lambda s: {**s, "size": (s.get("png") or s.get("jpg")).size}),
+        plan_batched(),
+    )
+    batches = list(pipe)
+    assert [[s["__key__"] for s in b] for b in batches] == _planned_keys(index, spec)
+    for b in batches[:5]:
+        for s in b:
+            assert s["size"] == (s["json"]["width"], s["json"]["height"])
+            assert s["__bucket__"] == b[0]["__bucket__"]
+
+
+def test_raw_datapipeline_pickles(index: Index) -> None:
+    spec = _spec(index)
+    pipe = wds.DataPipeline(PlannedSource(spec, worker=(0, 1)), fetch(), wds.decode("pil"),
+                            plan_batched())
+    clone = pickle.loads(pickle.dumps(pipe))
+    assert [[s["__key__"] for s in b] for b in clone] == _planned_keys(index, spec)
+
+
+# ---------------------------------------------------------------- substitutes
+
+
+def _corrupt_copy(index: Index, tmp_path: Path, victim: int) -> Index:
+    """Copy the shards, rebuild the index, then break ``victim``'s header checksum in place."""
+    src = Path(index.urls[0]).parent
+    dst = tmp_path / "copy"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.wdsidx"))
+    copy = build_index(sorted(glob.glob(str(dst / "*.tar"))), "aspect:width,height",
+                       output=str(dst / "index.wdsidx"))
+    stat = os.stat(copy.url(victim))
+    with open(copy.url(victim), "r+b") as f:  # same size, broken header: "changed shard"
+        f.seek(int(copy.offset[victim]) + 148)
+        f.write(b"9999999\0")
+    os.utime(copy.url(victim), ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: mtime kept
+    return copy
+
+
+def test_substitute_is_deterministic_and_from_the_same_bucket(index: Index, tmp_path: Path) -> None:
+    spec0 = _spec(index)
+    victim = int(spec0.plan(0)[2].samples[1])
+    broken = _corrupt_copy(index, tmp_path, victim)
+    spec = _spec(broken)
+
+    def run() -> tuple[list[list[str]], Counters]:
+        counters = Counters()
+        stage = fetch(spec=spec, handler=lambda e: True, counters=counters)
+        out = list(plan_batched()(stage(iter(PlannedSource(spec, worker=(0, 1))))))
+        return [[s["__key__"] for s in b] for b in out], counters
+
+    keys1, c1 = run()
+    keys2, c2 = run()
+    assert keys1 == keys2
+    planned = _planned_keys(broken, spec)
+    assert [len(b) for b in keys1] == [len(b) for b in planned]
+    hits = sum(k == broken.key(victim) for b in planned for k in b)
+    assert hits >= 1 and c1.substituted == c2.substituted == hits
+    assert broken.key(victim) in c1.failures[0] and "offset" in c1.failures[0]
+    diffs = [(p, g) for bp, bg in zip(planned, keys1) for p, g in zip(bp, bg) if p != g]
+    assert len(diffs) == hits and all(p == broken.key(victim) for p, _ in diffs)
+    by_key = {broken.key(i): i for i in range(len(broken))}
+    for _, got in diffs:
+        assert broken.bucket[by_key[got]] == broken.bucket[victim]
+
+    ref = next(r for r in batch_refs(spec, spec.plan(0), 2) if r["__index__"] == victim)
+    alt = substitute(spec, RangeReader(), ref, Counters(), "failed")
+    assert alt["__substitute_for__"] == broken.key(victim)
+    assert alt["__key__"] == diffs[0][1]  # the same stand-in every time
+
+
+def test_bad_sample_raises_with_url_offset_key_without_handler(index: Index, tmp_path: Path) -> None:
+    spec0 = _spec(index)
+    victim = int(spec0.plan(0)[1].samples[0])
+    broken = _corrupt_copy(index, tmp_path, victim)
+    spec = _spec(broken)
+    with pytest.raises(StaleShardError) as err:
+        list(fetch(spec=spec)(iter(PlannedSource(spec, worker=(0, 1)))))
+    msg = str(err.value)
+    assert broken.url(victim) in msg
+    assert str(int(broken.offset[victim])) in msg
+    assert broken.key(victim) in msg
+
+
+def test_handler_returning_false_still_raises(index: Index, tmp_path: Path) -> None:
+    victim = int(_spec(index).plan(0)[0].samples[0])
+    broken = _corrupt_copy(index, tmp_path, victim)
+    spec = _spec(broken)
+    with pytest.raises(StaleShardError, match=re.escape(broken.key(victim))):
+        list(fetch(spec=spec, handler=lambda e: False)(iter(PlannedSource(spec, worker=(0, 1)))))
+
+
+# ---------------------------------------------------------------- large samples, read ahead
+
+
+def _mixed_shards(out: Path, samples: int = 60, shards: int = 3, seed: int = 0) -> list[str]:
+    """Shards mixing large samples (read ahead by threads) and small ones (read_many)."""
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    ratios = [(1, 1), (4, 3), (3, 4)]
+    urls = []
+    i = 0
+    for s in range(shards):
+        url = str(out / f"mixed-{s:03d}.tar")
+        with wds.TarWriter(url, encoder=False) as writer:
+            for _ in range(samples // shards):
+                big = bool(rng.random() < 0.6)
+                size = int(rng.integers(BIG_SAMPLE, BIG_SAMPLE + 200_000)) if big else int(rng.integers(100, 20_000))
+                w, h = ratios[int(rng.integers(len(ratios)))]
+                meta = {"width": 64 * w, "height": 64 * h, "index": i}
+                writer.write({"__key__": f"{i:06d}", "bin": i.to_bytes(8, "little") + rng.bytes(size - 8),
+                              "json": json.dumps(meta).encode()})
+                i += 1
+        urls.append(url)
+    return urls
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Index:
+    root = tmp_path_factory.mktemp("mixed")
+    built = build_index(_mixed_shards(root), "aspect:width,height", output=str(root / "index.wdsidx"))
+    return load_index(built.path)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(mixed: Index) -> dict[str, dict[str, Any]]:
+    return {s["__key__"]: s for s in wds.WebDataset(list(mixed.urls), shardshuffle=False)}
+
+
+def _read_ahead_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("wds_pad-local-read")]
+
+
+def _no_read_ahead_threads_within(seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while _read_ahead_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not _read_ahead_threads()
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+@pytest.mark.parametrize("in_flight", [1, 4, 32])
+def test_large_samples_keep_plan_order_and_webdataset_bytes(mixed: Index, mixed_reference: dict[str, dict[str, Any]],
+                                                             threads: int, in_flight: int) -> None:
+    spec = _spec(mixed, batch_size=2)
+    lengths = mixed.length[np.concatenate([b.samples for b in spec.plan(0)])]
+    assert (lengths >= BIG_SAMPLE).any() and (lengths < BIG_SAMPLE).any()  # a real mix
+    stage = fetch(ReadOptions(local_threads=threads, max_in_flight=in_flight))
+    samples = list(stage(iter(PlannedSource(spec, worker=(0, 1)))))
+    assert [s["__key__"] for s in samples] == [k for b in _planned_keys(mixed, spec) for k in b]
+    for s in samples:
+        ref = mixed_reference[s["__key__"]]
+        assert s["bin"] == ref["bin"] and s["json"] == ref["json"]
+        assert type(s["bin"]) is bytes
+        assert "__offset__" not in s and "__length__" not in s
+        assert all(meta in s for meta in META_KEYS)
+    stats = stage.reader.stats
+    assert stats.ranges == len(samples) and stats.bytes == int(lengths.sum())
+    assert stats.peak_requests_in_flight <= in_flight
+    assert _no_read_ahead_threads_within()  # the stream ended: its threads stopped
+
+
+def test_large_sample_read_ahead_stays_within_the_byte_bound(mixed: Index) -> None:
+    spec = _spec(mixed, batch_size=2)
+    largest = int(mixed.length.max())
+    stage = fetch(ReadOptions(local_threads=2, max_bytes_in_flight=largest + 1))
+    list(stage(iter(PlannedSource(spec, worker=(0, 1)))))
+    assert largest <= stage.reader.stats.peak_bytes_in_flight <= largest + 1
+    wide = fetch(ReadOptions(local_threads=2, max_bytes_in_flight=64 * largest))
+    list(wide(iter(PlannedSource(spec, worker=(0, 1)))))
+    assert wide.reader.stats.peak_bytes_in_flight > 2 * largest  # the bound was what held it back
+
+
+def _big_victim(index: Index, spec: PlanSpec, skip: int = 5) -> int:
+    """A large sample some way into the plan (so read-ahead has started before it)."""
+    ids = np.concatenate([b.samples for b in spec.plan(0)])
+    return int(next(i for i in ids[skip:] if index.length[i] >= BIG_SAMPLE))
+
+
+def _broken_mixed(mixed: Index, tmp_path: Path, victim: int) -> Index:
+    dst = tmp_path / "broken"
+    shutil.copytree(Path(mixed.urls[0]).parent, dst, ignore=shutil.ignore_patterns("*.wdsidx"))
+    copy = build_index(sorted(glob.glob(str(dst / "*.tar"))), "aspect:width,height",
+                       output=str(dst / "index.wdsidx"))
+    stat = os.stat(copy.url(victim))
+    with open(copy.url(victim), "r+b") as f:  # same size, broken header: "changed shard"
+        f.seek(int(copy.offset[victim]) + 148)
+        f.write(b"7777777\0")
+    os.utime(copy.url(victim), ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: mtime kept
+    return copy
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_large_sample_error_names_its_own_sample(mixed: Index, tmp_path: Path, threads: int) -> None:
+    victim = _big_victim(mixed, _spec(mixed, batch_size=2))
+    broken = _broken_mixed(mixed, tmp_path, victim)
+    spec = _spec(broken, batch_size=2)
+    planned = [k for b in _planned_keys(broken, spec) for k in b]
+    got: list[str] = []
+    with pytest.raises(StaleShardError) as err:
+        for s in fetch(ReadOptions(local_threads=threads), spec=spec)(iter(PlannedSource(spec, worker=(0, 1)))):
+            got.append(s["__key__"])
+    msg = str(err.value)
+    assert broken.url(victim) in msg and str(int(broken.offset[victim])) in msg and broken.key(victim) in msg
+    assert got == planned[:planned.index(broken.key(victim))]  # everything before it, nothing after
+    assert _no_read_ahead_threads_within()
+
+
+def test_large_sample_substitute_takes_exactly_its_place(mixed: Index, tmp_path: Path) -> None:
+    victim = _big_victim(mixed, _spec(mixed, batch_size=2))
+    broken = _broken_mixed(mixed, tmp_path, victim)
+    spec = _spec(broken, batch_size=2)
+    planned = [k for b in _planned_keys(broken, spec) for k in b]
+    runs = {}
+    for threads in (0, 2):
+        counters = Counters()
+        stage = fetch(ReadOptions(local_threads=threads), spec=spec, handler=lambda e: True, counters=counters)
+        runs[threads] = [s["__key__"] for s in stage(iter(PlannedSource(spec, worker=(0, 1))))]
+        hits = planned.count(broken.key(victim))
+        assert counters.substituted == hits >= 1 and broken.key(victim) in counters.failures[0]
+        assert stage.reader.stats.ranges == len(planned)  # failed reads are not counted
+    assert runs[0] == runs[2]  # the same stand-ins with or without threads
+    diffs = [(p, g) for p, g in zip(planned, runs[2]) if p != g]
+    assert len(diffs) == planned.count(broken.key(victim))
+    assert all(p == broken.key(victim) for p, _ in diffs)
+
+
+def test_dropping_a_large_sample_stream_stops_its_threads(mixed: Index) -> None:
+    spec = _spec(mixed, batch_size=2)
+    before = set(_read_ahead_threads())
+    stream = fetch(ReadOptions(local_threads=3))(iter(PlannedSource(spec, worker=(0, 1))))
+    taken = list(itertools.islice(stream, 10))
+    mine = set(_read_ahead_threads()) - before
+    assert len(taken) == 10 and len(mine) == 3
+    del stream, taken  # abandoned mid-epoch, never closed explicitly
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in mine) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.is_alive() for t in mine)

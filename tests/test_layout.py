@@ -1,0 +1,120 @@
+"""The package layout: imports run downward only, and core stays pure.
+
+cli -> stream -> state -> index -> io -> core -> errors: a module may import its own
+package and any package to its right, never one to its left (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "wds_pad"
+ORDER = ["cli", "stream", "state", "index", "io", "core", "errors"]
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "wds_pad" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in ORDER else None
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every wds_pad module ``path`` imports (top level or inside functions), absolute."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    here = list(rel.parts)
+    if here[-1] == "__init__":
+        here = here[:-1]
+    package = here if path.name == "__init__.py" else here[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [target] + [f"{target}.{a.name}" for a in node.names]
+            out += [(node.lineno, n) for n in names if n.startswith("wds_pad")]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("wds_pad")]
+    return out
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE or p.name == "errors.py")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PACKAGE)) for p in MODULES])
+def test_imports_run_downward_only(path: Path) -> None:
+    mine = _layer("wds_pad." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts))
+    assert mine is not None, f"{path} is not in a stage package"
+    for line, target in _imports(path):
+        theirs = _layer(target)
+        if theirs is None or theirs == mine:
+            continue
+        assert ORDER.index(theirs) > ORDER.index(mine), (
+            f"{path.relative_to(ROOT)}:{line} imports {target} ({theirs} stands above {mine})")
+
+
+def test_the_top_level_holds_only_the_api_errors_and_the_moved_names() -> None:
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", "_moved.py", "errors.py"]
+
+
+def test_errors_imports_nothing_of_ours() -> None:
+    assert _imports(PACKAGE / "errors.py") == []
+
+
+BLOCKER = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name in BLOCKED or any(name.startswith(b + ".") for b in BLOCKED):
+            raise ImportError(f"{name} is blocked: wds_pad.core must not import it")
+BLOCKED = {"torch", "fsspec", "webdataset", "aiohttp", "s3fs"}
+sys.meta_path.insert(0, Block())
+import wds_pad.core.plan, wds_pad.core.seed, wds_pad.core.topology, wds_pad.core.permute
+from wds_pad import plan_epoch, Topology
+plan = plan_epoch({"a": list(range(10))}, Topology(2, 1), seed=3, batch_size=2)
+print(len(plan))
+"""
+
+
+def test_core_imports_and_plans_without_torch_or_fsspec() -> None:
+    done = subprocess.run([sys.executable, "-c", BLOCKER], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "3"
+
+
+CORE = sorted((PACKAGE / "core").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", CORE, ids=[p.name for p in CORE])
+def test_core_never_reads_the_clock(path: Path) -> None:
+    # numpy itself imports time, so this is checked in the source rather than by blocking it
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        for name in names:
+            assert name.split(".")[0] not in {"time", "datetime", "random"}, (
+                f"{path.name}:{node.lineno} imports {name}: the planner must not depend on the clock "
+                "or a global RNG")
+
+
+def test_old_module_paths_still_import_with_a_warning() -> None:
+    code = ("import warnings; warnings.simplefilter('error');\n"
+            "import wds_pad\n"
+            "try:\n    import wds_pad.dataset\nexcept DeprecationWarning as w: print(w)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert "wds_pad.dataset moved to wds_pad.stream.dataset" in done.stdout, done.stderr
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from wds_pad.plan import plan_epoch as old  # type: ignore[import-not-found]
+    from wds_pad import plan_epoch
+    assert old is plan_epoch

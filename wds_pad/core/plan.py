@@ -1,0 +1,583 @@
+"""The pure planner: (datasets, topology, seed, epoch, policy) -> this rank's batches.
+
+No I/O, no torch, no clock: the same inputs give a bitwise identical plan in every
+process. Per (dataset, bucket), identically on every rank:
+
+1. sample ids in sorted order, shuffled by a keyed pseudorandom permutation whose key
+   derives from (seed, epoch, dataset, bucket, pass); with ``repeats`` r the bucket
+   holds 1 + r independently shuffled passes, concatenated before anything is split.
+   The permutation is evaluated only at this rank's positions (``_permute``), so a
+   rank's plan costs O(samples / dp_size), not a full shuffle of every bucket;
+2. a bucket smaller than one pad unit is dropped (a DroppedBucketWarning names it)
+   unless ``oversubscribe`` lets the cyclic extension fill it to one whole unit;
+3. ``cyclic`` extends the list by its own prefix to the next multiple of the pad unit
+   (extra entries are marked as padded copies), ``drop`` truncates to the multiple,
+   ``none`` leaves it uneven;
+4. dp_rank d takes global positions p with p mod dp_size == d and cuts them into
+   batches, so each global step is one contiguous window of the bucket's order and
+   context-parallel peers get identical batches;
+5. a schedule derived from (seed, epoch) interleaves the buckets' windows (each bucket's
+   windows in order; datasets merged as Poisson processes with rates equal to their
+   weights), so all ranks take the same (dataset, bucket) at the same step.
+
+Empty buckets never reach the padding arithmetic. All per-sample work is numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Hashable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError, DroppedBucketWarning
+from .permute import ROUNDS, permute, round_keys
+from .seed import check_seed, derive_rng, derive_seed, encode_key
+from .topology import Topology
+
+__all__ = [
+    "MAX_EPOCH",
+    "MAX_PLANNED_ENTRIES",
+    "Batch",
+    "BucketStats",
+    "Dataset",
+    "Mode",
+    "PadTo",
+    "Plan",
+    "Policy",
+    "bucket_order",
+    "check_epoch",
+    "iter_steps",
+    "plan_epoch",
+    "resolve_policy",
+]
+
+
+#: The largest epoch number accepted anywhere (planner, CLI, loaders, set_epoch). An epoch
+#: is a count of passes over the data: 2**31 - 1 is far beyond any real run, fits every
+#: int32/int64 field and state file, and refuses a step count or a timestamp passed by
+#: mistake. Import it rather than repeating the number.
+MAX_EPOCH = 2**31 - 1
+
+
+#: The most entries (sample appearances, padded copies included) one epoch may plan,
+#: summed over every bucket and dataset. 2**40 (about 1.1e12) is a thousand times the
+#: largest index the planner is built for (10^9 samples), so real data never reaches it,
+#: while every position, offset and cumulative sum the planner computes in int64
+#: (``d + dp * k``, per-bucket bases, ...) stays 2**23 times below overflow. A plan above
+#: it is a configuration mistake — a batch size or world size that makes one global step
+#: (the pad unit every bucket is padded to) absurdly large, or absurd repeats — and is
+#: refused before anything is allocated, instead of failing inside numpy.
+MAX_PLANNED_ENTRIES = 2**40
+
+
+def check_epoch(epoch: Any, what: str = "epoch") -> int:
+    """Validate an epoch number: an int (not bool) with ``0 <= epoch <= MAX_EPOCH``.
+
+    Args:
+        epoch: the value to check (int or numpy integer).
+        what: how to name it in the message (``"epoch"``, ``"start_epoch"``, ...).
+
+    Returns:
+        The epoch as a Python int.
+
+    Raises:
+        ConfigError: not an int (a float, str or bool is never truncated or parsed),
+            negative, or above MAX_EPOCH.
+    """
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+        raise ConfigError(
+            f"{what} must be an int in [0, {MAX_EPOCH}], got {type(epoch).__name__} {epoch!r}; "
+            "pass a whole number such as int(epoch)"
+        )
+    value = int(epoch)
+    if not 0 <= value <= MAX_EPOCH:
+        raise ConfigError(
+            f"{what} must be in [0, MAX_EPOCH={MAX_EPOCH}], got {value}; an epoch counts passes "
+            "over the data (pass the epoch number, not a step count or a timestamp)"
+        )
+    return value
+
+
+class Policy(str, Enum):
+    """How a bucket is made a multiple of the pad unit."""
+
+    AUTO = "auto"
+    CYCLIC = "cyclic"
+    DROP = "drop"
+    NONE = "none"
+
+
+class Mode(str, Enum):
+    """``epochs``: one epoch per plan, driven by set_epoch; ``steps``: endless epochs."""
+
+    EPOCHS = "epochs"
+    STEPS = "steps"
+
+
+class PadTo(str, Enum):
+    """The pad unit: ``batch`` = dp_size * batch_size (default), ``rank`` = dp_size."""
+
+    BATCH = "batch"
+    RANK = "rank"
+
+
+def bucket_order(key: Hashable) -> tuple[Any, ...]:
+    """Canonical, machine-independent order of bucket keys (numbers, then strings, then tuples).
+
+    Raises:
+        ConfigError: a key that is not None, bool, int, float, str, bytes or a tuple of them.
+    """
+    encode_key(key)  # validates the type
+    if key is None:
+        return (0,)
+    if isinstance(key, bool):
+        return (1, int(key))
+    if isinstance(key, (int, float, np.integer, np.floating)):
+        return (2, float(key), encode_key(key))
+    if isinstance(key, str):
+        return (3, key)
+    if isinstance(key, bytes):
+        return (4, key)
+    return (5, tuple(bucket_order(k) for k in key))  # type: ignore[union-attr]
+
+
+def _enum(cls: type[Enum], value: Any, what: str) -> Any:
+    try:
+        return cls(value.value if isinstance(value, Enum) else value)
+    except ValueError:
+        allowed = ", ".join(m.value for m in cls)  # type: ignore[attr-defined]
+        raise ConfigError(f"unknown {what} {value!r}; expected one of: {allowed}") from None
+
+
+def resolve_policy(policy: Policy | str, mode: Mode | str, oversubscribe: bool) -> Policy:
+    """The concrete policy: ``auto`` is cyclic for epochs or oversubscription, else drop."""
+    policy = _enum(Policy, policy, "padding policy")
+    mode = _enum(Mode, mode, "mode")
+    if policy is Policy.AUTO:
+        return Policy.CYCLIC if mode is Mode.EPOCHS or oversubscribe else Policy.DROP
+    return policy
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """One dataset of the plan: buckets of sample ids, repeats and an interleave weight.
+
+    Args:
+        name: unique name among the planned datasets.
+        buckets: bucket key -> sample ids (any order; planned in sorted order).
+            Keys are str, int, float or tuples of them.
+        repeats: each sample appears 1 + repeats times per epoch.
+        weight: rate at which this dataset's steps are drawn relative to the others.
+    """
+
+    name: str
+    buckets: Mapping[Hashable, Any]
+    repeats: int = 0
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"dataset name must be a non-empty str, got {self.name!r}")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 0:
+            raise ConfigError(f"dataset {self.name!r}: repeats must be an int >= 0, got {self.repeats!r}")
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise ConfigError(f"dataset {self.name!r}: weight must be a finite number > 0, got {w!r}")
+        canon: dict[Hashable, np.ndarray] = {}
+        for key in sorted(self.buckets, key=bucket_order):
+            ids = np.asarray(self.buckets[key])
+            if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+                raise ConfigError(
+                    f"dataset {self.name!r} bucket {key!r}: sample ids must be a 1-D integer array"
+                )
+            ids = np.sort(ids.astype(np.int64, copy=False))
+            if ids.size > 1 and np.any(ids[1:] == ids[:-1]):
+                dup = int(ids[1:][ids[1:] == ids[:-1]][0])
+                raise ConfigError(f"dataset {self.name!r} bucket {key!r}: sample id {dup} occurs twice")
+            canon[key] = ids
+        object.__setattr__(self, "buckets", canon)
+
+
+@dataclass(frozen=True)
+class BucketStats:
+    """What the plan did with one (dataset, bucket), identical on every rank."""
+
+    dataset: str
+    bucket: Hashable
+    samples: int          # distinct samples in the bucket
+    repeats: int          # configured repeats
+    length: int           # samples * (1 + repeats), before padding
+    padded_length: int    # global length after padding / truncation (0 if dropped)
+    padded_copies: int    # entries added by cyclic padding
+    truncated: int        # entries removed by drop
+    dropped: bool         # the whole bucket is out of this epoch
+    oversubscribed: bool  # kept below one pad unit by explicit consent
+    steps: int            # global steps this bucket takes per epoch
+
+    @property
+    def effective_repeats(self) -> float:
+        """Appearances per sample minus one, after padding (oversubscribed buckets > repeats)."""
+        return self.padded_length / self.samples - 1 if self.samples else 0.0
+
+    @property
+    def padded_fraction(self) -> float:
+        """Padded copies as a fraction of the padded length."""
+        return self.padded_copies / self.padded_length if self.padded_length else 0.0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch of this rank: never mixes buckets or datasets."""
+
+    epoch: int
+    step: int            # global step within the epoch (identical on every rank)
+    index: int           # position in this rank's plan for the epoch
+    dataset: str
+    bucket: Hashable
+    samples: np.ndarray  # int64 sample ids
+    pad: np.ndarray      # bool: True for a padded copy
+
+    def to_json(self, topology: Topology) -> dict[str, Any]:
+        """The ``wds-pad plan --json`` record of this batch."""
+        return {
+            "rank": topology.rank,
+            "dp_rank": topology.dp_rank,
+            "step": self.step,
+            "epoch": self.epoch,
+            "dataset": self.dataset,
+            "bucket": self.bucket,
+            "samples": self.samples.tolist(),
+            "pad": self.pad.tolist(),
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """This rank's ordered batches for one epoch, stored columnar.
+
+    ``schedule[s]`` is the bucket-table index every rank takes at global step s;
+    ``batch_step[i]`` the global step of this rank's i-th batch, whose samples are
+    ``samples[offsets[i]:offsets[i + 1]]``.
+    """
+
+    epoch: int
+    topology: Topology
+    batch_size: int
+    policy: Policy
+    mode: Mode
+    pad_to: PadTo
+    oversubscribe: bool
+    datasets: tuple[str, ...]
+    bucket_table: tuple[tuple[int, Hashable], ...]  # (dataset index, bucket key)
+    schedule: np.ndarray
+    batch_step: np.ndarray
+    offsets: np.ndarray
+    samples: np.ndarray
+    pad: np.ndarray
+    stats: tuple[BucketStats, ...] = field(repr=False)
+
+    @property
+    def steps(self) -> int:
+        """Global steps in this epoch."""
+        return int(self.schedule.size)
+
+    def __len__(self) -> int:
+        return int(self.batch_step.size)
+
+    def __getitem__(self, i: int) -> Batch:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"batch {i} out of range for a plan of {n} batches")
+        i %= n
+        step = int(self.batch_step[i])
+        ds, key = self.bucket_table[int(self.schedule[step])]
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return Batch(self.epoch, step, i, self.datasets[ds], key, self.samples[lo:hi], self.pad[lo:hi])
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (self[i] for i in range(len(self)))
+
+
+def _as_datasets(source: Any) -> list[Dataset]:
+    items = list(source) if isinstance(source, (list, tuple)) else [source]
+    out: list[Dataset] = []
+    for item in items:
+        if isinstance(item, Dataset):
+            out.append(item)
+        elif hasattr(item, "to_dataset"):  # an Index (duck-typed: the planner imports no I/O)
+            out.append(item.to_dataset())
+        elif isinstance(item, Mapping):
+            out.append(Dataset(name=f"dataset{len(out)}", buckets=item))
+        else:
+            raise ConfigError(
+                f"cannot plan {type(item).__name__}: pass a Dataset, an Index or a "
+                "mapping of bucket key -> sample ids"
+            )
+    if not out:
+        raise ConfigError("nothing to plan: no datasets given")
+    names = [d.name for d in out]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"dataset names must be unique, got {names}; pass name=... to each")
+    return out
+
+
+def _padded_length(m: int, unit: int, policy: Policy, oversubscribe: bool) -> int:
+    if policy is Policy.NONE:
+        return m
+    if m < unit:
+        return unit if (policy is Policy.CYCLIC and oversubscribe) else 0
+    if policy is Policy.CYCLIC:
+        return -(-m // unit) * unit
+    return (m // unit) * unit
+
+
+def _check_planned_size(
+    name: str, key: Hashable, n: int, passes: int, length: int, dp: int, bs: int, unit: int,
+    oversubscribe: bool,
+) -> None:
+    """Refuse a bucket whose epoch (before or after padding) exceeds MAX_PLANNED_ENTRIES."""
+    m = n * passes
+    if m > MAX_PLANNED_ENTRIES:
+        raise ConfigError(
+            f"dataset {name!r} bucket {key!r} would hold {m} entries per epoch ({n} samples x "
+            f"{passes} passes), above the planner's limit of MAX_PLANNED_ENTRIES = 2**40 = "
+            f"{MAX_PLANNED_ENTRIES}; lower the dataset's repeats"
+        )
+    if length > MAX_PLANNED_ENTRIES:
+        how = "filled cyclically (oversubscribe) to one global step of" if oversubscribe and m < unit else "padded to"
+        raise ConfigError(
+            f"dataset {name!r} bucket {key!r} ({m} entries) would be {how} {length} entries per "
+            f"epoch (pad unit {unit} = {dp} DP ranks x batch {bs}), above the planner's limit of "
+            f"MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower the batch size or the world "
+            "size, or turn oversubscribe off (oversubscribe=False, no --oversubscribe) so buckets "
+            "smaller than one global step are dropped"
+        )
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def plan_epoch(
+    datasets: Any,
+    topology: Topology,
+    *,
+    seed: int,
+    epoch: int = 0,
+    batch_size: int,
+    policy: Policy | str = Policy.AUTO,
+    mode: Mode | str = Mode.EPOCHS,
+    oversubscribe: bool = False,
+    pad_to: PadTo | str = PadTo.BATCH,
+    warn: bool = True,
+) -> Plan:
+    """Plan one epoch for this rank.
+
+    Args:
+        datasets: a Dataset, an Index (anything with ``to_dataset()``), a mapping of
+            bucket key -> sample ids, or a list of those (several datasets).
+        topology: this rank's Topology.
+        seed: the shared seed (identical on every rank), an int in [0, 2**64).
+        epoch: the epoch number, an int in [0, MAX_EPOCH].
+        batch_size: samples per batch per DP rank.
+        policy: ``auto`` | ``cyclic`` | ``drop`` | ``none``.
+        mode: ``epochs`` | ``steps`` (only matters for ``auto``).
+        oversubscribe: keep buckets smaller than one pad unit, filled cyclically.
+        pad_to: ``batch`` (unit dp_size * batch_size) or ``rank`` (unit dp_size).
+        warn: emit a DroppedBucketWarning naming each dropped bucket.
+
+    Returns:
+        The Plan of ``topology.rank`` for ``epoch``.
+
+    Raises:
+        ConfigError: a wrong argument, named with the expected form.
+    """
+    if not isinstance(topology, Topology):
+        raise ConfigError(f"topology must be a wds_pad.Topology, got {type(topology).__name__}")
+    seed = check_seed(seed)
+    epoch = check_epoch(epoch)
+    bs = _check_positive("batch_size", batch_size)
+    mode = _enum(Mode, mode, "mode")
+    pad_to = _enum(PadTo, pad_to, "pad_to")
+    policy = resolve_policy(policy, mode, bool(oversubscribe))
+    dss = _as_datasets(datasets)
+    dp, d = int(topology.dp_size), int(topology.dp_rank)  # type: ignore[arg-type]
+    unit = dp * bs if pad_to is PadTo.BATCH else dp
+
+    table: list[tuple[int, Hashable]] = []
+    stats: list[BucketStats] = []
+    kept: list[tuple[np.ndarray, int, int, int, list[list[int]]]] = []  # ids, n, m, length, keys
+    bucket_steps: list[int] = []
+    dropped_names: list[str] = []
+    planned = 0  # entries of the whole epoch over all buckets, checked before allocating
+    for di, ds in enumerate(dss):
+        passes = 1 + ds.repeats
+        for key, ids in ds.buckets.items():
+            n = int(ids.size)
+            m = n * passes
+            length = _padded_length(m, unit, policy, bool(oversubscribe)) if n else 0
+            _check_planned_size(ds.name, key, n, passes, length, dp, bs, unit, bool(oversubscribe))
+            planned += length
+            dropped = n > 0 and length == 0
+            steps = -(-length // (dp * bs)) if length else 0
+            stats.append(BucketStats(
+                dataset=ds.name, bucket=key, samples=n, repeats=ds.repeats, length=m,
+                padded_length=length, padded_copies=max(length - m, 0),
+                truncated=max(m - length, 0) if n else 0, dropped=dropped,
+                oversubscribed=bool(n) and 0 < m < unit and length >= unit, steps=steps,
+            ))
+            if dropped:
+                dropped_names.append(f"{ds.name}/{key!r} ({m} < pad unit {unit})")
+            if not length:
+                continue  # empty or dropped: never reaches the arithmetic below
+            table.append((di, key))
+            # one keyed permutation per pass: the bucket's global order, evaluated pointwise
+            keys = [round_keys(derive_seed(seed, epoch, ds.name, key, "shuffle", j)) for j in range(passes)]
+            kept.append((ids, n, m, length, keys))
+            bucket_steps.append(steps)
+    if planned > MAX_PLANNED_ENTRIES:
+        raise ConfigError(
+            f"epoch {epoch} would plan {planned} entries over all buckets and datasets, above the "
+            f"planner's limit of MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower repeats, "
+            f"the batch size ({bs}) or the world size ({dp} DP ranks), or turn oversubscribe off"
+        )
+    try:
+        flat, flat_pad, counts = _rank_entries(kept, dp, d)
+    except MemoryError as exc:  # below the limit, but more than this machine holds
+        share = sum(max(0, -(-(k[3] - d) // dp)) for k in kept)
+        raise ConfigError(
+            f"epoch {epoch}: this rank's share is {share} planned entries (of {planned}; pad unit "
+            f"{unit} = {dp} DP ranks x batch {bs}), more than this machine can allocate to plan it "
+            f"(about {share * 64 / 2**30:.1f} GiB); lower the batch size, plan on more DP ranks, or "
+            "turn oversubscribe off"
+        ) from exc
+    if warn and dropped_names:
+        warnings.warn(
+            f"{len(dropped_names)} bucket(s) smaller than one global step were dropped from "
+            f"epoch {epoch}: {', '.join(dropped_names[:10])}{' ...' if len(dropped_names) > 10 else ''}; "
+            "pass oversubscribe=True (--oversubscribe) to keep them",
+            DroppedBucketWarning,
+            stacklevel=2,
+        )
+
+    schedule, window = _schedule(dss, table, bucket_steps, seed, epoch)
+    # This rank's batch for global step s: its entries [k*bs, (k+1)*bs) of bucket schedule[s].
+    starts_in_bucket = window * bs
+    sizes = np.clip(counts[schedule] - starts_in_bucket, 0, bs) if schedule.size else np.zeros(0, np.int64)
+    has = sizes > 0
+    batch_step = np.flatnonzero(has).astype(np.int64)
+    sizes = sizes[has]
+    bucket_base = np.zeros(len(table) + 1, dtype=np.int64)
+    np.cumsum(counts, out=bucket_base[1:])
+    src_start = bucket_base[schedule[has]] + starts_in_bucket[has]
+    offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    gather = np.repeat(src_start - offsets[:-1], sizes) + np.arange(offsets[-1], dtype=np.int64)
+    return Plan(
+        epoch=epoch, topology=topology, batch_size=bs, policy=policy, mode=mode, pad_to=pad_to,
+        oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss),
+        bucket_table=tuple(table), schedule=schedule, batch_step=batch_step, offsets=offsets,
+        samples=flat[gather], pad=flat_pad[gather], stats=tuple(stats),
+    )
+
+
+def _rank_entries(
+    kept: Sequence[tuple[np.ndarray, int, int, int, list[list[int]]]], dp: int, d: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This rank's entries of every kept bucket, concatenated in bucket-table order.
+
+    Global position p of a bucket (p = d, d + dp, ... < padded length) holds pass
+    ``(p mod m) // n`` at place ``perm_pass((p mod m) mod n)`` of the sorted ids; it
+    is a padded copy iff p >= m. All buckets are evaluated in one vectorised pass.
+
+    Returns:
+        (sample ids, padded flags, entries per bucket).
+    """
+    counts = np.asarray([max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, np.int64), np.zeros(0, bool), counts
+    bucket = np.repeat(np.arange(len(kept)), counts)
+    starts = np.zeros(len(kept), dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    pos = d + dp * (np.arange(total, dtype=np.int64) - starts[bucket])
+    n_arr = np.asarray([k[1] for k in kept], dtype=np.int64)
+    m_arr = np.asarray([k[2] for k in kept], dtype=np.int64)
+    q = pos % m_arr[bucket]
+    n_e = n_arr[bucket]
+    pass_idx = q // n_e
+    key_rows = np.asarray([row for k in kept for row in k[4]], dtype=np.uint64).reshape(-1, ROUNDS)
+    first_row = np.zeros(len(kept), dtype=np.int64)
+    np.cumsum([len(k[4]) for k in kept][:-1], out=first_row[1:])
+    keys = key_rows[first_row[bucket] + pass_idx].T
+    perm = permute(q % n_e, n_e, keys)
+    samples = np.empty(total, dtype=np.int64)
+    for b, (ids, *_rest) in enumerate(kept):
+        lo, hi = int(starts[b]), int(starts[b]) + int(counts[b])
+        if hi > lo:
+            samples[lo:hi] = ids[perm[lo:hi]]
+    return samples, pos >= m_arr[bucket], counts
+
+
+def _schedule(
+    dss: Sequence[Dataset], table: Sequence[tuple[int, Hashable]], steps: Sequence[int],
+    seed: int, epoch: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Global step -> (bucket-table index, window number within that bucket)."""
+    steps_arr = np.asarray(steps, dtype=np.int64)
+    table_ds = np.asarray([di for di, _ in table], dtype=np.int64)
+    per_ds: list[np.ndarray] = []
+    for di, ds in enumerate(dss):
+        mine = np.flatnonzero(table_ds == di) if table_ds.size else np.zeros(0, np.int64)
+        seq = np.repeat(mine, steps_arr[mine]) if mine.size else np.zeros(0, np.int64)
+        per_ds.append(derive_rng(seed, epoch, ds.name, "schedule").permutation(seq))
+    if len(per_ds) == 1:
+        schedule = per_ds[0]
+    else:
+        # Competing Poisson processes with rates = weights: while datasets have steps
+        # left, the next step comes from dataset i with probability w_i / sum(w_active).
+        rng = derive_rng(seed, epoch, "datasets")
+        times = [np.cumsum(rng.exponential(1.0 / ds.weight, size=seq.size)) for ds, seq in zip(dss, per_ds)]
+        order = np.argsort(np.concatenate(times), kind="stable")
+        schedule = np.concatenate(per_ds)[order]
+    schedule = schedule.astype(np.int64, copy=False)
+    # window k of a bucket = how many earlier steps took the same bucket
+    order = np.argsort(schedule, kind="stable")
+    sorted_b = schedule[order]
+    first = np.searchsorted(sorted_b, sorted_b, side="left")
+    window = np.empty_like(schedule)
+    window[order] = np.arange(schedule.size, dtype=np.int64) - first
+    return schedule, window
+
+
+def iter_steps(
+    datasets: Any, topology: Topology, *, seed: int, batch_size: int, start_epoch: int = 0,
+    policy: Policy | str = Policy.AUTO, oversubscribe: bool = False,
+    pad_to: PadTo | str = PadTo.BATCH,
+) -> Iterator[Plan]:
+    """Steps mode: an endless sequence of epoch plans, each with the same policy.
+
+    Raises:
+        ConfigError: ``start_epoch`` is not an int in [0, MAX_EPOCH]; or the epoch plan
+            has no steps at all (every bucket dropped), which would otherwise loop forever.
+    """
+    epoch = check_epoch(start_epoch, "start_epoch")
+    dss = _as_datasets(datasets)
+    while True:
+        plan = plan_epoch(dss, topology, seed=seed, epoch=epoch, batch_size=batch_size,
+                          policy=policy, mode=Mode.STEPS, oversubscribe=oversubscribe,
+                          pad_to=pad_to, warn=epoch == start_epoch)
+        if plan.steps == 0:
+            raise ConfigError(
+                "steps mode has nothing to stream: every bucket is smaller than one global "
+                f"step ({topology.dp_size} DP ranks x batch {batch_size}); lower batch_size "
+                "or pass oversubscribe=True"
+            )
+        yield plan
+        epoch += 1

@@ -1,0 +1,153 @@
+"""The shared seed and stable RNG derivation.
+
+Invariants:
+- Every rank of a job uses the same seed: a configured one as is, or one drawn from
+  the OS on rank 0 and broadcast over torch.distributed.
+- Every random choice derives from (seed, parts...) through a stable hash (blake2b of
+  a canonical, type-tagged encoding): never Python's ``hash()``, the pid or the clock,
+  so the same inputs give the same numbers in every process, on every machine, under
+  any PYTHONHASHSEED.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sys
+from typing import Any, Hashable
+
+import numpy as np
+
+from ..errors import ConfigError, SeedError
+
+__all__ = ["MAX_SEED", "check_seed", "derive_rng", "derive_seed", "encode_key", "shared_seed", "stable_digest"]
+
+SEED_BITS = 63
+#: The largest seed accepted anywhere (API and CLI): seeds are unsigned 64-bit integers.
+MAX_SEED = 2**64 - 1
+
+
+def encode_key(part: Hashable) -> bytes:
+    """Canonical, type-tagged bytes for a seed part or bucket key.
+
+    Supports None, bool, int, float, str, bytes and tuples of those. Equal values of
+    different types (``1`` and ``"1"``) encode differently.
+    """
+    if part is None:
+        return b"N"
+    if isinstance(part, bool):
+        return b"B1" if part else b"B0"
+    if isinstance(part, (int, np.integer)):
+        return b"I" + str(int(part)).encode() + b";"
+    if isinstance(part, (float, np.floating)):
+        return b"F" + float(part).hex().encode() + b";"
+    if isinstance(part, str):
+        raw = part.encode("utf-8")
+        return b"S" + str(len(raw)).encode() + b":" + raw
+    if isinstance(part, bytes):
+        return b"Y" + str(len(part)).encode() + b":" + part
+    if isinstance(part, tuple):
+        return b"T" + str(len(part)).encode() + b"(" + b"".join(encode_key(p) for p in part) + b")"
+    raise ConfigError(
+        f"cannot derive a stable key from {type(part).__name__} {part!r}; "
+        "use str, int, float, bytes or tuples of them"
+    )
+
+
+def stable_digest(*parts: Hashable, size: int = 16) -> bytes:
+    """blake2b digest of the canonical encoding of ``parts``."""
+    h = hashlib.blake2b(digest_size=size)
+    for p in parts:
+        h.update(encode_key(p))
+    return h.digest()
+
+
+def derive_seed(seed: int, *parts: Hashable) -> int:
+    """A 64-bit integer derived from ``seed`` and ``parts`` through a stable hash."""
+    return int.from_bytes(stable_digest(int(seed), *parts, size=8), "little")
+
+
+def derive_rng(seed: int, *parts: Hashable) -> np.random.Generator:
+    """An explicit numpy Generator for (seed, parts...), e.g. (seed, epoch, dataset, bucket, purpose)."""
+    digest = stable_digest(int(seed), *parts, size=16)
+    entropy = [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+
+
+def check_seed(seed: Any) -> int:
+    """Validate a configured seed: an int (not bool) in ``[0, 2**64)``.
+
+    The one rule for every entry point (``shared_seed``, ``plan_epoch``, the loaders and
+    ``wds-pad ... --seed``), so the CLI and the API accept exactly the same seeds.
+
+    Args:
+        seed: the value to check (int or numpy integer).
+
+    Returns:
+        The seed as a Python int.
+
+    Raises:
+        ConfigError: not an int, or outside ``[0, 2**64)``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ConfigError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    seed = int(seed)
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"seed must be in [0, 2**64), got {seed}; pick a seed between 0 and {MAX_SEED}")
+    return seed
+
+
+_validate = check_seed  # the former private name
+
+
+def shared_seed(seed: int | None = None, group: Any = None) -> int:
+    """Return the seed every rank of the job agrees on.
+
+    Args:
+        seed: a configured seed, returned as is (after validation).
+        group: the process group to broadcast over (default: the default group).
+
+    Returns:
+        The configured seed; or, if none, a fresh 63-bit seed drawn from the OS on the
+        group's rank 0 and broadcast, so that every rank returns the same value. In a
+        single process without torch.distributed, just a fresh draw.
+
+    Raises:
+        SeedError: several processes (WORLD_SIZE > 1) but no initialised process group
+            to agree on a drawn seed — configure a seed or initialise torch.distributed.
+    """
+    if seed is not None:
+        return check_seed(seed)
+    dist = _initialized_dist() if group is None else _import_dist()
+    if dist is None:
+        import os
+
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world.strip() not in ("", "1"):
+            raise SeedError(
+                f"WORLD_SIZE={world} but torch.distributed is not initialised, so a drawn "
+                "seed cannot be shared; pass seed=<int> or init_process_group() first"
+            )
+        return secrets.randbits(SEED_BITS)
+    import torch
+
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    value = secrets.randbits(SEED_BITS) if dist.get_rank(group) == 0 else 0
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(tensor, src=src, group=group)
+    return int(tensor.item())
+
+
+def _import_dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def _initialized_dist() -> Any:
+    if "torch" not in sys.modules:
+        return None
+    dist = _import_dist()
+    return dist if dist.is_available() and dist.is_initialized() else None

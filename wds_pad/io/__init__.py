@@ -1,0 +1,9 @@
+"""io: everything that touches bytes in a filesystem or store: filesystems and URL
+patterns, credentials and their redaction, error classification of stores, range
+reads (many in flight), local read-ahead, atomic local writes.
+
+Owns: ``RangeReader``, ``ReadOptions``, ``get_filesystem``, ``expand_urls``, ``redact``,
+``atomic_write``.
+
+May import: ``wds_pad.core`` and ``wds_pad.errors``. Nothing of index, state, stream or cli.
+"""

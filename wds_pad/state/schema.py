@@ -1,0 +1,144 @@
+"""Loader state: the schema, its constants, the fingerprint, structural checks.
+
+A state is small, JSON-safe and versioned (docs/resume.md describes every field)::
+
+    {"format": "wds_pad.state", "version": 2, "kind": "bucketed" | "shards",
+     "mode": "epochs" | "steps", "epoch": 3, "index": 120, "batches_in_epoch": 606,
+     "topology": {"world_size": 8, "rank": 5, "dp_size": 4, "dp_rank": 2,
+                  "cp_size": 2, "cp_rank": 1},
+     "fingerprint": "<hex>", "plan": {<the fingerprint's ingredients>},
+     "elastic": {"segments": [[8, 120]]}     # only in an epoch resumed on another layout
+     "worker": {"id": 1, "num_workers": 2}}  # only in a DataLoader worker's own state
+
+Invariants:
+- :func:`check_schema` type-checks every field verification reads, naming the field;
+- the fingerprint is the digest of the ``plan`` block (:func:`fingerprint_of`), which
+  holds everything that shapes this rank's plan except its own rank: seed, datasets,
+  batch size, policy, and the data-parallel layout (``dp_size``, ``pad_unit``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Mapping
+
+from ..core.plan import MAX_EPOCH
+from ..errors import StateError
+
+__all__ = ["MAX_INDEX", "READABLE_VERSIONS", "STATE_FORMAT", "STATE_VERSION", "check_schema",
+           "elastic_segments", "fingerprint_of"]
+
+STATE_FORMAT = "wds_pad.state"
+STATE_VERSION = 2
+#: Versions this wds_pad reads. Version 1's fingerprint did not cover the data-parallel
+#: layout, so a version-1 state is accepted only with its topology block.
+READABLE_VERSIONS = (1, 2)
+TOPOLOGY_FIELDS = ("world_size", "rank", "dp_size", "dp_rank", "cp_size", "cp_rank")
+KINDS = ("bucketed", "shards")
+MODES = ("epochs", "steps")
+#: Plan fields that describe the data-parallel layout: they differ, by design, on an
+#: elastic resume (allow_elastic=True), which then checks the position maps exactly.
+LAYOUT_FIELDS = ("dp_size", "pad_unit")
+#: Largest batch index or batch count a state may hold (far beyond any real epoch).
+MAX_INDEX = 2**53
+STATE_FILE_FORMAT = "wds_pad.state_file"
+
+
+def fingerprint_of(fields: Mapping[str, Any]) -> str:
+    """The fingerprint of a plan: a stable digest of its JSON-safe ``fields``.
+
+    A state carries both, so :func:`verify_state` can check that its ``plan`` block is
+    the one its fingerprint was made from, and then name each differing field.
+    """
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _table(rows: list[tuple[str, Any, Any]]) -> str:
+    return "; ".join(f"{name}: saved {saved!r}, now {now!r}" for name, saved, now in rows)
+
+
+def _is_count(v: Any, minimum: int = 0) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= minimum
+
+
+def check_schema(state: Any) -> dict[str, Any]:
+    """Structural checks of every field verification reads; raises StateError naming it."""
+    if not isinstance(state, Mapping):
+        raise StateError(f"a loader state must be a dict, got {type(state).__name__}")
+    if state.get("format") != STATE_FORMAT:
+        raise StateError(f"not a wds_pad loader state (format {state.get('format')!r}); "
+                         "pass the dict returned by state_dict()")
+    version = state.get("version")
+    if not _is_count(version):
+        raise StateError(f"loader state field 'version' must be an int, got {type(version).__name__} "
+                         f"{version!r}; pass the dict returned by state_dict() unchanged")
+    if version not in READABLE_VERSIONS:
+        raise StateError(f"loader state version {version!r} is not supported (this wds_pad reads "
+                         f"versions {', '.join(map(str, READABLE_VERSIONS))}); resume with the wds_pad "
+                         "that saved it, or start the epoch afresh")
+    for name, limit in (("epoch", MAX_EPOCH), ("index", MAX_INDEX)):
+        value = state.get(name)
+        if not _is_count(value) or value > limit:
+            raise StateError(f"loader state field {name!r} must be an int in [0, {limit}], got {value!r}; "
+                             "pass the dict returned by state_dict() unchanged")
+    n = state.get("batches_in_epoch")
+    if n is not None and (not _is_count(n) or n > MAX_INDEX):
+        raise StateError(f"loader state field 'batches_in_epoch' must be an int in [0, {MAX_INDEX}], got {n!r}")
+    for name, allowed in (("kind", KINDS), ("mode", MODES)):
+        if state.get(name) not in allowed:
+            raise StateError(f"loader state field {name!r} must be one of {', '.join(allowed)}, "
+                             f"got {state.get(name)!r}")
+    fp = state.get("fingerprint")
+    if not isinstance(fp, str) or len(fp) != 32 or any(c not in "0123456789abcdef" for c in fp):
+        raise StateError(f"loader state field 'fingerprint' must be 32 hex digits, got {fp!r}")
+    plan = state.get("plan")
+    if plan is None and version >= 2:
+        raise StateError("loader state field 'plan' is missing: it is what the fingerprint is made of; "
+                         "pass the dict returned by state_dict() unchanged")
+    if plan is not None and not isinstance(plan, Mapping):
+        raise StateError(f"loader state field 'plan' must be a dict, got {type(plan).__name__}")
+    if version >= 2 and not _is_count(plan.get("dp_size"), 1):  # type: ignore[union-attr]
+        raise StateError(f"loader state field 'plan.dp_size' must be an int >= 1, got "
+                         f"{plan.get('dp_size')!r}; pass the dict returned by state_dict() unchanged")  # type: ignore[union-attr]
+    topo = state.get("topology")
+    if topo is not None and (not isinstance(topo, Mapping) or
+                             not all(_is_count(topo.get(k)) for k in TOPOLOGY_FIELDS)):
+        raise StateError(f"loader state field 'topology' must map {', '.join(TOPOLOGY_FIELDS)} "
+                         f"to ints >= 0, got {topo!r}")
+    elastic_segments(state)
+    worker = state.get("worker")
+    if worker is not None and (not isinstance(worker, Mapping) or not _is_count(worker.get("id"))
+                               or not _is_count(worker.get("num_workers"), 1)):
+        raise StateError(f"loader state field 'worker' must be {{'id': int, 'num_workers': int}}, got {worker!r}")
+    return dict(state)
+
+
+def elastic_segments(state: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:
+    """The ``(dp_size, steps)`` layouts that consumed the saved epoch before this one."""
+    elastic = state.get("elastic")
+    if elastic is None:
+        return ()
+    segments = elastic.get("segments") if isinstance(elastic, Mapping) else None
+    if not isinstance(segments, list) or not all(
+            isinstance(s, (list, tuple)) and len(s) == 2 and _is_count(s[0], 1) and _is_count(s[1])
+            for s in segments):
+        raise StateError(f"loader state field 'elastic' must be {{'segments': [[dp_size, steps], ...]}}, "
+                         f"got {elastic!r}")
+    return tuple((int(d), int(s)) for d, s in segments)
+
+
+def _flatten(value: Any, prefix: str) -> dict[str, Any]:
+    """``{"datasets": [{"repeats": 1}]}`` -> ``{"plan.datasets[0].repeats": 1}``: one row per field."""
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}"))
+        return out
+    if isinstance(value, (list, tuple)) and any(isinstance(v, Mapping) for v in value):
+        out = {f"{prefix}.count": len(value)}
+        for i, v in enumerate(value):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: value}

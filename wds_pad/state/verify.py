@@ -1,0 +1,244 @@
+"""Verifying a saved state against the current loader, and where it resumes.
+
+Invariants:
+- :func:`verify_state` checks the whole state before anything is restored and raises
+  with every differing field listed as saved and as now;
+- a state from another data-parallel layout is refused with or without its ``topology``
+  block (the layout is in the fingerprinted ``plan``), and an edited ``plan`` block no
+  longer matches its fingerprint;
+- a distributed run refuses a state without topology; a version-1 state (whose
+  fingerprint did not cover the layout) is only accepted with its topology block;
+- an elastic resume is exact or refused: :func:`elastic_view` removes from the new
+  layout's epoch exactly the windows the earlier layouts consumed, and refuses (naming
+  the bucket) when a consumed prefix is not a whole number of the new global steps;
+- :func:`restore` is pure: it says where to resume and mutates nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from ..core.plan import Plan, plan_epoch
+from ..core.topology import Topology
+from ..errors import StateError, StateMismatchError, TopologyMismatchError
+from .elastic import ElasticView, elastic_view
+from .schema import (
+    LAYOUT_FIELDS,
+    STATE_FORMAT,
+    STATE_VERSION,
+    TOPOLOGY_FIELDS,
+    _flatten,
+    _table,
+    check_schema,
+    elastic_segments,
+    fingerprint_of,
+)
+
+__all__ = ["Resume", "epoch_length", "make_state", "restore", "verify_state"]
+
+
+def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, fingerprint: str,
+                 plan_fields: Mapping[str, Any], allow_elastic: bool = False,
+                 legacy_fingerprint: str | None = None) -> dict[str, Any]:
+    """Verify a saved state against the current loader; return it if it may be restored.
+
+    Args:
+        state: the saved state dict.
+        kind, mode: the current loader's kind ("bucketed" / "shards") and mode.
+        topology: the current topology.
+        fingerprint: the current plan fingerprint (``fingerprint_of(plan_fields)``).
+        plan_fields: the current fingerprint's ingredients (to name what differs).
+        allow_elastic: accept another data-parallel layout (the caller then checks
+            that the saved position maps exactly onto the new one).
+        legacy_fingerprint: the current plan's fingerprint as version 1 computed it
+            (None: version-1 states are refused).
+
+    Raises:
+        StateError: corrupt / unknown-version state, or a ``plan`` block that does not
+            match its fingerprint (edited).
+        TopologyMismatchError: another world size, rank, dp or cp layout (in the
+            topology block or in the plan's layout fields), or no topology in a
+            distributed run or in a version-1 state.
+        StateMismatchError: another plan (fingerprint), mode or loader kind.
+    """
+    state = check_schema(state)
+    version = state["version"]
+    rows: list[tuple[str, Any, Any]] = []
+    for name, now in (("kind", kind), ("mode", mode)):
+        if state[name] != now:
+            rows.append((name, state[name], now))
+    saved_topo = state.get("topology")
+    now_topo = topology.to_dict()
+    if saved_topo is None:
+        if version == 1:
+            raise TopologyMismatchError(
+                "this state has no topology and is of version 1, whose fingerprint does not cover the "
+                "data-parallel layout, so it cannot be verified against this job's layout; restore the "
+                "state's 'topology' block, or start the epoch afresh (set_epoch)")
+        if topology.world_size > 1:
+            raise TopologyMismatchError(
+                f"this state has no topology and this is a distributed run "
+                f"(world_size {topology.world_size}, rank {topology.rank}); it cannot be verified. "
+                "Pass the state_dict() of this rank unchanged (save_state_file / load_state_file "
+                "keep it whole), or start the epoch afresh"
+            )
+    else:
+        topo_rows = [(f"topology.{k}", saved_topo.get(k), now_topo[k]) for k in TOPOLOGY_FIELDS
+                     if saved_topo.get(k) != now_topo[k]]
+        if topo_rows:
+            layout_same = all(saved_topo.get(k) == now_topo[k] for k in ("dp_size", "cp_size", "world_size"))
+            if not allow_elastic or layout_same:
+                hint = ("load the state file saved by this rank (save_state_file / load_state_file "
+                        "name it by rank)" if layout_same else
+                        "restart with the saved topology, or pass allow_elastic=True to resume "
+                        "on another data-parallel layout where the position maps exactly")
+                raise TopologyMismatchError(f"loader state is from another topology: {_table(topo_rows)}; {hint}")
+    saved_plan = state.get("plan") or {}
+    if version >= 2:
+        try:
+            made = fingerprint_of(saved_plan)
+        except (TypeError, ValueError):
+            made = None
+        if made != state["fingerprint"]:
+            raise StateError(
+                "loader state field 'plan' does not match the state's fingerprint: the state was "
+                "edited or damaged; pass the dict returned by state_dict() unchanged, or start afresh")
+        now_fp = fingerprint
+    else:
+        now_fp = legacy_fingerprint
+        if now_fp is None:
+            raise StateError(f"loader state version 1 of kind {state['kind']!r} is not supported; "
+                             "start the epoch afresh")
+    layout_keys = {f"plan.{k}" for k in LAYOUT_FIELDS}
+    if state["fingerprint"] != now_fp:
+        saved = _flatten(saved_plan, "plan")
+        now_fields = _flatten(plan_fields, "plan")
+        keys = sorted(set(saved) | set(now_fields))
+        if version == 1:  # its plan block had no layout fields of its own; the topology covers them
+            keys = [k for k in keys if k in saved and k not in layout_keys]
+        diff = [(k, saved.get(k), now_fields.get(k)) for k in keys if saved.get(k) != now_fields.get(k)]
+        layout_rows = [r for r in diff if r[0] in layout_keys]
+        other_rows = [r for r in diff if r[0] not in layout_keys]
+        if layout_rows and not allow_elastic and not other_rows and not rows:
+            raise TopologyMismatchError(
+                f"loader state was saved on another data-parallel layout: {_table(layout_rows)}; "
+                "restart with the saved topology, or pass allow_elastic=True to resume on another "
+                "data-parallel layout where the position maps exactly")
+        rows.extend(other_rows + ([] if allow_elastic else layout_rows))
+        if not diff:
+            rows.append(("fingerprint", state["fingerprint"], now_fp))
+    if rows:
+        raise StateMismatchError(
+            f"loader state belongs to another plan: {_table(rows)}; resume with the same "
+            "index, seed, batch size, padding policy, mode, datasets and data-parallel layout, "
+            "or start afresh"
+        )
+    return state
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a verified state resumes: ``(epoch, index)`` in the epoch's view, the elastic
+    view of that epoch (or None) and the DataLoader worker the position belongs to."""
+
+    epoch: int
+    index: int
+    view: ElasticView | None = None
+    worker: tuple[int, int] | None = None
+
+
+def epoch_length(spec: Any, epoch: int, view: ElasticView | None) -> int:
+    """Batches of ``epoch`` on this rank, in the elastic view if it covers that epoch."""
+    return int(view.keep.size) if view is not None and view.epoch == epoch else len(spec.plan(epoch))
+
+
+def make_state(spec: Any, epoch: int, index: int, *, kind: str = "bucketed",
+               view: ElasticView | None = None, worker: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The JSON-safe state of a loader over ``spec`` (a PlanSpec) at ``(epoch, index)``."""
+    state: dict[str, Any] = {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        "kind": kind,
+        "mode": spec.mode.value,
+        "epoch": int(epoch),
+        "index": int(index),
+        "batches_in_epoch": epoch_length(spec, epoch, view),
+        "topology": spec.topology.to_dict(),
+        "fingerprint": spec.fingerprint(),
+        "plan": spec.fingerprint_fields(),
+        # always present, so the key structure is fixed (torch.distributed.checkpoint loads
+        # into the current state_dict() as a template and drops keys the template lacks)
+        "elastic": view.to_json() if view is not None and view.epoch == epoch else {"segments": []},
+    }
+    if worker is not None:
+        state["worker"] = {"id": worker[0], "num_workers": worker[1]}
+    return state
+
+
+def _plan_on(spec: Any, epoch: int) -> Callable[[int], Plan]:
+    datasets = spec.datasets()
+
+    def plan_for(dp_size: int) -> Plan:
+        return plan_epoch(datasets, Topology(world_size=dp_size, rank=0), seed=spec.seed, epoch=epoch,
+                          batch_size=spec.batch_size, policy=spec.policy, mode=spec.mode,
+                          oversubscribe=spec.oversubscribe, pad_to=spec.pad_to, warn=False)
+    return plan_for
+
+
+def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
+            worker: tuple[int, int] | None = None, kind: str = "bucketed") -> Resume:
+    """Verify ``state`` against ``spec`` (a PlanSpec) and say where to resume; pure.
+
+    Args:
+        spec: the current PlanSpec.
+        state: a saved state.
+        allow_elastic: accept another DP layout where the position maps exactly.
+        worker: ``(id, num_workers)`` when called inside a DataLoader worker.
+        kind: the loader kind.
+
+    Raises:
+        StateError, StateMismatchError, TopologyMismatchError: refused, with the reason.
+    """
+    state = verify_state(state, kind=kind, mode=spec.mode.value, topology=spec.topology,
+                         fingerprint=spec.fingerprint(), plan_fields=spec.fingerprint_fields(),
+                         allow_elastic=allow_elastic, legacy_fingerprint=spec.legacy_fingerprint())
+    epoch, index, segments = state["epoch"], state["index"], elastic_segments(state)
+    saved_worker = state.get("worker")
+    saved_w = (saved_worker["id"], saved_worker["num_workers"]) if saved_worker else None
+    if saved_w is not None and saved_w != worker:
+        where = "the main process" if worker is None else f"DataLoader worker {worker[0]} of {worker[1]}"
+        raise StateMismatchError(
+            f"loader state field worker: saved {saved_worker!r} (a DataLoader worker's own position, "
+            f"as torchdata's StatefulDataLoader keeps it), now {where}; resume through the same "
+            "StatefulDataLoader with the same num_workers, or save the Loader's state_dict() instead")
+    now = spec.topology
+    saved_topo = state.get("topology")
+    if saved_topo is None:  # a single process (verify_state refuses it elsewhere): the plan's layout
+        saved_topo = {**now.to_dict(), "dp_size": state["plan"]["dp_size"], "dp_rank": 0}
+    lockstep = spec.resolved_policy.value != "none"  # every DP rank has a batch at every step
+    if saved_topo["dp_size"] == now.dp_size and (lockstep or saved_topo["dp_rank"] == now.dp_rank):
+        view = elastic_view(_plan_on(spec, epoch), epoch, segments, spec.plan(epoch)) if segments else None
+        n = epoch_length(spec, epoch, view)
+        if index > n:
+            raise StateMismatchError(f"loader state position {index} is past the end of epoch {epoch} "
+                                     f"({n} batches on this rank); the state does not belong to this plan")
+        return Resume(epoch, index, view, saved_w)
+    # another data-parallel layout, accepted by verify_state because allow_elastic=True
+    saved_n = state.get("batches_in_epoch")
+    if saved_w is not None:
+        raise TopologyMismatchError("allow_elastic: a DataLoader worker's own state cannot be remapped "
+                                    "onto another layout; save and load the Loader's state_dict()")
+    if saved_n is not None and index >= saved_n:  # the epoch was finished
+        if spec.mode.value == "epochs":
+            return Resume(epoch, len(spec.plan(epoch)))
+        return Resume(epoch + 1, 0)
+    if index == 0 and not segments:
+        return Resume(epoch, 0)
+    if not lockstep:
+        raise TopologyMismatchError(
+            f"allow_elastic: the state was saved mid-epoch (epoch {epoch}, batch {index}) with padding "
+            "policy 'none', where ranks have unequal batch counts, so one rank's position does not "
+            "give the job's; resume on the saved layout, or from an epoch boundary")
+    segments = segments + ((int(saved_topo["dp_size"]), index),)
+    return Resume(epoch, 0, elastic_view(_plan_on(spec, epoch), epoch, segments, spec.plan(epoch)))

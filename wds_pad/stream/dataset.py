@@ -1,0 +1,520 @@
+"""BucketedWebDataset and Loader: what a training script iterates.
+
+Invariants:
+- batches follow this rank's plan exactly: never mixing buckets or datasets, per-sample
+  transforms applied inside each batch so a batch is always exactly the plan's batch;
+- with N DataLoader workers the trainer receives batches in plan order (worker w makes
+  batches j with (j - start) mod N == w);
+- ``state_dict()`` is exact: the dataset counts what it yielded (num_workers=0), the
+  Loader counts what the trainer received in the main process (any num_workers);
+- ``load_state_dict()`` verifies the whole state first; on refusal nothing changes; it is
+  refused while an iterator of the same dataset or loader is open in this process
+  (that iterator would go on from its own position and undo the restored one);
+- after a restore, ``set_epoch`` of the restored epoch keeps the restored position (the
+  documented loops call it at the top of every epoch); ``set_epoch`` of another epoch
+  moves to that epoch's start;
+- resuming is a seek into the plan: no earlier sample is read again.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.compat import FluidInterface
+from webdataset.filters import default_collation_fn
+
+from .loaderargs import check_loader_args
+from ..errors import ConfigError, StateError, StateMismatchError, WdsPadError
+from ..index.format import Index, load_index
+from ..core.plan import Mode, PadTo, Policy, _enum, check_epoch
+from ..io.read import ReadOptions, ReadStats
+from ..core.seed import shared_seed
+from .stages import Counters, PlannedSource, PlanSpec, Position, fetch, substitute
+from ..state import ElasticView, epoch_length, make_state, restore
+from ..state.schema import _flatten
+from ..core.topology import Topology
+
+__all__ = ["BucketedWebDataset", "Loader", "check_agreement"]
+
+
+def _per_index(value: Any, n: int, name: str, kind: type) -> tuple[Any, ...]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise ConfigError(f"{name} has {len(values)} values for {n} index(es); give one per index")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, kind):
+            raise ConfigError(f"{name} must be {kind.__name__} values, got {v!r}")
+    return tuple(values)
+
+
+class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
+    """A torch IterableDataset yielding this rank's planned batches.
+
+    Args:
+        index: an Index or index path, or a list of them (one dataset each).
+        batch_size: samples per batch per data-parallel rank.
+        topology: default ``Topology.detect(group=group, cp_size=cp_size)``.
+        seed: default ``shared_seed(None, group)`` (drawn on rank 0, broadcast).
+        epoch: the epoch to start with (epochs mode: change with ``set_epoch``).
+        pad: ``auto`` | ``cyclic`` | ``drop`` | ``none``.
+        mode: ``epochs`` (one epoch per iteration) | ``steps`` (endless).
+        oversubscribe: keep buckets smaller than one global step, filled cyclically.
+        pad_to: ``batch`` | ``rank``.
+        repeats, weights, names: per index (or one value for all).
+        read_options: concurrency, read-ahead bound, read-ahead threads for large local
+            samples (``local_threads``), retries, timeouts.
+        storage_options: fsspec options for remote shards (merged into read_options).
+        handler: webdataset-style handler; if it returns True for a failed sample, a
+            deterministic substitute from the same bucket takes its place.
+        collation_fn: how to collate a batch (default: a list of sample dicts, or
+            webdataset's default collation once transforms are added).
+        check_agreement: compare plan fingerprint and batch count across ranks (one
+            small collective) before the first batch.
+        group: the torch.distributed group of the job.
+        cp_size: ranks per data-parallel replica when detecting the topology.
+    """
+
+    def __init__(
+        self,
+        index: Index | str | Sequence[Index | str],
+        *,
+        batch_size: int,
+        topology: Topology | None = None,
+        seed: int | None = None,
+        epoch: int = 0,
+        pad: Policy | str = "auto",
+        mode: Mode | str = "epochs",
+        oversubscribe: bool = False,
+        pad_to: PadTo | str = "batch",
+        repeats: int | Sequence[int] = 0,
+        weights: float | Sequence[float] = 1.0,
+        names: Sequence[str] | None = None,
+        read_options: ReadOptions | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        handler: Callable[[BaseException], bool] | None = None,
+        collation_fn: Callable[[list[Any]], Any] | None = None,
+        check_agreement: bool = True,
+        group: Any = None,
+        cp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        items = list(index) if isinstance(index, (list, tuple)) else [index]
+        if not items:
+            raise ConfigError("BucketedWebDataset needs at least one index")
+        indexes = tuple(load_index(i, storage_options=storage_options) if isinstance(i, str) else i
+                        for i in items)
+        for ix in indexes:
+            if not isinstance(ix, Index):
+                raise ConfigError(f"index must be a wds_pad Index or a path, got {type(ix).__name__}")
+        n = len(indexes)
+        names = tuple(names) if names is not None else tuple(
+            ix.name if [j.name for j in indexes].count(ix.name) == 1 else f"{ix.name}#{k}"
+            for k, ix in enumerate(indexes))
+        if len(names) != n:
+            raise ConfigError(f"names has {len(names)} values for {n} index(es)")
+        if topology is None:
+            topology = Topology.detect(group=group, cp_size=cp_size)
+        if storage_options:
+            base = read_options or ReadOptions()
+            read_options = ReadOptions(**{**base.__dict__, "storage_options": {**base.storage_options,
+                                                                                **storage_options}})
+        self.spec = PlanSpec(
+            indexes=indexes, names=names, topology=topology, seed=shared_seed(seed, group),
+            batch_size=batch_size, policy=_enum(Policy, pad, "padding policy"),
+            mode=_enum(Mode, mode, "mode"), pad_to=_enum(PadTo, pad_to, "pad_to"),
+            oversubscribe=bool(oversubscribe), repeats=_per_index(repeats, n, "repeats", int),
+            weights=tuple(float(w) for w in _per_index(weights, n, "weights", (int, float))),  # type: ignore[arg-type]
+        )
+        epoch = check_epoch(epoch)
+        self.spec.plan(epoch)  # validates every argument now, in the main process
+        self.read_options = read_options
+        self.handler = handler
+        self.collation_fn = collation_fn
+        self.check_agreement = check_agreement
+        self.group = group
+        self.stages: list[Callable[[Any], Any]] = []
+        self.counters = Counters()
+        self._read_stats: ReadStats | None = None
+        self._position = Position(epoch, 0)
+        self._view: ElasticView | None = None  # the epoch resumed on another DP layout
+        self._worker: tuple[int, int] | None = None  # set in a worker: _position is its own next batch
+        self._pinned = False  # the next iteration starts exactly at _position (a restored state)
+        self._agreed: set[int] = set()
+        self._live = 0  # iterators of this dataset (or of a Loader over it) open in this process
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (compose, a DataLoader worker) has no open iterator of its own
+        return {**self.__dict__, "_live": 0}
+
+    # -- the fluid interface -----------------------------------------------------------
+    def compose(self, *stages: Callable[[Any], Any]) -> "BucketedWebDataset":
+        """A copy with per-sample ``stages`` appended (``.decode``, ``.map``, ``.to_tuple`` ...)."""
+        result = copy.copy(self)
+        result.stages = list(self.stages) + [s for s in stages if s is not None]
+        return result
+
+    def batched(self, batchsize: int | None = None, collation_fn: Callable[[list[Any]], Any] | None = default_collation_fn,
+                partial: bool = True) -> "BucketedWebDataset":
+        """Set how plan batches are collated; their size is the plan's ``batch_size``."""
+        if batchsize is not None and batchsize != self.spec.batch_size:
+            raise ConfigError(f"batched({batchsize}): batches follow the plan's batch_size "
+                              f"{self.spec.batch_size}; call batched() without a size")
+        result = copy.copy(self)
+        # an explicit None means "a plain list", as in webdataset's batched(); only the
+        # constructor's default None turns into default collation once transforms exist
+        result.collation_fn = list if collation_fn is None else collation_fn
+        return result
+
+    # -- epochs and state ----------------------------------------------------------------
+    @property
+    def topology(self) -> Topology:
+        return self.spec.topology
+
+    @property
+    def seed(self) -> int:
+        return self.spec.seed
+
+    @property
+    def read_stats(self) -> ReadStats | None:
+        """Counters of the reader of the latest iteration in this process (requests, bytes,
+        retries, peak in flight); None before the first iteration. With DataLoader
+        workers each worker has its own reader, not visible here."""
+        return self._read_stats
+
+    @property
+    def epoch(self) -> int:
+        return self._position.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` at its first batch on the next iteration.
+
+        After ``load_state_dict``, and until the next iteration starts, ``set_epoch`` of
+        the restored epoch keeps the restored position, so a loop that calls it at the
+        top of every epoch resumes exactly; ``set_epoch`` of another epoch moves to that
+        epoch's first batch (the restored position is given up, deliberately).
+
+        Raises:
+            ConfigError: ``epoch`` is not an int in [0, MAX_EPOCH].
+        """
+        epoch = check_epoch(epoch)
+        if self._pinned and epoch == self._position.epoch:
+            return
+        self._position = Position(epoch, 0)
+        self._view = None
+        self._worker = None
+        self._pinned = False
+
+    def plan(self, epoch: int | None = None) -> Any:
+        """This rank's Plan for ``epoch`` (default: the current one)."""
+        return self.spec.plan(self.epoch if epoch is None else epoch)
+
+    def __len__(self) -> int:
+        """Batches in the current epoch on this rank (epochs mode; after an elastic
+        resume, the batches left in the resumed epoch)."""
+        return epoch_length(self.spec, self.epoch, self._view)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current position as a small JSON-safe dict (see docs/resume.md).
+
+        Exact when iterated in the main process. Inside a DataLoader worker (torchdata's
+        StatefulDataLoader asks each worker) it is that worker's own next batch, marked
+        with ``worker``; use :class:`Loader` to get one exact state from the main process.
+        """
+        return make_state(self.spec, self._position.epoch, self._position.index, view=self._view,
+                          worker=self._worker)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_elastic: bool = False) -> None:
+        """Resume at a saved position after verifying the whole state.
+
+        Args:
+            state: a dict returned by ``state_dict()`` (of this dataset or its Loader).
+            allow_elastic: resume on another number of DP ranks if the saved position
+                maps exactly onto the new layout (docs/resume.md, "Elastic resume").
+
+        Raises:
+            StateError, TopologyMismatchError, StateMismatchError: the state is refused;
+                the dataset is left exactly as it was.
+        """
+        info = get_worker_info()
+        worker = None if info is None else (info.id, info.num_workers)
+        r = restore(self.spec, state, allow_elastic=allow_elastic, worker=worker)
+        _refuse_while_open(self, "BucketedWebDataset")
+        self._position, self._view, self._worker = Position(r.epoch, r.index), r.view, r.worker
+        self._pinned = True  # even a finished epoch: resuming there yields nothing, not a rerun
+
+    # -- iteration -------------------------------------------------------------------------
+    def agree(self) -> None:
+        """Run the cross-rank agreement check for the current epoch (once per epoch)."""
+        if self.check_agreement and self.epoch not in self._agreed:
+            check_agreement(self.spec, self._position, self.group)
+            self._agreed.add(self.epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if get_worker_info() is not None:
+            yield from self._iterate()
+            return
+        self._live += 1
+        try:
+            self.agree()
+            yield from self._iterate()
+        finally:
+            self._live -= 1
+
+    def _iterate(self) -> Iterator[Any]:
+        source = self._source()
+        fetcher = fetch(self.read_options, handler=self.handler, spec=self.spec, counters=self.counters)
+        self._read_stats = fetcher.reader.stats
+        stages, collate = self.stages, self.collation_fn
+        if collate is None and stages:
+            collate = default_collation_fn
+        batch: list[Any] = []
+        current: tuple[int, int] | None = None
+        for sample in fetcher(iter(source)):
+            key = (sample["__epoch__"], sample["__batch__"])
+            if key != current and batch:
+                out = collate(batch) if collate is not None else batch
+                self._advance(current)  # type: ignore[arg-type]
+                yield out
+                batch = []
+            current = key
+            batch.append(self._transform(sample, fetcher) if stages else sample)
+        if batch:
+            out = collate(batch) if collate is not None else batch
+            self._advance(current)  # type: ignore[arg-type]
+            yield out
+
+    def _source(self) -> PlannedSource:
+        """Where this iteration starts: a seek into the plan (or the elastic view)."""
+        info = get_worker_info()
+        start, worker = self._position, None
+        if info is not None and self._worker == (info.id, info.num_workers):
+            worker = (0, info.num_workers)  # a worker-local position: every num_workers-th from here
+        elif (not self._pinned and self.spec.mode is Mode.EPOCHS
+              and start.index >= epoch_length(self.spec, start.epoch, self._view)):
+            start = self._position = Position(start.epoch, 0)  # a finished epoch iterates again
+            self._view = None                                 # from its start, on this layout
+        if info is None:
+            self._pinned = False
+        return _ViewSource(self.spec, start, worker, self._view)
+
+    def _forward(self, position: Position, n: int) -> Position:
+        """``position`` moved on by ``n`` batches (across epochs in steps mode)."""
+        epoch, index = position.epoch, position.index + n
+        while self.spec.mode is Mode.STEPS:
+            length = epoch_length(self.spec, epoch, self._view)
+            if index < length or (length == 0 and len(self.spec.plan(epoch)) == 0):
+                break
+            epoch, index = epoch + 1, index - length
+        if self.spec.mode is Mode.EPOCHS:
+            index = min(index, epoch_length(self.spec, epoch, self._view))
+        return Position(epoch, index)
+
+    def _advance(self, done: tuple[int, int]) -> Position:
+        """Record that plan batch ``done = (epoch, j)`` was yielded."""
+        epoch, j = done
+        view = self._view
+        k = int(np.searchsorted(view.keep, j)) if view is not None and view.epoch == epoch else j
+        info = get_worker_info()
+        if info is None:
+            self._position = self._forward(Position(epoch, k), 1)
+        else:  # this worker's next batch is num_workers further on
+            self._position = self._forward(Position(epoch, k), info.num_workers)
+            self._worker = (info.id, info.num_workers)
+        return self._position
+
+    def _transform(self, sample: dict[str, Any], fetcher: Any) -> Any:
+        try:
+            return apply_stages(self.stages, sample)
+        except Exception as exc:
+            if self.handler is None or not self.handler(exc):
+                if isinstance(exc, WdsPadError):
+                    raise
+                raise type(exc)(f"transform failed for sample {sample['__key__']!r} of "
+                                f"{sample['__url__']!r}: {exc}") from exc
+            message = f"transform failed for sample {sample['__key__']!r} of {sample['__url__']!r}: {exc}"
+            ref = {**sample, "__offset__": -1, "__length__": 0}
+            alt = substitute(self.spec, fetcher.reader, ref, self.counters, message)
+            return apply_stages(self.stages, alt)
+
+
+def apply_stages(stages: Sequence[Callable[[Any], Any]], sample: Any) -> Any:
+    """Run webdataset stages over one sample; exactly one sample must come out."""
+    it: Any = iter((sample,))
+    for stage in stages:
+        it = stage(it)
+    out = list(it)
+    if len(out) != 1:
+        raise ConfigError(
+            f"a transform turned sample {sample.get('__key__')!r} into {len(out)} samples; "
+            "BucketedWebDataset keeps the plan's batches exact, so transforms must map one "
+            "sample to one (filter with a handler that substitutes, not with select)"
+        )
+    return out[0]
+
+
+class _ViewSource(PlannedSource):
+    """PlannedSource over the elastic view of a resumed epoch (the plan itself otherwise).
+
+    ``start.index`` counts batches of the view; the yielded ``__batch__`` stays the index
+    in this rank's plan. Worker w of N takes view batches k with (k - start) mod N == w.
+    """
+
+    def __init__(self, spec: PlanSpec, start: Position, worker: tuple[int, int] | None,
+                 view: ElasticView | None) -> None:
+        super().__init__(spec, start, worker)
+        self.view = view
+
+    def epoch_batches(self, epoch: int) -> tuple[Any, Sequence[int]]:
+        plan = self.spec.plan(epoch)
+        if self.view is not None and self.view.epoch == epoch:
+            return plan, self.view.keep
+        return plan, range(len(plan))
+
+
+def _refuse_while_open(ds: BucketedWebDataset, what: str) -> None:
+    if ds._live:
+        raise StateError(
+            f"{what}.load_state_dict: an iterator of this loader is still open in this process; it "
+            "would go on from its own position and undo the restored one. Load the state before "
+            "iterating, or finish or close the open iterator first (leave its for loop, or call "
+            ".close() on the iterator you kept)")
+
+
+def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> None:
+    """All ranks compare plan fingerprint, epoch and batch count (one all_gather).
+
+    Raises:
+        StateMismatchError: on every rank, naming the ranks and fields that differ.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    mine = {"rank": spec.topology.rank, "fingerprint": spec.fingerprint(),
+            "epoch": position.epoch, "batches": len(spec.plan(position.epoch)),
+            "mode": spec.mode.value, "plan": spec.fingerprint_fields()}
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    ref = gathered[0]
+    bad = []
+    for other in gathered[1:]:
+        fields = [k for k in ("fingerprint", "epoch", "batches", "mode") if other[k] != ref[k]]
+        if fields:
+            detail = ", ".join(f"{k}: rank {ref['rank']} {ref[k]!r} vs rank {other['rank']} {other[k]!r}"
+                               for k in fields if k != "fingerprint")
+            # one row per leaf field: "datasets[0].index_digest", not two whole dataset lists
+            mine_f, theirs_f = (_flatten(x["plan"], "plan") for x in (ref, other))
+            plan_diff = [k for k in {**mine_f, **theirs_f} if mine_f.get(k) != theirs_f.get(k)]
+            if plan_diff:
+                detail += (", " if detail else "") + "plan fields differ: " + ", ".join(
+                    f"{k[len('plan.'):]} (rank {ref['rank']}: {mine_f.get(k)!r}, rank {other['rank']}: "
+                    f"{theirs_f.get(k)!r})" for k in plan_diff)
+            bad.append(f"rank {other['rank']} differs from rank {ref['rank']}: {detail or 'fingerprint'}")
+    if bad:
+        raise StateMismatchError(
+            "ranks disagree on the plan before the first batch: " + "; ".join(bad) +
+            ". Every rank must use the same index, seed, batch size and policy "
+            "(pass check_agreement=False to skip this check)"
+        )
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+class Loader:
+    """A thin DataLoader wrapper whose ``state_dict()`` is exact while workers prefetch.
+
+    It counts batches as the trainer receives them in the main process; on the next
+    iteration every worker starts at the saved position (a seek, not a replay).
+
+    Args:
+        dataset: a BucketedWebDataset.
+        num_workers: DataLoader worker processes (0: iterate in the main process).
+        **kwargs: passed to torch's DataLoader (pin_memory, prefetch_factor,
+            multiprocessing_context, timeout, ...). ``batch_size`` is always None
+            (the dataset batches) and ``persistent_workers`` is not supported (workers
+            must see each epoch's start position).
+    """
+
+    def __init__(self, dataset: BucketedWebDataset, num_workers: int = 0, **kwargs: Any) -> None:
+        if not isinstance(dataset, BucketedWebDataset):
+            raise ConfigError(f"Loader wraps a BucketedWebDataset, got {type(dataset).__name__}")
+        check_loader_args("Loader", num_workers, kwargs, "the plan decides batches and order, "
+                          "and workers must restart at each saved position")
+        # batches are collated by the dataset already; DataLoader's default_convert would
+        # turn numpy arrays into tensors only when num_workers > 0
+        kwargs.setdefault("collate_fn", _as_is)
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.kwargs = kwargs
+        self._position = dataset._position
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next batch the trainer receives (or of the last, once finished)."""
+        return self._position.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """As :meth:`BucketedWebDataset.set_epoch`: the restored epoch keeps a restored
+        position; another epoch starts at its first batch."""
+        self.dataset.set_epoch(epoch)
+        self._position = self.dataset._position
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the last batch the trainer received (JSON-safe, see docs/resume.md)."""
+        view = self.dataset._view
+        return make_state(self.dataset.spec, self._position.epoch, self._position.index, view=view)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_elastic: bool = False) -> None:
+        """Verify ``state`` in full, then make the next iteration start at its position.
+
+        Raises:
+            StateError, TopologyMismatchError, StateMismatchError: the state is refused;
+                the loader is left exactly as it was.
+        """
+        r = restore(self.dataset.spec, state, allow_elastic=allow_elastic)
+        _refuse_while_open(self.dataset, "Loader")
+        position = Position(r.epoch, r.index)
+        ds = self.dataset
+        ds._position, ds._view, ds._worker, ds._pinned = position, r.view, None, True
+        self._position = position
+
+    def __iter__(self) -> Iterator[Any]:
+        ds = self.dataset
+        ds._live += 1
+        try:
+            yield from self._iterate()
+        finally:
+            ds._live -= 1
+
+    def _iterate(self) -> Iterator[Any]:
+        ds = self.dataset
+        spec = ds.spec
+        start = self._position
+        if (not ds._pinned and spec.mode is Mode.EPOCHS
+                and start.index >= epoch_length(spec, start.epoch, ds._view)):
+            start = Position(start.epoch, 0)  # a finished epoch iterates again from its start
+            ds._view = None
+        # workers (and the dataset itself) start exactly here: a seek, decided once
+        ds._position, ds._worker, ds._pinned = start, None, True
+        self._position = start
+        ds.agree()
+        if self.num_workers == 0:
+            for batch in ds:
+                self._position = ds._position
+                yield batch
+            return
+        loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.kwargs)
+        batches = iter(loader)  # starts the workers: each gets its copy of the pinned dataset
+        ds._pinned = False
+        for batch in batches:
+            self._position = ds._forward(self._position, 1)
+            yield batch
+        ds._position = self._position

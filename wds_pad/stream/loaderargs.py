@@ -1,0 +1,137 @@
+"""The DataLoader arguments our loaders accept or refuse, checked in one place.
+
+Both ``Loader`` and ``ShardLoader`` decide batches and order themselves and restart
+every worker at a saved position, so DataLoader's own batching, sampling, shuffling and
+persistent workers would break exactness.
+
+The DataLoader is built only when iteration starts, and torch checks some arguments
+with bare asserts deep inside its worker iterator (``prefetch_factor=0``), raises raw
+ValueError/TypeError for others, or fails on an unknown keyword only then. So every
+keyword is checked here, when the loader is constructed, and a wrong one is a
+ConfigError that names the argument and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+from typing import Any
+
+from ..errors import ConfigError
+
+REFUSED = ("batch_size", "sampler", "batch_sampler", "shuffle", "persistent_workers", "drop_last")
+
+# DataLoader keywords passed through (besides the ones refused above and the dataset and
+# num_workers the loaders set themselves); a newer torch's own keywords are added below
+PASSED = frozenset({
+    "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+    "generator", "prefetch_factor", "pin_memory_device", "in_order",
+})
+
+
+def _passed() -> frozenset[str]:
+    import inspect
+
+    from torch.utils.data import DataLoader
+
+    params = inspect.signature(DataLoader.__init__).parameters
+    return PASSED | (frozenset(params) - {"self", "dataset", "num_workers"} - set(REFUSED))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_loader_args(owner: str, num_workers: Any, kwargs: dict[str, Any], why: str) -> dict[str, Any]:
+    """Validate ``num_workers`` and the DataLoader keywords; drop the refused ones (set falsy).
+
+    Args:
+        owner: the loader's class name, for the messages.
+        num_workers: the worker count given to the loader.
+        kwargs: the DataLoader keywords given to the loader (modified in place).
+        why: what to do instead of a refused keyword.
+
+    Returns:
+        ``kwargs`` without the refused keywords.
+
+    Raises:
+        ConfigError: ``num_workers`` is not an int >= 0; a refused keyword is set
+            (named with ``why``); an unknown keyword; ``prefetch_factor`` is not a
+            positive int or is given without workers; ``timeout`` is not a finite
+            number >= 0; ``multiprocessing_context`` is not a start method or context,
+            or is given without workers; a flag that is not a bool; a hook that is not
+            callable.
+    """
+    if not _is_int(num_workers) or num_workers < 0:
+        raise ConfigError(
+            f"{owner}: num_workers must be an int >= 0, got {num_workers!r}; "
+            "use 0 to load in the main process"
+        )
+    for bad in REFUSED:
+        if kwargs.get(bad):
+            raise ConfigError(f"{owner} does not take {bad}={kwargs[bad]!r}: {why}")
+        kwargs.pop(bad, None)
+    passed = _passed()
+    unknown = sorted(set(kwargs) - passed)
+    if unknown:
+        raise ConfigError(
+            f"{owner} got unknown DataLoader argument(s) {', '.join(unknown)}; "
+            f"it passes on only {', '.join(sorted(passed))}"
+        )
+    _check_workers_args(owner, num_workers, kwargs)
+    for flag in ("pin_memory", "in_order"):
+        if flag in kwargs and not isinstance(kwargs[flag], bool):
+            raise ConfigError(f"{owner}: {flag} must be True or False, got {kwargs[flag]!r}")
+    for hook in ("collate_fn", "worker_init_fn"):
+        if kwargs.get(hook) is not None and not callable(kwargs[hook]):
+            raise ConfigError(
+                f"{owner}: {hook} must be a callable or None, got {type(kwargs[hook]).__name__} "
+                f"{kwargs[hook]!r}"
+            )
+    if "pin_memory_device" in kwargs and not isinstance(kwargs["pin_memory_device"], str):
+        raise ConfigError(f"{owner}: pin_memory_device must be a str, got {kwargs['pin_memory_device']!r}")
+    return kwargs
+
+
+def _check_workers_args(owner: str, num_workers: int, kwargs: dict[str, Any]) -> None:
+    """prefetch_factor, timeout and multiprocessing_context, which torch checks late or by assert."""
+    prefetch = kwargs.get("prefetch_factor")
+    if prefetch is not None:
+        if not _is_int(prefetch) or prefetch < 1:
+            raise ConfigError(
+                f"{owner}: prefetch_factor must be a positive int (batches loaded ahead per "
+                f"worker), got {prefetch!r}; use e.g. prefetch_factor=2, or leave it out"
+            )
+        if num_workers == 0:
+            raise ConfigError(
+                f"{owner}: prefetch_factor={prefetch} needs num_workers > 0 (got num_workers=0); "
+                "pass num_workers >= 1, or leave prefetch_factor out"
+            )
+    if "timeout" in kwargs:
+        timeout = kwargs["timeout"]
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not math.isfinite(timeout) or timeout < 0):
+            raise ConfigError(
+                f"{owner}: timeout must be a finite number of seconds >= 0 (0: wait forever), "
+                f"got {timeout!r}"
+            )
+    context = kwargs.get("multiprocessing_context")
+    if context is not None:
+        if num_workers == 0:
+            raise ConfigError(
+                f"{owner}: multiprocessing_context={context!r} needs num_workers > 0 "
+                "(got num_workers=0); pass num_workers >= 1, or leave it out"
+            )
+        methods = multiprocessing.get_all_start_methods()
+        if isinstance(context, str):
+            if context not in methods:
+                raise ConfigError(
+                    f"{owner}: multiprocessing_context {context!r} is not a start method here; "
+                    f"use one of {', '.join(methods)}"
+                )
+        elif not isinstance(context, multiprocessing.context.BaseContext):
+            raise ConfigError(
+                f"{owner}: multiprocessing_context must be a start method name "
+                f"({', '.join(methods)}) or a multiprocessing context, got "
+                f"{type(context).__name__} {context!r}"
+            )

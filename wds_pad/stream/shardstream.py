@@ -1,0 +1,418 @@
+"""ShardStream and ShardLoader: the shard-level path, resumable at a byte offset.
+
+``ShardStream(index, seed=7)`` is a torch IterableDataset with webdataset's fluid
+interface (``.decode()``, ``.to_tuple()``, ``.batched()``, ...). It yields what
+``wds.WebDataset(index.urls, nodesplitter=split_by_node(...), shardshuffle=False)
+.compose(equalize(index, splitter))`` yields, and can stop and resume anywhere.
+
+Invariants:
+- worker w of a rank streams :func:`wds_pad.stream.shards.worker_plan`'s shards in order, each
+  read sequentially by the tar scanner in stream mode, then wraps cyclically until it
+  has yielded the plan's target: same samples, order, keys and ``__pad__`` marks as the
+  drop-in pipeline;
+- a worker's position is (shard position in its plan, byte offset of its next sample,
+  samples yielded); resuming opens that shard at that offset (a seek locally, a ranged
+  read remotely), so no byte before it is read again;
+- ``state_dict`` is exact: iterated in the main process, the stream records its
+  position after each item leaves the last stage; under :class:`ShardLoader` each worker
+  tags its items with its position and the main process records what it received, and
+  resumes the DataLoader's round-robin at the worker that was next;
+- ``load_state_dict`` verifies kind, topology, fingerprint (seed, shard list, order),
+  worker count and the size of every shard a worker stands in, before changing anything.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.compat import FluidInterface
+from webdataset.filters import default_collation_fn
+
+from .loaderargs import check_loader_args
+from ..errors import ConfigError, StaleShardError, StateError, StateMismatchError
+from ..index.format import Index, load_index
+from ..core.plan import check_epoch
+from ..index.build import shard_info
+from ..io.read import get_filesystem, redact
+from ..core.seed import shared_seed, stable_digest
+from .shards import WorkerPlan, local_path, shard_counts, worker_plan
+from ..state import STATE_FORMAT, STATE_VERSION, fingerprint_of, verify_state
+from ..index.tarscan import scan_tar
+from ..core.topology import Topology
+
+__all__ = ["Position", "ShardLoader", "ShardStream"]
+
+ORDER = "split_by_node/1"  # bump when assign_shards or worker_plan change their order
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where one worker stands: shard position in its plan, next byte offset, samples yielded."""
+
+    shard: int = 0
+    offset: int = 0
+    yielded: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("shard", "offset", "yielded"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise StateError(f"shard-stream position field {name!r} must be an int >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class _Progress:
+    """A rank's place in the epoch: per-worker positions (empty: at the start)."""
+
+    positions: tuple[Position, ...] = ()
+    next_worker: int = 0
+    done: bool = False
+
+
+class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
+    """This rank's shards as webdataset sample dicts, equalized across ranks, resumable.
+
+    Args:
+        index: an Index or index path of every sample of the shards.
+        topology: default ``Topology.detect(group=group, cp_size=cp_size)``.
+        seed: default ``shared_seed(None, group)`` (drawn on rank 0, broadcast).
+        epoch: the epoch whose shard order to use; change it with ``set_epoch``.
+        group: the torch.distributed group of the job.
+        cp_size: ranks per data-parallel replica when detecting the topology.
+        storage_options: fsspec options for remote shards (and a remote index).
+        open_options: extra ``fs.open`` arguments (``block_size``, ``cache_type``).
+
+    With DataLoader workers, iterate it through :class:`ShardLoader`: a plain DataLoader
+    works, but then only the workers know the position and ``state_dict`` cannot.
+    """
+
+    def __init__(self, index: Index | str, *, topology: Topology | None = None, seed: int | None = None,
+                 epoch: int = 0, group: Any = None, cp_size: int = 1,
+                 storage_options: Mapping[str, Any] | None = None,
+                 open_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        ix = load_index(index, storage_options=storage_options) if isinstance(index, str) else index
+        if not isinstance(ix, Index):
+            raise ConfigError(f"ShardStream needs a wds_pad Index or index path, got {type(index).__name__}")
+        self.counts = shard_counts(ix, "ShardStream")  # no Index kept: workers get a small pickle
+        self.sizes = {s.url: (s.size, s.stamp) for s in ix.shards}
+        self.exts = tuple(ix.exts)
+        self.name = ix.path or ix.name
+        self.topology = topology if topology is not None else Topology.detect(group=group, cp_size=cp_size)
+        self.seed = shared_seed(seed, group)
+        self.storage_options = dict(storage_options or {})
+        self.open_options = dict(open_options or {})
+        self.stages: list[Callable[[Any], Any]] = []
+        self._epoch = check_epoch(epoch)
+        self._progress = _Progress()
+        self._rotation = 0  # torch worker i plays logical worker (i + rotation) % n
+        self._tag = False   # under ShardLoader: yield (worker, position, item)
+        shards = [[s.url, s.size, s.stamp, s.samples] for s in ix.shards]
+        self._fields = {"order": ORDER, "seed_hash": stable_digest(self.seed, size=8).hex(),
+                        "shards": hashlib.blake2b(json.dumps(shards).encode(), digest_size=16).hexdigest(),
+                        "num_shards": len(shards), "samples": sum(self.counts.values())}
+        # version 1 of the state: the same fields without the layout
+        self._legacy_fingerprint = hashlib.blake2b(json.dumps(self._fields, sort_keys=True).encode(),
+                                                   digest_size=16).hexdigest()
+        self._fields["dp_size"] = int(self.topology.dp_size)  # the shards are dealt to dp_size ranks
+        self._fingerprint = fingerprint_of(self._fields)
+        self._pinned = False  # a restored state: the next iteration starts exactly there
+        self._live = 0  # iterators of this stream (or of a ShardLoader over it) open in this process
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (compose, a DataLoader worker) has no open iterator of its own
+        return {**self.__dict__, "_live": 0}
+
+    # -- the fluid interface and epochs ----------------------------------------------------
+    def compose(self, *stages: Callable[[Any], Any]) -> "ShardStream":
+        """A copy with ``stages`` appended (what ``.decode``, ``.map``, ``.batched`` call)."""
+        result = copy.copy(self)
+        result.stages = list(self.stages) + [s for s in stages if s is not None]
+        return result
+
+    def batched(self, batchsize: int, collation_fn: Callable[[list[Any]], Any] | None = default_collation_fn,
+                partial: bool = True) -> "ShardStream":
+        """Batches as webdataset's ``batched``, but handed on as soon as full (exact positions)."""
+        if isinstance(batchsize, bool) or not isinstance(batchsize, int) or batchsize < 1:
+            raise ConfigError(f"batched: batchsize must be an int >= 1, got {batchsize!r}")
+        return self.compose(_Batcher(batchsize, collation_fn, partial))
+
+    def shuffle(self, size: int, **kw: Any) -> "ShardStream":
+        """Refused: a sample shuffle buffer cannot be saved, so resuming would lose its contents."""
+        raise ConfigError(
+            f"ShardStream.shuffle({size}): the samples held in a shuffle buffer are not in the "
+            "saved state and would be skipped on resume. Shards are already shuffled per epoch "
+            "by the seed; shuffle within a batch in a .map() stage if you need more")
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` at its beginning on the next iteration.
+
+        After ``load_state_dict``, ``set_epoch`` of the restored epoch keeps the restored
+        position (so ``for e in range(s.epoch, n): s.set_epoch(e); ...`` resumes exactly);
+        ``set_epoch`` of another epoch moves there, at its beginning.
+        """
+        epoch = check_epoch(epoch)
+        if self._pinned and epoch == self._epoch:
+            return
+        self._epoch, self._progress, self._pinned = epoch, _Progress(), False
+
+    def plan(self, worker: int = 0, num_workers: int = 1) -> WorkerPlan:
+        """What logical ``worker`` of this rank streams in the current epoch."""
+        return worker_plan(self.counts, self.seed, self._epoch, self.topology, worker, num_workers)
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The current position as a small JSON-safe dict (see docs/shards.md)."""
+        p = self._progress
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": "shards", "mode": "epochs",
+                "epoch": self._epoch, "index": sum(q.yielded for q in p.positions),
+                "topology": self.topology.to_dict(), "fingerprint": self._fingerprint,
+                "plan": dict(self._fields), "num_workers": len(p.positions), "next_worker": p.next_worker,
+                "done": p.done, "workers": [{"shard": q.shard, "offset": q.offset, "yielded": q.yielded}
+                                            for q in p.positions]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at a saved position after verifying the whole state.
+
+        Raises:
+            StateError, TopologyMismatchError, StateMismatchError: the state is refused.
+            StaleShardError: a shard a worker stands in changed since the state was saved.
+            On any error the stream is left exactly as it was.
+        """
+        verified = self._verify(state)
+        _refuse_while_open(self, "ShardStream")
+        self._epoch, self._progress = verified
+        self._pinned = True
+
+    def _verify(self, state: Mapping[str, Any], num_workers: int | None = None) -> tuple[int, _Progress]:
+        state = verify_state(state, kind="shards", mode="epochs", topology=self.topology,
+                             fingerprint=self._fingerprint, plan_fields=self._fields,
+                             legacy_fingerprint=self._legacy_fingerprint)
+        workers, n, nxt = state.get("workers"), state.get("num_workers"), state.get("next_worker")
+        if not isinstance(workers, list) or n != len(workers) or not isinstance(nxt, int) or not 0 <= nxt < max(n, 1):
+            raise StateError("shard-stream state fields 'workers', 'num_workers' and 'next_worker' are "
+                             f"inconsistent ({n!r} workers, {len(workers) if isinstance(workers, list) else workers!r} "
+                             f"positions, next {nxt!r}); pass the dict returned by state_dict()")
+        try:
+            positions = tuple(Position(w["shard"], w["offset"], w["yielded"]) for w in workers)
+        except (KeyError, TypeError) as exc:
+            raise StateError(f"shard-stream state field 'workers' is malformed: {exc!r}") from exc
+        progress = _Progress(positions, nxt, bool(state.get("done")))
+        if num_workers is not None:
+            self._check_workers(progress, num_workers)
+        epoch = state["epoch"]
+        for w, pos in enumerate(positions):
+            plan = worker_plan(self.counts, self.seed, epoch, self.topology, w, n)
+            if pos.yielded > plan.target:
+                raise StateMismatchError(f"worker {w} of the state yielded {pos.yielded} samples, more than "
+                                         f"its {plan.target} in epoch {epoch}; the state is not of this stream")
+            if pos.offset and pos.yielded < plan.target and not progress.done:
+                self._check_shard(plan.shard_at(pos.shard)[0], pos.offset)
+        return epoch, progress
+
+    def _check_workers(self, progress: _Progress, num_workers: int) -> None:
+        n = len(progress.positions)
+        if n and not progress.done and n != max(num_workers, 1):
+            raise StateMismatchError(
+                f"the state was saved mid-epoch with {n} worker position(s) (num_workers "
+                f"{n if n > 1 else 0}), this loader has num_workers {num_workers}; each worker "
+                "resumes its own shards, so resume with the saved num_workers")
+
+    def _check_shard(self, url: str, offset: int) -> None:
+        size, stamp = shard_info(url, self.storage_options)
+        want = self.sizes[url]
+        if (size, stamp) != want:
+            raise StaleShardError(
+                f"shard {redact(url)!r} changed since it was indexed (size {size}, stamp {stamp!r}; "
+                f"indexed {want[0]}, {want[1]!r}); a worker would resume inside it at byte offset "
+                f"{offset}. Restore the shard, or re-index and start the epoch afresh")
+
+    # -- iteration -----------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        if get_worker_info() is not None or self._tag:
+            yield from self._iterate()
+            return
+        self._live += 1
+        try:
+            yield from self._iterate()
+        finally:
+            self._live -= 1
+
+    def _iterate(self) -> Iterator[Any]:
+        info = get_worker_info()
+        n, wid = (1, 0) if info is None else (info.num_workers, info.id)
+        if info is None and not self._tag:
+            pinned, self._pinned = self._pinned, False
+            if pinned and self._progress.done:
+                return  # restored at the end of the epoch: nothing is left of it
+        progress = _Progress() if self._progress.done else self._progress
+        self._check_workers(progress, n if info is not None else 0)
+        logical = (wid + self._rotation) % n
+        start = progress.positions[logical] if progress.positions else Position()
+        live = [start]
+        it: Any = self._samples(self.plan(logical, n), start, live)
+        for stage in self.stages:
+            it = stage(it)
+        track = info is None and not self._tag
+        for item in it:
+            if self._tag:
+                pos = live[0]
+                yield logical, (pos.shard, pos.offset, pos.yielded), item
+                continue
+            if track:
+                self._progress = _Progress((live[0],), 0, False)
+            yield item
+        if track:
+            self._progress = _Progress((live[0],), 0, True)
+
+    def _samples(self, plan: WorkerPlan, start: Position, live: list[Position]) -> Iterator[dict[str, Any]]:
+        k, offset, yielded = start.shard, start.offset, start.yielded
+        empty = 0
+        while yielded < plan.target:
+            url, pad = plan.shard_at(k)
+            got = 0
+            for sample, next_offset in self._read(url, offset, pad):
+                if yielded >= plan.target:
+                    if k < len(plan.shards):
+                        raise StaleShardError(f"shard {redact(url)!r} holds more samples than the index "
+                                              f"records (at key {sample['__key__']!r}); re-index the shards")
+                    break
+                yielded, got = yielded + 1, got + 1
+                live[0] = Position(k, next_offset, yielded)
+                yield sample
+            if k < len(plan.shards) and offset == 0 and got != self.counts[url]:
+                raise StaleShardError(f"shard {redact(url)!r} holds {got} samples, the index records "
+                                      f"{self.counts[url]}; re-index the shards")
+            k, offset = k + 1, 0
+            live[0] = Position(k, 0, yielded)
+            empty = 0 if got else empty + 1
+            if empty > len(plan.shards) + len(plan.cycle):
+                raise ConfigError(f"the shards of index {self.name!r} hold no samples to pad with")
+
+    def _read(self, url: str, offset: int, pad: bool) -> Iterator[tuple[dict[str, Any], int]]:
+        """Samples of one shard from byte ``offset`` on, with the offset after each."""
+        fs, path = get_filesystem(url, self.storage_options)
+        meta = {} if (lp := local_path(url)) is None else {"__local_path__": lp}
+        try:
+            f = fs.open(path, "rb", **self.open_options)
+        except FileNotFoundError:
+            raise StaleShardError(f"shard {redact(url)!r} no longer exists; restore it or re-index") from None
+        with f:
+            size = getattr(f, "size", None)
+            size = fs.size(path) if size is None else size
+            if size != self.sizes[url][0]:
+                raise StaleShardError(f"shard {redact(url)!r} has {size} bytes, the index records "
+                                      f"{self.sizes[url][0]}: it changed; re-index the shards")
+            if offset >= size:
+                return
+            if offset:
+                f.seek(offset)  # a seek locally; fsspec files then fetch ranges from here on
+            for s in scan_tar(f, url, want=self.exts, seekable=False):
+                if len(s.data) != len(s.members):
+                    raise StaleShardError(f"sample {s.key!r} of {redact(url)!r} has members the index does "
+                                          "not know; the shard changed, re-index it")
+                sample: dict[str, Any] = {"__key__": s.key, "__url__": url, **meta, **s.data, "__pad__": pad}
+                yield sample, offset + s.offset + s.length
+
+
+class _Batcher:
+    """webdataset's ``_batched`` without its look-ahead: a full batch leaves at once, so the
+    source has given out exactly the samples the trainer received."""
+
+    def __init__(self, size: int, collate: Callable[[list[Any]], Any] | None, partial: bool) -> None:
+        self.size, self.collate, self.partial = size, collate, partial
+
+    def __call__(self, src: Iterator[Any]) -> Iterator[Any]:
+        batch: list[Any] = []
+        for sample in src:
+            batch.append(sample)
+            if len(batch) == self.size:
+                yield self.collate(batch) if self.collate is not None else batch
+                batch = []
+        if batch and self.partial:
+            yield self.collate(batch) if self.collate is not None else batch
+
+
+def _refuse_while_open(ds: ShardStream, what: str) -> None:
+    if ds._live:
+        raise StateError(
+            f"{what}.load_state_dict: an iterator of this stream is still open in this process; it "
+            "would go on from its own position and undo the restored one. Load the state before "
+            "iterating, or finish or close the open iterator first (leave its for loop, or call "
+            ".close() on the iterator you kept)")
+
+
+class ShardLoader:
+    """A DataLoader over a :class:`ShardStream` whose ``state_dict()`` is exact with workers.
+
+    Each worker tags its items with its position; the main process records the position
+    of every item it hands out, and on resume restarts the workers there, the worker
+    that was next in the round-robin first.
+
+    Args:
+        dataset: a ShardStream (with its stages).
+        num_workers: DataLoader worker processes (0: iterate in the main process).
+        **kwargs: passed to torch's DataLoader (pin_memory, prefetch_factor, ...);
+            ``batch_size`` is None (batch with ``.batched()``), no ``persistent_workers``.
+    """
+
+    def __init__(self, dataset: ShardStream, num_workers: int = 0, **kwargs: Any) -> None:
+        if not isinstance(dataset, ShardStream):
+            raise ConfigError(f"ShardLoader wraps a ShardStream, got {type(dataset).__name__}")
+        check_loader_args("ShardLoader", num_workers, kwargs, "batch with .batched(), and "
+                          "workers must restart at each saved position")
+        self.dataset, self.num_workers, self.kwargs = dataset, num_workers, kwargs
+
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` at its beginning on the next iteration."""
+        self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """As :meth:`ShardStream.load_state_dict`, also refusing another worker count."""
+        ds = self.dataset
+        verified = ds._verify(state, self.num_workers)
+        _refuse_while_open(ds, "ShardLoader")
+        ds._epoch, ds._progress = verified
+        ds._pinned = True
+
+    def __iter__(self) -> Iterator[Any]:
+        self.dataset._live += 1
+        try:
+            yield from self._iterate()
+        finally:
+            self.dataset._live -= 1
+
+    def _iterate(self) -> Iterator[Any]:
+        ds, n = self.dataset, self.num_workers
+        if n == 0:
+            yield from ds
+            return
+        pinned, ds._pinned = ds._pinned, False
+        if pinned and ds._progress.done:
+            return  # restored at the end of the epoch: nothing is left of it
+        progress = _Progress() if ds._progress.done else ds._progress
+        ds._check_workers(progress, n)
+        worker = copy.copy(ds)
+        worker._tag, worker._rotation, worker._progress = True, progress.next_worker, progress
+        positions = list(progress.positions or [Position()] * n)
+        for logical, pos, item in DataLoader(worker, batch_size=None, num_workers=n, **self.kwargs):
+            positions[logical] = Position(*(int(v) for v in pos))
+            ds._progress = _Progress(tuple(positions), (int(logical) + 1) % n, False)
+            yield item
+        ds._progress = _Progress(tuple(positions), 0, True)
