@@ -31,7 +31,8 @@ from faultproxy import Fault, FaultProxy, Request, Rule
 from servers import MotoServer
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.cli.app import main as cli_main
-from wds_pad.stream.dataset import BucketedWebDataset, Loader
+from wds_pad.stream.dataset import BucketedWebDataset
+from wds_pad.stream.loader import Loader
 from wds_pad.io import read as wds_read
 from wds_pad.errors import IndexFormatError, ReadError, ShardError, StaleShardError
 from wds_pad.index.format import Index, load_index, write_index

@@ -19,7 +19,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from wds_pad.cli.synth import make_image_shards
-from wds_pad.stream.dataset import BucketedWebDataset, Loader
+from wds_pad.stream.dataset import BucketedWebDataset
+from wds_pad.stream.loader import Loader
 from wds_pad.errors import StateError, StateMismatchError, TopologyMismatchError, WdsPadError
 from wds_pad.index.format import Index, load_index
 from wds_pad.index.build import build_index

@@ -1,4 +1,4 @@
-"""Tests of wds_pad.stream.dataset: BucketedWebDataset and Loader.
+"""Tests of wds_pad.stream.dataset and stream.loader: BucketedWebDataset and Loader.
 
 Every order test compares the streamed keys with the plan (``plan[j].samples`` mapped
 through ``index.key``); byte tests compare with ``wds.WebDataset``'s own reading.
@@ -23,7 +23,8 @@ import pytest
 import webdataset as wds
 
 from wds_pad.cli.synth import make_image_shards
-from wds_pad.stream.dataset import BucketedWebDataset, Loader
+from wds_pad.stream.dataset import BucketedWebDataset
+from wds_pad.stream.loader import Loader
 from wds_pad.errors import ConfigError, StaleShardError, StateMismatchError
 from wds_pad.index.format import Index, load_index
 from wds_pad.index.build import build_index
@@ -449,7 +450,7 @@ def test_loaders_refuse_dataloader_arguments_that_break_exactness(tmp_path, bad)
 
 def _mixed_index(out: Path, samples: int = 48, shards: int = 3) -> Index:
     """Shards mixing samples of 256 KB and more (read ahead by threads) with small ones."""
-    from wds_pad.stream.stages import BIG_SAMPLE
+    from wds_pad.stream.fetch import BIG_SAMPLE
 
     rng = np.random.default_rng(1)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Tests of wds_pad.stream.stages: planned source, fetch, plan batching, substitutes.
+"""Tests of wds_pad.stream.stages and stream.fetch: planned source, fetch, plan batching,
+substitutes.
 
 The raw stages are driven directly (worker split given explicitly) and composed in a
 plain ``wds.DataPipeline``; the sample bytes are checked against webdataset's own
@@ -30,19 +31,8 @@ from wds_pad.index.format import Index, load_index
 from wds_pad.index.build import build_index
 from wds_pad.core.plan import Mode
 from wds_pad.io.read import RangeReader, ReadOptions
-from wds_pad.stream.stages import (
-    BIG_SAMPLE,
-    META_KEYS,
-    Counters,
-    PlannedSource,
-    PlanSpec,
-    Position,
-    batch_refs,
-    expand,
-    fetch,
-    plan_batched,
-    substitute,
-)
+from wds_pad.stream.fetch import BIG_SAMPLE, META_KEYS, Counters, expand, fetch, substitute
+from wds_pad.stream.stages import PlannedSource, PlanSpec, Position, batch_refs, plan_batched
 from wds_pad.core.topology import Topology
 
 SOLO = Topology(world_size=1, rank=0)

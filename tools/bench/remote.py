@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: servers
 from servers import NginxServer, _wait_http, free_port  # noqa: E402
 
 from wds_pad.cli.synth import make_blob_shards  # noqa: E402
-from wds_pad.stream.dataset import BucketedWebDataset, Loader  # noqa: E402
+from wds_pad.stream.dataset import BucketedWebDataset  # noqa: E402
+from wds_pad.stream.loader import Loader  # noqa: E402
 from wds_pad.errors import DroppedBucketWarning  # noqa: E402
 from wds_pad.index.format import Index  # noqa: E402
 from wds_pad.index.build import build_index  # noqa: E402

@@ -23,7 +23,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from .index import _plot
     from .synth import make_image_shards
-    from ..stream.dataset import BucketedWebDataset, Loader
+    from ..stream.dataset import BucketedWebDataset
+    from ..stream.loader import Loader
     from ..index.build import build_index
     from ..core.topology import Topology
 

@@ -1,19 +1,23 @@
-"""BucketedWebDataset and Loader: what a training script iterates.
+"""BucketedWebDataset: this rank's planned batches as a torch IterableDataset.
 
 Invariants:
 - batches follow this rank's plan exactly: never mixing buckets or datasets, per-sample
-  transforms applied inside each batch so a batch is always exactly the plan's batch;
+  transforms applied inside each batch so a batch is always exactly the plan's batch
+  (a transform must map one sample to one);
 - with N DataLoader workers the trainer receives batches in plan order (worker w makes
   batches j with (j - start) mod N == w);
-- ``state_dict()`` is exact: the dataset counts what it yielded (num_workers=0), the
-  Loader counts what the trainer received in the main process (any num_workers);
+- ``state_dict()`` is exact when iterated in the main process (num_workers=0); inside a
+  worker it is that worker's own next batch (loader.py's ``Loader`` counts what the
+  trainer received, for any num_workers);
 - ``load_state_dict()`` verifies the whole state first; on refusal nothing changes; it is
   refused while an iterator of the same dataset or loader is open in this process
-  (that iterator would go on from its own position and undo the restored one);
+  (``_live`` counts both; that iterator would go on from its own position and undo the
+  restored one);
 - after a restore, ``set_epoch`` of the restored epoch keeps the restored position (the
   documented loops call it at the top of every epoch); ``set_epoch`` of another epoch
   moves to that epoch's start;
-- resuming is a seek into the plan: no earlier sample is read again.
+- resuming is a seek into the plan: no earlier sample is read again;
+- the configured dataset pickles into DataLoader workers (with no open iterator).
 """
 
 from __future__ import annotations
@@ -22,22 +26,22 @@ import copy
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
 
-from .loaderargs import check_loader_args
-from ..errors import ConfigError, StateError, StateMismatchError, WdsPadError
+from ..errors import ConfigError, StateError, WdsPadError
 from ..index.format import Index, load_index
 from ..core.plan import Mode, PadTo, Policy, _enum, check_epoch
 from ..io.read import ReadOptions, ReadStats
 from ..core.seed import shared_seed
-from .stages import Counters, PlannedSource, PlanSpec, Position, fetch, substitute
+from .agreement import check_agreement
+from .fetch import Counters, fetch, substitute
+from .stages import PlannedSource, PlanSpec, Position
 from ..state import ElasticView, epoch_length, make_state, restore
-from ..state.schema import _flatten
 from ..core.topology import Topology
 
-__all__ = ["BucketedWebDataset", "Loader", "check_agreement"]
+__all__ = ["BucketedWebDataset"]
 
 
 def _per_index(value: Any, n: int, name: str, kind: type) -> tuple[Any, ...]:
@@ -382,139 +386,3 @@ def _refuse_while_open(ds: BucketedWebDataset, what: str) -> None:
             "iterating, or finish or close the open iterator first (leave its for loop, or call "
             ".close() on the iterator you kept)")
 
-
-def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> None:
-    """All ranks compare plan fingerprint, epoch and batch count (one all_gather).
-
-    Raises:
-        StateMismatchError: on every rank, naming the ranks and fields that differ.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return
-    mine = {"rank": spec.topology.rank, "fingerprint": spec.fingerprint(),
-            "epoch": position.epoch, "batches": len(spec.plan(position.epoch)),
-            "mode": spec.mode.value, "plan": spec.fingerprint_fields()}
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    ref = gathered[0]
-    bad = []
-    for other in gathered[1:]:
-        fields = [k for k in ("fingerprint", "epoch", "batches", "mode") if other[k] != ref[k]]
-        if fields:
-            detail = ", ".join(f"{k}: rank {ref['rank']} {ref[k]!r} vs rank {other['rank']} {other[k]!r}"
-                               for k in fields if k != "fingerprint")
-            # one row per leaf field: "datasets[0].index_digest", not two whole dataset lists
-            mine_f, theirs_f = (_flatten(x["plan"], "plan") for x in (ref, other))
-            plan_diff = [k for k in {**mine_f, **theirs_f} if mine_f.get(k) != theirs_f.get(k)]
-            if plan_diff:
-                detail += (", " if detail else "") + "plan fields differ: " + ", ".join(
-                    f"{k[len('plan.'):]} (rank {ref['rank']}: {mine_f.get(k)!r}, rank {other['rank']}: "
-                    f"{theirs_f.get(k)!r})" for k in plan_diff)
-            bad.append(f"rank {other['rank']} differs from rank {ref['rank']}: {detail or 'fingerprint'}")
-    if bad:
-        raise StateMismatchError(
-            "ranks disagree on the plan before the first batch: " + "; ".join(bad) +
-            ". Every rank must use the same index, seed, batch size and policy "
-            "(pass check_agreement=False to skip this check)"
-        )
-
-
-def _as_is(batch: Any) -> Any:
-    return batch
-
-
-class Loader:
-    """A thin DataLoader wrapper whose ``state_dict()`` is exact while workers prefetch.
-
-    It counts batches as the trainer receives them in the main process; on the next
-    iteration every worker starts at the saved position (a seek, not a replay).
-
-    Args:
-        dataset: a BucketedWebDataset.
-        num_workers: DataLoader worker processes (0: iterate in the main process).
-        **kwargs: passed to torch's DataLoader (pin_memory, prefetch_factor,
-            multiprocessing_context, timeout, ...). ``batch_size`` is always None
-            (the dataset batches) and ``persistent_workers`` is not supported (workers
-            must see each epoch's start position).
-    """
-
-    def __init__(self, dataset: BucketedWebDataset, num_workers: int = 0, **kwargs: Any) -> None:
-        if not isinstance(dataset, BucketedWebDataset):
-            raise ConfigError(f"Loader wraps a BucketedWebDataset, got {type(dataset).__name__}")
-        check_loader_args("Loader", num_workers, kwargs, "the plan decides batches and order, "
-                          "and workers must restart at each saved position")
-        # batches are collated by the dataset already; DataLoader's default_convert would
-        # turn numpy arrays into tensors only when num_workers > 0
-        kwargs.setdefault("collate_fn", _as_is)
-        self.dataset = dataset
-        self.num_workers = num_workers
-        self.kwargs = kwargs
-        self._position = dataset._position
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of the next batch the trainer receives (or of the last, once finished)."""
-        return self._position.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """As :meth:`BucketedWebDataset.set_epoch`: the restored epoch keeps a restored
-        position; another epoch starts at its first batch."""
-        self.dataset.set_epoch(epoch)
-        self._position = self.dataset._position
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position of the last batch the trainer received (JSON-safe, see docs/resume.md)."""
-        view = self.dataset._view
-        return make_state(self.dataset.spec, self._position.epoch, self._position.index, view=view)
-
-    def load_state_dict(self, state: Mapping[str, Any], *, allow_elastic: bool = False) -> None:
-        """Verify ``state`` in full, then make the next iteration start at its position.
-
-        Raises:
-            StateError, TopologyMismatchError, StateMismatchError: the state is refused;
-                the loader is left exactly as it was.
-        """
-        r = restore(self.dataset.spec, state, allow_elastic=allow_elastic)
-        _refuse_while_open(self.dataset, "Loader")
-        position = Position(r.epoch, r.index)
-        ds = self.dataset
-        ds._position, ds._view, ds._worker, ds._pinned = position, r.view, None, True
-        self._position = position
-
-    def __iter__(self) -> Iterator[Any]:
-        ds = self.dataset
-        ds._live += 1
-        try:
-            yield from self._iterate()
-        finally:
-            ds._live -= 1
-
-    def _iterate(self) -> Iterator[Any]:
-        ds = self.dataset
-        spec = ds.spec
-        start = self._position
-        if (not ds._pinned and spec.mode is Mode.EPOCHS
-                and start.index >= epoch_length(spec, start.epoch, ds._view)):
-            start = Position(start.epoch, 0)  # a finished epoch iterates again from its start
-            ds._view = None
-        # workers (and the dataset itself) start exactly here: a seek, decided once
-        ds._position, ds._worker, ds._pinned = start, None, True
-        self._position = start
-        ds.agree()
-        if self.num_workers == 0:
-            for batch in ds:
-                self._position = ds._position
-                yield batch
-            return
-        loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.kwargs)
-        batches = iter(loader)  # starts the workers: each gets its copy of the pinned dataset
-        ds._pinned = False
-        for batch in batches:
-            self._position = ds._forward(self._position, 1)
-            yield batch
-        ds._position = self._position

@@ -1,48 +1,38 @@
-"""webdataset stages of the bucketed path: planned source, fetch, plan batching.
+"""The plan side of the bucketed path: what to stream, where, and how it is batched.
 
 ``wds.DataPipeline(PlannedSource(spec), fetch(), wds.decode("pil"), plan_batched())``
-streams this rank's plan. Stages are generators over the stream (webdataset style),
+streams this rank's plan: ``PlannedSource`` and ``plan_batched`` are here, ``fetch`` (the
+read side) is in fetch.py. Stages are generators over the stream (webdataset style),
 configured by small picklable objects so they travel into DataLoader workers.
 
 Invariants:
+- ``PlanSpec`` holds everything the plan depends on; it pickles its indexes loaded from
+  local files as their paths (workers re-map the pages, and refuse an index that changed)
+  and recomputes the identical plan in every process;
 - ``PlannedSource`` yields this rank's planned sample references in exact plan order;
   with N DataLoader workers, worker w yields plan batches j with (j - start) mod N == w,
   so DataLoader's round-robin hands the trainer batches in plan order for any N;
-- ``fetch`` turns each reference into an ordinary webdataset sample dict (``__key__``,
-  ``__url__``, one entry per member extension, plus ``__bucket__``, ``__dataset__``,
-  ``__pad__``, ``__epoch__``, ``__step__``), in reference order, reading many byte ranges
-  concurrently: remote ones as concurrent requests, large local ones on read-ahead
-  threads that live as long as the stream (``ReadOptions.local_threads``);
-- a sample whose bytes fail to read or parse raises with URL, offset and key, unless a
-  webdataset-style ``handler`` continues: then a deterministic substitute from the same
-  bucket (derived from the seed) takes its place, so batch sizes never change;
-- no randomness here: everything comes from the plan.
+- ``Position`` is a seek into the plan: resuming there reads no earlier batch;
+- ``plan_batched`` groups exactly the plan's batches (by ``__epoch__`` and ``__batch__``);
+- no randomness and no I/O here beyond loading an index: everything comes from the plan.
 """
 
 from __future__ import annotations
 
 import itertools
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, WdsPadError
 from ..index.format import Index, load_index
 from ..core.plan import MAX_EPOCH, Mode, PadTo, Plan, Policy, plan_epoch, resolve_policy
-from ..io.read import LocalReadAhead, RangeReader, ReadOptions
-from ..core.seed import derive_rng, stable_digest
+from ..core.seed import stable_digest
 from ..state.schema import fingerprint_of
-from ..index.tarscan import parse_sample, parse_sample_at
 from ..core.topology import Topology
 
-__all__ = ["Counters", "PlanSpec", "PlannedSource", "Position", "fetch", "plan_batched"]
-
-# Samples at least this large, in local files, skip the copy out of a range buffer.
-BIG_SAMPLE = 256 * 1024
-
-META_KEYS = ("__key__", "__url__", "__bucket__", "__dataset__", "__pad__", "__epoch__", "__step__")
+__all__ = ["PlanSpec", "PlannedSource", "Position", "plan_batched"]
 
 
 @dataclass(frozen=True)
@@ -173,19 +163,6 @@ class _IndexRef:
         return index
 
 
-@dataclass
-class Counters:
-    """What the stream did that the plan did not say: substitutes for bad samples."""
-
-    substituted: int = 0
-    failures: list[str] = field(default_factory=list)
-
-    def record(self, message: str) -> None:
-        self.substituted += 1
-        if len(self.failures) < 100:
-            self.failures.append(message)
-
-
 class PlannedSource:
     """Source stage: this rank's planned sample references, for this DataLoader worker.
 
@@ -276,227 +253,6 @@ def _keys(ix: Index, ids: np.ndarray) -> list[str]:
     ko = ix.arrays["key_offsets"]
     table = memoryview(ix.arrays["keys"])
     return [str(table[a:b], "utf-8") for a, b in zip(ko[ids].tolist(), ko[ids + 1].tolist())]
-
-
-_SHARD_TABLES: weakref.WeakKeyDictionary[Index, dict[str, tuple[int, str]]] = weakref.WeakKeyDictionary()
-
-
-class _IndexedShards(Mapping[str, tuple[int, str]]):
-    """``url -> (size, stamp)`` of the indexes' shards, as RangeReader's ``expected``.
-
-    Built on the first lookup (the first shard a stream opens) and kept per Index for
-    the life of the process, so a stream pays for it once, not per sample or per epoch.
-    """
-
-    def __init__(self, indexes: Sequence[Index]) -> None:
-        self.indexes = tuple(indexes)
-
-    def _tables(self) -> list[dict[str, tuple[int, str]]]:
-        tables = []
-        for ix in self.indexes:
-            table = _SHARD_TABLES.get(ix)
-            if table is None:
-                table = _SHARD_TABLES[ix] = {s.url: (s.size, s.stamp) for s in ix.shards
-                                             if s.error is None and s.size >= 0}
-            tables.append(table)
-        return tables
-
-    def __getitem__(self, url: str) -> tuple[int, str]:
-        for table in self._tables():
-            if url in table:
-                return table[url]
-        raise KeyError(url)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter({url: None for table in self._tables() for url in table})
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-class _Fetch:
-    """The configured fetch stage (picklable): reads and expands sample references."""
-
-    def __init__(self, options: ReadOptions | None, handler: Callable[[BaseException], bool] | None,
-                 spec: PlanSpec | None, counters: Counters | None) -> None:
-        self.options = options
-        self.handler = handler
-        self.spec = spec
-        self.counters = counters if counters is not None else Counters()
-        self._reader: RangeReader | None = None
-        self._local: dict[str, bool] = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_reader": None, "_local": {}}
-
-    @property
-    def reader(self) -> RangeReader:
-        if self._reader is None:
-            # with the indexes at hand, every shard is checked against them once per stream
-            expected = _IndexedShards(self.spec.indexes) if self.spec is not None else None
-            self._reader = RangeReader(self.options, expected=expected)
-        return self._reader
-
-    def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        # Large local samples are parsed straight from the file (each payload its own
-        # pread, no copy out of a bigger buffer) by read-ahead threads, so the kernel's
-        # copy of the next ones overlaps the Python work on this one; runs of the others
-        # share one read_many. The threads live as long as this stream.
-        ahead: LocalReadAhead | None = None
-        try:
-            for big, group in itertools.groupby(src, key=self._is_big_local):
-                if big:
-                    if ahead is None:
-                        ahead = self.reader.local_read_ahead()
-                    yield from self._expand_big(ahead, group)
-                else:
-                    yield from self._expand_many(group)
-        finally:
-            if ahead is not None:
-                ahead.close()
-
-    def _is_big_local(self, ref: Mapping[str, Any]) -> bool:
-        if ref["__length__"] < BIG_SAMPLE:
-            return False
-        url = ref["__url__"]
-        local = self._local.get(url)
-        if local is None:
-            try:
-                local = self._local[url] = self.reader.local_fd(url) is not None
-            except WdsPadError:
-                local = False  # let the ordinary path raise with the full context
-        return local
-
-    def _expand_big(self, ahead: LocalReadAhead, refs: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        items = ((ref["__url__"], ref["__offset__"], ref["__length__"], ref) for ref in refs)
-        for ref, sample, error in ahead.run(items, _expand_at):
-            if error is None:
-                yield sample
-            elif isinstance(error, WdsPadError):
-                yield self._substitute(ref, error)
-            else:
-                raise error
-
-    def _expand_many(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        reader = self.reader
-        refs = iter(src)
-        pending: list[dict[str, Any]] = []
-
-        def ranges() -> Iterator[tuple[str, int, int]]:
-            for ref in refs:
-                pending.append(ref)
-                yield ref["__url__"], ref["__offset__"], ref["__length__"]
-
-        data_iter = reader.read_many(ranges())
-        position = 0
-        while True:
-            try:
-                data = next(data_iter)
-            except StopIteration:
-                return
-            except Exception as exc:  # a failed read: data_iter is finished now
-                ref = pending[position]
-                yield self._substitute(ref, exc)
-                position += 1
-                # restart reading after the failed range
-                rest = pending[position:]
-                del pending[:]
-                data_iter = reader.read_many(_chain_ranges(rest, refs, pending))
-                position = 0
-                continue
-            ref = pending[position]
-            position += 1
-            if position > 1024:  # keep the pending list short
-                del pending[:position]
-                position = 0
-            try:
-                yield expand(ref, data)
-            except WdsPadError as exc:
-                yield self._substitute(ref, exc)
-
-    def _substitute(self, ref: dict[str, Any], exc: BaseException) -> dict[str, Any]:
-        message = (f"sample {ref['__key__']!r} of {ref['__url__']!r} at byte offset "
-                   f"{ref['__offset__']}: {exc}")
-        if self.handler is None or self.spec is None or not self.handler(exc):
-            if isinstance(exc, WdsPadError) and ref["__key__"] in str(exc):
-                raise exc
-            raise type(exc)(message) if isinstance(exc, WdsPadError) else exc
-        return substitute(self.spec, self.reader, ref, self.counters, message)
-
-
-def _expand_at(fd: int, url: str, offset: int, length: int, ref: dict[str, Any]) -> dict[str, Any]:
-    """``expand`` reading straight from the shard (on a read-ahead thread, or inline)."""
-    members = parse_sample_at(fd, url, offset, length, ref["__key__"])
-    sample = dict(ref)
-    del sample["__offset__"], sample["__length__"]
-    sample.update(members)
-    return sample
-
-
-def _chain_ranges(rest: list[dict[str, Any]], refs: Iterator[dict[str, Any]],
-                  pending: list[dict[str, Any]]) -> Iterator[tuple[str, int, int]]:
-    for ref in itertools.chain(rest, refs):
-        pending.append(ref)
-        yield ref["__url__"], ref["__offset__"], ref["__length__"]
-
-
-def expand(ref: Mapping[str, Any], data: bytes) -> dict[str, Any]:
-    """A webdataset sample dict from a reference and its bytes (StaleShardError if they differ)."""
-    members = parse_sample(data, ref["__url__"], ref["__offset__"], ref["__key__"])
-    sample = dict(ref)  # a C-level copy: cheaper per sample than filtering in Python
-    del sample["__offset__"], sample["__length__"]
-    sample.update(members)
-    return sample
-
-
-def substitute(spec: PlanSpec, reader: RangeReader, ref: dict[str, Any], counters: Counters,
-               message: str, attempts: int = 8) -> dict[str, Any]:
-    """A deterministic stand-in from the same bucket for a sample that failed.
-
-    The choice derives from (seed, epoch, dataset, bucket, failed sample id, attempt),
-    so every run picks the same stand-in; it is marked ``__substitute_for__``.
-
-    Raises:
-        WdsPadError: every attempt failed too (the bucket is unreadable).
-    """
-    ds = spec.names.index(ref["__dataset__"])
-    ix = spec.indexes[ds]
-    bucket_id = ix.buckets.index(ref["__bucket__"])
-    candidates = np.flatnonzero(ix.bucket == bucket_id)
-    last: BaseException | None = None
-    for attempt in range(attempts):
-        rng = derive_rng(spec.seed, ref["__epoch__"], ref["__dataset__"], ref["__bucket__"],
-                         "substitute", ref["__index__"], attempt)
-        i = int(candidates[int(rng.integers(candidates.size))])
-        if i == ref["__index__"]:
-            continue
-        alt = dict(ref, __url__=ix.url(i), __key__=ix.key(i), __offset__=int(ix.offset[i]),
-                   __length__=int(ix.length[i]), __index__=i)
-        try:
-            sample = expand(alt, reader.read(alt["__url__"], alt["__offset__"], alt["__length__"]))
-        except WdsPadError as exc:
-            last = exc
-            continue
-        sample["__substitute_for__"] = ref["__key__"]
-        counters.record(message)
-        return sample
-    raise WdsPadError(f"{message}; no readable substitute found in bucket {ref['__bucket__']!r} "
-                      f"after {attempts} attempts (last: {last})")
-
-
-def fetch(options: ReadOptions | None = None, *, handler: Callable[[BaseException], bool] | None = None,
-          spec: PlanSpec | None = None, counters: Counters | None = None) -> _Fetch:
-    """The fetch stage: sample references in, webdataset sample dicts out, in order.
-
-    Args:
-        options: how to read (concurrency, read-ahead bound, read-ahead threads for large
-            local samples, retries, timeouts, storage options).
-        handler: webdataset-style exception handler; if it returns True for a failure,
-            a deterministic substitute from the same bucket replaces the sample (needs ``spec``).
-        spec: the PlanSpec (for substitutes).
-        counters: where substitutions are counted.
-    """
-    return _Fetch(options, handler, spec, counters)
 
 
 def plan_batched(collation_fn: Callable[[list[Any]], Any] | None = None) -> Callable[[Iterable[dict[str, Any]]], Iterator[Any]]:

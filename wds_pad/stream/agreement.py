@@ -1,0 +1,58 @@
+"""The cross-rank agreement check: every rank streams the same plan, or none starts.
+
+Invariants:
+- one small collective (``all_gather_object`` of a few fields) per call, over the job's
+  group; a no-op without an initialised process group or with one rank;
+- ranks compare the plan fingerprint, the epoch, its batch count and the mode; on any
+  difference every rank raises the same StateMismatchError, naming the ranks and each
+  differing leaf field of the plan (``datasets[0].index_digest``), before any batch;
+- it never creates, changes or destroys a process group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import StateMismatchError
+from ..state.schema import _flatten
+from .stages import PlanSpec, Position
+
+__all__ = ["check_agreement"]
+
+
+def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> None:
+    """All ranks compare plan fingerprint, epoch and batch count (one all_gather).
+
+    Raises:
+        StateMismatchError: on every rank, naming the ranks and fields that differ.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    mine = {"rank": spec.topology.rank, "fingerprint": spec.fingerprint(),
+            "epoch": position.epoch, "batches": len(spec.plan(position.epoch)),
+            "mode": spec.mode.value, "plan": spec.fingerprint_fields()}
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    ref = gathered[0]
+    bad = []
+    for other in gathered[1:]:
+        fields = [k for k in ("fingerprint", "epoch", "batches", "mode") if other[k] != ref[k]]
+        if fields:
+            detail = ", ".join(f"{k}: rank {ref['rank']} {ref[k]!r} vs rank {other['rank']} {other[k]!r}"
+                               for k in fields if k != "fingerprint")
+            # one row per leaf field: "datasets[0].index_digest", not two whole dataset lists
+            mine_f, theirs_f = (_flatten(x["plan"], "plan") for x in (ref, other))
+            plan_diff = [k for k in {**mine_f, **theirs_f} if mine_f.get(k) != theirs_f.get(k)]
+            if plan_diff:
+                detail += (", " if detail else "") + "plan fields differ: " + ", ".join(
+                    f"{k[len('plan.'):]} (rank {ref['rank']}: {mine_f.get(k)!r}, rank {other['rank']}: "
+                    f"{theirs_f.get(k)!r})" for k in plan_diff)
+            bad.append(f"rank {other['rank']} differs from rank {ref['rank']}: {detail or 'fingerprint'}")
+    if bad:
+        raise StateMismatchError(
+            "ranks disagree on the plan before the first batch: " + "; ".join(bad) +
+            ". Every rank must use the same index, seed, batch size and policy "
+            "(pass check_agreement=False to skip this check)"
+        )

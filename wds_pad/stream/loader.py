@@ -1,0 +1,128 @@
+"""Loader: a DataLoader over a BucketedWebDataset whose state is exact while workers prefetch.
+
+Invariants:
+- the trainer receives the plan's batches in plan order for any ``num_workers`` (each
+  worker starts from the same pinned position and takes every num_workers-th batch);
+- ``state_dict()`` is the position of the last batch the trainer received, counted in
+  the main process, whatever the workers have prefetched;
+- ``load_state_dict()`` verifies the whole state first and changes nothing on refusal;
+  it is refused while an iterator of the loader or of its dataset is open in this
+  process (both count in the dataset's ``_live``);
+- DataLoader arguments that would break exactness (batching, shuffling, samplers,
+  persistent workers) are refused up front;
+- the next iteration is a seek to the saved position: no earlier sample is read again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+from torch.utils.data import DataLoader
+
+from .loaderargs import check_loader_args
+from ..errors import ConfigError
+from ..core.plan import Mode
+from .dataset import BucketedWebDataset, _refuse_while_open
+from .stages import Position
+from ..state import epoch_length, make_state, restore
+
+__all__ = ["Loader"]
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+class Loader:
+    """A thin DataLoader wrapper whose ``state_dict()`` is exact while workers prefetch.
+
+    It counts batches as the trainer receives them in the main process; on the next
+    iteration every worker starts at the saved position (a seek, not a replay).
+
+    Args:
+        dataset: a BucketedWebDataset.
+        num_workers: DataLoader worker processes (0: iterate in the main process).
+        **kwargs: passed to torch's DataLoader (pin_memory, prefetch_factor,
+            multiprocessing_context, timeout, ...). ``batch_size`` is always None
+            (the dataset batches) and ``persistent_workers`` is not supported (workers
+            must see each epoch's start position).
+    """
+
+    def __init__(self, dataset: BucketedWebDataset, num_workers: int = 0, **kwargs: Any) -> None:
+        if not isinstance(dataset, BucketedWebDataset):
+            raise ConfigError(f"Loader wraps a BucketedWebDataset, got {type(dataset).__name__}")
+        check_loader_args("Loader", num_workers, kwargs, "the plan decides batches and order, "
+                          "and workers must restart at each saved position")
+        # batches are collated by the dataset already; DataLoader's default_convert would
+        # turn numpy arrays into tensors only when num_workers > 0
+        kwargs.setdefault("collate_fn", _as_is)
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.kwargs = kwargs
+        self._position = dataset._position
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next batch the trainer receives (or of the last, once finished)."""
+        return self._position.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """As :meth:`BucketedWebDataset.set_epoch`: the restored epoch keeps a restored
+        position; another epoch starts at its first batch."""
+        self.dataset.set_epoch(epoch)
+        self._position = self.dataset._position
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the last batch the trainer received (JSON-safe, see docs/resume.md)."""
+        view = self.dataset._view
+        return make_state(self.dataset.spec, self._position.epoch, self._position.index, view=view)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_elastic: bool = False) -> None:
+        """Verify ``state`` in full, then make the next iteration start at its position.
+
+        Raises:
+            StateError, TopologyMismatchError, StateMismatchError: the state is refused;
+                the loader is left exactly as it was.
+        """
+        r = restore(self.dataset.spec, state, allow_elastic=allow_elastic)
+        _refuse_while_open(self.dataset, "Loader")
+        position = Position(r.epoch, r.index)
+        ds = self.dataset
+        ds._position, ds._view, ds._worker, ds._pinned = position, r.view, None, True
+        self._position = position
+
+    def __iter__(self) -> Iterator[Any]:
+        ds = self.dataset
+        ds._live += 1
+        try:
+            yield from self._iterate()
+        finally:
+            ds._live -= 1
+
+    def _iterate(self) -> Iterator[Any]:
+        ds = self.dataset
+        spec = ds.spec
+        start = self._position
+        if (not ds._pinned and spec.mode is Mode.EPOCHS
+                and start.index >= epoch_length(spec, start.epoch, ds._view)):
+            start = Position(start.epoch, 0)  # a finished epoch iterates again from its start
+            ds._view = None
+        # workers (and the dataset itself) start exactly here: a seek, decided once
+        ds._position, ds._worker, ds._pinned = start, None, True
+        self._position = start
+        ds.agree()
+        if self.num_workers == 0:
+            for batch in ds:
+                self._position = ds._position
+                yield batch
+            return
+        loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.kwargs)
+        batches = iter(loader)  # starts the workers: each gets its copy of the pinned dataset
+        ds._pinned = False
+        for batch in batches:
+            self._position = ds._forward(self._position, 1)
+            yield batch
+        ds._position = self._position
