@@ -5,13 +5,11 @@ from __future__ import annotations
 import bisect
 import io
 import json
-import math
-import pickle
 import struct
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, features
 
@@ -19,17 +17,9 @@ from wds_pad.index.imagesize import image_size_or_none
 from wds_pad.index.buckets import (
     DEFAULT_RATIOS,
     AspectBuckets,
-    BucketFn,
-    CallableBuckets,
     ImageBuckets,
     JsonField,
-    MappingBuckets,
-    SingleBucket,
-    check_bucket_key,
     image_size,
-    parse_bucket_by,
-    parse_ratios,
-    wrap_callable,
 )
 from wds_pad.errors import BucketError, ConfigError
 
@@ -165,36 +155,6 @@ def test_aspect_default_ratios_and_fields() -> None:
     assert dotted("k", meta(size={"w": 190, "h": 100})) == "2:1"
 
 
-def test_aspect_ratio_forms_normalise_to_labels() -> None:
-    fn = AspectBuckets(ratios=["4:3", (16, 9), 1.5, "0.75", " 2.0 : 1 "])
-    assert fn.ratios == ("4:3", "16:9", "1.5", "0.75", "2:1")
-    assert fn("k", meta(width=149, height=100)) == "1.5"
-    assert AspectBuckets(ratios="1:1,2:1").ratios == ("1:1", "2:1")
-
-
-@pytest.mark.parametrize(
-    ("step", "width", "height", "expected"),
-    [(0.25, 1920, 1080, "1.75"), (0.25, 100, 100, "1.00"), (0.1, 126, 100, "1.3"), (1, 10, 100, "1"), (0.5, 1, 9, "0.5")],
-)
-def test_aspect_step_rounding(step: float, width: int, height: int, expected: str) -> None:
-    assert AspectBuckets(step=step)("k", meta(width=width, height=height)) == expected
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    ratios=st.lists(st.floats(0.05, 20.0), min_size=1, max_size=12, unique=True).filter(
-        lambda rs: all(abs(math.log(a) - math.log(b)) > 1e-9 for i, a in enumerate(rs) for b in rs[:i])
-    ),
-    width=st.integers(1, 100_000),
-    height=st.integers(1, 100_000),
-)
-def test_aspect_picks_nearest_in_log_space(ratios: list[float], width: int, height: int) -> None:
-    fn = AspectBuckets(ratios=ratios)
-    label = fn("k", meta(width=width, height=height))
-    chosen = ratios[fn.ratios.index(label)]
-    target = math.log(width / height)
-    assert all(abs(target - math.log(chosen)) <= abs(target - math.log(r)) for r in ratios)
-
 
 @pytest.mark.parametrize(
     ("doc", "needle"),
@@ -239,14 +199,6 @@ def test_aspect_missing_member_and_bad_json() -> None:
 def test_aspect_config_errors(kwargs: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         AspectBuckets(**kwargs)
-
-
-def test_parse_ratios() -> None:
-    assert parse_ratios("1:1, 4:3,3:4,16:9") == ("1:1", "4:3", "3:4", "16:9")
-    assert parse_ratios("1,1.333,0.75") == ("1", "1.333", "0.75")
-    for bad in ("", "1:1,,2:1", "a:b", "1:-1"):
-        with pytest.raises(ConfigError):
-            parse_ratios(bad)
 
 
 # --- JSON fields -----------------------------------------------------------------------
@@ -348,254 +300,3 @@ def test_image_buckets_config_errors(kwargs: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         ImageBuckets(**kwargs)
 
-
-# --- mappings --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("name", "text"),
-    [
-        ("m.json", '{"a": "x", "b/c": 3, "d": null}'),
-        ("m.tsv", "# key\tbucket\na\tx\n\nb/c\t3\n"),
-        ("m.csv", 'a,x\n"b/c",3\n'),
-        ("m.txt", "\ufeffa\tx\r\nb/c\t3\r\n"),
-    ],
-)
-def test_mapping_file_formats(tmp_path, name: str, text: str) -> None:
-    path = tmp_path / name
-    path.write_text(text, encoding="utf-8")
-    fn = MappingBuckets(str(path))
-    assert fn.members == () and fn.head_bytes is None
-    assert fn("a", {}) == "x"
-    assert fn("b/c", {}) in (3, "3")
-    assert fn("d", {}) is None and fn("nope", {}) is None
-    desc = fn.describe()
-    assert desc["source"] == str(path) and desc["kind"] == "map" and len(desc["sha256"]) == 64
-    assert MappingBuckets(path.as_uri())("a", {}) == "x"  # fsspec URL
-
-
-def test_mapping_in_memory_and_digest() -> None:
-    one, two = MappingBuckets({"a": "x"}), MappingBuckets({"a": "y"})
-    assert one("a", {}) == "x" and one.describe()["source"] is None
-    assert one.describe()["sha256"] != two.describe()["sha256"]
-    assert MappingBuckets({"a": np.int64(4)})("a", {}) == 4
-
-
-@pytest.mark.parametrize(
-    ("text", "needle"),
-    [
-        ("a\tx\nb\ty\tz\n", "data line 2: expected"),
-        ("a\tx\na\ty\n", "key 'a' maps to both 'x' and 'y'"),
-        ("# only a comment\n", "non-empty"),
-        ("{bad json", "not valid JSON"),
-        ("[1, 2]", "non-empty"),
-        ('{"a": true}', "bucket key True of type bool"),
-    ],
-)
-def test_mapping_file_errors(tmp_path, text: str, needle: str) -> None:
-    path = tmp_path / "m.tsv"
-    path.write_text(text)
-    with pytest.raises(ConfigError, match=needle):
-        MappingBuckets(str(path))
-
-
-def test_mapping_missing_file_names_it(tmp_path) -> None:
-    missing = tmp_path / "absent.tsv"
-    with pytest.raises(ConfigError, match="cannot read bucket map .*absent.tsv") as err:
-        MappingBuckets(str(missing))
-    assert isinstance(err.value.__cause__, OSError)
-    with pytest.raises(ConfigError):
-        MappingBuckets(42)  # type: ignore[arg-type]
-
-
-# --- user callables --------------------------------------------------------------------
-
-
-def lang_of(key: str, data: dict[str, bytes]) -> str | None:
-    return json.loads(data["json"]).get("lang")
-
-
-def test_wrap_callable_receives_raw_bytes() -> None:
-    seen: list[tuple[str, dict]] = []
-
-    def spy(key: str, data: dict[str, bytes]) -> str:
-        seen.append((key, dict(data)))
-        return "b"
-
-    fn = wrap_callable(spy, members=("json", "txt"), head_bytes=128)
-    assert fn.members == ("json", "txt") and fn.head_bytes == 128
-    assert fn("k1", {"json": b'{"a": 1}', "txt": b"hi"}) == "b"
-    assert seen == [("k1", {"json": b'{"a": 1}', "txt": b"hi"})]
-    assert isinstance(seen[0][1]["json"], bytes)
-
-
-def test_wrap_callable_results_and_pickling() -> None:
-    fn = wrap_callable(lang_of)
-    assert fn("k", meta(lang="fr")) == "fr"
-    assert fn("k", meta()) is None
-    assert fn.describe() == {"kind": "callable", "function": f"{__name__}.lang_of", "members": ["json"], "head_bytes": None}
-    assert pickle.loads(pickle.dumps(fn))("k", meta(lang="it")) == "it"
-    assert wrap_callable(lambda k, d: np.int32(3))("k", {}) == 3
-    assert type(wrap_callable(lambda k, d: np.float32(0.5))("k", {})) is float
-
-
-def test_wrap_callable_errors_name_the_key() -> None:
-    def boom(key: str, data: dict) -> str:
-        raise KeyError("width")
-
-    with pytest.raises(BucketError, match=r"sample 's/9': bucket function .*boom raised KeyError: 'width'") as err:
-        wrap_callable(boom)("s/9", {})
-    assert isinstance(err.value.__cause__, KeyError)
-    with pytest.raises(BucketError, match="sample 's/1': bucket key True of type bool"):
-        wrap_callable(lambda k, d: True)("s/1", {})
-    with pytest.raises(BucketError, match="not a str, int or float"):
-        wrap_callable(lambda k, d: ("a", 1))("s/2", {})
-    with pytest.raises(BucketError, match="not finite"):
-        wrap_callable(lambda k, d: float("inf"))("s/3", {})
-
-
-@pytest.mark.parametrize(
-    ("args", "needle"),
-    [(("not callable",), "callable"), ((lang_of, "json"), "string 'json'"), ((lang_of, ("json",), 0), "positive int")],
-)
-def test_wrap_callable_config_errors(args: tuple, needle: str) -> None:
-    with pytest.raises(ConfigError, match=needle):
-        wrap_callable(*args)
-
-
-# --- the CLI spec ----------------------------------------------------------------------
-
-
-def test_parse_bucket_by_accepted(tmp_path) -> None:
-    mapping = tmp_path / "m.tsv"
-    mapping.write_text("a\tx\n")
-    assert parse_bucket_by("none") == SingleBucket()
-    assert parse_bucket_by("aspect") == AspectBuckets()
-    assert parse_bucket_by(" aspect:w, h ", ratios="1:1,4:3") == AspectBuckets("w", "h", ratios=("1:1", "4:3"))
-    assert parse_bucket_by("aspect", step=0.25) == AspectBuckets(step=0.25)
-    assert parse_bucket_by("json:meta.lang") == JsonField("meta.lang")
-    assert parse_bucket_by("json:n", boundaries="128, 256,512") == JsonField("n", boundaries=(128, 256, 512))
-    assert parse_bucket_by("json:n", boundaries="0.5,1e3").boundaries == (0.5, 1000.0)
-    assert parse_bucket_by("IMAGE", ratios="1,1.5") == ImageBuckets(ratios=("1", "1.5"))
-    assert parse_bucket_by(f"map:{mapping}")("a", {}) == "x"
-    assert parse_bucket_by(f"map:{mapping.as_uri()}")("a", {}) == "x"
-
-
-@pytest.mark.parametrize(
-    ("spec", "options", "needle"),
-    [
-        ("aspects", {}, "accepted forms: none | aspect"),
-        ("", {}, "accepted forms"),
-        ("json", {}, "accepted forms"),
-        ("json:", {}, "accepted forms"),
-        ("map:", {}, "accepted forms"),
-        ("none:x", {}, "accepted forms"),
-        ("image:png", {}, "accepted forms"),
-        ("aspect:w", {}, "accepted forms"),
-        ("aspect:w,h,d", {}, "accepted forms"),
-        ("none", {"ratios": "1:1"}, "--ratios/--step apply only"),
-        ("json:n", {"step": 0.1}, "--ratios/--step apply only"),
-        ("aspect", {"boundaries": "1,2"}, "--boundaries applies only"),
-        ("json:n", {"boundaries": "1,x"}, "--boundaries '1,x'"),
-        ("json:n", {"boundaries": "2,1"}, "strictly increasing"),
-        ("aspect", {"ratios": "1:1,,2:1"}, "comma-separated"),
-        ("aspect", {"ratios": "1:1", "step": 0.5}, "either ratios or step"),
-    ],
-)
-def test_parse_bucket_by_rejected(spec: str, options: dict, needle: str) -> None:
-    with pytest.raises(ConfigError, match=needle) as err:
-        parse_bucket_by(spec, **options)
-    assert "\n" not in str(err.value)
-
-
-# --- the protocol ----------------------------------------------------------------------
-
-
-def test_builtins_follow_the_protocol(tmp_path) -> None:
-    fns = [SingleBucket(), AspectBuckets(), AspectBuckets(step=0.1), JsonField("n", boundaries=(1, 2)),
-           ImageBuckets(), MappingBuckets({"a": 1}), wrap_callable(lang_of)]
-    for fn in fns:
-        assert isinstance(fn, BucketFn)
-        assert isinstance(fn.members, tuple) and (fn.head_bytes is None or fn.head_bytes > 0)
-        desc = fn.describe()
-        assert json.loads(json.dumps(desc)) == desc and isinstance(desc["kind"], str)
-        assert pickle.loads(pickle.dumps(fn)) == fn
-    assert SingleBucket()("any", {}) == "all"
-    assert isinstance(wrap_callable(lang_of), CallableBuckets)
-
-
-def test_frozen() -> None:
-    with pytest.raises(AttributeError):
-        AspectBuckets().step = 0.5  # type: ignore[misc]
-
-
-def test_check_bucket_key() -> None:
-    assert check_bucket_key("a", "k") == "a" and check_bucket_key(None, "k") is None
-    assert check_bucket_key(np.uint8(3), "k") == 3
-    with pytest.raises(BucketError, match="sample 'k': bucket key nan is not finite"):
-        check_bucket_key(float("nan"), "k")
-
-
-_doc_value = st.one_of(st.integers(-3, 4000), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
-                       st.none(), st.text(max_size=3), st.just(10**400), st.just(2**60))
-
-
-@settings(max_examples=200, deadline=None)
-@given(docs=st.lists(st.one_of(
-    st.fixed_dictionaries({"width": _doc_value, "height": _doc_value}),
-    st.fixed_dictionaries({"meta": st.fixed_dictionaries({"w": _doc_value, "h": _doc_value})}),
-    st.dictionaries(st.sampled_from(["width", "height", "meta.w", "meta.h", "x"]), _doc_value, max_size=4),
-    st.lists(st.integers(), max_size=2)), max_size=12),
-    raw=st.lists(st.sampled_from([None, b"", b"{", b' {"width": 4, "height": 3} ', b"\xff\xfe{}",
-                                  b'{"width": 4, "height": 3} x', b'{"width": 4e400, "height": 1}']), max_size=3),
-    fields=st.sampled_from([("width", "height"), ("meta.w", "meta.h")]),
-    step=st.none() | st.sampled_from([0.25, 0.1]))
-@example(docs=[{"width": 10842130985062.0, "height": 2.4124542225372354e-295}], raw=[],
-         fields=("width", "height"), step=0.25)  # a ratio past the float maximum once divided by the step
-@example(docs=[{"width": 43368523940248.0, "height": 2.4124542225372354e-295}, {"width": 5e-324, "height": 7}],
-         raw=[], fields=("width", "height"), step=None)  # ratios that overflow to inf and underflow to 0
-def test_aspect_many_equals_one_call_per_sample(docs, raw, fields, step) -> None:
-    """AspectBuckets.many (the indexer's batch path) gives what __call__ gives, sample by
-    sample: the same bucket, or an exception of the same type and message."""
-    import json as _json
-
-    fn = AspectBuckets(fields[0], fields[1], step=step)
-    payloads = [_json.dumps(d).encode() for d in docs] + raw
-    keys = [f"k{i}" for i in range(len(payloads))]
-    got = fn.many(keys, {"json": payloads})
-    for key, payload, result in zip(keys, payloads, got):
-        try:
-            want = fn(key, {} if payload is None else {"json": payload})
-        except Exception as exc:  # noqa: BLE001
-            assert type(result) is type(exc) and str(result) == str(exc)
-        else:
-            assert result == want
-
-
-_good_number = st.one_of(st.integers(1, 5000), st.floats(0.5, 1e5))
-
-
-@settings(max_examples=200, deadline=None)
-@given(docs=st.lists(st.fixed_dictionaries({"width": _good_number, "height": _good_number}), min_size=1, max_size=10),
-       odd=st.sampled_from([None, True, 0, -1.5, float("inf"), "7", [3], 10**400, 1e-320, 1e300]),
-       where=st.integers(0, 9), field=st.sampled_from(["width", "height"]),
-       tail=st.sampled_from([b"", b" ", b"\n", b" x", b"{}"]), step=st.none() | st.just(0.25))
-def test_aspect_many_batch_path_equals_one_call_per_sample(docs, odd, where, field, tail, step) -> None:
-    """Columns of plain documents take many()'s whole-column path; one odd value (or
-    trailing bytes) anywhere must still give exactly the per-sample results."""
-    import json as _json
-
-    fn = AspectBuckets(step=step)
-    docs = list(docs)
-    if odd is not None:
-        docs[where % len(docs)] = {**docs[where % len(docs)], field: odd}
-    payloads = [_json.dumps(d).encode() for d in docs]
-    payloads[-1] += tail
-    keys = [f"k{i}" for i in range(len(payloads))]
-    for key, payload, result in zip(keys, payloads, fn.many(keys, {"json": payloads})):
-        try:
-            want = fn(key, {"json": payload})
-        except Exception as exc:  # noqa: BLE001
-            assert type(result) is type(exc) and str(result) == str(exc)
-        else:
-            assert result == want

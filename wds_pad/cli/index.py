@@ -135,7 +135,7 @@ def _stamp(path: str) -> Any:
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    from ..index.buckets import parse_bucket_by
+    from ..index.bucket_spec import parse_bucket_by
     from ..index.format import check_output, load_index
     from ..index.build import build_index, expand_urls
 

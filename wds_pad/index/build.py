@@ -256,7 +256,7 @@ def _as_bucket_fn(bucket_by: Any, members: Sequence[str] | None, head_bytes: int
     if hasattr(bucket_by, "members") and hasattr(bucket_by, "describe"):
         return bucket_by  # type: ignore[no-any-return]
     if isinstance(bucket_by, str):
-        from .buckets import parse_bucket_by
+        from .bucket_spec import parse_bucket_by
 
         return parse_bucket_by(bucket_by)
     if callable(bucket_by):
