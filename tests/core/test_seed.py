@@ -135,7 +135,7 @@ def test_drawn_seed_is_broadcast_from_rank_zero(tmp_path: Path) -> None:
 def test_check_seed_is_the_one_rule_of_the_api_and_the_cli() -> None:
     import argparse
 
-    from wds_pad.cli.app import _seed_arg
+    from wds_pad.cli.common import _seed_arg
     from wds_pad.core.seed import MAX_SEED, check_seed
 
     assert MAX_SEED == 2**64 - 1

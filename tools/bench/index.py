@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             urls = make_blob_shards(os.path.join(tmp, label.replace(" ", "")), samples=n, sample_bytes=size,
                                     shards=shards)
             results[label] = run_case(f"{label} x {n}", urls, n, args.repeat, rows)
-    from wds_pad.cli.app import format_table
+    from wds_pad.cli.common import format_table
 
     print(f"best of {args.repeat}, single thread; ratios and rates from CPU time (load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")

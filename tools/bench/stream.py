@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             urls, index = _shards(tmp, label, n, size, shards)
             results[label] = run_case(f"{label} x {n}", urls, index, batch, args.repeat, rows)
     busy1, ours1, wall = machine_busy(), cpu_seconds(), time.perf_counter() - t0
-    from wds_pad.cli.app import format_table
+    from wds_pad.cli.common import format_table
 
     print(format_table(["case", "contender", "samples/s", "MB/s", "us/sample", "py us/sample",
                         "cpu us/sample", "vs webdataset", "vs raw read"], rows, align="llrrrrrrr"))

@@ -1,0 +1,229 @@
+"""What the ``wds-pad`` commands share: usage errors, argument parsers, interrupts,
+tables and the bucket plot.
+
+Every command module imports from here; this module imports no command and not
+:mod:`wds_pad.cli.app`. It starts fast: nothing here imports numpy, torch or
+matplotlib at import time (the plot imports matplotlib when it draws).
+
+Invariants:
+- a usage error is raised as :class:`_UsageError` with its whole line
+  (``wds-pad <cmd>: error: ...``) and exits with :data:`EXIT_USAGE` (2);
+- an integer option the library also checks (seed, epoch) accepts exactly the values
+  the API accepts, with the API's message;
+- an interrupt exits 130 (Ctrl-C) or 143 (SIGTERM, raised as :class:`Terminated`);
+- tables and reports go to the stream they are given, never to stderr on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from typing import Any, Callable, Hashable, Sequence
+
+from ..errors import ConfigError
+
+EXIT_USAGE = 2
+EXIT_SIGINT = 128 + signal.SIGINT
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+_SHOW = 5  # excluded samples / skipped shards listed in reports
+
+
+# -- usage errors and interrupts -------------------------------------------------------
+class _UsageError(Exception):
+    pass
+
+
+def _usage(cmd: str, message: str) -> _UsageError:
+    return _UsageError(f"wds-pad {cmd}: error: {message}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread the way Ctrl-C raises KeyboardInterrupt.
+
+    A KeyboardInterrupt, so everything that cleans up after Ctrl-C (temp files, the
+    progress bar) does the same after SIGTERM.
+    """
+
+
+def interrupt_exit(exc: KeyboardInterrupt) -> tuple[int, str]:
+    """(exit status, what happened) for an interrupt: 143 for SIGTERM, 130 for Ctrl-C."""
+    if isinstance(exc, Terminated):
+        return EXIT_SIGTERM, "terminated (SIGTERM)"
+    return EXIT_SIGINT, "interrupted"
+
+
+# -- argument parsers ------------------------------------------------------------------
+def _int_at_least(minimum: int, what: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _int_at_least(1, "a positive integer", text)
+
+
+def _non_negative(text: str) -> int:
+    return _int_at_least(0, "an integer >= 0", text)
+
+
+def _library_int(check: Callable[[Any], int], what: str, text: str) -> int:
+    """Parse ``text`` as an int and validate it with the library's own ``check``.
+
+    The CLI and the API then accept exactly the same values: one rule, one message.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be an integer, got {text!r}") from None
+    try:
+        return check(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seed_arg(text: str) -> int:
+    from ..core.seed import check_seed
+
+    return _library_int(check_seed, "seed", text)
+
+
+def _epoch_arg(text: str) -> int:
+    from ..core.plan import check_epoch
+
+    return _library_int(check_epoch, "epoch", text)
+
+
+# -- tables and reports ----------------------------------------------------------------
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
+    """A plain-text table: left-aligned text, right-aligned numbers."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    align = align or "".join("l" if not rows or isinstance(rows[0][i], str) else "r"
+                             for i in range(len(headers)))
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.ljust(w) if a == "l" else v.rjust(w)
+                         for v, w, a in zip(values, widths, align)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule] + [line(r) for r in cells])
+
+
+def _print_summary(plan: Any, out: Any) -> None:
+    """A plan's per-bucket table (``plan --summary``, the demo)."""
+    topo = plan.topology
+    rows = []
+    for s in plan.stats:
+        status = "empty" if s.samples == 0 else ("dropped" if s.dropped else
+                                                  ("oversubscribed" if s.oversubscribed else "kept"))
+        pct = f"{100 * s.padded_fraction:.1f}%"
+        rows.append([s.dataset, str(s.bucket), s.samples, s.repeats, s.padded_length,
+                     s.padded_copies, pct, s.truncated, status, s.steps])
+    headers = ["dataset", "bucket", "samples", "repeats", "padded len", "pad copies", "pad %",
+               "truncated", "status", "steps/epoch"]
+    out.write(f"epoch {plan.epoch}: world_size {topo.world_size}, dp_size {topo.dp_size}, "
+              f"cp_size {topo.cp_size}, batch {plan.batch_size}, policy {plan.policy.value}, "
+              f"pad unit {plan.topology.dp_size * (plan.batch_size if plan.pad_to.value == 'batch' else 1)}\n")
+    out.write(format_table(headers, rows, align="llrrrrrrlr") + "\n")
+    total = sum(s.samples for s in plan.stats)
+    padded = sum(s.padded_copies for s in plan.stats)
+    dropped = sum(s.samples for s in plan.stats if s.dropped)
+    out.write(f"total: {total} samples, {padded} padded copies, {dropped} samples in dropped buckets, "
+              f"{plan.steps} steps per epoch, {len(plan)} batches on rank {topo.rank}\n")
+
+
+def _nbytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _short_reason(url: str, reason: str) -> str:
+    """A skip reason without the URL it is listed under, nor the advice to use skip."""
+    reason = reason[len(url) + 2 :] if reason.startswith(f"{url}: ") else reason
+    head, sep, hint = reason.rpartition("; ")
+    return head if sep and "on_error='skip'" in hint else reason
+
+
+def _report_excluded(index: Any, out: Any) -> None:
+    """The skipped shards and excluded samples, with reasons (the first few)."""
+    shards = list(index.excluded.get("shards", []))
+    samples = list(index.excluded.get("samples", []))
+    count = int(index.excluded.get("count", len(samples)))
+    if shards:
+        out.write(f"skipped {_plural(len(shards), 'shard')} (on error: skip):\n")
+        for s in shards[:_SHOW]:
+            kept = s.get("samples_kept", 0)
+            note = f" [{_plural(kept, 'sample')} before the fault kept]" if kept else ""
+            out.write(f"  {s['url']}: {_short_reason(s['url'], s['reason'])}{note}\n")
+        if len(shards) > _SHOW:
+            out.write(f"  ... and {len(shards) - _SHOW} more (wds-pad inspect --json INDEX)\n")
+    if count:
+        out.write(f"excluded {_plural(count, 'sample')}:\n")
+        for s in samples[:_SHOW]:
+            out.write(f"  {s['key']!r} in {s['url']} at byte offset {s['offset']}: {s['reason']}\n")
+        if count > _SHOW:
+            out.write(f"  ... and {count - _SHOW} more (wds-pad inspect --json INDEX)\n")
+
+
+# -- the bucket plot -------------------------------------------------------------------
+def _plot(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace) -> None:
+    """Bar chart of an index's buckets (with ``pad``: kept, padded and dropped) to ``args.plot``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError("--plot needs matplotlib: pip install 'wds-pad[plot]' (or pip install matplotlib)") from exc
+    counts = index.bucket_counts()
+    labels = [str(k) for k in counts]
+    samples = [counts[k] for k in counts]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(labels) + 2), 4.2))
+    x = range(len(labels))
+    if pad is None:
+        bars = ax.bar(x, samples, color="#4c72b0", label="samples")
+        ax.bar_label(bars, labels=[f"{n:,}" for n in samples], fontsize=8, padding=2)
+        tops = samples
+        title = f"{index.name}: {len(index):,} samples in {len(labels)} buckets"
+    else:
+        kept = [0 if pad[k].dropped else counts[k] * (1 + args.repeats) - pad[k].truncated for k in counts]
+        lost = [counts[k] * (1 + args.repeats) - kept[i] for i, k in enumerate(counts)]
+        copies = [pad[k].padded_copies for k in counts]
+        ax.bar(x, kept, color="#4c72b0", label="samples")
+        ax.bar(x, copies, bottom=kept, color="#dd8452", label="padded copies")
+        ax.bar(x, lost, bottom=[a + b for a, b in zip(kept, copies)], color="#bbbbbb", hatch="//",
+               label="dropped / truncated")
+        tops = [a + b + c for a, b, c in zip(kept, copies, lost)]
+        for i, k in enumerate(counts):
+            note = "dropped" if pad[k].dropped else (f"+{copies[i]:,} pad" if copies[i] else "")
+            note = note or (f"-{pad[k].truncated:,}" if pad[k].truncated else "")
+            ax.annotate(note, (i, tops[i]), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points")
+        title = (f"{index.name}: {len(index):,} samples, padding for world {args.world_size}, "
+                 f"cp {args.cp_size}, batch {args.batch_size} ({args.pad})")
+        ax.legend(fontsize=8, loc="best")
+    ax.set_xticks(list(x), labels, rotation=45 if len(labels) > 8 else 0, ha="right" if len(labels) > 8 else "center")
+    ax.set_xlabel(f"bucket ({index.bucket_by.get('kind', '?')})")
+    ax.set_ylabel("samples per epoch" if pad is not None else "samples")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(0, max(max(tops, default=0) * 1.15, 1))  # room for the labels above the bars
+    fig.tight_layout()
+    try:
+        fig.savefig(args.plot, dpi=110)
+    except OSError as exc:
+        raise ConfigError(f"--plot {args.plot!r}: cannot write the image: {exc}") from exc
+    finally:
+        plt.close(fig)

@@ -1,0 +1,135 @@
+"""``wds-pad inspect``: show an index's buckets and shards, optionally with the padding
+a job would get and a plot of it.
+
+Invariants:
+- ``--json`` prints exactly one JSON object on stdout, and nothing else;
+- the padding shown is what ``plan_epoch`` does with each bucket for the given job
+  (it needs both ``--world-size`` and ``--batch-size``, else a usage error, exit 2);
+- loading the index and planning its padding never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Hashable
+
+from .common import _nbytes, _non_negative, _plot, _positive, _report_excluded, _usage, format_table
+
+__all__ = ["add_parser"]
+
+
+def _json_key(key: Hashable) -> str:
+    """A bucket key as a JSON object key (JSON keys are strings)."""
+    return key if isinstance(key, str) else json.dumps(key if not isinstance(key, tuple) else list(key))
+
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``inspect`` subcommand."""
+    p = sub.add_parser("inspect", help="show an index: buckets, shards, excluded samples",
+                       description="Show an index's buckets and shards; optionally plot them with padding.")
+    p.add_argument("index", metavar="INDEX", help="index file (path or URL)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--plot", metavar="FILE.png", help="bar chart of bucket sizes (needs matplotlib)")
+    p.add_argument("--world-size", type=_positive, help="with --batch-size: also show padding for this job")
+    p.add_argument("--batch-size", type=_positive, help="samples per batch per DP rank")
+    p.add_argument("--cp-size", type=_positive, default=1, help="context-parallel size (default 1)")
+    p.add_argument("--seed", type=_non_negative, default=0, help="plan seed (padding amounts do not depend on it)")
+    p.add_argument("--pad", choices=["auto", "cyclic", "drop", "none"], default="auto", help="padding policy")
+    p.add_argument("--repeats", type=_non_negative, default=0)
+    p.add_argument("--oversubscribe", action="store_true")
+    p.set_defaults(func=_cmd_inspect)
+
+
+def _padding_stats(args: argparse.Namespace, index: Any) -> dict[Hashable, Any] | None:
+    """Per bucket, what ``plan_epoch`` does with it for the given job, or None."""
+    if args.world_size is None and args.batch_size is None:
+        return None
+    if args.world_size is None or args.batch_size is None:
+        raise _usage("inspect", "padding needs both --world-size and --batch-size")
+    from ..core.plan import plan_epoch
+    from ..core.topology import Topology
+
+    topo = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size)
+    plan = plan_epoch(index.to_dataset(repeats=args.repeats), topo, seed=args.seed, batch_size=args.batch_size,
+                      policy=args.pad, oversubscribe=args.oversubscribe, warn=False)
+    return {s.bucket: s for s in plan.stats}
+
+
+def _summary(index: Any, pad: dict[Hashable, Any] | None) -> dict[str, Any]:
+    from ..index.format import FORMAT_VERSION
+
+    counts, sizes = index.bucket_counts(), index.bucket_bytes()
+    per_shard = [s.samples for s in index.shards if s.size >= 0]
+    record: dict[str, Any] = {
+        "path": index.path, "name": index.name, "version": FORMAT_VERSION, "digest": index.digest,
+        "bucket_by": dict(index.bucket_by), "exts": list(index.exts),
+        "shards": len(index.shards), "samples": len(index),
+        "bytes": int(sum(sizes.values())), "shard_bytes": int(sum(max(s.size, 0) for s in index.shards)),
+        "min_samples_per_shard": min(per_shard, default=0), "max_samples_per_shard": max(per_shard, default=0),
+        "buckets": {_json_key(k): v for k, v in counts.items()},
+        "bucket_bytes": {_json_key(k): v for k, v in sizes.items()},
+        "excluded": int(index.excluded.get("count", 0)),
+        "skipped_shards": list(index.excluded.get("shards", [])),
+        "excluded_samples": list(index.excluded.get("samples", [])),
+    }
+    if pad is not None:
+        record["padding"] = {_json_key(k): {"padded_length": s.padded_length, "padded_copies": s.padded_copies,
+                                            "truncated": s.truncated, "dropped": s.dropped, "steps": s.steps}
+                             for k, s in pad.items()}
+    return record
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ..index.format import load_index
+
+    index = load_index(args.index)
+    pad = _padding_stats(args, index)
+    if args.plot:
+        _plot(index, pad, args)
+    if args.json:
+        sys.stdout.write(json.dumps(_summary(index, pad)) + "\n")
+        return 0
+    _print_tables(index, pad, args, sys.stdout)
+    if args.plot:
+        sys.stdout.write(f"plot written to {args.plot}\n")
+    return 0
+
+
+def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace, out: Any) -> None:
+    from ..index.format import FORMAT_VERSION
+
+    total = len(index)
+    counts, sizes = index.bucket_counts(), index.bucket_bytes()
+    by = dict(index.bucket_by)
+    desc = ", ".join([str(by.pop("kind", "?"))] + [f"{k}={v}" for k, v in by.items() if v is not None])
+    out.write(f"index {index.path} (format v{FORMAT_VERSION}, digest {index.digest[:16]}), name {index.name!r}\n")
+    out.write(f"bucket_by: {desc}; members: {', '.join(index.exts) or '-'}\n\n")
+    headers = ["bucket", "samples", "%", "bytes", "mean sample"]
+    rows = []
+    for key, n in counts.items():
+        row = [str(key), n, f"{100 * n / total:.1f}%" if total else "-", _nbytes(sizes[key]),
+               _nbytes(sizes[key] / n) if n else "-"]
+        if pad is not None:
+            s = pad[key]
+            row += [s.padded_copies, s.truncated, "dropped" if s.dropped else ("empty" if not n else "kept")]
+        rows.append(row)
+    if pad is not None:
+        headers += ["pad copies", "truncated", "status"]
+    rows.append(["total", total, "100.0%" if total else "-", _nbytes(sum(sizes.values())),
+                 _nbytes(sum(sizes.values()) / total) if total else "-"]
+                + ([sum(s.padded_copies for s in pad.values()), sum(s.truncated for s in pad.values()), ""]
+                   if pad is not None else []))
+    out.write(format_table(headers, rows, align="lrrrr" + ("rrl" if pad is not None else "")) + "\n")
+    if pad is not None:
+        out.write(f"(padding for world size {args.world_size}, cp size {args.cp_size}, batch size "
+                  f"{args.batch_size}, policy {args.pad})\n")
+    per_shard = [s.samples for s in index.shards if s.size >= 0]
+    nbytes = sum(max(s.size, 0) for s in index.shards)
+    skipped = [s for s in index.shards if s.error is not None]
+    out.write(f"\nshards: {len(index.shards)}, {_nbytes(nbytes)}, samples per shard "
+              f"min {min(per_shard, default=0)} / max {max(per_shard, default=0)}, "
+              f"{len(skipped)} with errors\n")
+    _report_excluded(index, out)

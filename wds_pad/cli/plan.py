@@ -1,0 +1,165 @@
+"""``wds-pad plan``: an epoch (or K steps) of one rank's or every rank's batches.
+
+Plans from index files or from a synthetic ``--buckets`` dataset; never imports torch
+(the planner is pure numpy), so it starts fast.
+
+Invariants:
+- ``--json`` prints one JSON object per batch and nothing else on stdout, in step
+  order, rank after rank for ``--rank all``; with index files each record also names
+  the samples' shard URLs and keys;
+- ``--summary`` prints one table per bucket for the (first) rank;
+- a bad combination of options is a usage error (exit 2) before anything is planned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .common import _epoch_arg, _int_at_least, _non_negative, _positive, _print_summary, _seed_arg, _usage
+
+__all__ = ["add_parser", "synthetic_dataset"]
+
+
+def _parse_buckets(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, count = part.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"bucket {part!r} is not NAME=COUNT (e.g. 'a=4,b=0,c=7')")
+        try:
+            n = int(count)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bucket {name!r}: count {count!r} is not an integer") from None
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"bucket {name!r}: count must be >= 0, got {n}")
+        if name.strip() in out:
+            raise argparse.ArgumentTypeError(f"bucket {name.strip()!r} is listed twice")
+        out[name.strip()] = n
+    if not out:
+        raise argparse.ArgumentTypeError("no buckets given; use e.g. --buckets 'a=4,b=0,c=7'")
+    return out
+
+
+def _rank_arg(text: str) -> int | str:
+    if text == "all":
+        return text
+    try:
+        return _int_at_least(0, "an integer >= 0", text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"--rank must be an integer or 'all' ({exc})") from None
+
+
+def synthetic_dataset(buckets: dict[str, int], name: str = "synthetic") -> Any:
+    """A Dataset whose ids are numbered from 0 in the order the buckets are listed."""
+    import numpy as np
+
+    from ..core.plan import Dataset
+
+    out, start = {}, 0
+    for key, count in buckets.items():
+        out[key] = np.arange(start, start + count, dtype=np.int64)
+        start += count
+    return Dataset(name=name, buckets=out)
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``plan`` subcommand."""
+    p = sub.add_parser("plan", help="print this rank's (or every rank's) planned batches",
+                       description="Plan an epoch (or K steps) for one rank or all ranks.")
+    p.add_argument("index", nargs="*", help="index file(s); each is one dataset (or use --buckets)")
+    p.add_argument("--buckets", type=_parse_buckets, help="synthetic dataset: 'a=4,b=0,c=7'")
+    p.add_argument("--world-size", type=_positive, required=True)
+    p.add_argument("--rank", type=_rank_arg, required=True, help="a rank, or 'all'")
+    p.add_argument("--cp-size", type=_positive, default=1)
+    p.add_argument("--batch-size", type=_positive, required=True)
+    p.add_argument("--seed", type=_seed_arg, required=True, help="an integer in [0, 2**64)")
+    p.add_argument("--epoch", type=_epoch_arg, default=0, help="an integer in [0, 2**31 - 1]")
+    p.add_argument("--pad", choices=["auto", "cyclic", "drop", "none"], default="auto")
+    p.add_argument("--pad-to", choices=["batch", "rank"], default="batch")
+    p.add_argument("--repeats", type=_non_negative, default=0, help="repeats of every dataset")
+    p.add_argument("--weights", help="comma-separated weights, one per index")
+    p.add_argument("--oversubscribe", action="store_true")
+    p.add_argument("--mode", choices=["epochs", "steps"], default="epochs")
+    p.add_argument("--steps", type=_positive, help="steps mode: how many global steps to print")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--json", action="store_true", help="one JSON object per batch")
+    out.add_argument("--summary", action="store_true", help="a table per bucket")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    """The datasets to plan, and per dataset a ``ids -> (urls, keys)`` lookup or None."""
+    from ..core.plan import Dataset
+
+    if bool(args.index) == bool(args.buckets):
+        raise _usage("plan", "give either INDEX file(s) or --buckets, not both and not neither")
+    if args.buckets:
+        ds = synthetic_dataset(args.buckets)
+        return [Dataset(ds.name, ds.buckets, repeats=args.repeats)], [None]
+    from ..index.format import load_index  # lazily: only when an index file is planned
+
+    weights = [1.0] * len(args.index)
+    if args.weights:
+        try:
+            weights = [float(w) for w in args.weights.split(",")]
+        except ValueError:
+            raise _usage("plan", f"--weights {args.weights!r} is not a list of numbers") from None
+        if len(weights) != len(args.index):
+            raise _usage("plan", f"--weights has {len(weights)} values for {len(args.index)} index files")
+    datasets, lookups, names = [], [], set()
+    for i, (path, weight) in enumerate(zip(args.index, weights)):
+        idx = load_index(path)
+        ds = idx.to_dataset(repeats=args.repeats, weight=weight)
+        if ds.name in names:
+            ds = Dataset(f"{ds.name}#{i}", ds.buckets, repeats=ds.repeats, weight=ds.weight)
+        names.add(ds.name)
+        datasets.append(ds)
+        lookups.append(idx.describe_samples)
+    return datasets, lookups
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ..core.plan import Mode, iter_steps, plan_epoch
+    from ..core.topology import Topology
+
+    if args.mode == "steps" and args.steps is None and args.json:
+        raise _usage("plan", "--mode steps needs --steps K (how many global steps to print)")
+    sources, lookups = _plan_sources(args)
+    ranks = range(args.world_size) if args.rank == "all" else [args.rank]
+    if args.rank != "all" and args.rank >= args.world_size:
+        raise _usage("plan", f"--rank {args.rank} is out of range for --world-size {args.world_size}")
+    common = dict(seed=args.seed, batch_size=args.batch_size, policy=args.pad,
+                  oversubscribe=args.oversubscribe, pad_to=args.pad_to)
+    out = sys.stdout
+    for i, rank in enumerate(ranks):
+        topo = Topology(world_size=args.world_size, rank=rank, cp_size=args.cp_size)
+        warn = i == 0
+        if args.summary:
+            plan = plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=True, **common)
+            _print_summary(plan, out)
+            return 0
+        if args.mode == Mode.EPOCHS.value:
+            plans: Any = [plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=warn, **common)]
+        else:
+            plans = iter_steps(sources, topo, start_epoch=args.epoch, **common)
+        _print_json(plans, topo, args.steps, lookups, out)
+    return 0
+
+
+def _print_json(plans: Any, topo: Any, max_steps: int | None, lookups: list[Any], out: Any) -> None:
+    done = 0
+    for plan in plans:
+        for batch in plan:
+            if max_steps is not None and done + batch.step >= max_steps:
+                return
+            record = batch.to_json(topo)
+            lookup = lookups[plan.datasets.index(batch.dataset)]
+            if lookup is not None:
+                record["urls"], record["keys"] = lookup(batch.samples)
+            out.write(json.dumps(record) + "\n")
+        done += plan.steps
+        if max_steps is None:
+            return

@@ -1,0 +1,55 @@
+"""``wds-pad verify``: check that the shards are still what the index says.
+
+Invariants:
+- exit 1 if and only if it prints a stale, missing or unreachable shard (one line
+  each, ``STALE`` / ``MISSING`` / ``UNREACHABLE``, then what to do); exit 0 with one
+  ``OK`` line otherwise;
+- an unreachable store is reported apart from stale shards: re-indexing would not help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .common import _plural
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``verify`` subcommand."""
+    p = sub.add_parser("verify", help="check that the shards are still what the index says",
+                       description="Check every shard's size and change stamp (--deep: rescan and compare "
+                                   "byte ranges). Exit 1 if any shard is stale, missing or unreachable.")
+    p.add_argument("index", metavar="INDEX", help="index file (path or URL)")
+    p.add_argument("--deep", action="store_true", help="also rescan each shard's headers and compare offsets")
+    p.set_defaults(func=_cmd_verify)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from ..index.format import load_index
+    from ..index.build import verify_index
+
+    index = load_index(args.index)
+    problems = verify_index(index, deep=args.deep)
+    unreachable = [p for p in problems if p.reason.startswith("unreachable")]
+    for p in problems:
+        kind = ("UNREACHABLE" if p in unreachable else "MISSING" if p.reason.startswith("missing")
+                else "STALE")
+        sys.stdout.write(f"{kind} {p.url}: {p.reason}\n")
+    checked = sum(1 for s in index.shards if s.size >= 0)
+    unchecked = len(index.shards) - checked
+    note = f" ({unchecked} missing when indexed, not checked)" if unchecked else ""
+    if len(problems) > len(unreachable):
+        sys.stdout.write(f"{len(problems) - len(unreachable)} of {checked} shards stale or missing{note}; "
+                         f"re-index them with `wds-pad index ... -o {args.index} --update`\n")
+    if unreachable:  # the store's fault, not the shards': re-indexing would not help
+        sys.stdout.write(f"{len(unreachable)} of {checked} shards not checked: their store cannot be "
+                         "reached or found no credentials (see above); fix that, then run "
+                         f"`wds-pad verify` again{'' if len(problems) > len(unreachable) else note}\n")
+    if problems:
+        return 1
+    sys.stdout.write(f"{_plural(checked, 'shard')} OK{' (deep)' if args.deep else ''}{note}\n")
+    return 0
