@@ -1,4 +1,5 @@
-"""Tests for wds_pad.index.tarscan: header parsing, webdataset grouping, faults, parse_sample."""
+"""Tests for the tar readers: wds_pad.index.tarscan (header parsing, webdataset grouping, faults,
+parse_sample; the rules live in tarentry and tarread) and the lean path of tarrows / tarcols."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext
 
-from wds_pad.index import tarscan
+from wds_pad.index import tarentry, tarread
 from wds_pad.errors import ConfigError, StaleShardError, TarFormatError
 from wds_pad.index.tarrows import ScanRows, scan_rows
 from wds_pad.index.tarscan import Member, ScannedSample, parse_sample, scan_tar, split_key
@@ -133,7 +134,7 @@ def check_shard(path: Path) -> list[ScannedSample]:
     with tarfile.open(path, "r:") as tf:
         for ti in tf:
             prefix, _ = base_plus_ext(ti.name)
-            if ti.isreg() and prefix in kept and not tarscan._is_meta(ti.name):
+            if ti.isreg() and prefix in kept and not tarread._is_meta(ti.name):
                 expected.append((ti.name, ti.offset, ti.offset_data, ti.size))
     got = [(m.name, m.header_offset, m.data_offset, m.size) for s in seek for m in s.members]
     assert got == expected
@@ -444,7 +445,7 @@ def test_seek_mode_reads_only_wanted_heads(tmp_path: Path) -> None:
 def test_stream_mode_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_tar(tmp_path / "c.tar", [(f"k{i}.{e}", os.urandom(i * 97 % 1500)) for i in range(30) for e in "xyz"])
     ref = scan_path(path, want=("x", "y", "z"))
-    monkeypatch.setattr(tarscan, "_CHUNK", 700)  # headers and payloads straddle reads
+    monkeypatch.setattr(tarentry, "_CHUNK", 700)  # headers and payloads straddle reads
     for step in (1, 333, 4096):
         got = list(scan_tar(NonSeekable(path.read_bytes(), step), "c", want=("x", "y", "z")))
         assert got == ref
@@ -510,7 +511,7 @@ def test_property_writer_roundtrip(tmp_path: Path, samples: list, head: int | No
 
 
 def test_member_records() -> None:
-    m = tarscan._member("a.jpg", "jpg", 0, 512, 3)
+    m = tarread._member("a.jpg", "jpg", 0, 512, 3)
     assert m == Member("a.jpg", "jpg", 0, 512, 3) and hash(m) == hash(Member("a.jpg", "jpg", 0, 512, 3))
     with pytest.raises(AttributeError):
         m.size = 4  # type: ignore[misc]
