@@ -21,7 +21,7 @@ MOVED = {
     "topology": "core.topology", "seed": "core.seed", "_permute": "core.permute", "plan": "core.plan",
     "indexer": "index.build", "tarscan": "index.tarscan", "_tarrows": "index.tarrows",
     "buckets": "index.buckets", "_imagesize": "index.imagesize", "_progress": "index.progress",
-    "read": "io.read", "_urls": "io.urls", "_atomic": "io.atomic",
+    "read": "io.ranges", "_urls": "io.urls", "_atomic": "io.atomic",
     "stages": "stream.stages", "dataset": "stream.dataset", "shards": "stream.shards",
     "shardstream": "stream.shardstream", "_loaderargs": "stream.loaderargs",
     "_elastic": "state.elastic", "_cli_index": "cli.index", "_demo": "cli.demo", "_synth": "cli.synth",

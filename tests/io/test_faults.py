@@ -37,7 +37,7 @@ from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.errors import ReadError, ShardError, WdsPadError
 from wds_pad.index.format import Index, load_index
 from wds_pad.index.build import build_index
-from wds_pad.io.read import RangeReader, ReadOptions
+from wds_pad.io.ranges import RangeReader, ReadOptions
 from wds_pad.core.topology import Topology
 
 pytest_plugins = ["conftest_servers"]

@@ -33,11 +33,11 @@ from wds_pad.cli.synth import make_image_shards
 from wds_pad.cli.app import main as cli_main
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
-from wds_pad.io import read as wds_read
+from wds_pad.io import ranges as wds_read
 from wds_pad.errors import IndexFormatError, ReadError, ShardError, StaleShardError
 from wds_pad.index.format import Index, load_index, write_index
 from wds_pad.index.build import build_index, verify_index
-from wds_pad.io.read import RangeReader, ReadOptions
+from wds_pad.io.ranges import RangeReader, ReadOptions
 from wds_pad.core.topology import Topology
 
 pytest_plugins = ["conftest_servers"]
@@ -308,7 +308,7 @@ _STREAM_WITHOUT_CREDENTIALS = """
 import gc, sys
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.errors import ReadError
-from wds_pad.io.read import ReadOptions
+from wds_pad.io.ranges import ReadOptions
 from wds_pad.core.topology import Topology
 
 options = {"client_kwargs": {"endpoint_url": sys.argv[2], "region_name": "us-east-1"},

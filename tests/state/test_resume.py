@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wds_pad.io import read as read_mod
+from wds_pad.io import ranges as read_mod
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader

@@ -27,8 +27,8 @@ from .progress import Progress
 from .buckets import BucketFn, SingleBucket, wrap_callable
 from ..errors import BucketError, ConfigError, ReadError, ShardError, WdsPadError
 from .format import Index, ShardInfo, check_output, load_index, make_index, write_index
-from ..io.read import change_stamp as _stamp  # one definition: the reader checks against it
-from ..io.read import call_store, get_filesystem, redact
+from ..io.ranges import change_stamp as _stamp  # one definition: the reader checks against it
+from ..io.ranges import call_store, get_filesystem, redact
 from .tarrows import ScanRows, scan_many
 from ..io.urls import expand_urls
 from .tarscan import parse_sample

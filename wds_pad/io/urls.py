@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping
 from braceexpand import UnbalancedBracesError, braceexpand
 
 from ..errors import ConfigError, ShardError
-from .read import get_filesystem, redact
+from .ranges import get_filesystem, redact
 
 __all__ = ["canonical_url", "expand_urls"]
 

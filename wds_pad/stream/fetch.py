@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import WdsPadError
 from ..index.format import Index
-from ..io.read import LocalReadAhead, RangeReader, ReadOptions
+from ..io.ranges import LocalReadAhead, RangeReader, ReadOptions
 from ..core.seed import derive_rng
 from ..index.tarscan import parse_sample, parse_sample_at
 from .stages import PlanSpec

@@ -38,7 +38,7 @@ from ..errors import ConfigError, StaleShardError, StateError, StateMismatchErro
 from ..index.format import Index, load_index
 from ..core.plan import check_epoch
 from ..index.build import shard_info
-from ..io.read import get_filesystem, redact
+from ..io.ranges import get_filesystem, redact
 from ..core.seed import shared_seed, stable_digest
 from .shards import WorkerPlan, local_path, shard_counts, worker_plan
 from ..state import STATE_FORMAT, STATE_VERSION, fingerprint_of, verify_state

@@ -1,4 +1,4 @@
-"""Tests of wds_pad.io.read: exact bytes, order, merging, memory bound, errors, fork, retries.
+"""Tests of wds_pad.io.ranges: exact bytes, order, merging, memory bound, errors, fork, retries.
 
 Remote behaviour runs against a small HTTP server on 127.0.0.1 (Range requests, delays
 and scripted faults) and against fake fsspec filesystems registered here.
@@ -28,10 +28,10 @@ from fsspec.spec import AbstractFileSystem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wds_pad.io import read as wds_read
+from wds_pad.io import ranges as wds_read
 from wds_pad.errors import (ConfigError, IndexFormatError, ReadError, ShardError, StaleShardError,
                             WdsPadError)
-from wds_pad.io.read import RangeReader, ReadOptions, get_filesystem, redact
+from wds_pad.io.ranges import RangeReader, ReadOptions, get_filesystem, redact
 
 FAST = dict(backoff=0.01, backoff_max=0.02, timeout=2.0)
 
@@ -414,7 +414,7 @@ def test_always_stalled_request_fails_in_bounded_time(http: tuple[str, _State]) 
 
 
 def test_backoff_is_deterministic_and_capped() -> None:
-    from wds_pad.io.read import _backoff
+    from wds_pad.io.ranges import _backoff
 
     opts = ReadOptions(backoff=0.2, backoff_max=1.0)
     delays = [_backoff(opts, "s3://b/x.tar", 10, a) for a in range(1, 8)]
@@ -938,7 +938,7 @@ def test_dropped_read_ahead_stops_its_threads(local_files: dict[str, bytes]) -> 
 
 def test_read_ahead_never_reads_from_an_evicted_descriptor(local_files: dict[str, bytes],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import wds_pad.io.read as read_module
+    import wds_pad.io.ranges as read_module
 
     monkeypatch.setattr(read_module, "_MAX_OPEN_FDS", 2)  # 5 files: constant eviction
     urls = sorted(local_files)
