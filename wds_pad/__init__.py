@@ -48,7 +48,7 @@ _LAZY: dict[str, str] = {
     "PlannedSource": "stream.stages",
     "Position": "stream.stages",
     "RangeReader": "io.ranges",
-    "ReadOptions": "io.ranges",
+    "ReadOptions": "io.options",
     "ShardInfo": "index.format",
     "ShardLoader": "stream.shardstream",
     "ShardStream": "stream.shardstream",

@@ -33,7 +33,7 @@ from wds_pad.cli.synth import make_image_shards
 from wds_pad.cli.app import main as cli_main
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
-from wds_pad.io import ranges as wds_read
+from wds_pad.io import fs as wds_fs
 from wds_pad.errors import IndexFormatError, ReadError, ShardError, StaleShardError
 from wds_pad.index.format import Index, load_index, write_index
 from wds_pad.index.build import build_index, verify_index
@@ -105,7 +105,7 @@ def forget_filesystems() -> Iterator[None]:
     otherwise outlive it, pointing at a stopped endpoint)."""
     yield
     s3fs.S3FileSystem.clear_instance_cache()
-    wds_read._FS_CACHE.clear()
+    wds_fs._FS_CACHE.clear()
 
 
 def _s3fs(moto_server: MotoServer) -> s3fs.S3FileSystem:
@@ -263,7 +263,7 @@ def no_credentials(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch, tmp
                         "AWS_RETRY_MODE": "standard"}.items():
         monkeypatch.setenv(name, value)
     s3fs.S3FileSystem.clear_instance_cache()
-    wds_read._FS_CACHE.clear()
+    wds_fs._FS_CACHE.clear()
     return {"client_kwargs": {"endpoint_url": moto_server.endpoint_url,
                               "region_name": moto_server.region}, **QUICK}
 
@@ -308,7 +308,7 @@ _STREAM_WITHOUT_CREDENTIALS = """
 import gc, sys
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.errors import ReadError
-from wds_pad.io.ranges import ReadOptions
+from wds_pad.io.options import ReadOptions
 from wds_pad.core.topology import Topology
 
 options = {"client_kwargs": {"endpoint_url": sys.argv[2], "region_name": "us-east-1"},
@@ -332,7 +332,7 @@ def test_a_permanent_failure_with_many_reads_in_flight_prints_nothing_to_stderr(
     handler; the others are cancelled and retrieved, so asyncio prints nothing."""
     index_path = str(tmp_path / "train.wdsidx")
     write_index(s3_index[1], index_path)
-    package = str(Path(wds_read.__file__).resolve().parents[2])  # this checkout's wds_pad
+    package = str(Path(wds_fs.__file__).resolve().parents[2])  # this checkout's wds_pad
     proc = subprocess.run(
         [sys.executable, "-W", "ignore::UserWarning", "-c", _STREAM_WITHOUT_CREDENTIALS, index_path,
          moto_server.endpoint_url],

@@ -1,7 +1,11 @@
-"""Tests of wds_pad.io.ranges: exact bytes, order, merging, memory bound, errors, fork, retries.
+"""Tests of wds_pad.io.ranges: exact bytes, order, merging, memory bound, errors, fork,
+retries, changed shards.
 
 Remote behaviour runs against a small HTTP server on 127.0.0.1 (Range requests, delays
-and scripted faults) and against fake fsspec filesystems registered here.
+and scripted faults) and against fake fsspec filesystems registered here; local and
+memory:// shards come from tests/io/conftest.py. The read-ahead, filesystems, redaction
+and store faults have their own test files (test_readahead, test_fs, test_redact,
+test_store_faults).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import botocore.exceptions
 import fsspec
 import pytest
 from fsspec.asyn import AsyncFileSystem
@@ -28,10 +31,9 @@ from fsspec.spec import AbstractFileSystem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wds_pad.io import ranges as wds_read
-from wds_pad.errors import (ConfigError, IndexFormatError, ReadError, ShardError, StaleShardError,
-                            WdsPadError)
-from wds_pad.io.ranges import RangeReader, ReadOptions, get_filesystem, redact
+from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError
+from wds_pad.io.fs import get_filesystem
+from wds_pad.io.ranges import RangeReader, ReadOptions
 
 FAST = dict(backoff=0.01, backoff_max=0.02, timeout=2.0)
 
@@ -173,21 +175,6 @@ def fake() -> type[FakeFS]:
     FakeFS.files = {"x.tar": os.urandom(300_000)}
     FakeFS.delays, FakeFS.faults, FakeFS.calls, FakeFS.done = {}, deque(), [], []
     return FakeFS
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    """Two local files and two memory:// files, by URL in several spellings."""
-    root = tmp_path_factory.mktemp("shards")
-    out: dict[str, bytes] = {}
-    for i, size in enumerate((70_000, 3_000)):
-        data = os.urandom(size)
-        (root / f"s{i}.tar").write_bytes(data)
-        out[str(root / f"s{i}.tar")] = data
-        out[f"file://{root}/s{i}.tar"] = data
-        fsspec.filesystem("memory").pipe(f"/wdsread/s{i}.tar", data)
-        out[f"memory://wdsread/s{i}.tar"] = data
-    return out
 
 
 # ---------------------------------------------------------------- exact bytes and order
@@ -414,7 +401,7 @@ def test_always_stalled_request_fails_in_bounded_time(http: tuple[str, _State]) 
 
 
 def test_backoff_is_deterministic_and_capped() -> None:
-    from wds_pad.io.ranges import _backoff
+    from wds_pad.io.remote import _backoff
 
     opts = ReadOptions(backoff=0.2, backoff_max=1.0)
     delays = [_backoff(opts, "s3://b/x.tar", 10, a) for a in range(1, 8)]
@@ -443,26 +430,7 @@ def test_many_in_flight_hide_latency(http: tuple[str, _State]) -> None:
     assert peaks[1] == 1 and peaks[32] >= 8, peaks
 
 
-# ---------------------------------------------------------------- filesystems and fork
-
-
-def test_filesystems_are_shared_per_protocol_and_options(shards: dict[str, bytes]) -> None:
-    fs_a, path_a = get_filesystem("memory://wdsread/s0.tar")
-    fs_b, path_b = get_filesystem("memory://wdsread/s1.tar")
-    assert fs_a is fs_b and (path_a, path_b) == ("/wdsread/s0.tar", "/wdsread/s1.tar")
-    fs_c, _ = get_filesystem("http://127.0.0.1:1/x.tar", {"http": {"headers": {"X-A": "1"}},
-                                                          "s3": {"anon": True}})
-    assert fs_c.kwargs == {"headers": {"X-A": "1"}}  # the s3 options were not passed to http
-    fs_d, _ = get_filesystem("https://127.0.0.1:1/x.tar", {"http": {"headers": {"X-A": "1"}}})
-    assert fs_d.kwargs == {"headers": {"X-A": "1"}}
-    cached, path = get_filesystem("simplecache::memory://wdsread/s0.tar")
-    again, path2 = get_filesystem("simplecache::memory://wdsread/s1.tar")
-    assert cached is again and (path, path2) == ("/wdsread/s0.tar", "/wdsread/s1.tar")
-    reader = RangeReader()
-    assert reader.read("simplecache::memory://wdsread/s1.tar", 10, 5) == \
-        shards["memory://wdsread/s1.tar"][10:15]
-    with pytest.raises(ConfigError, match="nosuchproto"):
-        get_filesystem("nosuchproto://x/y")
+# ---------------------------------------------------------------- fork and pickling
 
 
 _FORK_READER: RangeReader | None = None
@@ -515,21 +483,7 @@ def test_reader_pickles_as_its_options() -> None:
     assert clone.options == reader.options and clone.stats.requests == 0
 
 
-# ---------------------------------------------------------------- credentials
-
-
-def test_redact_hides_credentials() -> None:
-    ReadOptions(storage_options={"s3": {"key": "AKIAEXAMPLEKEY1", "secret": "s3cr3t/value+x"},
-                                 "client_kwargs": {"aws_session_token": "TOKENVALUE123"}})
-    text = ("s3://b/x.tar failed with key AKIAEXAMPLEKEY1 and s3cr3t/value+x token TOKENVALUE123 "
-            "via https://alice:hunter22@host/x.tar?X-Amz-Signature=abcdef&X-Amz-Credential=AK%2F1"
-            "&part=3 password=pw123 Authorization: Bearer eyJhbGciOi")
-    out = redact(text)
-    for secret in ("AKIAEXAMPLEKEY1", "s3cr3t/value+x", "TOKENVALUE123", "hunter22", "alice",
-                   "abcdef", "AK%2F1", "pw123", "eyJhbGciOi"):
-        assert secret not in out, (secret, out)
-    assert "part=3" in out and "s3://b/x.tar" in out and "https://***@host/x.tar" in out
-    assert redact("key sample_000001 at byte offset 42") == "key sample_000001 at byte offset 42"
+# ---------------------------------------------------------------- credentials in messages
 
 
 def test_error_messages_never_carry_secrets(fake: type[FakeFS], http: tuple[str, _State]) -> None:
@@ -551,74 +505,6 @@ def test_error_messages_never_carry_secrets(fake: type[FakeFS], http: tuple[str,
         chain = f"{exc} {exc.__cause__} {exc.__context__}"
         assert secret not in chain and "pa55word" not in chain, chain
         assert "byte offset 0" in str(exc)
-
-
-# ---------------------------------------------------------------- redaction keeps prose
-
-
-_PROSE_WORDS = ["unable", "to", "locate", "credentials", "credential", "the", "token", "secret",
-                "key", "password", "signature", "authorization", "expired", "refresh", "your",
-                "see", "docs", "found", "missing", "in", "env", "set", "storage", "options",
-                "check", "request", "we", "calculated", "does", "not", "match", "you",
-                "provided", "Unable", "Partial", "The", "Check", "NoCredentialsError",
-                "PartialCredentialsError", "SignatureDoesNotMatch", "ExpiredToken",
-                "InvalidAccessKeyId", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "aws",
-                "configure", "access", "denied", "none"]
-_PROSE = st.lists(st.tuples(st.sampled_from(_PROSE_WORDS), st.sampled_from([" ", ": ", ", ", ". ", "; "])),
-                  min_size=1, max_size=14).map(lambda ws: "".join(w + s for w, s in ws).rstrip())
-
-
-@pytest.mark.parametrize("text", [
-    "NoCredentialsError: Unable to locate credentials",
-    "PartialCredentialsError: Partial credentials found in env, missing: AWS_SECRET_ACCESS_KEY",
-    "Unable to locate credentials. You can configure credentials by running \"aws configure\".",
-    "the token expired; refresh your credentials: see the docs",
-    "SignatureDoesNotMatch: The request signature we calculated does not match the signature "
-    "you provided. Check your key and signing method.",
-    "ExpiredToken: The provided token has expired.",
-    "InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our records.",
-    "shard 's3://b/x.tar': the store found no credentials: set them in storage_options",
-])
-def test_redact_keeps_messages_about_credentials(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wds_read, "_SECRETS", set())  # only the patterns, not other tests' secrets
-    assert redact(text) == text
-
-
-@settings(max_examples=300, deadline=None)
-@given(text=_PROSE)
-def test_redact_leaves_sentences_about_credentials_unchanged(text: str) -> None:
-    with _no_registered_secrets():
-        assert redact(text) == text
-
-
-_SECRET_VALUE = st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-_",
-                        min_size=8, max_size=40).map(lambda v: v[:-1] + "7")  # keys carry a digit
-_ASSIGNED = [
-    "secret={v}", "aws_secret_access_key = {v}", "'secret': '{v}'", '"token": "{v}"', "token: {v}",
-    "password={v}", "X-Amz-Security-Token: {v}", "Authorization: Bearer {v}",
-    "Authorization: AWS4-HMAC-SHA256 Credential={v}/20240101/us-east-1/s3/aws4_request",
-    "https://s3.example/b/k?X-Amz-Signature={v}&part=1", "Signature={v}", "https://user:{v}@host/x",
-]
-
-
-@settings(max_examples=200, deadline=None)
-@given(before=_PROSE, after=_PROSE, value=_SECRET_VALUE, form=st.sampled_from(_ASSIGNED))
-def test_redact_hides_secret_values_inside_prose(before: str, after: str, value: str, form: str) -> None:
-    with _no_registered_secrets():
-        out = redact(f"{before} {form.format(v=value)} {after}")
-    assert value not in out and "***" in out
-    assert out.startswith(f"{before} ") and out.endswith(f" {after}")  # the prose around is kept
-
-
-class _no_registered_secrets:
-    """redact() with only its patterns (hypothesis runs many examples in one test call)."""
-
-    def __enter__(self) -> None:
-        self.saved = wds_read._SECRETS
-        wds_read._SECRETS = set()
-
-    def __exit__(self, *exc: object) -> None:
-        wds_read._SECRETS = self.saved
 
 
 # ---------------------------------------------------------------- cancelled requests that fail late
@@ -663,67 +549,6 @@ def test_a_failure_cancels_what_is_in_flight_and_nothing_is_printed(
     assert "never retrieved" not in err and "Traceback" not in err, err
 
 
-# ---------------------------------------------------------------- one place judges store faults
-
-
-def _connector_error() -> BaseException:
-    import aiohttp
-
-    key = type("Key", (), {"ssl": False, "host": "127.0.0.1", "port": 9})()
-    return aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "Connect call failed"))
-
-
-def _not_found_from(cause: BaseException) -> BaseException:
-    exc = FileNotFoundError("http://127.0.0.1:9/x.tar")
-    exc.__cause__ = cause
-    return exc
-
-
-@pytest.mark.parametrize(("make", "expected", "says"), [
-    (lambda: botocore.exceptions.NoCredentialsError(), ReadError, "found no credentials.*AWS_ACCESS_KEY_ID"),
-    (lambda: botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9/b/x.tar"),
-     ReadError, "cannot reach the store.*endpoint_url"),
-    (_connector_error, ReadError, "cannot reach the store"),
-    (lambda: _not_found_from(_connector_error()), ReadError, "cannot reach the store"),
-    (lambda: TimeoutError(), ReadError, "cannot reach the store"),
-    (lambda: FileNotFoundError("x"), ShardError, "does not exist; check the URL or pattern"),
-    (lambda: PermissionError("Access Denied"), ShardError, "not readable: PermissionError: Access Denied"),
-    (lambda: OSError(5, "I/O error"), ReadError, "cannot read shard"),
-])
-def test_store_faults_become_our_errors_naming_url_and_fix(make: Any, expected: type, says: str) -> None:
-    def fail() -> None:
-        raise make()
-
-    url = "s3://bucket/x.tar"
-    with pytest.raises(expected, match=says) as info:
-        wds_read.call_store(fail, url)
-    assert url in str(info.value) and isinstance(info.value, WdsPadError)
-    assert isinstance(info.value, OSError)
-
-
-def test_store_faults_of_an_index_and_bugs() -> None:
-    def missing() -> None:
-        raise FileNotFoundError("gone")
-
-    with pytest.raises(IndexFormatError, match="index 'memory://i.wdsidx' does not exist; build it"):
-        wds_read.call_store(missing, "memory://i.wdsidx", what="index", missing=IndexFormatError,
-                            fix="build it with `wds-pad index`")
-
-    def forbidden() -> None:
-        raise PermissionError("denied")
-
-    with pytest.raises(ReadError, match="not readable"):  # an index: not IndexFormatError
-        wds_read.call_store(forbidden, "memory://i.wdsidx", what="index", missing=IndexFormatError,
-                            fix="")
-
-    def bug() -> None:
-        raise KeyError("ours")
-
-    with pytest.raises(KeyError):  # not a store's fault: raised as it is
-        wds_read.call_store(bug, "s3://b/x.tar")
-
-
-
 # ---------------------------------------------------------------- S3 protocol (moto on loopback)
 
 
@@ -764,258 +589,7 @@ def test_s3_ranges_merges_and_errors(s3: tuple[dict[str, Any], bytes]) -> None:
         assert options["s3"]["secret"] not in chain and options["s3"]["key"] not in chain
 
 
-# ---------------------------------------------------------------- local read-ahead
-
-
-def _read_ahead_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("wds_pad-local-read")]
-
-
-def _wait_for_no_read_ahead_threads(seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while _read_ahead_threads() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not _read_ahead_threads(), _read_ahead_threads()
-
-
-@pytest.fixture(scope="module")
-def local_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    root = tmp_path_factory.mktemp("local")
-    out = {}
-    for i in range(5):
-        data = os.urandom(40_000 + 1_000 * i)
-        (root / f"f{i}.bin").write_bytes(data)
-        out[str(root / f"f{i}.bin")] = data
-    return out
-
-
-class _Flaky(Exception):
-    pass
-
-
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data(), threads=st.integers(0, 3), in_flight=st.integers(1, 6),
-       bound=st.sampled_from([1, 2_500, 10**9]))
-def test_read_ahead_keeps_order_errors_and_bounds(local_files: dict[str, bytes], data: st.DataObject,
-                                                  threads: int, in_flight: int, bound: int) -> None:
-    urls = sorted(local_files)
-    n = data.draw(st.integers(0, 30))
-    items = []
-    for j in range(n):
-        url = data.draw(st.sampled_from(urls))
-        offset = data.draw(st.integers(0, 30_000))
-        length = data.draw(st.integers(1, 2_000))
-        fail, delay = data.draw(st.booleans()), data.draw(st.sampled_from([0.0, 0.0, 0.001, 0.003]))
-        items.append((url, offset, length, (j, fail, delay)))
-    consumed, bytes_out = [0], [0]
-    lengths = [length for _, _, length, _ in items]
-    seen: list[str] = []
-
-    def parse(fd: int, url: str, offset: int, length: int, arg: Any) -> tuple[int, bytes]:
-        j, fail, delay = arg
-        # taken ahead only within the bounds: at most in_flight items, and at most
-        # max(bound, largest) bytes, counted from the first item not yet handed out
-        assert j - consumed[0] < in_flight
-        assert sum(lengths[consumed[0]:j + 1]) <= max(bound, max(lengths))
-        seen.append(threading.current_thread().name)
-        time.sleep(delay)
-        if fail:
-            raise _Flaky(f"item {j}")
-        return j, os.pread(fd, length, offset)
-
-    reader = RangeReader(ReadOptions(local_threads=threads, max_in_flight=in_flight,
-                                     max_bytes_in_flight=bound))
-    with reader.local_read_ahead() as ahead:
-        got = []
-        for arg, result, error in ahead.run(iter(items), parse):
-            got.append((arg, result, error))
-            consumed[0] += 1
-            bytes_out[0] += lengths[arg[0]]
-    assert [arg for arg, _, _ in got] == [arg for *_, arg in items]
-    for (url, offset, length, (j, fail, _)), (_, result, error) in zip(items, got):
-        if fail:
-            assert isinstance(error, _Flaky) and str(error) == f"item {j}" and result is None
-        else:
-            assert error is None and result == (j, local_files[url][offset:offset + length])
-    ok = [length for (_, _, length, (_, fail, _)) in items if not fail]
-    assert reader.stats.ranges == reader.stats.requests == len(ok)
-    assert reader.stats.bytes == sum(ok)
-    if threads:
-        assert reader.stats.peak_requests_in_flight <= in_flight
-        assert reader.stats.peak_bytes_in_flight <= max(bound, max(lengths, default=0))
-    else:
-        assert set(seen) <= {"MainThread"}
-    _wait_for_no_read_ahead_threads()
-
-
-def test_read_ahead_uses_its_threads_and_the_consumer(local_files: dict[str, bytes]) -> None:
-    url = sorted(local_files)[0]
-    names: list[str] = []
-
-    def parse(fd: int, url: str, offset: int, length: int, arg: Any) -> bytes:
-        names.append(threading.current_thread().name)
-        time.sleep(0.002)
-        return os.pread(fd, length, offset)
-
-    reader = RangeReader(ReadOptions(local_threads=2, max_in_flight=8))
-    ahead = reader.local_read_ahead()
-    out = [r for _, r, _ in ahead.run(((url, 100 * i, 100, i) for i in range(60)), parse)]
-    assert out == [local_files[url][100 * i:100 * i + 100] for i in range(60)]
-    assert {"wds_pad-local-read-0", "wds_pad-local-read-1"} <= set(names)
-    assert len(ahead.workers) == 2 and all(t.daemon for t in ahead.workers)
-    ahead.close()
-    assert ahead.workers == []
-    _wait_for_no_read_ahead_threads()
-
-
-def test_read_ahead_raises_a_source_error_after_the_items_before_it(
-        local_files: dict[str, bytes]) -> None:
-    url = sorted(local_files)[0]
-
-    def items() -> Iterator[tuple[str, int, int, int]]:
-        for i in range(5):
-            yield url, i, 10, i
-        raise ConfigError("the plan ran out")
-
-    reader = RangeReader(ReadOptions(local_threads=2, max_in_flight=16))
-    got = []
-    with reader.local_read_ahead() as ahead, pytest.raises(ConfigError, match="the plan ran out"):
-        for arg, result, error in ahead.run(items(), lambda fd, u, o, n, a: a):
-            got.append(arg)
-    assert got == [0, 1, 2, 3, 4]
-
-
-def test_abandoned_read_ahead_skips_queued_items_and_stops(local_files: dict[str, bytes]) -> None:
-    url = sorted(local_files)[0]
-    started: list[int] = []
-    finished: list[int] = []
-    release = threading.Event()
-
-    def parse(fd: int, url: str, offset: int, length: int, arg: int) -> int:
-        started.append(arg)
-        release.wait(60)
-        finished.append(arg)
-        return arg
-
-    reader = RangeReader(ReadOptions(local_threads=2, max_in_flight=16))
-    ahead = reader.local_read_ahead()
-    it = ahead.run(((url, 0, 10, i) for i in range(100)), parse)
-    release.set()
-    assert next(it)[0] == 0
-    release.clear()  # from now on the threads block in the next items they take
-    time.sleep(0.05)
-    blocked = len(started) - len(finished)
-    it.close()  # must not wait for the blocked threads
-    # they are still blocked (they wait up to 60 s): close returned without them
-    assert len(started) - len(finished) >= blocked
-    begun = len(started)
-    assert not reader._busy  # every descriptor pin was dropped
-    release.set()  # the threads live on (the read-ahead is not closed) but find nothing to do
-    time.sleep(0.1)
-    assert len(started) == begun <= 17  # items queued but not started were never parsed
-    workers = ahead.workers
-    assert len(workers) == 2 and all(t.is_alive() for t in workers)
-    ahead.close()
-    _wait_for_no_read_ahead_threads()
-
-
-def test_dropped_read_ahead_stops_its_threads(local_files: dict[str, bytes]) -> None:
-    url = sorted(local_files)[0]
-    reader = RangeReader(ReadOptions(local_threads=3))
-    before = set(_read_ahead_threads())
-    it = reader.local_read_ahead().run(((url, i, 10, i) for i in range(50)),
-                                       lambda fd, u, o, n, a: a)
-    assert next(it)[0] == 0
-    mine = set(_read_ahead_threads()) - before
-    assert len(mine) == 3
-    del it  # the generator held the only reference to the read-ahead
-    deadline = time.monotonic() + 5
-    while any(t.is_alive() for t in mine) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not any(t.is_alive() for t in mine)
-
-
-def test_read_ahead_never_reads_from_an_evicted_descriptor(local_files: dict[str, bytes],
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    import wds_pad.io.ranges as read_module
-
-    monkeypatch.setattr(read_module, "_MAX_OPEN_FDS", 2)  # 5 files: constant eviction
-    urls = sorted(local_files)
-
-    def parse(fd: int, url: str, offset: int, length: int, arg: Any) -> bytes:
-        time.sleep(0.001)  # the consumer opens (and would evict) others meanwhile
-        return os.pread(fd, length, offset)
-
-    items = [(urls[i % 5], 37 * i, 500, i) for i in range(200)]
-    reader = RangeReader(ReadOptions(local_threads=3, max_in_flight=6))
-    out = list(reader.local_read_ahead().run(items, parse))
-    assert [e for _, _, e in out] == [None] * 200
-    assert [r for _, r, _ in out] == [local_files[u][o:o + n] for u, o, n, _ in items]
-
-
-def test_read_ahead_error_of_a_missing_shard_comes_with_its_item(local_files: dict[str, bytes],
-                                                                 tmp_path: Any) -> None:
-    url = sorted(local_files)[0]
-    missing = str(tmp_path / "gone.tar")
-    items = [(url, 0, 10, 0), (missing, 512, 10, 1), (url, 10, 10, 2)]
-    out = list(RangeReader(ReadOptions(local_threads=2)).local_read_ahead().run(
-        items, lambda fd, u, o, n, a: os.pread(fd, n, o)))
-    assert [a for a, _, _ in out] == [0, 1, 2]
-    assert out[0][2] is None and out[2][1] == local_files[url][10:20]
-    assert isinstance(out[1][2], ShardError) and "gone.tar" in str(out[1][2])
-
-
-_FORK_AHEAD: Any = None
-
-
-def _fork_child(conn: Any) -> None:
-    try:
-        conn.send([(a, r, e) for a, r, e in _FORK_AHEAD])
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        conn.send(repr(exc))
-    finally:
-        conn.close()
-
-
-def test_forked_child_finishes_a_suspended_read_ahead(local_files: dict[str, bytes]) -> None:
-    global _FORK_AHEAD
-    url = sorted(local_files)[1]
-    gate = threading.Event()
-    blocked: list[int] = []
-    parent = os.getpid()
-
-    def parse(fd: int, url: str, offset: int, length: int, arg: int) -> bytes:
-        if arg >= 3 and threading.current_thread() is not threading.main_thread() \
-                and os.getpid() == parent:
-            blocked.append(arg)
-            gate.wait(10)  # the parent's threads are mid-item when the fork happens
-        return os.pread(fd, length, offset)
-
-    items = [(url, 100 * i, 50, i) for i in range(12)]
-    expected = [(i, local_files[url][100 * i:100 * i + 50], None) for i in range(12)]
-    reader = RangeReader(ReadOptions(local_threads=2, max_in_flight=6))
-    ahead = reader.local_read_ahead()
-    _FORK_AHEAD = ahead.run(items, parse)
-    head = [next(_FORK_AHEAD) for _ in range(3)]
-    assert head == expected[:3]
-    deadline = time.monotonic() + 5
-    while len(blocked) < 2 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert len(blocked) == 2  # both threads hold an item no one in the child will finish
-    ctx = multiprocessing.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_fork_child, args=(send,))
-    proc.start()
-    send.close()
-    assert recv.poll(20), "the child hung waiting for the parent's read-ahead threads"
-    result = recv.recv()
-    proc.join(5)
-    assert result == expected[3:]
-    gate.set()
-    assert list(_FORK_AHEAD) == expected[3:]  # the parent goes on as if nothing happened
-    _FORK_AHEAD = None
-    ahead.close()
+# ---------------------------------------------------------------- descriptors
 
 
 def test_reader_closes_its_descriptors_when_collected(local_files: dict[str, bytes]) -> None:
@@ -1032,13 +606,6 @@ def test_reader_closes_its_descriptors_when_collected(local_files: dict[str, byt
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)
-
-
-def test_local_threads_is_validated() -> None:
-    assert ReadOptions().local_threads == 2
-    for bad in (-1, True, 1.5):
-        with pytest.raises(ConfigError, match="local_threads"):
-            ReadOptions(local_threads=bad)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- changed shards

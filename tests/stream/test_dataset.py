@@ -28,7 +28,7 @@ from wds_pad.stream.loader import Loader
 from wds_pad.errors import ConfigError, StaleShardError, StateMismatchError
 from wds_pad.index.format import Index, load_index
 from wds_pad.index.build import build_index
-from wds_pad.io.ranges import ReadOptions
+from wds_pad.io.options import ReadOptions
 from wds_pad.core.topology import Topology
 
 SOLO = Topology(world_size=1, rank=0)

@@ -52,7 +52,7 @@ from wds_pad.stream.loader import Loader  # noqa: E402
 from wds_pad.errors import DroppedBucketWarning  # noqa: E402
 from wds_pad.index.format import Index  # noqa: E402
 from wds_pad.index.build import build_index  # noqa: E402
-from wds_pad.io.ranges import ReadOptions  # noqa: E402
+from wds_pad.io.options import ReadOptions  # noqa: E402
 from wds_pad.core.topology import Topology  # noqa: E402
 
 FAULTPROXY = Path(__file__).resolve().parents[1] / "faultproxy.py"

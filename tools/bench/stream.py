@@ -53,7 +53,7 @@ from wds_pad.stream.loader import Loader
 from wds_pad.errors import DroppedBucketWarning
 from wds_pad.index.format import Index
 from wds_pad.index.build import build_index
-from wds_pad.io.ranges import ReadOptions
+from wds_pad.io.read import ReadOptions
 from wds_pad.stream.fetch import fetch
 from wds_pad.stream.stages import PlannedSource, plan_batched
 from wds_pad.core.topology import Topology

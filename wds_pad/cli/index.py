@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _exists(path: str) -> bool:
-    from ..io.ranges import get_filesystem
+    from ..io.read import get_filesystem
 
     fs, fpath = get_filesystem(path)
     return bool(fs.exists(fpath))

@@ -27,8 +27,10 @@ from .progress import Progress
 from .buckets import BucketFn, SingleBucket, wrap_callable
 from ..errors import BucketError, ConfigError, ReadError, ShardError, WdsPadError
 from .format import Index, ShardInfo, check_output, load_index, make_index, write_index
-from ..io.ranges import change_stamp as _stamp  # one definition: the reader checks against it
-from ..io.ranges import call_store, get_filesystem, redact
+from ..io.stale import change_stamp as _stamp  # one definition: the reader checks against it
+from ..io.faults import call_store
+from ..io.fs import get_filesystem
+from ..io.redact import redact
 from .tarrows import ScanRows, scan_many
 from ..io.urls import expand_urls
 from .tarscan import parse_sample

@@ -346,7 +346,8 @@ def _check_parent(path: str, directory: str) -> None:
 def _check_remote(path: str, inputs: Sequence[str], force: bool,
                   storage_options: Mapping[str, Any] | None) -> None:
     from ..errors import ShardError
-    from ..io.ranges import call_store, get_filesystem
+    from ..io.faults import call_store
+    from ..io.fs import get_filesystem
 
     if path in set(inputs):
         raise _refuse(path, "is one of the input shards; writing the index there would destroy the shard")
@@ -398,7 +399,8 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
     if local is not None:
         atomic_write(local, parts)
         return local
-    from ..io.ranges import call_store, get_filesystem
+    from ..io.faults import call_store
+    from ..io.fs import get_filesystem
 
     fs, fpath = get_filesystem(path, storage_options)
     data = b"".join(bytes(p) for p in parts)
@@ -441,7 +443,8 @@ def load_index(path: str, *, verify: bool | None = None,
         except IsADirectoryError:
             raise IndexFormatError(f"index {path!r} is a directory, not an index file") from None
     else:
-        from ..io.ranges import call_store, get_filesystem
+        from ..io.faults import call_store
+        from ..io.fs import get_filesystem
 
         fs, fpath = get_filesystem(path, storage_options)
         buf = call_store(lambda: fs.cat_file(fpath), path, what="index", missing=IndexFormatError,

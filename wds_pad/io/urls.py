@@ -26,7 +26,8 @@ from typing import Any, Iterable, Mapping
 from braceexpand import UnbalancedBracesError, braceexpand
 
 from ..errors import ConfigError, ShardError
-from .ranges import get_filesystem, redact
+from .fs import get_filesystem
+from .redact import redact
 
 __all__ = ["canonical_url", "expand_urls"]
 

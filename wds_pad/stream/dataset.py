@@ -33,7 +33,7 @@ from webdataset.filters import default_collation_fn
 from ..errors import ConfigError, StateError, WdsPadError
 from ..index.format import Index, load_index
 from ..core.plan import Mode, PadTo, Policy, _enum, check_epoch
-from ..io.ranges import ReadOptions, ReadStats
+from ..io.options import ReadOptions, ReadStats
 from ..core.seed import shared_seed
 from .agreement import check_agreement
 from .fetch import Counters, fetch, substitute

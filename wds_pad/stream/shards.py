@@ -32,7 +32,8 @@ import numpy as np
 
 from ..errors import ConfigError, StaleShardError
 from ..index.format import Index, load_index
-from ..io.ranges import RangeReader, ReadOptions, redact
+from ..io.ranges import RangeReader, ReadOptions
+from ..io.redact import redact
 from ..core.seed import derive_rng, shared_seed
 from ..io.urls import canonical_url, expand_urls
 from ..index.tarscan import parse_sample

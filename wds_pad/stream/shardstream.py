@@ -38,7 +38,8 @@ from ..errors import ConfigError, StaleShardError, StateError, StateMismatchErro
 from ..index.format import Index, load_index
 from ..core.plan import check_epoch
 from ..index.build import shard_info
-from ..io.ranges import get_filesystem, redact
+from ..io.fs import get_filesystem
+from ..io.redact import redact
 from ..core.seed import shared_seed, stable_digest
 from .shards import WorkerPlan, local_path, shard_counts, worker_plan
 from ..state import STATE_FORMAT, STATE_VERSION, fingerprint_of, verify_state

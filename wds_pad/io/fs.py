@@ -1,0 +1,135 @@
+"""Filesystems: one fsspec instance per process, protocol chain and options.
+
+Invariants:
+    * :func:`get_filesystem` returns the same instance for every URL of one protocol
+      (chain) and options, so the shards of a bucket share one connection pool; after
+      ``os.fork`` the child makes its own (an inherited async filesystem is bound to the
+      parent's dead IO thread).
+    * Options under a protocol name (``{"s3": {...}}``) reach that protocol only; those of
+      protocols absent from the URL are dropped. The caller's options are never mutated
+      (:func:`_copy_dicts`), and their credentials are registered for :func:`redact`.
+    * A store refusing already here is judged as every store fault is
+      (:mod:`wds_pad.io.faults`); an unknown protocol or refused options is a
+      :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+
+from wds_pad.errors import ConfigError, ShardError
+
+from .faults import _chain, _store_error
+from .redact import _register_secrets, redact
+
+__all__ = ["get_filesystem"]
+
+_CACHE_WRAPPERS = frozenset({"simplecache", "filecache", "blockcache", "cached"})
+_FS_CACHE: dict[tuple[Any, ...], tuple[fsspec.AbstractFileSystem, str]] = {}
+_FS_PID = [os.getpid()]
+_FS_LOCK = threading.Lock()
+
+
+def _copy_dicts(value: Any) -> Any:
+    """Copies nested mappings (fsspec mutates them) and leaves other values shared."""
+    if isinstance(value, Mapping):
+        return {k: _copy_dicts(v) for k, v in value.items()}
+    return value
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def _protocol_of(bit: str, known: set[str]) -> str:
+    if "://" in bit:
+        return bit.split("://", 1)[0]
+    return bit if bit in known else "file"
+
+
+def get_filesystem(url: str, storage_options: Mapping[str, Any] | None = None,
+                   ) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Returns the filesystem for ``url`` and the path to pass to it.
+
+    Instances are cached per process, per protocol chain and options, so every shard
+    of a bucket shares one connection pool; after ``os.fork`` the child makes its own
+    (an inherited async filesystem is bound to the parent's dead IO thread).
+
+    Args:
+        url: A path, ``scheme://`` URL or chained URL (``simplecache::s3://b/x.tar``).
+        storage_options: fsspec options; dicts under protocol names apply to that
+            protocol only, and those of protocols absent from ``url`` are dropped.
+
+    Returns:
+        ``(filesystem, path)``.
+
+    Raises:
+        ConfigError: If the URL's protocol is unknown or the options are refused.
+        ReadError, ShardError: If making the filesystem already asks the store and that
+            fails (see :func:`call_store`).
+    """
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"a shard URL must be a non-empty str, got {redact(repr(url))}")
+    options = _copy_dicts(storage_options or {})
+    _register_secrets(options)
+    known = set(fsspec.available_protocols()) | set(fsspec.registry)
+    bits = url.split("::")
+    protocols = [_protocol_of(bit, known) for bit in bits]
+    for proto in [k for k, v in options.items() if k in known and isinstance(v, Mapping)]:
+        if proto not in protocols:
+            alias = {"http": "https", "https": "http"}.get(proto)
+            if alias in protocols and alias not in options:
+                options[alias] = options.pop(proto)
+            else:
+                del options[proto]
+    try:
+        inner_cls = fsspec.get_filesystem_class(protocols[-1])
+        if len(bits) == 1:
+            where: Any = _freeze(inner_cls._get_kwargs_from_urls(url))
+        elif all(p in _CACHE_WRAPPERS for p in protocols[:-1]):
+            where = (tuple(protocols), _freeze(inner_cls._get_kwargs_from_urls(bits[-1])))
+        else:  # outer layers depend on the inner path (zip::, tar::): one instance per URL
+            where = url
+        key = (protocols[0], where, _freeze(options))
+        with _FS_LOCK:
+            if _FS_PID[0] != os.getpid():  # forked: the parent's instances are unusable
+                _FS_CACHE.clear()
+                _FS_PID[0] = os.getpid()
+            hit = _FS_CACHE.get(key)
+        if hit is None:
+            fresh = fsspec.core.url_to_fs(url, **options)
+            with _FS_LOCK:
+                return _FS_CACHE.setdefault(key, fresh)[0], fresh[1]
+        if where == url:
+            return hit
+        fs = hit[0]
+        if len(bits) == 1:
+            return fs, fs._strip_protocol(url)
+        return fs, inner_cls._strip_protocol(bits[-1])
+    except (ValueError, ImportError, TypeError) as exc:
+        failure: BaseException = exc
+        store = None
+    except Exception as exc:  # noqa: BLE001 - a store refusing already here (credentials, DNS)
+        store = _store_error(exc, url, "the store of", ShardError, "check the URL")
+        if store is None:
+            raise
+        failure = exc
+    if store is not None:
+        raise store from _chain(failure)
+    error = ConfigError(f"cannot open a filesystem for {redact(url)!r}: {redact(repr(failure))}; "
+                        "check the URL's protocol, that its fsspec implementation is installed, "
+                        "and storage_options")
+    raise error from _chain(failure)

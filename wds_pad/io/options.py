@@ -1,0 +1,102 @@
+"""How a range reader reads (:class:`ReadOptions`) and what it counted (:class:`ReadStats`).
+
+Invariants:
+    * A ``ReadOptions`` is valid once made: every bound is an int or number in range,
+      else a :class:`ConfigError` naming the field, the value and the fix.
+    * Its ``storage_options`` are a private copy of the caller's (fsspec mutates them),
+      and their credentials are registered for :func:`~wds_pad.io.redact.redact`; the
+      repr never shows them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from wds_pad.errors import ConfigError
+
+from .fs import _copy_dicts
+from .redact import _register_secrets
+
+__all__ = ["ReadOptions", "ReadStats"]
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a :class:`RangeReader` reads.
+
+    Attributes:
+        max_in_flight: Requests (single or merged ranges) outstanding at once, per
+            process or DataLoader worker. 16-64 hide object-store latency. Also the
+            number of large local samples read ahead (see ``local_threads``).
+        max_bytes_in_flight: Read-ahead memory bound, remote requests and large local
+            samples alike. Peak buffered bytes are at most this plus one largest sample.
+        merge_gap: Consecutive ranges of one URL whose gap is at most this many bytes
+            are fetched as one request and sliced (0: only exactly adjacent ranges).
+        max_merged_bytes: Largest merged request (0 disables merging).
+        retries: Retries of a transient failure (5xx, connection reset, timeout).
+        backoff: First retry delay in seconds, doubled each retry, capped at backoff_max.
+        backoff_max: Largest retry delay in seconds.
+        timeout: Seconds one attempt may take before it is cancelled and retried.
+        storage_options: Passed to fsspec (credentials, endpoint_url, ...). A value that
+            is a dict under a protocol name (``{"s3": {...}}``) applies to that protocol
+            only, which is how options for chained or mixed URLs are given.
+        local_threads: Threads per process or DataLoader worker that read large local
+            samples (the fetch stage's, 256 KB and more) ahead of the consumer, so the
+            kernel's copy of the next samples overlaps the Python work on this one; the
+            consumer joins in rather than wait. Order is kept; ``max_in_flight`` and
+            ``max_bytes_in_flight`` bound what is read ahead. They start with a stream and
+            stop with it. 0 reads every local sample inline in the consuming thread.
+    """
+
+    max_in_flight: int = 32
+    max_bytes_in_flight: int = 256 * 2**20
+    merge_gap: int = 0
+    max_merged_bytes: int = 16 * 2**20
+    retries: int = 5
+    backoff: float = 0.2
+    backoff_max: float = 5.0
+    timeout: float = 60.0
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, hash=False)
+    local_threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_in_flight", 1), ("max_bytes_in_flight", 1), ("merge_gap", 0),
+                          ("max_merged_bytes", 0), ("retries", 0), ("local_threads", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"ReadOptions.{name} must be an int >= {low}, got {value!r}")
+        for name in ("backoff", "backoff_max", "timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"ReadOptions.{name} must be a number >= 0, got {value!r}")
+        if not 0 < self.timeout < float("inf"):
+            raise ConfigError("ReadOptions.timeout must be positive and finite, got "
+                              f"{self.timeout!r}")
+        if self.backoff_max < self.backoff:
+            raise ConfigError(f"ReadOptions.backoff_max ({self.backoff_max}) must be >= backoff "
+                              f"({self.backoff}); raise backoff_max or lower backoff")
+        if not isinstance(self.storage_options, Mapping):
+            raise ConfigError("ReadOptions.storage_options must be a mapping, got "
+                              f"{type(self.storage_options).__name__}")
+        object.__setattr__(self, "storage_options", _copy_dicts(self.storage_options))
+        _register_secrets(self.storage_options)
+
+
+@dataclass
+class ReadStats:
+    """Counters of one reader, for benchmarks and reports (``as_dict()`` to log them)."""
+
+    ranges: int = 0
+    requests: int = 0
+    merged: int = 0
+    bytes: int = 0
+    retries: int = 0
+    timeouts: int = 0
+    peak_bytes_in_flight: int = 0
+    peak_requests_in_flight: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """Returns the counters as a plain dict."""
+        return asdict(self)

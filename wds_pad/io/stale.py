@@ -1,0 +1,116 @@
+"""Is a shard still as indexed: its change stamp, and the check a reader makes of it.
+
+Invariants:
+    * :func:`change_stamp` is the one definition of a shard's version: the index records
+      it (``shard_info``) and the reader compares against it.
+    * A shard listed in the reader's ``expected`` is checked once, when first opened: a
+      local file by one ``fstat`` (size, mtime), an S3 or HTTP object by the Content-Range
+      total size and ETag of its first ranged GET response (no extra request). The
+      verdict is kept: every later range of a changed shard raises
+      :class:`StaleShardError`, a remote one without another request.
+    * The size is compared when both are known; the stamp only when the index recorded
+      one of the same kind (an ETag with an ETag, an mtime with an mtime).
+    * Unlisted shards and other filesystems (chained caches, memory, ...) are not checked
+      beyond the short-read test (:func:`_short_read`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from wds_pad.errors import StaleShardError
+
+from .redact import redact
+from .remote import _http_get, _s3_get, _Target, _total_size
+
+__all__ = ["change_stamp"]
+
+# the fields of an fsspec info dict that may stamp a shard's version, in order of trust
+_STAMP_FIELDS = ("ETag", "etag", "checksum", "md5Hash", "crc32c", "mtime", "LastModified",
+                 "last_modified", "updated", "created")
+
+
+def change_stamp(info: Mapping[str, Any]) -> str:
+    """A shard's change stamp, as the index records it: ``"<field>=<value>"``.
+
+    The first of ETag, checksum, mtime, LastModified, ... that ``info`` (an fsspec info
+    dict, or a dict of one field such as ``{"mtime": st.st_mtime}``) holds; ``""`` if none.
+
+    Args:
+        info: fsspec ``info()`` of the shard, or the fields a read response carried.
+
+    Returns:
+        The stamp; equal stamps of one kind (the part before ``=``) mean the same version.
+    """
+    for name in _STAMP_FIELDS:
+        value = info.get(name)
+        if value is not None and value != "":
+            return f"{name}={value}"
+    return ""
+
+
+def _short_read(url: str, offset: int, length: int, got: int) -> StaleShardError:
+    return StaleShardError(
+        f"shard {redact(url)!r} returned {got} of {length} bytes at byte offset {offset}: "
+        "it changed or shrank since it was indexed; rebuild the index (wds-pad index)")
+
+
+class _ShardCheck:
+    """The indexed ``(size, stamp)`` of shard URLs, and the verdict on each once known.
+
+    A verdict is None (checked, unchanged) or the :class:`StaleShardError` message.
+    """
+
+    __slots__ = ("expected", "verdicts")
+
+    def __init__(self, expected: Mapping[str, tuple[int, str]] | None) -> None:
+        self.expected = expected
+        self.verdicts: dict[str, str | None] = {}
+
+    def changed(self, url: str, size: int | None, stamp: str) -> str | None:
+        """None if the shard is as indexed (or unlisted), else the StaleShardError message."""
+        want = self.expected.get(url) if self.expected is not None else None
+        if want is None:
+            return None
+        want_size, want_stamp = want
+        differs = size is not None and want_size >= 0 and size != want_size
+        same_kind = bool(stamp) and stamp.partition("=")[0] == want_stamp.partition("=")[0]
+        differs = differs or (same_kind and stamp != want_stamp)
+        if not differs:
+            return None
+        now = f"{size} bytes" if size is not None else "size unknown"
+        return (f"shard {redact(url)!r} changed since it was indexed: it now has {now}"
+                f"{f', {stamp}' if same_kind else ''}, the index records {want_size} bytes"
+                f"{f', {want_stamp}' if same_kind else ''}; its samples may no longer be at the "
+                "indexed byte ranges. Re-index the changed shards: `wds-pad index SHARDS -o INDEX "
+                "--update` (or restore the shard)")
+
+    def local(self, url: str, fd: int) -> str | None:
+        """The verdict on a local shard just opened as ``fd`` (one ``fstat``, the first time)."""
+        if self.expected is not None and url not in self.verdicts:
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                st = None  # unknowable: the reads themselves will tell
+            if st is not None:
+                self.verdicts[url] = self.changed(url, st.st_size,
+                                                  change_stamp({"mtime": st.st_mtime}))
+        return self.verdicts.get(url)
+
+    async def get(self, target: _Target, url: str, start: int, end: int) -> bytes:
+        """One ranged GET; the first response of a listed S3/HTTP shard also checks it."""
+        if self.expected is None or not target.get:
+            return await target.fs._cat_file(target.path, start=start, end=end)
+        if self.verdicts.get(url) is not None:  # known to have changed: no more requests
+            raise StaleShardError(self.verdicts[url])
+        get = _s3_get if target.get == "s3" else _http_get
+        data, content_range, etag = await get(target.fs, target.path, start, end)
+        if url not in self.verdicts:  # the first answer decides; all run on one IO loop
+            self.verdicts[url] = self.changed(url, _total_size(content_range),
+                                              change_stamp({"ETag": etag}))
+        verdict = self.verdicts[url]
+        if verdict is not None:
+            raise StaleShardError(verdict)
+        return data
