@@ -32,7 +32,9 @@ from .errors import (
     WdsPadError,
 )
 from . import _moved
-from .core.plan import Batch, BucketStats, Dataset, Mode, PadTo, Plan, Policy, iter_steps, plan_epoch
+from .core.dataset import Dataset
+from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
+from .core.policy import Mode, PadTo, Policy
 from .core.seed import derive_rng, shared_seed
 from .core.topology import Topology
 

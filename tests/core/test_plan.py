@@ -34,8 +34,9 @@ from wds_pad import (
     iter_steps,
     plan_epoch,
 )
+from wds_pad.core.dataset import bucket_order
 from wds_pad.core.permute import permute_one
-from wds_pad.core.plan import MAX_EPOCH, MAX_PLANNED_ENTRIES, bucket_order, resolve_policy
+from wds_pad.core.policy import MAX_EPOCH, MAX_PLANNED_ENTRIES, resolve_policy
 from wds_pad.core.seed import derive_seed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -276,16 +277,6 @@ def test_pad_to_rank_gives_an_equal_short_final_batch() -> None:
     assert plans[0].stats[0].padded_copies == 2
 
 
-def test_auto_policy_resolution() -> None:
-    assert resolve_policy("auto", "epochs", False) is Policy.CYCLIC
-    assert resolve_policy("auto", "steps", True) is Policy.CYCLIC
-    assert resolve_policy("auto", "steps", False) is Policy.DROP
-    assert resolve_policy(Policy.NONE, Mode.STEPS, True) is Policy.NONE
-    ds = Dataset("d", {"b": np.arange(10)})
-    assert plan_epoch(ds, Topology(4, 0), seed=0, batch_size=2, mode="steps").policy is Policy.DROP
-    assert plan_epoch(ds, Topology(4, 0), seed=0, batch_size=2).policy is Policy.CYCLIC
-
-
 def test_small_bucket_dropped_with_a_warning_naming_it() -> None:
     ds = Dataset("imgs", {"21:9": np.arange(3), "1:1": np.arange(10, 30)})
     with pytest.warns(DroppedBucketWarning, match=r"imgs/'21:9' \(3 < pad unit 8\).*oversubscribe"):
@@ -307,21 +298,6 @@ def test_repeats_materialised_before_the_split() -> None:
     assert Counter(entries) == {0: 2, 1: 2, 2: 2}
     assert entries == expected_global_order(9, 0, ds, "b")
     assert not any(p.pad.any() for p in plans)
-
-
-def test_dataset_weights_act_as_poisson_rates() -> None:
-    a = Dataset("a", {"x": np.arange(400)}, weight=3.0)
-    b = Dataset("b", {"x": np.arange(400)}, weight=1.0)
-    for seed in range(5):
-        plan = plan_epoch([a, b], Topology(1, 0), seed=seed, batch_size=1)
-        first = [plan.bucket_table[t][0] for t in plan.schedule[:200].tolist()]
-        # rate 3 vs 1: about 150 of the first 200 steps come from "a"
-        assert 125 <= first.count(0) <= 175
-        assert plan.steps == 800
-    even = plan_epoch([Dataset("a", {"x": np.arange(400)}, weight=2.0), Dataset("b", {"x": np.arange(400)}, weight=2.0)],
-                      Topology(1, 0), seed=0, batch_size=1)
-    first = [even.bucket_table[t][0] for t in even.schedule[:200].tolist()]
-    assert 75 <= first.count(0) <= 125
 
 
 def test_plan_input_forms_and_indexing() -> None:
@@ -704,13 +680,6 @@ def test_plan_epoch_refuses_what_is_not_an_epoch(epoch: Any, match: str) -> None
         next(iter_steps({"a": [1, 2]}, Topology(1, 0), seed=1, start_epoch=epoch, batch_size=2))
 
 
-def test_max_epoch_is_one_exported_constant() -> None:
-    import wds_pad.core.plan as plan_mod
-
-    assert plan_mod.MAX_EPOCH == 2**31 - 1 and "MAX_EPOCH" in plan_mod.__all__
-    assert plan_mod.check_epoch(np.int32(5)) == 5
-
-
 def test_an_absurd_oversubscribed_step_is_refused_before_allocating() -> None:
     # one global step of 8 x 10^13 entries: numpy would try to allocate 72 TiB per rank
     with pytest.raises(ConfigError) as err:
@@ -735,15 +704,6 @@ def test_absurd_repeats_and_a_total_over_the_limit_are_refused() -> None:
     with pytest.raises(ConfigError, match=rf"would plan {2 * half} entries over all buckets"):
         plan_epoch({"a": [1], "b": [2]}, Topology(1, 0), seed=1, batch_size=half, policy="cyclic",
                    oversubscribe=True)
-
-
-def test_the_padded_size_limit_is_inclusive() -> None:
-    from wds_pad.core.plan import _check_planned_size
-
-    _check_planned_size("d", "a", 1, 1, MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, MAX_PLANNED_ENTRIES, True)
-    _check_planned_size("d", "a", MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, 1, 1, 1, False)
-    with pytest.raises(ConfigError, match="padded to"):
-        _check_planned_size("d", "a", 3, 1, MAX_PLANNED_ENTRIES + 1, 1, 4, 4, False)
 
 
 def test_a_share_under_the_limit_that_memory_cannot_hold_is_a_config_error(

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from wds_pad.errors import IndexFormatError
 from wds_pad.index.format import FORMAT_VERSION, MAGIC, Index, ShardInfo, load_index, make_index, write_index
-from wds_pad.core.plan import Dataset, bucket_order
+from wds_pad.core.dataset import Dataset, bucket_order
 
 
 def small_index(name: str = "toy") -> Index:

@@ -29,7 +29,7 @@ from wds_pad.cli.synth import make_image_shards
 from wds_pad.errors import ConfigError, StaleShardError
 from wds_pad.index.format import Index, load_index
 from wds_pad.index.build import build_index
-from wds_pad.core.plan import Mode
+from wds_pad.core.policy import Mode
 from wds_pad.io.ranges import RangeReader, ReadOptions
 from wds_pad.stream.fetch import BIG_SAMPLE, META_KEYS, Counters, expand, fetch, substitute
 from wds_pad.stream.stages import PlannedSource, PlanSpec, Position, batch_refs, plan_batched

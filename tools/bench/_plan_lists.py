@@ -31,7 +31,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping
 
-from wds_pad.core.plan import bucket_order
+from wds_pad.core.dataset import bucket_order
 from wds_pad.core.permute import permute_one
 from wds_pad.core.seed import derive_rng, derive_seed
 

@@ -21,185 +21,40 @@ process. Per (dataset, bucket), identically on every rank:
    weights), so all ranks take the same (dataset, bucket) at the same step.
 
 Empty buckets never reach the padding arithmetic. All per-sample work is numpy.
+
+This module holds the planner itself (``plan_epoch``, its records ``Plan`` / ``Batch`` /
+``BucketStats``, the rank's entries of step 4 and the steps-mode ``iter_steps``); the
+rules of steps 2-3 and the epoch limits live in ``core.policy``, the Dataset record and
+its bucket order in ``core.dataset``, the schedule of step 5 in ``core.schedule``.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Hashable, Iterator, Mapping, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, DroppedBucketWarning
+from .dataset import Dataset, _as_datasets
 from .permute import ROUNDS, permute, round_keys
-from .seed import check_seed, derive_rng, derive_seed, encode_key
+from .policy import (
+    MAX_PLANNED_ENTRIES,
+    Mode,
+    PadTo,
+    Policy,
+    _check_planned_size,
+    _enum,
+    _padded_length,
+    check_epoch,
+    resolve_policy,
+)
+from .schedule import _schedule
+from .seed import check_seed, derive_seed
 from .topology import Topology
 
-__all__ = [
-    "MAX_EPOCH",
-    "MAX_PLANNED_ENTRIES",
-    "Batch",
-    "BucketStats",
-    "Dataset",
-    "Mode",
-    "PadTo",
-    "Plan",
-    "Policy",
-    "bucket_order",
-    "check_epoch",
-    "iter_steps",
-    "plan_epoch",
-    "resolve_policy",
-]
-
-
-#: The largest epoch number accepted anywhere (planner, CLI, loaders, set_epoch). An epoch
-#: is a count of passes over the data: 2**31 - 1 is far beyond any real run, fits every
-#: int32/int64 field and state file, and refuses a step count or a timestamp passed by
-#: mistake. Import it rather than repeating the number.
-MAX_EPOCH = 2**31 - 1
-
-
-#: The most entries (sample appearances, padded copies included) one epoch may plan,
-#: summed over every bucket and dataset. 2**40 (about 1.1e12) is a thousand times the
-#: largest index the planner is built for (10^9 samples), so real data never reaches it,
-#: while every position, offset and cumulative sum the planner computes in int64
-#: (``d + dp * k``, per-bucket bases, ...) stays 2**23 times below overflow. A plan above
-#: it is a configuration mistake — a batch size or world size that makes one global step
-#: (the pad unit every bucket is padded to) absurdly large, or absurd repeats — and is
-#: refused before anything is allocated, instead of failing inside numpy.
-MAX_PLANNED_ENTRIES = 2**40
-
-
-def check_epoch(epoch: Any, what: str = "epoch") -> int:
-    """Validate an epoch number: an int (not bool) with ``0 <= epoch <= MAX_EPOCH``.
-
-    Args:
-        epoch: the value to check (int or numpy integer).
-        what: how to name it in the message (``"epoch"``, ``"start_epoch"``, ...).
-
-    Returns:
-        The epoch as a Python int.
-
-    Raises:
-        ConfigError: not an int (a float, str or bool is never truncated or parsed),
-            negative, or above MAX_EPOCH.
-    """
-    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
-        raise ConfigError(
-            f"{what} must be an int in [0, {MAX_EPOCH}], got {type(epoch).__name__} {epoch!r}; "
-            "pass a whole number such as int(epoch)"
-        )
-    value = int(epoch)
-    if not 0 <= value <= MAX_EPOCH:
-        raise ConfigError(
-            f"{what} must be in [0, MAX_EPOCH={MAX_EPOCH}], got {value}; an epoch counts passes "
-            "over the data (pass the epoch number, not a step count or a timestamp)"
-        )
-    return value
-
-
-class Policy(str, Enum):
-    """How a bucket is made a multiple of the pad unit."""
-
-    AUTO = "auto"
-    CYCLIC = "cyclic"
-    DROP = "drop"
-    NONE = "none"
-
-
-class Mode(str, Enum):
-    """``epochs``: one epoch per plan, driven by set_epoch; ``steps``: endless epochs."""
-
-    EPOCHS = "epochs"
-    STEPS = "steps"
-
-
-class PadTo(str, Enum):
-    """The pad unit: ``batch`` = dp_size * batch_size (default), ``rank`` = dp_size."""
-
-    BATCH = "batch"
-    RANK = "rank"
-
-
-def bucket_order(key: Hashable) -> tuple[Any, ...]:
-    """Canonical, machine-independent order of bucket keys (numbers, then strings, then tuples).
-
-    Raises:
-        ConfigError: a key that is not None, bool, int, float, str, bytes or a tuple of them.
-    """
-    encode_key(key)  # validates the type
-    if key is None:
-        return (0,)
-    if isinstance(key, bool):
-        return (1, int(key))
-    if isinstance(key, (int, float, np.integer, np.floating)):
-        return (2, float(key), encode_key(key))
-    if isinstance(key, str):
-        return (3, key)
-    if isinstance(key, bytes):
-        return (4, key)
-    return (5, tuple(bucket_order(k) for k in key))  # type: ignore[union-attr]
-
-
-def _enum(cls: type[Enum], value: Any, what: str) -> Any:
-    try:
-        return cls(value.value if isinstance(value, Enum) else value)
-    except ValueError:
-        allowed = ", ".join(m.value for m in cls)  # type: ignore[attr-defined]
-        raise ConfigError(f"unknown {what} {value!r}; expected one of: {allowed}") from None
-
-
-def resolve_policy(policy: Policy | str, mode: Mode | str, oversubscribe: bool) -> Policy:
-    """The concrete policy: ``auto`` is cyclic for epochs or oversubscription, else drop."""
-    policy = _enum(Policy, policy, "padding policy")
-    mode = _enum(Mode, mode, "mode")
-    if policy is Policy.AUTO:
-        return Policy.CYCLIC if mode is Mode.EPOCHS or oversubscribe else Policy.DROP
-    return policy
-
-
-@dataclass(frozen=True)
-class Dataset:
-    """One dataset of the plan: buckets of sample ids, repeats and an interleave weight.
-
-    Args:
-        name: unique name among the planned datasets.
-        buckets: bucket key -> sample ids (any order; planned in sorted order).
-            Keys are str, int, float or tuples of them.
-        repeats: each sample appears 1 + repeats times per epoch.
-        weight: rate at which this dataset's steps are drawn relative to the others.
-    """
-
-    name: str
-    buckets: Mapping[Hashable, Any]
-    repeats: int = 0
-    weight: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError(f"dataset name must be a non-empty str, got {self.name!r}")
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 0:
-            raise ConfigError(f"dataset {self.name!r}: repeats must be an int >= 0, got {self.repeats!r}")
-        w = self.weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            raise ConfigError(f"dataset {self.name!r}: weight must be a finite number > 0, got {w!r}")
-        canon: dict[Hashable, np.ndarray] = {}
-        for key in sorted(self.buckets, key=bucket_order):
-            ids = np.asarray(self.buckets[key])
-            if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-                raise ConfigError(
-                    f"dataset {self.name!r} bucket {key!r}: sample ids must be a 1-D integer array"
-                )
-            ids = np.sort(ids.astype(np.int64, copy=False))
-            if ids.size > 1 and np.any(ids[1:] == ids[:-1]):
-                dup = int(ids[1:][ids[1:] == ids[:-1]][0])
-                raise ConfigError(f"dataset {self.name!r} bucket {key!r}: sample id {dup} occurs twice")
-            canon[key] = ids
-        object.__setattr__(self, "buckets", canon)
+__all__ = ["Batch", "BucketStats", "Plan", "iter_steps", "plan_epoch"]
 
 
 @dataclass(frozen=True)
@@ -300,62 +155,6 @@ class Plan:
 
     def __iter__(self) -> Iterator[Batch]:
         return (self[i] for i in range(len(self)))
-
-
-def _as_datasets(source: Any) -> list[Dataset]:
-    items = list(source) if isinstance(source, (list, tuple)) else [source]
-    out: list[Dataset] = []
-    for item in items:
-        if isinstance(item, Dataset):
-            out.append(item)
-        elif hasattr(item, "to_dataset"):  # an Index (duck-typed: the planner imports no I/O)
-            out.append(item.to_dataset())
-        elif isinstance(item, Mapping):
-            out.append(Dataset(name=f"dataset{len(out)}", buckets=item))
-        else:
-            raise ConfigError(
-                f"cannot plan {type(item).__name__}: pass a Dataset, an Index or a "
-                "mapping of bucket key -> sample ids"
-            )
-    if not out:
-        raise ConfigError("nothing to plan: no datasets given")
-    names = [d.name for d in out]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"dataset names must be unique, got {names}; pass name=... to each")
-    return out
-
-
-def _padded_length(m: int, unit: int, policy: Policy, oversubscribe: bool) -> int:
-    if policy is Policy.NONE:
-        return m
-    if m < unit:
-        return unit if (policy is Policy.CYCLIC and oversubscribe) else 0
-    if policy is Policy.CYCLIC:
-        return -(-m // unit) * unit
-    return (m // unit) * unit
-
-
-def _check_planned_size(
-    name: str, key: Hashable, n: int, passes: int, length: int, dp: int, bs: int, unit: int,
-    oversubscribe: bool,
-) -> None:
-    """Refuse a bucket whose epoch (before or after padding) exceeds MAX_PLANNED_ENTRIES."""
-    m = n * passes
-    if m > MAX_PLANNED_ENTRIES:
-        raise ConfigError(
-            f"dataset {name!r} bucket {key!r} would hold {m} entries per epoch ({n} samples x "
-            f"{passes} passes), above the planner's limit of MAX_PLANNED_ENTRIES = 2**40 = "
-            f"{MAX_PLANNED_ENTRIES}; lower the dataset's repeats"
-        )
-    if length > MAX_PLANNED_ENTRIES:
-        how = "filled cyclically (oversubscribe) to one global step of" if oversubscribe and m < unit else "padded to"
-        raise ConfigError(
-            f"dataset {name!r} bucket {key!r} ({m} entries) would be {how} {length} entries per "
-            f"epoch (pad unit {unit} = {dp} DP ranks x batch {bs}), above the planner's limit of "
-            f"MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower the batch size or the world "
-            "size, or turn oversubscribe off (oversubscribe=False, no --oversubscribe) so buckets "
-            "smaller than one global step are dropped"
-        )
 
 
 def _check_positive(name: str, value: Any) -> int:
@@ -523,37 +322,6 @@ def _rank_entries(
         if hi > lo:
             samples[lo:hi] = ids[perm[lo:hi]]
     return samples, pos >= m_arr[bucket], counts
-
-
-def _schedule(
-    dss: Sequence[Dataset], table: Sequence[tuple[int, Hashable]], steps: Sequence[int],
-    seed: int, epoch: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Global step -> (bucket-table index, window number within that bucket)."""
-    steps_arr = np.asarray(steps, dtype=np.int64)
-    table_ds = np.asarray([di for di, _ in table], dtype=np.int64)
-    per_ds: list[np.ndarray] = []
-    for di, ds in enumerate(dss):
-        mine = np.flatnonzero(table_ds == di) if table_ds.size else np.zeros(0, np.int64)
-        seq = np.repeat(mine, steps_arr[mine]) if mine.size else np.zeros(0, np.int64)
-        per_ds.append(derive_rng(seed, epoch, ds.name, "schedule").permutation(seq))
-    if len(per_ds) == 1:
-        schedule = per_ds[0]
-    else:
-        # Competing Poisson processes with rates = weights: while datasets have steps
-        # left, the next step comes from dataset i with probability w_i / sum(w_active).
-        rng = derive_rng(seed, epoch, "datasets")
-        times = [np.cumsum(rng.exponential(1.0 / ds.weight, size=seq.size)) for ds, seq in zip(dss, per_ds)]
-        order = np.argsort(np.concatenate(times), kind="stable")
-        schedule = np.concatenate(per_ds)[order]
-    schedule = schedule.astype(np.int64, copy=False)
-    # window k of a bucket = how many earlier steps took the same bucket
-    order = np.argsort(schedule, kind="stable")
-    sorted_b = schedule[order]
-    first = np.searchsorted(sorted_b, sorted_b, side="left")
-    window = np.empty_like(schedule)
-    window[order] = np.arange(schedule.size, dtype=np.int64) - first
-    return schedule, window
 
 
 def iter_steps(

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..io.atomic import atomic_write
 from ..errors import ConfigError, IndexFormatError
-from ..core.plan import Dataset, bucket_order
+from ..core.dataset import Dataset, bucket_order
 
 __all__ = ["FORMAT_VERSION", "Index", "ShardInfo", "check_output", "load_index", "write_index"]
 

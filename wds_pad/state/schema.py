@@ -23,7 +23,7 @@ import hashlib
 import json
 from typing import Any, Mapping
 
-from ..core.plan import MAX_EPOCH
+from ..core.policy import MAX_EPOCH
 from ..errors import StateError
 
 __all__ = ["MAX_INDEX", "READABLE_VERSIONS", "STATE_FORMAT", "STATE_VERSION", "check_schema",

@@ -32,7 +32,7 @@ from webdataset.filters import default_collation_fn
 
 from ..errors import ConfigError, StateError, WdsPadError
 from ..index.format import Index, load_index
-from ..core.plan import Mode, PadTo, Policy, _enum, check_epoch
+from ..core.policy import Mode, PadTo, Policy, _enum, check_epoch
 from ..io.options import ReadOptions, ReadStats
 from ..core.seed import shared_seed
 from .agreement import check_agreement

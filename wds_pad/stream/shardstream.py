@@ -36,7 +36,7 @@ from webdataset.filters import default_collation_fn
 from .loaderargs import check_loader_args
 from ..errors import ConfigError, StaleShardError, StateError, StateMismatchError
 from ..index.format import Index, load_index
-from ..core.plan import check_epoch
+from ..core.policy import check_epoch
 from ..index.build import shard_info
 from ..io.fs import get_filesystem
 from ..io.redact import redact

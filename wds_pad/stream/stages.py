@@ -27,7 +27,8 @@ import numpy as np
 
 from ..errors import ConfigError, WdsPadError
 from ..index.format import Index, load_index
-from ..core.plan import MAX_EPOCH, Mode, PadTo, Plan, Policy, plan_epoch, resolve_policy
+from ..core.plan import Plan, plan_epoch
+from ..core.policy import MAX_EPOCH, Mode, PadTo, Policy, resolve_policy
 from ..core.seed import stable_digest
 from ..state.schema import fingerprint_of
 from ..core.topology import Topology

@@ -1,0 +1,55 @@
+"""Tests of the planner's rules (wds_pad/core/policy.py): ``auto`` resolution, the padded
+length of each policy, and the epoch and planned-size limits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wds_pad import ConfigError, Dataset, Mode, Policy, Topology, plan_epoch
+from wds_pad.core.policy import MAX_PLANNED_ENTRIES, _padded_length, resolve_policy
+
+
+def test_auto_policy_resolution() -> None:
+    assert resolve_policy("auto", "epochs", False) is Policy.CYCLIC
+    assert resolve_policy("auto", "steps", True) is Policy.CYCLIC
+    assert resolve_policy("auto", "steps", False) is Policy.DROP
+    assert resolve_policy(Policy.NONE, Mode.STEPS, True) is Policy.NONE
+    ds = Dataset("d", {"b": np.arange(10)})
+    assert plan_epoch(ds, Topology(4, 0), seed=0, batch_size=2, mode="steps").policy is Policy.DROP
+    assert plan_epoch(ds, Topology(4, 0), seed=0, batch_size=2).policy is Policy.CYCLIC
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 10**6), st.integers(1, 10**4), st.sampled_from(list(Policy)[1:]), st.booleans())
+def test_padded_length_is_the_policys_multiple_of_the_unit(m: int, unit: int, policy: Policy,
+                                                          oversubscribe: bool) -> None:
+    length = _padded_length(m, unit, policy, oversubscribe)
+    if policy is Policy.NONE:
+        assert length == m
+        return
+    assert length % unit == 0
+    if m < unit:  # below one unit: dropped, unless cyclic with consent fills one whole unit
+        assert length == (unit if policy is Policy.CYCLIC and oversubscribe else 0)
+    elif policy is Policy.CYCLIC:
+        assert m <= length < m + unit
+    else:
+        assert m - unit < length <= m
+
+
+def test_max_epoch_is_one_exported_constant() -> None:
+    import wds_pad.core.policy as policy_mod
+
+    assert policy_mod.MAX_EPOCH == 2**31 - 1 and "MAX_EPOCH" in policy_mod.__all__
+    assert policy_mod.check_epoch(np.int32(5)) == 5
+
+
+def test_the_padded_size_limit_is_inclusive() -> None:
+    from wds_pad.core.policy import _check_planned_size
+
+    _check_planned_size("d", "a", 1, 1, MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, MAX_PLANNED_ENTRIES, True)
+    _check_planned_size("d", "a", MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, 1, 1, 1, False)
+    with pytest.raises(ConfigError, match="padded to"):
+        _check_planned_size("d", "a", 3, 1, MAX_PLANNED_ENTRIES + 1, 1, 4, 4, False)
