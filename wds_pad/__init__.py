@@ -65,8 +65,8 @@ _LAZY: dict[str, str] = {
     "save_state_file": "state.files",
     "split_by_node": "stream.shards",
     "state_path": "state.files",
-    "verify_index": "index.build",
-    "write_index": "index.format",
+    "verify_index": "index.verify",
+    "write_index": "index.output",
 }
 
 __all__ = sorted(

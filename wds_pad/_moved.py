@@ -32,6 +32,7 @@ MOVED = {
 SPLIT = {
     "dataset": ("stream.loader", "stream.agreement"),
     "stages": ("stream.fetch",),
+    "indexer": ("index.verify", "index.shardfile"),
 }
 
 

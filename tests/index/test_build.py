@@ -1,4 +1,4 @@
-"""build_index / verify_index end to end on generated shards: grouping, buckets, update, errors."""
+"""build_index end to end on generated shards: grouping, buckets, update, errors (verify: test_verify.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from wds_pad.index.bucket_spec import parse_bucket_by
 from wds_pad.index.buckets import AspectBuckets, ImageBuckets, JsonField, wrap_callable
 from wds_pad.errors import BucketError, ConfigError, ShardError, TarFormatError
 from wds_pad.index.format import load_index
-from wds_pad.index.build import build_index, expand_urls, verify_index
+from wds_pad.index.build import build_index, expand_urls
+from wds_pad.index.verify import verify_index  # a built index verifies clean
 from wds_pad.index.tarscan import parse_sample
 
 pytest_plugins = ["conftest_servers"]
@@ -402,26 +403,6 @@ def test_json_that_does_not_parse(tmp_path) -> None:
     assert idx.excluded["samples"][0]["key"] == "b" and idx.excluded["samples"][0]["offset"] == off
 
 
-# -- verify -----------------------------------------------------------------------------------
-def test_verify_finds_touched_missing_and_moved_shards(tmp_path) -> None:
-    a = [("x.txt", b"1" * 700), ("y.txt", b"2" * 700)]
-    urls = [make_tar(str(tmp_path / "s0.tar"), a), make_tar(str(tmp_path / "s1.tar"), a[::-1]),
-            make_tar(str(tmp_path / "s2.tar"), a)]
-    index = build_index(urls)
-    assert verify_index(index) == [] and verify_index(index, deep=True) == []
-    st = os.stat(urls[0])
-    make_tar(urls[0], a[::-1])  # same size, samples swapped ...
-    os.utime(urls[0], ns=(st.st_atime_ns, st.st_mtime_ns))  # ... and the old mtime
-    os.remove(urls[1])
-    with open(urls[2], "ab") as f:
-        f.write(b"\0" * 512)
-    shallow = verify_index(index)
-    assert [(p.url, p.reason.split()[0]) for p in shallow] == [(urls[1], "missing:"), (urls[2], "size")]
-    deep = verify_index(index, deep=True)
-    assert [p.url for p in deep] == urls
-    assert "moved" in deep[0].reason
-
-
 # -- URLs, memory filesystem ------------------------------------------------------------------
 def test_expand_urls() -> None:
     assert expand_urls("s3://b/t-{0..2}.tar") == ["s3://b/t-0.tar", "s3://b/t-1.tar", "s3://b/t-2.tar"]
@@ -510,18 +491,18 @@ def test_skip_leaves_out_a_shard_whose_read_fails_midway(shards, monkeypatch, wo
             self._f.close()
             super().close()
 
-    real = indexer_mod._open_for_scan
+    real = indexer_mod.open_for_scan
     bad = shards[1]
-    monkeypatch.setattr(indexer_mod, "_open_for_scan",
+    monkeypatch.setattr(indexer_mod, "open_for_scan",
                         lambda url, so: (Failing(url), False) if url == bad else real(url, so))
     index = build_index(shards, "aspect", on_error="skip", workers=workers)
     assert [s["url"] for s in index.excluded["shards"]] == [bad]
     assert "connection reset" in index.excluded["shards"][0]["reason"]
-    monkeypatch.setattr(indexer_mod, "_open_for_scan", real)
+    monkeypatch.setattr(indexer_mod, "open_for_scan", real)
     good = build_index([shards[0], shards[2]], "aspect")
     assert [rows_of(index, 0), rows_of(index, 2)] == [rows_of(good, 0), rows_of(good, 1)]
     with pytest.raises(ShardError, match="connection reset"):
-        monkeypatch.setattr(indexer_mod, "_open_for_scan",
+        monkeypatch.setattr(indexer_mod, "open_for_scan",
                             lambda url, so: (Failing(url), False) if url == bad else real(url, so))
         build_index(shards, "aspect", workers=workers)
 
@@ -619,21 +600,3 @@ def test_extension_limit_names_the_shard_and_skip_skips_it(tmp_path, shards, wor
     index = build_index([a, b, shards[0]], on_error="skip", workers=workers)
     assert [s["url"] for s in index.excluded["shards"]] == [b] and len(index.exts) <= 64
     assert index.shards[2].samples > 0
-
-
-def test_deep_verify_says_what_differs_in_plain_ints(tmp_path) -> None:
-    url = make_tar(str(tmp_path / "s.tar"), [("a.txt", b"1" * 700), ("b.txt", b"2" * 700)])
-    index = build_index([url])
-    st = os.stat(url)
-
-    def rewrite(members) -> str:  # same size and mtime: only --deep sees it
-        make_tar(url, members)
-        os.utime(url, ns=(st.st_atime_ns, st.st_mtime_ns))
-        [problem] = verify_index(index, deep=True)
-        assert "np." not in problem.reason
-        return problem.reason
-
-    assert rewrite([("c.txt", b"1" * 700), ("b.txt", b"2" * 700)]) == (
-        "sample 'a' was renamed: the sample at byte offset 0 is now key 'c' (1536 bytes; indexed: 1536 bytes)")
-    assert rewrite([("b.txt", b"2" * 700), ("a.txt", b"1" * 700)]) == (
-        "sample 'a' moved to another offset: indexed at byte offset 0 (1536 bytes), now at 1536 (1536 bytes)")

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wds_pad.errors import IndexFormatError
-from wds_pad.index.format import FORMAT_VERSION, MAGIC, Index, ShardInfo, load_index, make_index, write_index
+from wds_pad.index.format import FORMAT_VERSION, MAGIC, Index, ShardInfo, load_index, make_index
+from wds_pad.index.output import write_index
 from wds_pad.core.dataset import Dataset, bucket_order
 
 

@@ -638,7 +638,7 @@ def _change(path: Any, how: str) -> None:
 @pytest.mark.parametrize("how", ["append", "edit", "replace"])
 def test_local_shard_changed_since_indexing_is_stale_when_first_opened(tmp_path: Any,
                                                                        how: str) -> None:
-    from wds_pad.index.build import shard_info
+    from wds_pad.index.shardfile import shard_info
 
     paths = [str(tmp_path / f"s{i}.tar") for i in range(2)]
     for p in paths:
@@ -664,7 +664,7 @@ def test_local_shard_changed_since_indexing_is_stale_when_first_opened(tmp_path:
 
 
 def test_local_check_is_one_fstat_per_shard(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from wds_pad.index.build import shard_info
+    from wds_pad.index.shardfile import shard_info
 
     paths = [str(tmp_path / f"s{i}.tar") for i in range(3)]
     for p in paths:
@@ -710,7 +710,7 @@ def test_http_shard_changed_is_stale_from_the_get_headers_alone(http: tuple[str,
 
 
 def test_s3_shard_changed_is_stale_from_the_get_headers_alone(s3: tuple[dict[str, Any], bytes]) -> None:
-    from wds_pad.index.build import shard_info
+    from wds_pad.index.shardfile import shard_info
 
     options, _ = s3
     writer = fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=options["s3"]["endpoint_url"],

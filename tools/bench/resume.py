@@ -35,7 +35,8 @@ import numpy as np
 
 from wds_pad.cli.synth import make_blob_shards
 from wds_pad.stream.dataset import BucketedWebDataset
-from wds_pad.index.format import Index, load_index, make_index, write_index
+from wds_pad.index.format import Index, load_index, make_index
+from wds_pad.index.output import write_index
 from wds_pad.index.build import build_index
 from wds_pad.core.topology import Topology
 

@@ -76,7 +76,8 @@ def _stamp(path: str) -> Any:
 
 def _cmd_index(args: argparse.Namespace) -> int:
     from ..index.bucket_spec import parse_bucket_by
-    from ..index.format import check_output, load_index
+    from ..index.format import load_index
+    from ..index.output import check_output
     from ..index.build import build_index, expand_urls
 
     fn = parse_bucket_by(args.bucket_by, ratios=args.ratios, boundaries=args.boundaries, step=args.step)

@@ -1,140 +1,76 @@
-"""Build, update and verify indexes: one pass over tar headers per shard.
+"""Build and update indexes: one pass over tar headers per shard, rows in shard order.
 
 Invariants:
 - a sample's row records its shard, the byte range from its first header to the end of
   its last member's padded data, its webdataset key, its member extensions and bucket;
 - only the members a bucket function asks for are read (and only their first
   ``head_bytes`` where it says so); local shards are scanned by seeking past payloads,
-  other filesystems by streaming the object once;
+  other filesystems by streaming the object once (``shardfile.open_for_scan``);
 - by default any bad input raises with the URL, byte offset and key; with
   ``on_error="skip"`` the shard or sample is left out and recorded in ``excluded``;
 - shards are scanned concurrently, but rows come out in shard order, so the same
   shards give the same index whatever the number of workers;
-- ``update`` reuses the rows of shards whose size and change stamp are unchanged.
+- ``update`` reuses the rows of shards whose size and change stamp are unchanged;
+- the shards' rows are joined in shard order (``index.rows``);
+- an ``output`` is checked before any shard is scanned and written once, atomically,
+  after the last one (``index.output``).
+
+Verification (``verify_index``, ``index.verify``) rescans with :func:`scan_shard`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
-from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .progress import Progress
-from .buckets import BucketFn, SingleBucket, wrap_callable
-from ..errors import BucketError, ConfigError, ReadError, ShardError, WdsPadError
-from .format import Index, ShardInfo, check_output, load_index, make_index, write_index
-from ..io.stale import change_stamp as _stamp  # one definition: the reader checks against it
-from ..io.faults import call_store
+from ..errors import BucketError, ConfigError, ShardError
 from ..io.fs import get_filesystem
 from ..io.redact import redact
-from .tarrows import ScanRows, scan_many
 from ..io.urls import expand_urls
+from .buckets import BucketFn, SingleBucket, wrap_callable
+from .format import Index, ShardInfo, load_index
+from .output import check_output, write_index
+from .progress import Progress
+from .rows import ShardRows, assemble, fit_exts, unreadable
+from .shardfile import directory_error, not_a_prefix, open_for_scan, plain_local, shard_info
+from .tarrows import ScanRows, scan_many
 from .tarscan import parse_sample
 
-__all__ = ["Problem", "build_index", "expand_urls", "verify_index"]
+__all__ = ["build_index", "expand_urls", "scan_shard", "shard_info"]
 
 _GROUP = 32  # shards scanned by one task (see _scan_group)
 
 
-def _plain_local(url: str) -> bool:
-    """An absolute local path without a protocol or chain: os calls need no fsspec."""
-    return url.startswith("/") and "::" not in url
-
-
-def shard_info(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[int, str]:
-    """(size, change stamp) of one shard.
-
-    Raises:
-        ShardError: It does not exist or is not readable.
-        ReadError: Its store cannot be reached or found no credentials (not the shard's
-            fault: nothing is known about it).
-    """
-    if _plain_local(url):
-        try:  # what fsspec's LocalFileSystem.info gives, without building its dict
-            st = os.stat(url)
-        except FileNotFoundError:
-            raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
-        except PermissionError as exc:
-            raise ShardError(f"shard {redact(url)!r} is not readable: permission denied") from exc
-        if not os.path.isdir(url):
-            return st.st_size, _stamp({"mtime": st.st_mtime})
-    fs, path = get_filesystem(url, storage_options)
-    info = call_store(lambda: fs.info(path), url)
-    size = info.get("size")
-    if size is None:
-        raise ShardError(f"shard {redact(url)!r}: the filesystem reports no size")
-    return int(size), _stamp(info)
-
-
-@dataclass
-class _ShardRows:
-    info: ShardInfo
-    offset: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    length: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    keys: list[str] = field(default_factory=list)
-    buckets: list[Hashable] = field(default_factory=list)
-    exts: list[str] = field(default_factory=list)  # bit i of a mask is exts[i]
-    mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
-    excluded: list[dict[str, Any]] = field(default_factory=list)
-    nbytes: int = 0
-    fault: dict[str, Any] | None = None  # on_error="skip": why the shard (or its rest) was left out
-
-
-def _directory(url: str) -> ShardError:
-    return ShardError(f"shard {redact(url)!r} is a directory, not a tar file; list the shards in it "
-                      f"instead, e.g. {redact(url.rstrip('/')) + '/*.tar'!r}")
-
-
-def _not_a_prefix(url: str, storage_options: Mapping[str, Any] | None) -> None:
-    fs, path = get_filesystem(url, storage_options)
-    try:
-        is_dir = fs.isdir(path)
-    except OSError:
-        return  # the scan reports it
-    if is_dir:
-        raise IsADirectoryError(path)
-
-
-def _open_for_scan(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, bool]:
-    if _plain_local(url):
-        return open(url, "rb", buffering=0), True
-    fs, path = get_filesystem(url, storage_options)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    if protocol in ("file", "local"):
-        return open(path, "rb", buffering=0), True
-    return fs.open(path, "rb", block_size=8 * 2**20, cache_type="readahead"), False
-
-
-def _scan_one(url: str, fn: BucketFn, on_error: str, storage_options: Mapping[str, Any] | None,
-              progress: Progress) -> _ShardRows:
-    return _scan_group([url], fn, on_error, storage_options, progress)[0]
+def scan_shard(url: str, fn: BucketFn, on_error: str,
+               storage_options: Mapping[str, Any] | None) -> ShardRows:
+    """One shard's rows, scanned as :func:`build_index` scans it (no progress shown)."""
+    return _scan_group([url], fn, on_error, storage_options, Progress(total=0, enabled=False))[0]
 
 
 def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_options: Mapping[str, Any] | None,
-                progress: Progress) -> list[_ShardRows]:
+                progress: Progress) -> list[ShardRows]:
     """Scan consecutive shards; their last headers are checked together (scan_many)."""
-    out: list[_ShardRows | None] = [None] * len(urls)
+    out: list[ShardRows | None] = [None] * len(urls)
     with contextlib.ExitStack() as stack:
         opened: list[tuple[int, str, int, str, Any, bool]] = []
         for i, url in enumerate(urls):
             try:
                 size, stamp = shard_info(url, storage_options)
                 try:
-                    if size == 0 and not _plain_local(url):  # an object store lists a prefix as empty
-                        _not_a_prefix(url, storage_options)
-                    f, seekable = _open_for_scan(url, storage_options)
+                    if size == 0 and not plain_local(url):  # an object store lists a prefix as empty
+                        not_a_prefix(url, storage_options)
+                    f, seekable = open_for_scan(url, storage_options)
                 except FileNotFoundError:
                     raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
                 except IsADirectoryError:
-                    raise _directory(url) from None
+                    raise directory_error(url) from None
             except ShardError as exc:
                 if on_error != "skip":
                     raise
-                out[i] = _unreadable(url, exc)
+                out[i] = unreadable(url, exc)
                 continue
             stack.enter_context(f)
             opened.append((i, url, size, stamp, f, seekable))
@@ -147,18 +83,18 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
             if on_error != "skip":
                 raise
             if len(opened) == 1:
-                out[opened[0][0]] = _unreadable(opened[0][1], exc)
+                out[opened[0][0]] = unreadable(opened[0][1], exc)
                 return out  # type: ignore[return-value]
             # again one by one, from freshly opened files (a stream cannot go back), so
             # that only the unreadable shard is left out
             scanned = []
             for i, url, *_ in opened:
                 try:
-                    f, seekable = _open_for_scan(url, storage_options)
+                    f, seekable = open_for_scan(url, storage_options)
                     stack.enter_context(f)
                     scanned.append(scan_many([(f, redact(url), seekable)], **kw)[0])
                 except (ShardError, OSError) as exc2:
-                    out[i] = _unreadable(url, exc2 if isinstance(exc2, ShardError) else ShardError(
+                    out[i] = unreadable(url, exc2 if isinstance(exc2, ShardError) else ShardError(
                         f"shard {redact(url)!r} could not be opened again: {exc2}"))
                     scanned.append(None)  # type: ignore[arg-type]
     for (i, url, size, stamp, _, _), rows in zip(opened, scanned):
@@ -167,17 +103,10 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
     return out  # type: ignore[return-value]
 
 
-def _unreadable(url: str, exc: Exception) -> _ShardRows:
-    """The rows of a shard left out with on_error="skip"."""
-    rows = _ShardRows(ShardInfo(url=url, size=-1, stamp="", samples=0, error=redact(str(exc))))
-    rows.fault = {"url": url, "reason": redact(str(exc)), "samples_kept": 0}
-    return rows
-
-
 def _shard_rows(url: str, size: int, stamp: str, scanned: ScanRows, fn: BucketFn, on_error: str,
-                storage_options: Mapping[str, Any] | None) -> _ShardRows:
+                storage_options: Mapping[str, Any] | None) -> ShardRows:
     """A scanned shard's rows: bucket keys computed, excluded samples left out."""
-    rows = _ShardRows(ShardInfo(url=url, size=size, stamp=stamp, samples=0))
+    rows = ShardRows(ShardInfo(url=url, size=size, stamp=stamp, samples=0))
     buckets = _bucket_keys(url, fn, scanned, on_error, rows, storage_options)
     rows.exts = scanned.exts
     if None not in buckets:
@@ -197,7 +126,7 @@ def _shard_rows(url: str, size: int, stamp: str, scanned: ScanRows, fn: BucketFn
     return rows
 
 
-def _bucket_keys(url: str, fn: BucketFn, scanned: ScanRows, on_error: str, rows: _ShardRows,
+def _bucket_keys(url: str, fn: BucketFn, scanned: ScanRows, on_error: str, rows: ShardRows,
                  storage_options: Mapping[str, Any] | None) -> list[Hashable | None]:
     """Each scanned sample's bucket, or None where it is excluded (recorded in ``rows``)."""
     keys = scanned.keys
@@ -244,7 +173,7 @@ def _whole_members(url: str, scanned: ScanRows, i: int,
     return {e: members[e] for e in scanned.data if e in members}
 
 
-def _bucket_failure(url: str, key: str, offset: int, exc: Exception, on_error: str, rows: _ShardRows) -> None:
+def _bucket_failure(url: str, key: str, offset: int, exc: Exception, on_error: str, rows: ShardRows) -> None:
     message = f"bucket function failed for sample {key!r} in {redact(url)!r} at byte offset {offset}: {exc}"
     if on_error == "raise":
         raise BucketError(message + "; or index with on_error='skip' (--on-error skip) to leave such samples out") from exc
@@ -329,9 +258,9 @@ def build_index(
     todo = [u for u in shard_urls if u not in reused]
     bar = Progress(total=len(shard_urls), enabled=progress, label="index")
     bar.advance(shards=len(reused))
-    results: dict[str, _ShardRows] = dict(reused)
+    results: dict[str, ShardRows] = dict(reused)
 
-    def task(group: Sequence[str]) -> list[_ShardRows]:
+    def task(group: Sequence[str]) -> list[ShardRows]:
         rows = _scan_group(group, fn, on_error, storage_options, bar)
         for r in rows:
             bar.advance(shards=1, nbytes=max(r.nbytes, 0))
@@ -355,13 +284,12 @@ def build_index(
                     pool.shutdown(wait=False, cancel_futures=True)
                     raise
     except BaseException:
-        bar.enabled = bar.enabled and bar.tty  # in a log, a failed build ends with its error line
+        bar.close(failed=True)  # in a log, a failed build ends with its error line
         raise
-    finally:
-        bar.close()
-    parts = _fit_exts([results[u] for u in shard_urls], on_error)
+    bar.close()
+    parts = fit_exts([results[u] for u in shard_urls], on_error)
     skipped = [p.fault for p in parts if p.fault is not None]  # shard order: same for any workers
-    index = _assemble(parts, fn, skipped, name or _default_name(output, shard_urls))
+    index = assemble(parts, fn.describe(), skipped, name or _default_name(output, shard_urls))
     if output is not None:
         write_index(index, output, storage_options, force=force)
         object.__setattr__(index, "path", output)
@@ -377,9 +305,9 @@ def _default_name(output: str | None, urls: Sequence[str]) -> str:
 
 
 def _reusable(previous: Index, urls: Sequence[str],
-              storage_options: Mapping[str, Any] | None) -> dict[str, _ShardRows]:
+              storage_options: Mapping[str, Any] | None) -> dict[str, ShardRows]:
     by_url = {s.url: i for i, s in enumerate(previous.shards) if s.error is None}
-    out: dict[str, _ShardRows] = {}
+    out: dict[str, ShardRows] = {}
     for url in urls:
         si = by_url.get(url)
         if si is None:
@@ -391,7 +319,7 @@ def _reusable(previous: Index, urls: Sequence[str],
             continue  # let the scan report it
         if size != old.size or stamp != old.stamp:
             continue
-        rows = _ShardRows(old, nbytes=0)
+        rows = ShardRows(old, nbytes=0)
         ids = np.flatnonzero(previous.shard == si)
         rows.offset, rows.length = previous.offset[ids], previous.length[ids]
         rows.keys = [previous.key(int(i)) for i in ids]
@@ -400,178 +328,3 @@ def _reusable(previous: Index, urls: Sequence[str],
         rows.excluded = [e for e in previous.excluded.get("samples", []) if e.get("url") == url]
         out[url] = rows
     return out
-
-
-def _assemble(parts: Sequence[_ShardRows], fn: BucketFn, skipped: list[dict[str, Any]], name: str) -> Index:
-    ext_table = sorted({e for p in parts for e in _present_exts(p)})
-    if len(ext_table) > 64:
-        raise ConfigError(f"{len(ext_table)} distinct member extensions; the index records at most 64")
-    bit = {e: i for i, e in enumerate(ext_table)}
-    bucket_keys: list[Hashable] = []
-    bucket_id: dict[Hashable, int] = {}
-    shard_col, offset, length, bucket, masks, keys = [], [], [], [], [], []
-    excluded_samples: list[dict[str, Any]] = []
-    for si, p in enumerate(parts):
-        n = len(p.keys)
-        shard_col.append(np.full(n, si, dtype=np.int32))
-        offset.append(p.offset)
-        length.append(p.length)
-        distinct = set(p.buckets)  # make_index orders the buckets canonically
-        for b in distinct:
-            if b not in bucket_id:
-                bucket_id[b] = len(bucket_keys)
-                bucket_keys.append(b)
-        if len(distinct) == 1:
-            bucket.append(np.full(n, bucket_id[next(iter(distinct))], dtype=np.int64))
-        else:
-            bucket.append(np.fromiter(map(bucket_id.__getitem__, p.buckets), dtype=np.int64, count=n))
-        masks.append(_remap_mask(p, bit))
-        keys.extend(p.keys)
-        excluded_samples.extend(p.excluded)
-    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
-    rows = {"shard": cat(shard_col, np.int32), "offset": cat(offset, np.int64),
-            "length": cat(length, np.int64), "bucket": cat(bucket, np.int64), "exts": cat(masks, np.uint64)}
-    excluded = {"samples": excluded_samples, "shards": skipped,
-                "count": len(excluded_samples)}
-    if len(excluded_samples) > 10_000:  # keep the header small; the count stays exact
-        excluded["samples"] = excluded_samples[:10_000]
-        excluded["truncated"] = True
-    return make_index([p.info for p in parts], rows, bucket_keys, keys, bucket_by=fn.describe(),
-                      exts=ext_table, excluded=excluded, name=name)
-
-
-def _fit_exts(parts: list[_ShardRows], on_error: str) -> list[_ShardRows]:
-    """The shards whose extensions fit one index's table of 64, in shard order: the first
-    shard that would overflow it raises (naming it and its extensions), or with
-    on_error="skip" is left out, as are any later ones that would."""
-    table: set[str] = set()
-    for i, p in enumerate(parts):
-        present = _present_exts(p)
-        if len(table.union(present)) <= 64:
-            table.update(present)
-            continue
-        new = sorted(set(present) - table)
-        exc = ShardError(
-            f"shard {redact(p.info.url)!r} adds member extensions {new[:10]}{' ...' if len(new) > 10 else ''} "
-            f"to the {len(table)} that the shards before it use: more than the 64 distinct extensions "
-            "an index records; give the members fewer distinct suffixes, index these shards "
-            "separately, or index with on_error='skip' (--on-error skip) to leave this shard out"
-        )
-        if on_error != "skip":
-            raise exc
-        parts[i] = _unreadable(p.info.url, exc)
-    return parts
-
-
-def _present_exts(p: _ShardRows) -> list[str]:
-    """The extensions some kept sample of ``p`` has (an excluded sample's are not recorded)."""
-    seen = int(np.bitwise_or.reduce(p.mask)) if len(p.mask) else 0
-    return [e for i, e in enumerate(p.exts) if seen >> i & 1]
-
-
-def _remap_mask(p: _ShardRows, bit: Mapping[str, int]) -> np.ndarray:
-    """``p``'s masks with its extension bits moved to the index's table."""
-    if all(bit.get(e) == i for i, e in enumerate(p.exts)):
-        return p.mask  # the same bits (a shard with every extension, in the same order)
-    out = np.zeros(len(p.mask), np.uint64)
-    for i, e in enumerate(p.exts):
-        if e in bit:
-            out |= ((p.mask >> np.uint64(i)) & np.uint64(1)) << np.uint64(bit[e])
-    return out
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One stale or missing shard found by :func:`verify_index`."""
-
-    url: str
-    reason: str
-
-
-def verify_index(index: Index | str, *, deep: bool = False,
-                 storage_options: Mapping[str, Any] | None = None) -> list[Problem]:
-    """Check every shard's size and change stamp (deep: rescan and compare rows).
-
-    Returns:
-        The problems found, one per stale or missing shard (empty when all is well). A
-        shard whose store cannot be reached (or found no credentials) is a problem whose
-        reason starts with ``"unreachable: "``, one that does not exist ``"missing: "``.
-    """
-    if isinstance(index, str):
-        index = load_index(index, storage_options=storage_options)
-    problems: list[Problem] = []
-    fn = _DescribedOnly(index.bucket_by)
-    for si, shard in enumerate(index.shards):
-        if shard.size < 0:
-            continue  # missing when indexed (on_error="skip"): nothing recorded to compare
-        try:
-            size, stamp = shard_info(shard.url, storage_options)
-        except ReadError as exc:  # the store, not the shard: nothing is known about it
-            problems.append(Problem(shard.url, f"unreachable: {exc}"))
-            continue
-        except ShardError as exc:
-            problems.append(Problem(shard.url, f"missing: {exc}"))
-            continue
-        if size != shard.size:
-            problems.append(Problem(shard.url, f"size {size} != indexed {shard.size}"))
-            continue
-        if stamp != shard.stamp:
-            problems.append(Problem(shard.url, f"change stamp {stamp!r} != indexed {shard.stamp!r}"))
-            continue
-        if deep:
-            reason = _deep_compare(index, si, fn, storage_options)
-            if reason:
-                problems.append(Problem(shard.url, reason))
-    return problems
-
-
-class _DescribedOnly:
-    """A bucket function that reads nothing: deep verification compares byte ranges and keys."""
-
-    members: tuple[str, ...] = ()
-    head_bytes = None
-
-    def __init__(self, description: Mapping[str, Any]) -> None:
-        self._description = dict(description)
-
-    def __call__(self, key: str, data: Mapping[str, bytes]) -> Hashable:
-        return 0
-
-    def describe(self) -> dict[str, Any]:
-        return self._description
-
-
-def _deep_compare(index: Index, si: int, fn: Any, storage_options: Mapping[str, Any] | None) -> str:
-    url = index.shards[si].url
-    on_error = "raise" if index.shards[si].error is None else "skip"  # a known fault is no news
-    try:
-        rows = _scan_one(url, fn, on_error, storage_options, Progress(total=0, enabled=False))
-    except WdsPadError as exc:
-        return f"rescan failed: {exc}"
-    ids = np.flatnonzero(index.shard == si)
-    keys = [index.key(int(i)) for i in ids]
-    # Samples excluded by the bucket function are absent from the index: compare by key.
-    got = dict(zip(rows.keys, zip(rows.offset.tolist(), rows.length.tolist())))
-    for i, k in zip(ids, keys):
-        was = (int(index.offset[i]), int(index.length[i]))
-        now = got.get(k)
-        if now != was:
-            return _difference(k, was, now, rows)
-    return ""
-
-
-def _difference(key: str, was: tuple[int, int], now: tuple[int, int] | None, rows: _ShardRows) -> str:
-    """What differs for one indexed sample, in words (plain ints)."""
-    (offset, length) = was
-    if now is None:
-        at = np.flatnonzero(rows.offset == offset)
-        if at.size:
-            other = rows.keys[int(at[0])]
-            return (f"sample {key!r} was renamed: the sample at byte offset {offset} is now key {other!r} "
-                    f"({int(rows.length[int(at[0])])} bytes; indexed: {length} bytes)")
-        return f"sample {key!r} is gone: indexed at byte offset {offset} ({length} bytes), no such key now"
-    if now[0] == offset:
-        return f"sample {key!r} at byte offset {offset} changed size: {now[1]} bytes now, {length} indexed"
-    return (f"sample {key!r} moved to another offset: indexed at byte offset {offset} ({length} bytes), "
-            f"now at {now[0]} ({now[1]} bytes)")
-

@@ -10,7 +10,8 @@ the excluded samples, the member-extension table, each array's dtype/offset/leng
 a content digest (blake2b over the arrays and the planning-relevant header fields).
 
 Invariants:
-- a file is written atomically (temp file + rename locally; a single PUT elsewhere);
+- ``serialize`` gives the bytes of one file; ``index.output`` checks where they go and
+  writes them atomically (temp file + rename locally; a single PUT elsewhere);
 - ``load_index`` refuses a wrong magic/version, a damaged header (crc32), a truncated
   file, and (``verify=True``, the default for files up to 256 MiB) a wrong digest;
 - local files are memory-mapped: ranks and DataLoader workers share the pages, and
@@ -23,7 +24,6 @@ import hashlib
 import json
 import mmap
 import os
-import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -31,11 +31,10 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from ..io.atomic import atomic_write
-from ..errors import ConfigError, IndexFormatError
 from ..core.dataset import Dataset, bucket_order
+from ..errors import IndexFormatError
 
-__all__ = ["FORMAT_VERSION", "Index", "ShardInfo", "check_output", "load_index", "write_index"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "Index", "ShardInfo", "load_index", "make_index", "serialize"]
 
 FORMAT_VERSION = 1
 MAGIC = b"WDSPADIX"
@@ -228,8 +227,8 @@ def make_index(
                  exts=tuple(exts), excluded=dict(excluded or {}), name=name)
 
 
-# -- writing ---------------------------------------------------------------------------
-def _serialize(index: Index) -> list[bytes | memoryview]:
+# -- bytes -----------------------------------------------------------------------------
+def serialize(index: Index) -> list[bytes | memoryview]:
     layout: dict[str, dict[str, Any]] = {}
     pos = 0
     for k, dtype in ARRAY_DTYPES.items():
@@ -247,166 +246,6 @@ def _serialize(index: Index) -> list[bytes | memoryview]:
         parts.append(memoryview(data).cast("B"))
         parts.append(b"\0" * (-data.nbytes % _ALIGN))
     return parts
-
-
-def _local(path: str) -> str | None:
-    """The local file path of ``path`` (``file://`` stripped), or None for another filesystem."""
-    if path.startswith("file://"):
-        return path[len("file://"):]
-    return None if "://" in path else path
-
-
-def _refuse(path: str, why: str, fix: str = "choose another output path (-o)") -> ConfigError:
-    return ConfigError(f"index output {path!r} {why}; {fix}")
-
-
-_FORCE_FIX = "choose another output path (-o), or pass --force (force=True) to replace it"
-
-
-def check_output(path: str, inputs: Sequence[str] = (), *, force: bool = False,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
-    """Refuse an index output path that would destroy something or cannot be written.
-
-    Cheap (a few stats, one 8-byte read), so it runs before any shard is scanned.
-
-    Args:
-        path: the output, a local path or fsspec URL.
-        inputs: the shard URLs being indexed; the output must be none of them.
-        force: allow replacing an existing file that is not a wds_pad index.
-        storage_options: fsspec options for a remote output.
-
-    Raises:
-        ConfigError: an empty path; one of the inputs (also through a symlink or hard
-            link); a directory or other non-regular file; an existing non-empty file
-            that is not a wds_pad index (unless ``force``); a path whose parent is a
-            file or not writable. The message names the path and the fix.
-    """
-    if not isinstance(path, str) or not path.strip():
-        raise ConfigError(f"index output path is empty ({path!r}); give a file path, e.g. -o train.wdsidx")
-    local = _local(path)
-    if local is None:
-        _check_remote(path, inputs, force, storage_options)
-        return
-    if not local:
-        raise ConfigError(f"index output path is empty ({path!r}); give a file path, e.g. -o train.wdsidx")
-    target = os.path.abspath(local)
-    shards = {os.path.abspath(p): u for u in inputs if (p := _local(u))}
-    for alias in (target, os.path.realpath(target)):
-        if alias in shards:
-            raise _refuse(path, f"is one of the input shards ({shards[alias]!r}); writing the index there "
-                                "would destroy the shard")
-    if local.endswith((os.sep, "/")) or os.path.isdir(target):
-        raise _refuse(path, "is a directory",
-                      f"give a file path, e.g. -o {os.path.join(local, 'train.wdsidx')!r}")
-    try:
-        st = os.stat(target)
-    except FileNotFoundError:
-        st = None
-    except NotADirectoryError:
-        st = None  # a parent is a file: reported below
-    except OSError as exc:
-        raise _refuse(path, f"cannot be checked ({exc.strerror or exc})") from exc
-    if st is None:
-        _check_parent(path, os.path.dirname(target))
-        return
-    if not stat.S_ISREG(st.st_mode):
-        raise _refuse(path, "exists and is not a regular file (a device, pipe or socket)")
-    for shard, url in shards.items():  # a symlink or hard link to a shard
-        try:
-            other = os.stat(shard)
-        except OSError:
-            continue
-        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
-            raise _refuse(path, f"is the same file as the input shard {url!r}; writing the index there "
-                                "would destroy the shard")
-    _check_parent(path, os.path.dirname(target))
-    if not force and st.st_size:
-        try:
-            with open(target, "rb") as f:
-                head = f.read(len(MAGIC))
-        except OSError as exc:
-            raise _refuse(path, f"exists and cannot be read to check that it is a wds_pad index "
-                                f"({exc.strerror or exc})", _FORCE_FIX) from exc
-        if head != MAGIC:
-            raise _refuse(path, f"exists and is not a wds_pad index ({st.st_size} bytes, no {MAGIC.decode()} "
-                                "magic)", _FORCE_FIX)
-
-
-def _check_parent(path: str, directory: str) -> None:
-    """The nearest existing ancestor of the output must be a directory we may write into."""
-    ancestor = directory
-    while not os.path.lexists(ancestor) and os.path.dirname(ancestor) != ancestor:
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise _refuse(path, f"cannot be created: {ancestor!r} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise _refuse(path, f"cannot be created: no permission to write in directory {ancestor!r}")
-
-
-def _check_remote(path: str, inputs: Sequence[str], force: bool,
-                  storage_options: Mapping[str, Any] | None) -> None:
-    from ..errors import ShardError
-    from ..io.faults import call_store
-    from ..io.fs import get_filesystem
-
-    if path in set(inputs):
-        raise _refuse(path, "is one of the input shards; writing the index there would destroy the shard")
-    fs, fpath = get_filesystem(path, storage_options)
-    try:  # a store that cannot be reached, or no credentials: a ReadError now, before any scan
-        info = call_store(lambda: fs.info(fpath), path, what="index output")
-    except ShardError:  # missing (the usual case), or forbidden to read: the write reports real faults
-        return
-    if info.get("type") == "directory":
-        raise _refuse(path, "is a directory (a prefix with objects under it)",
-                      f"give an object path, e.g. -o {path.rstrip('/')}/train.wdsidx")
-    if force or not info.get("size"):
-        return
-    try:
-        head = fs.cat_file(fpath, start=0, end=len(MAGIC))
-    except OSError:
-        return
-    if head != MAGIC:
-        raise _refuse(path, f"exists and is not a wds_pad index ({info.get('size')} bytes, no "
-                            f"{MAGIC.decode()} magic)", _FORCE_FIX)
-
-
-def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | None = None, *,
-                force: bool = False) -> str:
-    """Write ``index`` to a local path or fsspec URL, atomically.
-
-    Locally: a temp file in the same directory, fsync, then rename, so an interrupted
-    write never leaves a half-written index (temps left by a killed writer are removed
-    by the next successful write). Elsewhere: one PUT of the whole file.
-
-    Args:
-        index: the index to write.
-        path: local path or fsspec URL; an existing wds_pad index there is replaced.
-        storage_options: fsspec options for remote paths.
-        force: also replace an existing file that is not a wds_pad index.
-
-    Returns:
-        The path written.
-
-    Raises:
-        ConfigError: ``path`` is refused (see :func:`check_output`), checked before
-            anything is written.
-        ReadError, ShardError: a remote store cannot be reached, has no credentials, or
-            refuses the write.
-    """
-    check_output(path, index.urls, force=force, storage_options=storage_options)
-    parts = _serialize(index)
-    local = _local(path)
-    if local is not None:
-        atomic_write(local, parts)
-        return local
-    from ..io.faults import call_store
-    from ..io.fs import get_filesystem
-
-    fs, fpath = get_filesystem(path, storage_options)
-    data = b"".join(bytes(p) for p in parts)
-    call_store(lambda: fs.pipe_file(fpath, data), path, what="index output",
-               fix="check the output URL and that these credentials may write there")
-    return path
 
 
 # -- reading ---------------------------------------------------------------------------

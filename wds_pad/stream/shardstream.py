@@ -37,7 +37,7 @@ from .loaderargs import check_loader_args
 from ..errors import ConfigError, StaleShardError, StateError, StateMismatchError
 from ..index.format import Index, load_index
 from ..core.policy import check_epoch
-from ..index.build import shard_info
+from ..index.shardfile import shard_info
 from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..core.seed import shared_seed, stable_digest
