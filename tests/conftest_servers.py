@@ -19,20 +19,14 @@ Fixtures:
 from __future__ import annotations
 
 import itertools
-import sys
 import urllib.parse
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-_TOOLS = str(Path(__file__).resolve().parents[1] / "tools")
-if _TOOLS not in sys.path:
-    sys.path.insert(0, _TOOLS)
-
-from faultproxy import FaultProxy  # noqa: E402
-from servers import MotoServer, NginxServer, PythonHttpServer, http_server  # noqa: E402
+from faultproxy import FaultProxy  # tools/ is on sys.path: tests/conftest.py
+from servers import MotoServer, NginxServer, PythonHttpServer, http_server
 
 _BUCKETS = itertools.count()
 

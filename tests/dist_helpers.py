@@ -77,7 +77,8 @@ class Job:
         env: extra environment variables.
 
     ``{port}`` in ``argv`` is replaced by the free port chosen at :meth:`start` (for
-    ``torch.distributed.run --master_port {port}``).
+    ``torch.distributed.run --master_port {port}``). As a context manager it starts on
+    entry and closes (every process group killed and reaped) on exit.
     """
 
     argv: Sequence[str]
@@ -106,6 +107,12 @@ class Job:
             self._files.append((out, err))
         self._deadline = time.monotonic() + self.timeout
         return self
+
+    def __enter__(self) -> "Job":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to every rank's process group (the rank and its workers)."""

@@ -32,6 +32,7 @@ import pytest
 
 from faultproxy import Fault, FaultProxy, Request, Rule, StallMode
 from servers import MotoServer
+from data_helpers import make_dataset, plan_keys, serve_dir, upload_files
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.errors import ReadError, ShardError, WdsPadError
@@ -91,17 +92,14 @@ def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def http_proxy(nginx_server: Any, shard_dir: Path) -> Iterator[FaultProxy]:
-    shutil.copytree(shard_dir, nginx_server.root_dir / "faults", dirs_exist_ok=True)
+    serve_dir(nginx_server, shard_dir, "faults")
     with FaultProxy(nginx_server.host, nginx_server.port, seed=1) as proxy:
         yield proxy
 
 
 @pytest.fixture(scope="module")
 def s3_proxy(moto_server: MotoServer, shard_dir: Path) -> Iterator[FaultProxy]:
-    bucket = moto_server.make_bucket("wds-pad-faults")
-    client = moto_server.client()
-    for path in sorted(shard_dir.glob("shard-*.tar")):
-        client.upload_file(str(path), bucket, path.name)
+    upload_files(moto_server, "wds-pad-faults", sorted(shard_dir.glob("shard-*.tar")))
     with S3FaultProxy(moto_server.host, moto_server.port, seed=2) as proxy:
         yield proxy
 
@@ -138,9 +136,7 @@ def _clean_proxies(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def _ds(index: Index, **kw: Any) -> BucketedWebDataset:
-    args: dict[str, Any] = dict(batch_size=4, topology=SOLO, seed=5, pad="drop")  # each sample once
-    args.update(kw)
-    return BucketedWebDataset(index, **args)
+    return make_dataset(index, **{"topology": SOLO, "seed": 5, "pad": "drop", **kw})  # each sample once
 
 
 def _digest(batches: Any) -> list[list[tuple[str, str]]]:
@@ -163,8 +159,7 @@ def http_clean(http_index: Index, http_proxy: FaultProxy) -> list[list[tuple[str
     http_proxy.clear_faults()
     ds = _ds(http_index)
     got = _digest(ds)
-    assert [[k for k, _ in b] for b in got] == [[http_index.key(int(i)) for i in b.samples]
-                                                for b in ds.plan()]
+    assert [[k for k, _ in b] for b in got] == plan_keys(ds.plan(), http_index)
     return got
 
 

@@ -29,6 +29,8 @@ import webdataset as wds
 
 from faultproxy import Fault, FaultProxy, Request, Rule
 from servers import MotoServer
+from data_helpers import (assert_same_bytes, batch_keys, make_dataset, plan_keys, serve_dir, upload_files,
+                          wds_reference)
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.cli.app import main as cli_main
 from wds_pad.stream.dataset import BucketedWebDataset
@@ -70,26 +72,20 @@ def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(shard_dir: Path) -> dict[str, dict[str, Any]]:
     """Every sample, keyed by ``__key__``, as webdataset reads it from local disk."""
-    paths = [str(shard_dir / f"train-{i:06d}.tar") for i in range(SHARDS)]
-    return {s["__key__"]: s for s in wds.WebDataset(paths, shardshuffle=False)}
+    return wds_reference(str(shard_dir / f"train-{i:06d}.tar") for i in range(SHARDS))
 
 
 @pytest.fixture(scope="module")
 def s3_train(moto_server: MotoServer, shard_dir: Path) -> str:
     """A bucket holding the 32 shards as ``s3://BUCKET/train-000000.tar`` ...; its name."""
-    bucket = moto_server.make_bucket("wds-pad-object-storage")
-    client = moto_server.client()
-    for i in range(SHARDS):
-        client.upload_file(str(shard_dir / f"train-{i:06d}.tar"), bucket, f"train-{i:06d}.tar")
-    return bucket
+    return upload_files(moto_server, "wds-pad-object-storage",
+                        [shard_dir / f"train-{i:06d}.tar" for i in range(SHARDS)])
 
 
 @pytest.fixture(scope="module")
 def http_base(nginx_server: Any, shard_dir: Path) -> str:
     """Base URL under which nginx serves the same 32 shards."""
-    root = nginx_server.root_dir / "os-train"
-    shutil.copytree(shard_dir, root, ignore=shutil.ignore_patterns("gen"), dirs_exist_ok=True)
-    return f"{nginx_server.url}/os-train"
+    return serve_dir(nginx_server, shard_dir, "os-train", ignore=shutil.ignore_patterns("gen"))
 
 
 @pytest.fixture(scope="module")
@@ -115,27 +111,7 @@ def _s3fs(moto_server: MotoServer) -> s3fs.S3FileSystem:
 
 
 def _ds(index: Index | str, **kw: Any) -> BucketedWebDataset:
-    args: dict[str, Any] = dict(batch_size=4, topology=SOLO, seed=7)
-    args.update(kw)
-    return BucketedWebDataset(index, **args)
-
-
-def _plan_keys(ds: BucketedWebDataset, index: Index) -> list[list[str]]:
-    return [[index.key(int(i)) for i in b.samples] for b in ds.plan()]
-
-
-def _keys(batches: Any) -> list[list[str]]:
-    return [[s["__key__"] for s in b] for b in batches]
-
-
-def _check_bytes(batches: list[list[dict[str, Any]]], reference: dict[str, dict[str, Any]]) -> None:
-    """Each streamed sample has exactly the members and bytes webdataset reads locally."""
-    for batch in batches:
-        for s in batch:
-            ref = reference[s["__key__"]]
-            members = {k for k in ref if not k.startswith("__")}
-            assert members == {k for k in s if not k.startswith("__")}
-            assert all(s[k] == ref[k] for k in members), s["__key__"]
+    return make_dataset(index, **{"topology": SOLO, "seed": 7, **kw})
 
 
 def _resume_matches(make: Any, full: list[list[str]], stop_after: int, num_workers: int | None) -> None:
@@ -147,14 +123,14 @@ def _resume_matches(make: Any, full: list[list[str]], stop_after: int, num_worke
     first = make()
     owner: Any = first if num_workers is None else Loader(first, num_workers=num_workers)
     it = iter(owner)
-    head = _keys(itertools.islice(it, stop_after))
+    head = batch_keys(itertools.islice(it, stop_after))
     state = owner.state_dict()
     del it  # ends the workers
     second = make()
     resumed: Any = second if num_workers is None else Loader(second, num_workers=num_workers)
     resumed.load_state_dict(state)
     assert head == full[:stop_after]
-    assert _keys(resumed) == full[stop_after:]
+    assert batch_keys(resumed) == full[stop_after:]
 
 
 class _Arrivals:
@@ -195,9 +171,9 @@ def test_s3_index_next_to_shards_stream_and_resume(moto_server: MotoServer, s3_t
     assert index.digest == built.digest
     ds = _ds(index_url, storage_options=options)  # the dataset loads the index from S3 itself
     batches = list(ds)
-    full = _keys(batches)
-    assert full == _plan_keys(ds, index) and len(full) == len(ds) > 10
-    _check_bytes(batches, reference)
+    full = batch_keys(batches)
+    assert full == plan_keys(ds.plan(), index) and len(full) == len(ds) > 10
+    assert_same_bytes(batches, reference)
 
     make = lambda: _ds(index_url, storage_options=options)  # noqa: E731
     _resume_matches(make, full, stop_after=len(full) // 2, num_workers=None)
@@ -208,8 +184,8 @@ def test_s3_resume_through_loader_workers(moto_server: MotoServer, s3_index: tup
     options = moto_server.storage_options
     index_url = s3_index[0]
     make = lambda: _ds(index_url, storage_options=options, seed=8)  # noqa: E731
-    full = _keys(Loader(make(), num_workers=2))
-    assert full == _plan_keys(make(), load_index(index_url, storage_options=options))
+    full = batch_keys(Loader(make(), num_workers=2))
+    assert full == plan_keys(make().plan(), load_index(index_url, storage_options=options))
     _resume_matches(make, full, stop_after=7, num_workers=2)
 
 
@@ -225,7 +201,7 @@ def test_s3_credentials_and_endpoint_from_the_environment(
         monkeypatch.setenv(name, value)
     index = build_index(f"s3://{s3_train}/train-{{000000..000003}}.tar", BUCKET_BY)
     ds = _ds(index, oversubscribe=True)
-    assert _keys(ds) == _plan_keys(ds, index)
+    assert batch_keys(ds) == plan_keys(ds.plan(), index)
     auth = [r.header("authorization") or "" for r in proxy.requests]
     assert auth and all(f"Credential={key_id}/" in a for a in auth)  # the env's key signed them
 
@@ -404,9 +380,9 @@ def test_http_index_stream_and_resume(http_base: str, tmp_path: Path,
     assert len(built) == SAMPLES and all(s.stamp for s in built.shards)  # ETag from nginx
     ds = _ds(index_path)
     batches = list(ds)
-    full = _keys(batches)
-    assert full == _plan_keys(ds, built)
-    _check_bytes(batches, reference)
+    full = batch_keys(batches)
+    assert full == plan_keys(ds.plan(), built)
+    assert_same_bytes(batches, reference)
     _resume_matches(lambda: _ds(index_path), full, stop_after=len(full) // 3, num_workers=None)
     _resume_matches(lambda: _ds(index_path), full, stop_after=5, num_workers=2)
 
@@ -451,7 +427,7 @@ def test_s3_changed_shard_is_refused_with_no_extra_request(moto_server: MotoServ
                         storage_options=moto_server.storage_options)
     proxy: FaultProxy = fault_proxy(moto_server)
     ds = _ds(index, storage_options=moto_server.storage_options_via(proxy.url))
-    assert _keys(ds) == _plan_keys(ds, index)  # unchanged: streams as before
+    assert batch_keys(ds) == plan_keys(ds.plan(), index)  # unchanged: streams as before
     assert len(_only_ranged_gets(proxy)) == ds.read_stats.requests  # type: ignore[union-attr]
     shard = int(index.shard[int(ds.plan()[1].samples[0])])
     key = f"train-{shard:06d}.tar"
@@ -479,7 +455,7 @@ def test_http_changed_shard_is_refused_with_no_extra_request(nginx_server: Any, 
     assert all(s.stamp.startswith("ETag=") for s in index.shards)
     proxy.reset_counters()
     ds = _ds(index)
-    assert _keys(Loader(ds, num_workers=0)) == _plan_keys(ds, index)  # unchanged: as before
+    assert batch_keys(Loader(ds, num_workers=0)) == plan_keys(ds.plan(), index)  # unchanged: as before
     assert len(_only_ranged_gets(proxy)) == ds.read_stats.requests  # type: ignore[union-attr]
     shard = int(index.shard[int(ds.plan()[1].samples[0])])
     path = root / f"train-{shard:06d}.tar"
@@ -514,8 +490,8 @@ def test_simplecache_chain_indexes_and_streams_from_the_cache(
     proxy.reset_counters()
     ds = _ds(index.path, storage_options=options)
     batches = list(ds)
-    assert _keys(batches) == _plan_keys(ds, index)
-    _check_bytes(batches, reference)
+    assert batch_keys(batches) == plan_keys(ds.plan(), index)
+    assert_same_bytes(batches, reference)
     assert not [r for r in proxy.requests if r.method == "GET"]  # served from the local cache
 
 

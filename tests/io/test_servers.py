@@ -24,11 +24,10 @@ import pytest
 import s3fs
 from fsspec.exceptions import FSTimeoutError
 
-TOOLS = str(Path(__file__).resolve().parents[2] / "tools")
-if TOOLS not in sys.path:
-    sys.path.insert(0, TOOLS)
-from faultproxy import FaultProxy, Request, StallMode  # noqa: E402
-from servers import MotoServer, NginxServer, PythonHttpServer  # noqa: E402
+from faultproxy import FaultProxy, Request, StallMode  # tools/ is on sys.path: tests/conftest.py
+from servers import MotoServer, NginxServer, PythonHttpServer
+
+TOOLS = str(Path(__file__).resolve().parents[2] / "tools")  # for the child processes
 
 pytest_plugins = ["conftest_servers"]
 

@@ -33,6 +33,7 @@ from wds_pad.index.build import build_index
 from wds_pad.state import load_state_file, state_path
 from wds_pad.core.topology import Topology
 
+from data_helpers import image_index, make_dataset
 from resume_harness import check_resume, check_start_mid_boundary, epochs_driver, take
 
 pytestmark = pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning")
@@ -41,10 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory: pytest.TempPathFactory) -> Index:
-    d = tmp_path_factory.mktemp("shards")
-    paths = make_image_shards(d, samples=120, shards=4, seed=1)
-    built = build_index(paths, "aspect:width,height", output=str(d / "index.wdsidx"))
-    return load_index(built.path)  # type: ignore[arg-type]
+    return image_index(tmp_path_factory.mktemp("shards"), samples=120, shards=4, seed=1)
 
 
 def batch_key(batch: list[dict[str, Any]]) -> tuple[tuple[str, bool, int, int], ...]:
@@ -52,11 +50,7 @@ def batch_key(batch: list[dict[str, Any]]) -> tuple[tuple[str, bool, int, int], 
 
 
 def make_ds(index: Index, **kw: Any) -> BucketedWebDataset:
-    args: dict[str, Any] = dict(batch_size=4, seed=11, topology=Topology(1, 0), check_agreement=False)
-    args.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return BucketedWebDataset(index, **args)
+    return make_dataset(index, quiet=True, **{"seed": 11, "check_agreement": False, **kw})
 
 
 def _drive_and_total(ds: BucketedWebDataset) -> tuple[Any, int | None, list[int]]:

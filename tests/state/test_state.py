@@ -28,6 +28,8 @@ from wds_pad.core.plan import plan_epoch
 from wds_pad.state import elastic_view, load_state_file, save_state_file, state_path
 from wds_pad.core.topology import Topology
 
+from data_helpers import aspect_index, make_dataset
+
 pytestmark = pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning")
 
 
@@ -35,9 +37,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWar
 def indexes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Index, Index]:
     d = tmp_path_factory.mktemp("shards")
     paths = make_image_shards(d, samples=96, shards=3, seed=2)
-    a = build_index(paths, "aspect:width,height", output=str(d / "a.wdsidx"))
-    b = build_index(paths[:2], "aspect:width,height", output=str(d / "b.wdsidx"))
-    return load_index(a.path), load_index(b.path)  # type: ignore[arg-type]
+    return aspect_index(paths, d / "a.wdsidx"), aspect_index(paths[:2], d / "b.wdsidx")
 
 
 BASE: dict[str, Any] = dict(batch_size=4, seed=3, topology=Topology(4, 1), pad="cyclic", mode="epochs",
@@ -45,10 +45,7 @@ BASE: dict[str, Any] = dict(batch_size=4, seed=3, topology=Topology(4, 1), pad="
 
 
 def make(index: Index, **kw: Any) -> BucketedWebDataset:
-    args = {**BASE, **kw}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return BucketedWebDataset(index, check_agreement=False, **args)
+    return make_dataset(index, quiet=True, check_agreement=False, **{**BASE, **kw})
 
 
 def keys(batches: Any) -> list[list[tuple[str, bool]]]:

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 import pytest
+from data_helpers import plan_keys
 from dist_helpers import Job, JobFailed, bucket_keys_of, check_epoch, run_scenarios, session_dataset
 
 from wds_pad import Topology, plan_epoch
@@ -101,7 +102,7 @@ def test_every_rank_streams_its_share_of_the_padded_plan(
         for rank, stream in streams.items():  # exactly the pure planner's plan for the broadcast seed
             plan = plan_epoch(dataset, Topology(world_size=world, rank=rank, cp_size=cp), seed=seed,
                               epoch=epoch, batch_size=2, oversubscribe=True, warn=False)
-            assert [b["keys"] for b in stream] == [[index.key(int(i)) for i in b.samples] for b in plan]
+            assert [b["keys"] for b in stream] == plan_keys(plan, index)
         orders.append([k for b in streams[0] for k in b["keys"]])
     assert orders[0] != orders[1], "epoch 1 was not reshuffled"
 
@@ -204,11 +205,8 @@ def test_the_launcher_never_hangs() -> None:
 
     # fail fast: once rank 1 exits with an error, rank 0 is killed after the grace period
     # (had rank 0 lived to the 60 s timeout, wait() would raise JobFailed "timed out")
-    job = Job([sys.executable, "-c", _SLEEPER], 2, timeout=60, grace=1, env={"FAIL_RANK": "1"}).start()
-    try:
+    with Job([sys.executable, "-c", _SLEEPER], 2, timeout=60, grace=1, env={"FAIL_RANK": "1"}) as job:
         results = job.wait()
-    finally:
-        job.close()
     # rank 1 failed with its own code; rank 0 was killed by the launcher (None when the
     # launcher recorded the kill, -SIGKILL when the process was reaped first)
     assert results[1].returncode == 3

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from gloo_jobs import run_gloo_job
+from data_helpers import wds_reference
 from resume_harness import check_start_mid_boundary, epochs_driver
 from wds_pad.cli.synth import make_blob_shards
 from wds_pad.errors import (ConfigError, StaleShardError, StateError, StateMismatchError,
@@ -59,11 +60,7 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Index]:
 @pytest.fixture(scope="module")
 def reference(five: tuple[list[str], Index], three: tuple[list[str], Index]) -> dict[str, dict[str, Any]]:
     """webdataset's own reading of every sample, by key."""
-    out = {}
-    for paths, _ in (five, three):
-        for s in wds.WebDataset(paths, shardshuffle=False):
-            out[s["__url__"] + "/" + s["__key__"]] = s
-    return out
+    return {**wds_reference(five[0], by_url=True), **wds_reference(three[0], by_url=True)}
 
 
 def _dropin(paths: list[str], index: Index, topo: Topology, epoch: int = 0, **kw: Any) -> Any:

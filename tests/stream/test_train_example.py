@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from data_helpers import plan_keys
 from dist_helpers import EXAMPLE, Job, JobFailed, bucket_keys_of, check_epoch, format_outputs, launch, session_dataset
 
 from wds_pad import Topology, plan_epoch
@@ -95,11 +96,9 @@ def test_preempted_job_resumes_exactly_and_refuses_another_topology(tmp_path: Pa
     # D: torchrun, 2 ranks, elastic from the epoch-boundary checkpoint, one more epoch
     job = Job([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                "127.0.0.1", "--master_port", "{port}", *base[1:], "--epochs", "3", "--allow-elastic"],
-              1, timeout=150).start()
-    try:
+              1, timeout=150)
+    with job:
         results = job.wait()
-    finally:
-        job.close()
     if results[0].returncode != 0:
         raise JobFailed(f"torchrun job failed:\n{format_outputs(results)}")
 
@@ -142,5 +141,4 @@ def test_preempted_job_resumes_exactly_and_refuses_another_topology(tmp_path: Pa
         for rank in range(world):  # and exactly the pure planner's batches for the job's seed
             plan = plan_epoch(index, Topology(world_size=world, rank=rank), seed=seed, epoch=epoch,
                               batch_size=BATCH, oversubscribe=True, warn=False)
-            assert [b["keys"] for b in streams[epoch][rank]] == [[index.key(int(i)) for i in b.samples]
-                                                                 for b in plan], (epoch, rank)
+            assert [b["keys"] for b in streams[epoch][rank]] == plan_keys(plan, index), (epoch, rank)

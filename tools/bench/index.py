@@ -32,18 +32,16 @@ the raw read. Usage::
 
 from __future__ import annotations
 
-import argparse
-import gc
 import json
 import math
 import os
 import sys
 import tarfile
 import tempfile
-import time
 from typing import Any, Callable
 
-from wds_pad.cli.synth import make_blob_shards
+from _common import add_sizes, case_shards, parser, round_robin, steady, table
+
 from wds_pad.index.buckets import AspectBuckets
 from wds_pad.index.build import build_index
 from wds_pad.index.tarrows import scan_rows
@@ -57,31 +55,6 @@ def _quantize(doc: dict[str, Any]) -> str:
     logs = _RATIOS._logs
     best = min(range(len(logs)), key=lambda i: abs(target - logs[i]))
     return _RATIOS.ratios[best]  # type: ignore[index]
-
-
-def timed(fn: Callable[[], Any], at_least: float = 0.05) -> tuple[float, float, Any]:
-    """(CPU seconds, wall seconds, result) of one call, averaged over back-to-back calls.
-
-    Every contender runs in this thread, so CPU time measures its work even when other
-    processes compete for the cores (wall time then mostly measures the competition);
-    reads from the page cache are system CPU time and count too. As ``timeit`` does,
-    the call repeats until ``at_least`` seconds have passed and the garbage collector
-    is off meanwhile: a contender that takes 5 ms is then measured in its steady state,
-    as when it indexes many shards, rather than by the cache misses of its first
-    microseconds, and nobody pays for collecting another contender's garbage.
-    """
-    gc.disable()
-    try:
-        calls = 0
-        c, w = time.process_time(), time.perf_counter()
-        while True:
-            result = fn()
-            calls += 1
-            if time.perf_counter() - w >= at_least:
-                break
-        return (time.process_time() - c) / calls, (time.perf_counter() - w) / calls, result
-    finally:
-        gc.enable()
 
 
 # -- contenders ---------------------------------------------------------------------------
@@ -152,16 +125,17 @@ def run_case(label: str, urls: list[str], samples: int, repeat: int, rows: list[
         ("stream scan + json bytes", lambda: stream_scan(urls, True), samples),
         ("raw read 8 MiB", lambda: raw_read(urls), total),
     ]
-    # Round-robin repetitions, best of each: a load spike on a shared machine hits one
-    # repetition of every contender rather than every repetition of one.
-    t: dict[str, float] = {name: float("inf") for name, _, _ in contenders}
-    wall = dict(t)
-    for _ in range(repeat):
-        for name, fn, expect in contenders:
-            cpu, secs, got = timed(fn)
-            if got != expect:
-                raise SystemExit(f"{label}/{name}: counted {got}, expected {expect}")
-            t[name], wall[name] = min(t[name], cpu), min(wall[name], secs)
+    expected = {name: expect for name, _, expect in contenders}
+
+    def check(name: str, got: int) -> None:
+        if got != expected[name]:
+            raise SystemExit(f"{label}/{name}: counted {got}, expected {expected[name]}")
+
+    # Round-robin repetitions, best of each; every contender runs in this thread, so its
+    # CPU time measures its work even while other processes compete for the cores.
+    best = round_robin({name: fn for name, fn, _ in contenders}, repeat, timer=steady, check=check)
+    t = {name: b.cpu for name, b in best.items()}
+    wall = {name: b.wall for name, b in best.items()}
     ratios = {
         "ours headers": ("tarfile headers", t["tarfile headers"] / t["ours headers"]),
         "ours aspect(json)": ("tarfile + json", t["tarfile + json"] / t["ours aspect(json)"]),
@@ -179,11 +153,8 @@ def run_case(label: str, urls: list[str], samples: int, repeat: int, rows: list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", help="where to write the shards (default: a temp dir, removed after)")
-    ap.add_argument("--small", type=int, default=20_000, help="samples of ~10 KB")
-    ap.add_argument("--large", type=int, default=1_000, help="samples of ~500 KB")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap = parser(__doc__)
+    add_sizes(ap)
     ap.add_argument("--small-shards", type=int, default=8, help="shards of the ~10 KB case")
     ap.add_argument("--large-shards", type=int, default=4,
                     help="shards of the ~500 KB case (each shard has a fixed cost: fewer, larger shards index faster)")
@@ -193,14 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         rows: list[list[str]] = []
         results = {}
         for label, n, size, shards in cases:
-            urls = make_blob_shards(os.path.join(tmp, label.replace(" ", "")), samples=n, sample_bytes=size,
-                                    shards=shards)
+            urls = case_shards(tmp, label, n, size, shards)
             results[label] = run_case(f"{label} x {n}", urls, n, args.repeat, rows)
-    from wds_pad.cli.common import format_table
-
     print(f"best of {args.repeat}, single thread; ratios and rates from CPU time (load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    print(format_table(["case", "contender", "cpu ms", "wall ms", "samples/s", "MB/s", "ratio"], rows,
+    print(table(["case", "contender", "cpu ms", "wall ms", "samples/s", "MB/s", "ratio"], rows,
                        align="llrrrrl"))
     print()
     targets = [("10 KB", 6.0), ("500 KB", 8.0)]

@@ -18,18 +18,16 @@ Prints ratios, never a bare pass/fail on absolute times::
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
 import random
 import tarfile
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import webdataset as wds
+from _common import add_repeat, parser, round_robin
 from webdataset.tariterators import base_plus_ext
 
 from wds_pad.index.tarscan import parse_sample, scan_tar
@@ -91,19 +89,9 @@ def read_all(path: Path) -> int:
     return n
 
 
-def best(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    out = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeat):
-        for name, fn in fns.items():  # interleaved, so load changes hit every side
-            t = time.process_time()
-            fn()
-            out[name] = min(out[name], time.process_time() - t)
-    return out
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeat", type=int, default=9)
+    ap = parser(__doc__)
+    add_repeat(ap, 9)
     ap.add_argument("--dir", type=Path, default=None, help="keep shards here (default: a temp dir)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +105,7 @@ def main() -> None:
             with open(path, "rb") as f:
                 blob = f.read()
                 ranges = [(s.offset, s.key, blob[s.offset : s.offset + s.length]) for s in scan_tar(f, str(path))]
-            t = best(
+            best = round_robin(  # interleaved, so load changes hit every side
                 {
                     "tarfile": lambda: tarfile_scan(path),
                     "seek": lambda: ours(path, True),
@@ -127,6 +115,7 @@ def main() -> None:
                 },
                 args.repeat,
             )
+            t = {name: b.cpu for name, b in best.items()}  # CPU seconds, best of --repeat
             print(
                 f"{label:>5} ({n} samples, {os.path.getsize(path) / 1e6:.1f} MB): "
                 f"tarfile/scan-seek {t['tarfile'] / t['seek']:.1f}x, "

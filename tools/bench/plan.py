@@ -28,17 +28,12 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 import tracemalloc
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent.parent))
+from _common import Columns, add_repeat, once, parser
 
 SEED = 20240601
 
@@ -66,9 +61,8 @@ def _measure(fn: Callable[[], Any], memory: bool) -> tuple[Any, float]:
         peak = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
         return result, peak
-    t0 = time.process_time()  # CPU time: both planners are single-threaded, and CPU time
-    result = fn()             # is not inflated by other processes on a shared machine
-    return result, time.process_time() - t0
+    t = once(fn)  # CPU time: both planners are single-threaded, and CPU time is not
+    return t.result, t.cpu  # inflated by other processes on a shared machine
 
 
 def run_case(impl: str, total: int, buckets: int, dp: int, batch: int, repeat: int) -> dict[str, Any]:
@@ -116,13 +110,12 @@ def spawn(impl: str, total: int, args: argparse.Namespace, timeout: float) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--sizes", default="1e6,1e7", help="comma-separated sample counts")
     p.add_argument("--buckets", type=int, default=1000)
     p.add_argument("--dp", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=3,
-                   help="timed runs per case, best kept (the list version above 10^6 runs once)")
+    add_repeat(p, 3, help="timed runs per case, best kept (the list version above 10^6 runs once)")
     p.add_argument("--list-limit", type=float, default=60.0, help="max predicted seconds for the list version")
     p.add_argument("--case", nargs=2, metavar=("IMPL", "TOTAL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -135,10 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one rank's epoch: {args.buckets} buckets (log-normal sizes), dp_size {args.dp}, "
           f"batch {args.batch_size}, cyclic + oversubscribe; CPU s: best of {args.repeat} untraced runs, "
           "peak MB: tracemalloc")
-    header = f"{'samples':>10}  {'impl':<6} {'build s':>8} {'plan s':>8} {'total s':>8} " \
-             f"{'build MB':>9} {'plan MB':>8} {'batches':>8}"
-    print(header)
-    print("-" * len(header))
+    cols = Columns("{:>10}  {:<6} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8}")
+    print(cols.header("samples", "impl", "build s", "plan s", "total s", "build MB", "plan MB", "batches"))
     last_list: tuple[int, float] | None = None
     notes = []
     for total in sizes:
@@ -158,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in (fast, slow):
             if r is None:
                 continue
-            print(f"{total:>10.0e}  {r['impl']:<6} {r['build_s']:>8.3f} {r['plan_s']:>8.3f} "
-                  f"{r['build_s'] + r['plan_s']:>8.3f} {r['build_mb']:>9.1f} {r['plan_mb']:>8.1f} {r['batches']:>8}")
+            print(cols.line(f"{total:.0e}", r["impl"], f"{r['build_s']:.3f}", f"{r['plan_s']:.3f}",
+                            f"{r['build_s'] + r['plan_s']:.3f}", f"{r['build_mb']:.1f}", f"{r['plan_mb']:.1f}",
+                            r["batches"]))
         if slow is not None:
             ratio = lambda k: slow[k] / fast[k] if fast[k] else float("inf")  # noqa: E731
             tot = (slow["build_s"] + slow["plan_s"]) / (fast["build_s"] + fast["plan_s"])
-            print(f"{'':>10}  {'ratio':<6} {ratio('build_s'):>7.1f}x {ratio('plan_s'):>7.1f}x {tot:>7.1f}x "
-                  f"{ratio('build_mb'):>8.1f}x {ratio('plan_mb'):>7.1f}x")
+            print(cols.line("", "ratio", *(f"{x:.1f}x" for x in (ratio("build_s"), ratio("plan_s"), tot,
+                                                                  ratio("build_mb"), ratio("plan_mb")))))
     for note in notes:
         print("note:", note)
     return 0

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -42,9 +41,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import webdataset as wds
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: servers
-from servers import NginxServer, _wait_http, free_port  # noqa: E402
+from _common import TOOLS, Columns, add_repeat, best_of, cpu_seconds, parser  # first: tools/ on sys.path
+from servers import NginxServer, _wait_http, free_port
 
 from wds_pad.cli.synth import make_blob_shards  # noqa: E402
 from wds_pad.stream.dataset import BucketedWebDataset  # noqa: E402
@@ -55,10 +53,10 @@ from wds_pad.index.build import build_index  # noqa: E402
 from wds_pad.io.options import ReadOptions  # noqa: E402
 from wds_pad.core.topology import Topology  # noqa: E402
 
-FAULTPROXY = Path(__file__).resolve().parents[1] / "faultproxy.py"
+FAULTPROXY = TOOLS / "faultproxy.py"
 
 
-def cpu_seconds(pid: int) -> float:
+def process_cpu(pid: int) -> float:
     """utime + stime of a process, from /proc (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -80,7 +78,7 @@ class ProxyProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def cpu(self) -> float:
-        return cpu_seconds(self.proc.pid)
+        return process_cpu(self.proc.pid)
 
     def stop(self) -> str:
         self.proc.terminate()
@@ -116,36 +114,30 @@ def run_ours(index: Index, in_flight: int, workers: int, max_batches: int | None
     return n, nbytes
 
 
-def own_cpu() -> float:
-    """CPU seconds of this process plus its reaped children (curl, DataLoader workers)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def timed(proxy: ProxyProcess, repeat: int, fn: Callable[[], tuple[int, int]]) -> dict[str, Any]:
-    best: dict[str, Any] | None = None
-    for _ in range(repeat):
-        cpu0, mine0, t0 = proxy.cpu(), own_cpu(), time.perf_counter()
+    """The fastest of ``repeat`` runs; client CPU: this process plus its reaped children
+    (curl, DataLoader workers)."""
+    def run() -> tuple[int, int, float]:
+        before = proxy.cpu()
         n, nbytes = fn()
-        wall = time.perf_counter() - t0
-        row = {"n": n, "wall": wall, "sps": n / wall, "mbps": nbytes / wall / 1e6,
-               "proxy_cpu": proxy.cpu() - cpu0, "our_cpu": own_cpu() - mine0}
-        if best is None or row["sps"] > best["sps"]:
-            best = row
-    assert best is not None
-    return best
+        return n, nbytes, proxy.cpu() - before
+
+    best = best_of(repeat, run, cpu=cpu_seconds)
+    n, nbytes, proxy_cpu = best.result
+    return {"n": n, "wall": best.wall, "sps": n / best.wall, "mbps": nbytes / best.wall / 1e6,
+            "proxy_cpu": proxy_cpu, "our_cpu": best.cpu}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=2000)
-    parser.add_argument("--sample-bytes", type=int, default=100_000)
-    parser.add_argument("--shards", type=int, default=20)
-    parser.add_argument("--latency-ms", type=float, default=20.0)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--dir", help="where to write shards (default: a temp dir, removed)")
-    args = parser.parse_args(argv)
+    ap = parser(__doc__)
+    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--sample-bytes", type=int, default=100_000)
+    ap.add_argument("--shards", type=int, default=20)
+    ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument("--batch-size", type=int, default=16)
+    add_repeat(ap, 1)
+    ap.add_argument("--dir", help="where to write shards (default: a temp dir, removed)")
+    args = ap.parse_args(argv)
     if shutil.which("curl") is None:
         print("curl is not installed (apt-get install curl): webdataset streams http via curl")
         return 2
@@ -187,17 +179,16 @@ def report(args: argparse.Namespace, proxy: ProxyProcess, urls: list[str], index
         rows.append((f"wds_pad planned  in-flight {in_flight:2d}, workers {workers}",
                      timed(proxy, args.repeat, lambda: run_ours(index, in_flight, workers, None,
                                                                 args.batch_size))))
-    head = f"{'contender':42s} {'samples':>7s} {'wall s':>7s} {'samples/s':>10s} {'MB/s':>7s} " \
-           f"{'x wds':>6s} {'proxy cpu s':>11s} {'client cpu s':>12s}"
-    print(head)
-    print("-" * len(head))
+    cols = Columns("{:42} {:>7} {:>7} {:>10} {:>7} {:>6} {:>11} {:>12}")
+    print(cols.header("contender", "samples", "wall s", "samples/s", "MB/s", "x wds", "proxy cpu s", "client cpu s"))
     for name, r in rows:
-        print(f"{name:42s} {r['n']:7d} {r['wall']:7.2f} {r['sps']:10.0f} {r['mbps']:7.1f} "
-              f"{r['sps'] / ref['sps']:6.2f} {r['proxy_cpu']:11.2f} {r['our_cpu']:12.2f}")
+        print(cols.line(name, r["n"], f"{r['wall']:.2f}", f"{r['sps']:.0f}", f"{r['mbps']:.1f}",
+                        f"{r['sps'] / ref['sps']:.2f}", f"{r['proxy_cpu']:.2f}", f"{r['our_cpu']:.2f}"))
 
     print(f"\nsamples/s of one reader (Loader, 0 workers) against ranges in flight, {lat:.0f} ms:")
-    print(f"{'in flight':>9s} {'samples':>7s} {'samples/s':>10s} {'MB/s':>7s} {'latency bound':>13s} "
-          f"{'x 1 in flight':>13s} {'proxy cpu %':>11s} {'client cpu %':>12s}")
+    cols = Columns("{:>9} {:>7} {:>10} {:>7} {:>13} {:>13} {:>11} {:>12}")
+    print(cols.line("in flight", "samples", "samples/s", "MB/s", "latency bound", "x 1 in flight", "proxy cpu %",
+                    "client cpu %"))
     n_batches = max(1, len(index) // args.batch_size)
     sweep: dict[int, float] = {}
     for in_flight in (1, 4, 16, 32, 64):
@@ -206,9 +197,9 @@ def report(args: argparse.Namespace, proxy: ProxyProcess, urls: list[str], index
         r = timed(proxy, 1, lambda: run_ours(index, in_flight, 0, budget, args.batch_size))
         bound = in_flight / (lat / 1000) if lat else float("inf")
         sweep[in_flight] = r["sps"]
-        print(f"{in_flight:9d} {r['n']:7d} {r['sps']:10.0f} {r['mbps']:7.1f} {bound:13.0f} "
-              f"{r['sps'] / sweep[1]:13.2f} {100 * r['proxy_cpu'] / r['wall']:11.0f} "
-              f"{100 * r['our_cpu'] / r['wall']:12.0f}")
+        print(cols.line(in_flight, r["n"], f"{r['sps']:.0f}", f"{r['mbps']:.1f}", f"{bound:.0f}",
+                        f"{r['sps'] / sweep[1]:.2f}", f"{100 * r['proxy_cpu'] / r['wall']:.0f}",
+                        f"{100 * r['our_cpu'] / r['wall']:.0f}"))
     best = max(r["sps"] for name, r in rows[1:])
     print(f"\nbest planned / webdataset sequential: {best / ref['sps']:.2f}x (target >= 0.5x)")
     # The speed-up the tests used to assert in wall-clock time (tests/io/test_read.py and

@@ -22,16 +22,14 @@ Prints a table with the ratios to resuming at 0%; target: wds_pad at 99% costs a
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import sys
 import tempfile
-import time
 import warnings
-from typing import Callable
 
 import numpy as np
+from _common import Columns, add_dir, add_repeat, best_of, parser
 
 from wds_pad.cli.synth import make_blob_shards
 from wds_pad.stream.dataset import BucketedWebDataset
@@ -52,22 +50,13 @@ def replicate(base: Index, times: int, path: str) -> Index:
     return load_index(path)
 
 
-def best(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--samples", type=int, default=1_000_000)
     ap.add_argument("--base", type=int, default=10_000)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=9)
-    ap.add_argument("--dir", default=None)
+    add_repeat(ap, 9)
+    add_dir(ap)
     ap.add_argument("--skip-webdataset", action="store_true")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
@@ -101,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 ds.load_state_dict(state)
                 next(iter(ds))
 
-            pads.append(best(resume_wds_pad, args.repeat))
+            pads.append(best_of(args.repeat, resume_wds_pad).wall)
             print(f"  measured wds_pad at {frac:.0%}", file=sys.stderr, flush=True)
         rows = []
         for frac, t_pad in zip(fracs, pads):
@@ -118,15 +107,17 @@ def main(argv: list[str] | None = None) -> int:
                     batch = list(itertools.islice(stream, args.batch))
                     assert len(batch) == args.batch
 
-                t_wds = best(resume_webdataset, 1 if consumed > 100_000 else args.repeat)
+                t_wds = best_of(1 if consumed > 100_000 else args.repeat, resume_webdataset).wall
                 print(f"  measured webdataset at {frac:.0%}", file=sys.stderr, flush=True)
             rows.append((frac, k, consumed, t_pad, t_wds))
     t0_pad, t0_wds = rows[0][3], rows[0][4]
-    print(f"\n{'resume at':>10} {'batch':>8} {'samples':>9} | {'wds_pad':>10} {'x at 0%':>8} | "
-          f"{'webdataset':>11} {'x at 0%':>8} | {'webdataset / wds_pad':>20}")
+    cols = Columns("{:>10} {:>8} {:>9} | {:>10} {:>8} | {:>11} {:>8} | {:>20}")
+    print()
+    print(cols.line("resume at", "batch", "samples", "wds_pad", "x at 0%", "webdataset", "x at 0%",
+                    "webdataset / wds_pad"))
     for frac, k, consumed, t_pad, t_wds in rows:
-        print(f"{frac:>10.0%} {k:>8,} {consumed:>9,} | {t_pad * 1e3:>8.2f}ms {t_pad / t0_pad:>8.2f} | "
-              f"{t_wds * 1e3:>9.1f}ms {t_wds / t0_wds:>8.1f} | {t_wds / t_pad:>20.0f}")
+        print(cols.line(f"{frac:.0%}", f"{k:,}", f"{consumed:,}", f"{t_pad * 1e3:.2f}ms", f"{t_pad / t0_pad:.2f}",
+                        f"{t_wds * 1e3:.1f}ms", f"{t_wds / t0_wds:.1f}", f"{t_wds / t_pad:.0f}"))
     ratio = rows[-1][3] / t0_pad
     print(f"\ntarget: wds_pad at 99% <= 1.2x its time at 0%: {ratio:.2f}x -> {'OK' if ratio <= 1.2 else 'MISSED'}")
     return 0 if ratio <= 1.2 else 1

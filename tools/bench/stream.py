@@ -36,18 +36,16 @@ read bandwidth. Usage::
 
 from __future__ import annotations
 
-import argparse
 import os
-import resource
 import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
+from _common import add_sizes, best_of, case_shards, cpu_seconds, parser, table
 
-from wds_pad.cli.synth import make_blob_shards
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
 from wds_pad.errors import DroppedBucketWarning
@@ -59,12 +57,6 @@ from wds_pad.stream.stages import PlannedSource, plan_batched
 from wds_pad.core.topology import Topology
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process (all threads) and of its children that have exited."""
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def machine_busy() -> float | None:
     """CPU seconds the whole machine has spent busy so far (Linux ``/proc/stat``), else None."""
     try:
@@ -74,17 +66,6 @@ def machine_busy() -> float | None:
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def best_of(repeat: int, fn: Callable[[], Any]) -> tuple[float, float, Any]:
-    """(wall seconds, CPU seconds, result) of the fastest of ``repeat`` runs."""
-    runs, result = [], None
-    for _ in range(repeat):
-        c, t = cpu_seconds(), time.perf_counter()
-        result = fn()
-        runs.append((time.perf_counter() - t, cpu_seconds() - c))
-    wall, cpu = min(runs)
-    return wall, cpu, result
 
 
 # -- contenders ---------------------------------------------------------------------------
@@ -178,7 +159,8 @@ def run_case(label: str, urls: list[str], index: Index, batch_size: int, repeat:
         ("webdataset", lambda: webdataset_iter(urls), len(index), total_file),
         ("raw read 8 MiB", lambda: raw_read(urls), total_file, total_file),
     ]:
-        secs, cpu_secs, got = best_of(repeat, fn)
+        best = best_of(repeat, fn, cpu=cpu_seconds)
+        secs, cpu_secs, got = best.wall, best.cpu, best.result
         if got != expect:
             raise SystemExit(f"{label}/{name}: counted {got}, expected {expect}")
         count = expect if name != "raw read 8 MiB" else len(index)
@@ -202,18 +184,14 @@ def run_case(label: str, urls: list[str], index: Index, batch_size: int, repeat:
 
 
 def _shards(root: str, label: str, n: int, size: int, shards: int) -> tuple[list[str], Index]:
-    out = os.path.join(root, label.replace(" ", ""))
-    urls = make_blob_shards(out, samples=n, sample_bytes=size, shards=shards)
-    index = build_index(urls, "aspect:width,height", output=os.path.join(out, "index.wdsidx"))
+    urls = case_shards(root, label, n, size, shards)
+    index = build_index(urls, "aspect:width,height", output=os.path.join(os.path.dirname(urls[0]), "index.wdsidx"))
     return urls, index
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", help="where to write the shards (default: a temp dir, removed after)")
-    ap.add_argument("--small", type=int, default=20_000, help="samples of ~10 KB")
-    ap.add_argument("--large", type=int, default=1_000, help="samples of ~500 KB")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap = parser(__doc__)
+    add_sizes(ap)
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore", DroppedBucketWarning)
     cases = [("10 KB", args.small, 10_000, 10, 32), ("500 KB", args.large, 500_000, 4, 8)]
@@ -225,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             urls, index = _shards(tmp, label, n, size, shards)
             results[label] = run_case(f"{label} x {n}", urls, index, batch, args.repeat, rows)
     busy1, ours1, wall = machine_busy(), cpu_seconds(), time.perf_counter() - t0
-    from wds_pad.cli.common import format_table
-
-    print(format_table(["case", "contender", "samples/s", "MB/s", "us/sample", "py us/sample",
+    print(table(["case", "contender", "samples/s", "MB/s", "us/sample", "py us/sample",
                         "cpu us/sample", "vs webdataset", "vs raw read"], rows, align="llrrrrrrr"))
     print("(py us/sample: time per sample minus the bare pread loop's, in the same order, "
           "negative when threads overlap\n cpu us/sample: CPU time of the process, its threads "

@@ -1,0 +1,102 @@
+"""Shared test data: generated shards and their index, the same shards published on a
+loopback server, webdataset's own reading of them, datasets with the tests' defaults,
+and the keys of what a plan or a stream holds.
+
+Test modules that stream real shards build them here, so each kind of test data is made
+one way (shards are generated in the pytest tmp dir given, never committed). Module
+fixtures stay in the modules: each picks its own sizes and seeds and calls these.
+
+Invariants:
+- :func:`aspect_index` and :func:`image_index` return the index loaded back from the
+  file they wrote (memory-mapped, as a rank loads it), never the in-memory build;
+- :func:`wds_reference` is ``wds.WebDataset``'s reading of the same shards from local
+  disk: the oracle for every byte a test streams;
+- :func:`make_dataset` starts from :data:`DS_DEFAULTS` (batch 4, one rank); keyword
+  arguments override them, and nothing else is changed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import webdataset as wds
+
+from wds_pad import BucketedWebDataset, Index, Topology, build_index, load_index
+from wds_pad.cli.synth import make_image_shards
+
+BUCKET_BY = "aspect:width,height"
+DS_DEFAULTS: dict[str, Any] = dict(batch_size=4, topology=Topology(world_size=1, rank=0))
+
+
+def aspect_index(paths: list[str], output: str | os.PathLike[str]) -> Index:
+    """The aspect-bucket index of ``paths``, written to ``output`` and loaded back."""
+    built = build_index(paths, BUCKET_BY, output=str(output))
+    return load_index(built.path)  # type: ignore[arg-type]
+
+
+def image_index(directory: Path, *, samples: int, shards: int, seed: int, name: str = "index.wdsidx") -> Index:
+    """``make_image_shards`` in ``directory``, indexed by aspect into ``directory/name``."""
+    paths = make_image_shards(directory, samples=samples, shards=shards, seed=seed)
+    return aspect_index(paths, directory / name)
+
+
+def upload_files(moto_server: Any, bucket: str, paths: Iterable[str | os.PathLike[str]]) -> str:
+    """Create ``bucket`` on a ``servers.MotoServer`` and copy each local file into it under
+    its file name; the bucket's name."""
+    moto_server.make_bucket(bucket)
+    client = moto_server.client()  # one client for every file: each new client costs a handshake
+    for path in paths:
+        client.upload_file(os.fspath(path), bucket, Path(path).name)
+    return bucket
+
+
+def serve_dir(server: Any, src: Path, name: str, ignore: Any = None) -> str:
+    """Copy ``src`` to ``name`` under an HTTP server's ``root_dir`` (``shutil.copytree``'s
+    ``ignore``); its base URL."""
+    shutil.copytree(src, server.root_dir / name, ignore=ignore, dirs_exist_ok=True)
+    return f"{server.url}/{name}"
+
+
+def wds_reference(urls: Iterable[str], *, by_url: bool = False) -> dict[str, dict[str, Any]]:
+    """Every sample as webdataset reads it, by ``__key__`` (``by_url``: by ``__url__/__key__``)."""
+    samples = wds.WebDataset(list(urls), shardshuffle=False)
+    return {(s["__url__"] + "/" + s["__key__"] if by_url else s["__key__"]): s for s in samples}
+
+
+def assert_same_bytes(batches: Iterable[list[dict[str, Any]]], reference: dict[str, dict[str, Any]]) -> None:
+    """Each streamed sample has exactly the members and bytes of its reference sample."""
+    for batch in batches:
+        for s in batch:
+            ref = reference[s["__key__"]]
+            members = {k for k in ref if not k.startswith("__")}
+            assert members == {k for k in s if not k.startswith("__")}
+            assert all(s[k] == ref[k] for k in members), s["__key__"]
+
+
+def make_dataset(index: Index | str, *, quiet: bool = False, **kw: Any) -> BucketedWebDataset:
+    """A :class:`BucketedWebDataset` of ``index`` with :data:`DS_DEFAULTS` overridden by ``kw``.
+
+    ``quiet``: warnings raised while it is built (dropped buckets, oversubscription) are
+    ignored.
+    """
+    args = {**DS_DEFAULTS, **kw}
+    if not quiet:
+        return BucketedWebDataset(index, **args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return BucketedWebDataset(index, **args)
+
+
+def plan_keys(plan: Iterable[Any], index: Index) -> list[list[str]]:
+    """The keys of each planned batch (``batch.samples`` through ``index.key``)."""
+    return [[index.key(int(i)) for i in b.samples] for b in plan]
+
+
+def batch_keys(batches: Iterable[list[dict[str, Any]]]) -> list[list[str]]:
+    """The ``__key__`` of each streamed sample, batch by batch."""
+    return [[s["__key__"] for s in b] for b in batches]

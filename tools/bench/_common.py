@@ -1,0 +1,184 @@
+"""What the benchmark scripts in tools/bench/ share: options, timers, CPU clocks, tables.
+
+The scripts are runnable files outside the package (``python tools/bench/NAME.py``); each
+imports this module as ``_common`` before anything of ``wds_pad`` (the script's own
+folder is on ``sys.path`` when it runs). Importing it puts the repository root and
+``tools/`` on ``sys.path``, so a script runs from a fresh clone without an install and
+can import ``servers`` and ``faultproxy``.
+
+Invariants:
+- a timer keeps the fastest of its runs, the one least disturbed by other processes;
+  :func:`round_robin` runs its contenders in turn, so a load spike on a shared machine
+  hits one repetition of every contender rather than every repetition of one;
+- a timing's CPU seconds come from the one clock its caller names:
+  ``time.process_time`` (this process, all its threads) or :func:`cpu_seconds` (that
+  plus its children that have exited: DataLoader workers, curl); reading a clock is
+  never inside the wall-clock window;
+- the garbage collector is off only inside :func:`steady`'s window, and always on again
+  after it;
+- a :class:`Columns` table declares each column's width once; its header and rows
+  print exactly as the format spec says (a cell wider than its column widens it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+TOOLS = Path(__file__).resolve().parents[1]
+for _path in (str(TOOLS), str(TOOLS.parent)):  # tools/ (servers, faultproxy), the repo root
+    if _path not in sys.path:
+        sys.path.insert(1, _path)  # after the script's own folder
+
+Clock = Callable[[], float]
+
+# -- options --------------------------------------------------------------------------
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser described by the first line of a script's docstring."""
+    return argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+
+
+def add_repeat(p: argparse.ArgumentParser, default: int, help: str | None = None) -> None:  # noqa: A002
+    """``--repeat N``: how many timed runs each contender gets (the best is kept)."""
+    p.add_argument("--repeat", type=int, default=default, help=help)
+
+
+def add_dir(p: argparse.ArgumentParser, help: str | None = None) -> None:  # noqa: A002
+    """``--dir DIR``: where the script writes its shards (None: the system's temp dir)."""
+    p.add_argument("--dir", default=None, help=help)
+
+
+def add_sizes(p: argparse.ArgumentParser) -> None:
+    """``--dir``, ``--small``, ``--large``, ``--repeat``: the two sample sizes (~10 KB, ~500 KB)
+    of the benchmarks over local shards."""
+    add_dir(p, help="where to write the shards (default: a temp dir, removed after)")
+    p.add_argument("--small", type=int, default=20_000, help="samples of ~10 KB")
+    p.add_argument("--large", type=int, default=1_000, help="samples of ~500 KB")
+    add_repeat(p, 3)
+
+
+def case_shards(root: str, label: str, samples: int, sample_bytes: int, shards: int) -> list[str]:
+    """``make_blob_shards`` output for one case (``"10 KB"``), in ``root/10KB``; their paths."""
+    from wds_pad.cli.synth import make_blob_shards
+
+    return make_blob_shards(os.path.join(root, label.replace(" ", "")), samples=samples,
+                            sample_bytes=sample_bytes, shards=shards)
+
+
+# -- clocks and timers ----------------------------------------------------------------
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process (all threads) and of its children that have exited."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall and CPU seconds of one measurement, and what the timed call returned."""
+
+    wall: float
+    cpu: float
+    result: Any = None
+
+
+def once(fn: Callable[[], Any], cpu: Clock = time.process_time) -> Timing:
+    """One call of ``fn``: its wall seconds, its CPU seconds by ``cpu``, its result."""
+    c = cpu()
+    t = time.perf_counter()
+    result = fn()
+    wall = time.perf_counter() - t
+    return Timing(wall, cpu() - c, result)
+
+
+def steady(fn: Callable[[], Any], at_least: float = 0.05, cpu: Clock = time.process_time) -> Timing:
+    """One call's seconds in its steady state: ``fn`` repeated back to back, averaged.
+
+    As ``timeit`` does, the call repeats until ``at_least`` seconds have passed and the
+    garbage collector is off meanwhile: a contender that takes 5 ms is then measured in
+    its steady state, as when it runs many times over, rather than by the CPU cache
+    misses of its first microseconds, and nobody pays for collecting another
+    contender's garbage. CPU time measures the work even when other processes compete
+    for the cores (wall time then mostly measures the competition); reads from the page
+    cache are system CPU time and count too.
+    """
+    gc.disable()
+    try:
+        calls = 0
+        c, w = cpu(), time.perf_counter()
+        while True:
+            result = fn()
+            calls += 1
+            if time.perf_counter() - w >= at_least:
+                break
+        return Timing((time.perf_counter() - w) / calls, (cpu() - c) / calls, result)
+    finally:
+        gc.enable()
+
+
+def best_of(repeat: int, fn: Callable[[], Any], cpu: Clock = time.process_time) -> Timing:
+    """The fastest by wall time of ``repeat`` runs of ``fn`` one after another (see :func:`once`)."""
+    return min((once(fn, cpu) for _ in range(repeat)), key=lambda t: (t.wall, t.cpu))
+
+
+def round_robin(contenders: Mapping[str, Callable[[], Any]], repeat: int,
+                timer: Callable[[Callable[[], Any]], Timing] = once,
+                check: Callable[[str, Any], None] | None = None) -> dict[str, Timing]:
+    """Every contender timed by ``timer``, in turn, ``repeat`` times over.
+
+    Returns, per contender, its least wall and its least CPU seconds (each the minimum
+    over the repetitions, taken separately). Results are not kept: ``check(name, result)``
+    sees each as it comes (to stop a run that counted wrong), and the next contender
+    runs without it alive.
+    """
+    best = {name: Timing(float("inf"), float("inf")) for name in contenders}
+    for _ in range(repeat):
+        for name, fn in contenders.items():
+            t = timer(fn)
+            if check is not None:
+                check(name, t.result)
+            best[name] = Timing(min(best[name].wall, t.wall), min(best[name].cpu, t.cpu))
+            del t
+    return best
+
+
+# -- tables ---------------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
+    """Columns as wide as their widest cell: the table the ``wds-pad`` commands print."""
+    from wds_pad.cli.common import format_table
+
+    return format_table(headers, rows, align=align)
+
+
+class Columns:
+    """A fixed-width table: one ``str.format`` field per column, e.g. ``"{:>10}  {:<6}"``.
+
+    Cells are formatted before they are given (``f"{x:.3f}"``); a row may stop before the
+    last column.
+    """
+
+    def __init__(self, spec: str) -> None:
+        self._fields = re.findall(r"([^{]*)(\{[^}]*\})", spec)
+
+    def line(self, *cells: Any) -> str:
+        """One row (or the header: the column names as cells)."""
+        return "".join(lead + field.format(cell) for (lead, field), cell in zip(self._fields, cells))
+
+    def header(self, *names: str) -> str:
+        """The header line and under it a rule of dashes as long."""
+        head = self.line(*names)
+        return head + "\n" + "-" * len(head)
+
