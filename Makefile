@@ -14,7 +14,7 @@ $(PY):
 # torch first and explicitly: any other spec pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" "$(TORCH)"  # again: keeps pip from swapping in another torch
 	touch $(STAMP)
 
 venv: $(STAMP)

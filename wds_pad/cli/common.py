@@ -94,7 +94,7 @@ def _seed_arg(text: str) -> int:
 
 
 def _epoch_arg(text: str) -> int:
-    from ..core.plan import check_epoch
+    from ..core.policy import check_epoch
 
     return _library_int(check_epoch, "epoch", text)
 

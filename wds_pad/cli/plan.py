@@ -56,7 +56,7 @@ def synthetic_dataset(buckets: dict[str, int], name: str = "synthetic") -> Any:
     """A Dataset whose ids are numbered from 0 in the order the buckets are listed."""
     import numpy as np
 
-    from ..core.plan import Dataset
+    from ..core.dataset import Dataset
 
     out, start = {}, 0
     for key, count in buckets.items():
@@ -92,7 +92,7 @@ def add_parser(sub: Any) -> None:
 
 def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     """The datasets to plan, and per dataset a ``ids -> (urls, keys)`` lookup or None."""
-    from ..core.plan import Dataset
+    from ..core.dataset import Dataset
 
     if bool(args.index) == bool(args.buckets):
         raise _usage("plan", "give either INDEX file(s) or --buckets, not both and not neither")
@@ -122,7 +122,8 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ..core.plan import Mode, iter_steps, plan_epoch
+    from ..core.plan import iter_steps, plan_epoch
+    from ..core.policy import Mode
     from ..core.topology import Topology
 
     if args.mode == "steps" and args.steps is None and args.json:

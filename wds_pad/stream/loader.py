@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from .loaderargs import check_loader_args
 from ..errors import ConfigError
-from ..core.plan import Mode
+from ..core.policy import Mode
 from .dataset import BucketedWebDataset, _refuse_while_open
 from .stages import Position
 from ..state import epoch_length, make_state, restore
