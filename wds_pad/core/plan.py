@@ -37,9 +37,10 @@ from typing import Any, Hashable, Iterator, Sequence
 import numpy as np
 
 from ..errors import ConfigError, DroppedBucketWarning
-from .dataset import Dataset, _as_datasets
+from .dataset import Dataset, _as_datasets, bucket_order  # noqa: F401 - also the old wds_pad.plan names
 from .permute import ROUNDS, permute, round_keys
-from .policy import (
+from .policy import (  # noqa: F401 - MAX_EPOCH and resolve_policy: also the old wds_pad.plan names
+    MAX_EPOCH,
     MAX_PLANNED_ENTRIES,
     Mode,
     PadTo,

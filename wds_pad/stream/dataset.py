@@ -30,13 +30,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
 
-from ..errors import ConfigError, StateError, WdsPadError
+from ..errors import ConfigError, WdsPadError
 from ..index.format import Index, load_index
 from ..core.policy import Mode, PadTo, Policy, _enum, check_epoch
 from ..io.options import ReadOptions, ReadStats
 from ..core.seed import shared_seed
 from .agreement import check_agreement
 from .fetch import Counters, fetch, substitute
+from .live import OpenIterators
 from .stages import PlannedSource, PlanSpec, Position
 from ..state import ElasticView, epoch_length, make_state, restore
 from ..core.topology import Topology
@@ -54,7 +55,7 @@ def _per_index(value: Any, n: int, name: str, kind: type) -> tuple[Any, ...]:
     return tuple(values)
 
 
-class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
+class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # type: ignore[misc]
     """A torch IterableDataset yielding this rank's planned batches.
 
     Args:
@@ -147,11 +148,6 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
         self._worker: tuple[int, int] | None = None  # set in a worker: _position is its own next batch
         self._pinned = False  # the next iteration starts exactly at _position (a restored state)
         self._agreed: set[int] = set()
-        self._live = 0  # iterators of this dataset (or of a Loader over it) open in this process
-
-    def __getstate__(self) -> dict[str, Any]:
-        # a copy (compose, a DataLoader worker) has no open iterator of its own
-        return {**self.__dict__, "_live": 0}
 
     # -- the fluid interface -----------------------------------------------------------
     def compose(self, *stages: Callable[[Any], Any]) -> "BucketedWebDataset":
@@ -245,7 +241,7 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
         info = get_worker_info()
         worker = None if info is None else (info.id, info.num_workers)
         r = restore(self.spec, state, allow_elastic=allow_elastic, worker=worker)
-        _refuse_while_open(self, "BucketedWebDataset")
+        self._refuse_while_open("BucketedWebDataset")
         self._position, self._view, self._worker = Position(r.epoch, r.index), r.view, r.worker
         self._pinned = True  # even a finished epoch: resuming there yields nothing, not a rerun
 
@@ -260,12 +256,8 @@ class BucketedWebDataset(IterableDataset, FluidInterface):  # type: ignore[misc]
         if get_worker_info() is not None:
             yield from self._iterate()
             return
-        self._live += 1
-        try:
-            self.agree()
-            yield from self._iterate()
-        finally:
-            self._live -= 1
+        self.agree()
+        yield from self._counted(self._iterate())
 
     def _iterate(self) -> Iterator[Any]:
         source = self._source()
@@ -377,12 +369,4 @@ class _ViewSource(PlannedSource):
             return plan, self.view.keep
         return plan, range(len(plan))
 
-
-def _refuse_while_open(ds: BucketedWebDataset, what: str) -> None:
-    if ds._live:
-        raise StateError(
-            f"{what}.load_state_dict: an iterator of this loader is still open in this process; it "
-            "would go on from its own position and undo the restored one. Load the state before "
-            "iterating, or finish or close the open iterator first (leave its for loop, or call "
-            ".close() on the iterator you kept)")
 

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from .loaderargs import check_loader_args
 from ..errors import ConfigError
 from ..core.policy import Mode
-from .dataset import BucketedWebDataset, _refuse_while_open
+from .dataset import BucketedWebDataset
 from .stages import Position
 from ..state import epoch_length, make_state, restore
 
@@ -88,19 +88,14 @@ class Loader:
                 the loader is left exactly as it was.
         """
         r = restore(self.dataset.spec, state, allow_elastic=allow_elastic)
-        _refuse_while_open(self.dataset, "Loader")
+        self.dataset._refuse_while_open("Loader")
         position = Position(r.epoch, r.index)
         ds = self.dataset
         ds._position, ds._view, ds._worker, ds._pinned = position, r.view, None, True
         self._position = position
 
     def __iter__(self) -> Iterator[Any]:
-        ds = self.dataset
-        ds._live += 1
-        try:
-            yield from self._iterate()
-        finally:
-            ds._live -= 1
+        yield from self.dataset._counted(self._iterate())  # the dataset counts its loader's iterators
 
     def _iterate(self) -> Iterator[Any]:
         ds = self.dataset

@@ -41,6 +41,7 @@ from ..index.shardfile import shard_info
 from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..core.seed import shared_seed, stable_digest
+from .live import OpenIterators
 from .shards import WorkerPlan, local_path, shard_counts, worker_plan
 from ..state import STATE_FORMAT, STATE_VERSION, fingerprint_of, verify_state
 from ..index.tarscan import scan_tar
@@ -75,7 +76,7 @@ class _Progress:
     done: bool = False
 
 
-class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
+class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: ignore[misc]
     """This rank's shards as webdataset sample dicts, equalized across ranks, resumable.
 
     Args:
@@ -123,11 +124,6 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
         self._fields["dp_size"] = int(self.topology.dp_size)  # the shards are dealt to dp_size ranks
         self._fingerprint = fingerprint_of(self._fields)
         self._pinned = False  # a restored state: the next iteration starts exactly there
-        self._live = 0  # iterators of this stream (or of a ShardLoader over it) open in this process
-
-    def __getstate__(self) -> dict[str, Any]:
-        # a copy (compose, a DataLoader worker) has no open iterator of its own
-        return {**self.__dict__, "_live": 0}
 
     # -- the fluid interface and epochs ----------------------------------------------------
     def compose(self, *stages: Callable[[Any], Any]) -> "ShardStream":
@@ -190,7 +186,7 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
             On any error the stream is left exactly as it was.
         """
         verified = self._verify(state)
-        _refuse_while_open(self, "ShardStream")
+        self._refuse_while_open("ShardStream")
         self._epoch, self._progress = verified
         self._pinned = True
 
@@ -242,11 +238,7 @@ class ShardStream(IterableDataset, FluidInterface):  # type: ignore[misc]
         if get_worker_info() is not None or self._tag:
             yield from self._iterate()
             return
-        self._live += 1
-        try:
-            yield from self._iterate()
-        finally:
-            self._live -= 1
+        yield from self._counted(self._iterate())
 
     def _iterate(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -343,14 +335,6 @@ class _Batcher:
             yield self.collate(batch) if self.collate is not None else batch
 
 
-def _refuse_while_open(ds: ShardStream, what: str) -> None:
-    if ds._live:
-        raise StateError(
-            f"{what}.load_state_dict: an iterator of this stream is still open in this process; it "
-            "would go on from its own position and undo the restored one. Load the state before "
-            "iterating, or finish or close the open iterator first (leave its for loop, or call "
-            ".close() on the iterator you kept)")
-
 
 class ShardLoader:
     """A DataLoader over a :class:`ShardStream` whose ``state_dict()`` is exact with workers.
@@ -388,16 +372,12 @@ class ShardLoader:
         """As :meth:`ShardStream.load_state_dict`, also refusing another worker count."""
         ds = self.dataset
         verified = ds._verify(state, self.num_workers)
-        _refuse_while_open(ds, "ShardLoader")
+        ds._refuse_while_open("ShardLoader")
         ds._epoch, ds._progress = verified
         ds._pinned = True
 
     def __iter__(self) -> Iterator[Any]:
-        self.dataset._live += 1
-        try:
-            yield from self._iterate()
-        finally:
-            self.dataset._live -= 1
+        yield from self.dataset._counted(self._iterate())  # the stream counts its loader's iterators
 
     def _iterate(self) -> Iterator[Any]:
         ds, n = self.dataset, self.num_workers
