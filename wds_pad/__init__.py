@@ -66,6 +66,7 @@ _LAZY: dict[str, str] = {
     "split_by_node": "stream.shards",
     "state_path": "state.files",
     "verify_index": "index.verify",
+    "wrap_callable": "index.bucket_user",
     "write_index": "index.output",
 }
 
