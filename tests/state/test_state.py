@@ -364,8 +364,8 @@ def test_a_state_file_of_the_earlier_format_still_loads(indexes: tuple[Index, In
 def test_state_files_on_the_wrong_kind_of_path_are_state_errors(indexes: tuple[Index, Index],
                                                                tmp_path: Path) -> None:
     state = make(indexes[0]).state_dict()
-    with pytest.raises(StateError, match="is a directory; pass the file of this rank"):
-        load_state_file(str(tmp_path), rank=0)
+    with pytest.raises(StateError, match=r"loader-rank00000\.json' does not exist"):
+        load_state_file(str(tmp_path), rank=0)  # a directory: this rank's file in it, not there yet
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(StateError, match="is a file, not a directory"):
@@ -397,3 +397,15 @@ def test_epochs_that_are_not_ints_in_range_are_refused(indexes: tuple[Index, Ind
     with pytest.raises(ConfigError, match="epoch must be"):
         Loader(ds).set_epoch(bad)
     assert ds.epoch == 1
+
+
+def test_load_state_file_takes_the_directory_save_state_file_took(indexes: tuple[Index, Index],
+                                                                  tmp_path: Path) -> None:
+    state = make(indexes[0]).state_dict()
+    for rank in (0, 3):
+        written = save_state_file(state, str(tmp_path), rank)
+        assert load_state_file(str(tmp_path), rank) == state == load_state_file(written, rank)
+    save_state_file(state, str(tmp_path), 5, prefix="eval")
+    assert load_state_file(tmp_path, 5, prefix="eval") == state  # type: ignore[arg-type]
+    with pytest.raises(StateError, match="loader-rank00005.json' does not exist"):
+        load_state_file(str(tmp_path), 5)

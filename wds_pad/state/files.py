@@ -88,15 +88,25 @@ def save_state_file(state: Mapping[str, Any], directory: str, rank: int, prefix:
     return path
 
 
-def load_state_file(path: str, rank: int) -> dict[str, Any]:
-    """Read a state file written by :func:`save_state_file` for ``rank``.
+def load_state_file(path: str, rank: int, prefix: str = "loader") -> dict[str, Any]:
+    """Read the state :func:`save_state_file` wrote for ``rank``.
+
+    Symmetric with :func:`save_state_file`: ``path`` is the checkpoint directory (this
+    rank's file in it is read, ``state_path(path, rank, prefix)``), or the file itself.
+
+    Args:
+        path: the checkpoint directory, or one rank's state file.
+        rank: this process's rank (checked against the rank that saved the file).
+        prefix: file name prefix, as given to save_state_file.
 
     Raises:
-        StateError: missing, unreadable, truncated or corrupt file, a directory, or a
-            checksum that does not cover the content (edited).
+        StateError: missing, unreadable, truncated or corrupt file, or a checksum that
+            does not cover the content (edited).
         TopologyMismatchError: the file was saved by another rank.
     """
     rank = _check_rank(rank, "load_state_file: rank")
+    if os.path.isdir(path):
+        path = state_path(os.fspath(path), rank, prefix)
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -104,8 +114,8 @@ def load_state_file(path: str, rank: int) -> dict[str, Any]:
         raise StateError(f"state file {path!r} does not exist; check the checkpoint directory "
                          "or start afresh") from None
     except IsADirectoryError:
-        raise StateError(f"state file {path!r} is a directory; pass the file of this rank, "
-                         f"e.g. {state_path(str(path), rank)!r}") from None
+        raise StateError(f"state file {path!r} is a directory; pass the checkpoint directory or "
+                         "this rank's file in it") from None
     except OSError as exc:
         raise StateError(f"state file {path!r} cannot be read ({exc.strerror or exc}); check the path "
                          "and its permissions") from exc
