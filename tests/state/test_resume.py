@@ -485,11 +485,10 @@ def test_shards_doc_loop_resumes_exactly(index: Index, tmp_path: Path) -> None:
         stream = ShardStream(index, seed=1234, topology=Topology(1, 0))
         return ShardLoader(stream.to_tuple("__key__", "__pad__").batched(4))
 
-    names: dict[str, Any] = dict(wds_pad=wds_pad, rank=0, step=1, path=str(tmp_path / "ckpt" / "s.json"))
+    names: dict[str, Any] = dict(wds_pad=wds_pad, rank=0, step=1)
     full = _run_doc_loop(code, fresh(), None, tmp_path, resuming=False, **names)
     first = _run_doc_loop(code, fresh(), 4, tmp_path, resuming=False, **names)
-    written = wds_pad.save_state_file(first.state, str(tmp_path / "ckpt"), 0)
-    names["path"] = written
+    wds_pad.save_state_file(first.state, str(tmp_path / "ckpt"), 0)  # the loop loads "ckpt/" (cwd: tmp_path)
     second = _run_doc_loop(code, fresh(), None, tmp_path, resuming=True, **names)
     assert first.got + second.got == full.got
 
