@@ -142,6 +142,52 @@ def test_collation_matches_webdataset_batched(index: Index) -> None:
     assert list(first[1]) == list(expected[1])
 
 
+def _mixed_batch(ds: BucketedWebDataset, index: Index) -> int:
+    """The first plan batch whose samples mix jpg and png (the generator makes both)."""
+    exts = {k: ext for k, ext in ((s["__key__"], "jpg" if "jpg" in s else "png")
+                                   for s in wds.WebDataset(list(index.urls), shardshuffle=False))}
+    for j, keys in enumerate(_plan_keys(ds, index)):
+        if len({exts[k] for k in keys}) == 2:
+            return j
+    raise AssertionError("no batch mixes jpg and png: the test data changed")
+
+
+@pytest.mark.parametrize("workers", [None, 2])
+def test_decode_does_not_change_what_a_batch_is(index: Index, workers: int | None) -> None:
+    plain, decoded = _ds(index), _ds(index).decode("pil").map(lambda s: {**s, "seen": True})
+    _mixed_batch(plain, index)  # the data really mixes members inside a batch
+    for ds in (plain, decoded):
+        batches = list(ds if workers is None else Loader(ds, num_workers=workers))
+        assert all(isinstance(b, list) and all(isinstance(s, dict) for s in b) for b in batches)
+        assert _keys(batches) == _plan_keys(ds, index)
+    assert all(s["seen"] and ("jpg" in s) != ("png" in s) for b in decoded for s in b)
+
+
+def test_collating_samples_with_different_members_names_the_sample_and_the_fix(index: Index) -> None:
+    ds = _ds(index).decode("pil").batched()  # webdataset's collation: one dict of columns
+    j = _mixed_batch(ds, index)
+    with pytest.raises(ConfigError) as info:
+        list(ds)
+    message = str(info.value)
+    keys = _plan_keys(ds, index)[j]
+    assert re.search(r"sample '(\d+)' of '.*shard-\d+\.tar' has members \['(jpg|json)', '(json|png)'\]", message)
+    assert re.search(r"sample '(\d+)'", message).group(1) in keys
+    assert "rename(image='jpg;png')" in message and "collation_fn=None" in message
+    assert not isinstance(info.value, AssertionError)
+    # the fix the message names works: one member 'image', collated into columns
+    folded = list(_ds(index).decode("pil").rename(image="jpg;png").batched())
+    assert len(folded) == len(ds)
+    for b, keys in zip(folded, _plan_keys(ds, index)):
+        assert list(b["__key__"]) == keys and len(b["image"]) == 4 and "jpg" not in b and "png" not in b
+
+
+def test_stacking_tensors_of_different_shapes_names_the_sample(index: Index) -> None:
+    ds = _ds(index).decode("torchrgb").to_tuple("jpg;png", "json")  # one bucket, several sizes
+    with pytest.raises(ConfigError, match=r"sample '\d+' of '.*': field 0 has shape \(3, \d+, \d+\) but .*"
+                                          r"resize each sample to its bucket's shape"):
+        list(ds)
+
+
 def test_transform_dropping_samples_is_refused(index: Index) -> None:
     ds = _ds(index).select(lambda s: False)
     with pytest.raises(ConfigError, match="one sample to one"):

@@ -205,6 +205,21 @@ def test_raw_datapipeline_with_decode_and_map(index: Index) -> None:
             assert s["__bucket__"] == b[0]["__bucket__"]
 
 
+def test_plan_batched_with_webdataset_collation_refuses_mixed_members(index: Index) -> None:
+    spec = _spec(index)
+
+    def pipe(collation_fn: Any) -> Any:
+        return wds.DataPipeline(PlannedSource(spec, worker=(0, 1)), fetch(), wds.decode("pil"),
+                                plan_batched(collation_fn))
+
+    assert all(isinstance(b, list) for b in pipe(None))  # a list of sample dicts, decoded or not
+    with pytest.raises(ConfigError, match=r"sample '\d+' of '.*' has members .*rename\(image='jpg;png'\)"):
+        list(pipe(wds.filters.default_collation_fn))
+    folded = list(wds.DataPipeline(PlannedSource(spec, worker=(0, 1)), fetch(), wds.decode("pil"),
+                                   wds.rename(image="jpg;png"), plan_batched(wds.filters.default_collation_fn)))
+    assert [list(b["__key__"]) for b in folded] == _planned_keys(index, spec)
+
+
 def test_raw_datapipeline_pickles(index: Index) -> None:
     spec = _spec(index)
     pipe = wds.DataPipeline(PlannedSource(spec, worker=(0, 1)), fetch(), wds.decode("pil"),

@@ -4,6 +4,8 @@ Invariants:
 - batches follow this rank's plan exactly: never mixing buckets or datasets, per-sample
   transforms applied inside each batch so a batch is always exactly the plan's batch
   (a transform must map one sample to one);
+- what a batch is depends on the samples and ``collation_fn`` only, never on whether
+  transforms ran (collate.py: a list of sample dicts, columns for tuple samples);
 - with N DataLoader workers the trainer receives batches in plan order (worker w makes
   batches j with (j - start) mod N == w);
 - ``state_dict()`` is exact when iterated in the main process (num_workers=0); inside a
@@ -36,8 +38,9 @@ from ..core.policy import Mode, PadTo, Policy, _enum, check_epoch
 from ..io.options import ReadOptions, ReadStats
 from ..core.seed import shared_seed
 from .agreement import check_agreement
+from .collate import run_collation
 from .fetch import Counters, fetch, substitute
-from .live import OpenIterators
+from .live import OpenIterators, refuse_resplitting
 from .stages import PlannedSource, PlanSpec, Position
 from ..state import ElasticView, epoch_length, make_state, restore
 from ..core.topology import Topology
@@ -74,8 +77,9 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         storage_options: fsspec options for remote shards (merged into read_options).
         handler: webdataset-style handler; if it returns True for a failed sample, a
             deterministic substitute from the same bucket takes its place.
-        collation_fn: how to collate a batch (default: a list of sample dicts, or
-            webdataset's default collation once transforms are added).
+        collation_fn: what a batch is made of its list of samples (default
+            ``collate_batch``: a list of sample dicts whatever the transforms, a tuple of
+            columns for tuple samples such as ``.to_tuple`` makes; docs/streaming.md).
         check_agreement: compare plan fingerprint and batch count across ranks (one
             small collective) before the first batch.
         group: the torch.distributed group of the job.
@@ -158,7 +162,12 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
 
     def batched(self, batchsize: int | None = None, collation_fn: Callable[[list[Any]], Any] | None = default_collation_fn,
                 partial: bool = True) -> "BucketedWebDataset":
-        """Set how plan batches are collated; their size is the plan's ``batch_size``."""
+        """Set how plan batches are collated; their size is the plan's ``batch_size``.
+
+        The default, as in webdataset, collates samples into columns (dict samples into
+        one dict): every sample of a batch must then have the same members, or a
+        ``ConfigError`` names the one that differs (see docs/streaming.md, "What a batch is").
+        """
         if batchsize is not None and batchsize != self.spec.batch_size:
             raise ConfigError(f"batched({batchsize}): batches follow the plan's batch_size "
                               f"{self.spec.batch_size}; call batched() without a size")
@@ -253,6 +262,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             self._agreed.add(self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        refuse_resplitting("BucketedWebDataset")
         if get_worker_info() is not None:
             yield from self._iterate()
             return
@@ -264,21 +274,21 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         fetcher = fetch(self.read_options, handler=self.handler, spec=self.spec, counters=self.counters)
         self._read_stats = fetcher.reader.stats
         stages, collate = self.stages, self.collation_fn
-        if collate is None and stages:
-            collate = default_collation_fn
         batch: list[Any] = []
+        refs: list[dict[str, Any]] = []  # the fetched samples: their keys name them in errors
         current: tuple[int, int] | None = None
         for sample in fetcher(iter(source)):
             key = (sample["__epoch__"], sample["__batch__"])
             if key != current and batch:
-                out = collate(batch) if collate is not None else batch
+                out = run_collation(collate, batch, _where(refs))
                 self._advance(current)  # type: ignore[arg-type]
                 yield out
-                batch = []
+                batch, refs = [], []
             current = key
+            refs.append(sample)
             batch.append(self._transform(sample, fetcher) if stages else sample)
         if batch:
-            out = collate(batch) if collate is not None else batch
+            out = run_collation(collate, batch, _where(refs))
             self._advance(current)  # type: ignore[arg-type]
             yield out
 
@@ -334,6 +344,11 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             ref = {**sample, "__offset__": -1, "__length__": 0}
             alt = substitute(self.spec, fetcher.reader, ref, self.counters, message)
             return apply_stages(self.stages, alt)
+
+
+def _where(refs: list[dict[str, Any]]) -> Callable[[int], str]:
+    """Names sample ``i`` of a batch by the key and shard it was fetched as."""
+    return lambda i: f"sample {refs[i]['__key__']!r} of {refs[i]['__url__']!r}"
 
 
 def apply_stages(stages: Sequence[Callable[[Any], Any]], sample: Any) -> Any:

@@ -13,7 +13,8 @@ Invariants:
   with N DataLoader workers, worker w yields plan batches j with (j - start) mod N == w,
   so DataLoader's round-robin hands the trainer batches in plan order for any N;
 - ``Position`` is a seek into the plan: resuming there reads no earlier batch;
-- ``plan_batched`` groups exactly the plan's batches (by ``__epoch__`` and ``__batch__``);
+- ``plan_batched`` groups exactly the plan's batches (by ``__epoch__`` and ``__batch__``)
+  and collates them by the one rule of collate.py;
 - no randomness and no I/O here beyond loading an index: everything comes from the plan.
 """
 
@@ -32,6 +33,7 @@ from ..core.policy import MAX_EPOCH, Mode, PadTo, Policy, resolve_policy
 from ..core.seed import stable_digest
 from ..state.schema import fingerprint_of
 from ..core.topology import Topology
+from .collate import run_collation
 
 __all__ = ["PlanSpec", "PlannedSource", "Position", "plan_batched"]
 
@@ -261,6 +263,12 @@ def plan_batched(collation_fn: Callable[[list[Any]], Any] | None = None) -> Call
 
     Place it before stages that drop the ``__`` keys (e.g. ``to_tuple``), or use
     ``BucketedWebDataset``, which applies per-sample transforms inside each batch.
+
+    Args:
+        collation_fn: what a batch is made of its samples; None: the list of sample
+            dicts (the rule of collate.py, as in ``BucketedWebDataset``). webdataset's
+            ``default_collation_fn`` gets the checked version, which raises a
+            ``ConfigError`` naming the sample whose members differ instead of asserting.
     """
     return _PlanBatched(collation_fn)
 
@@ -270,7 +278,16 @@ class _PlanBatched:
         self.collation_fn = collation_fn
 
     def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[Any]:
-        for _, group in itertools.groupby(src, key=lambda s: (s["__epoch__"], s["__batch__"])):
-            batch = list(group)
-            yield self.collation_fn(batch) if self.collation_fn is not None else batch
+        for _, group in itertools.groupby(src, key=_batch_key):
+            yield run_collation(self.collation_fn, list(group))
+
+
+def _batch_key(sample: dict[str, Any]) -> tuple[Any, Any]:
+    try:
+        return sample["__epoch__"], sample["__batch__"]
+    except (KeyError, TypeError) as exc:
+        keys = sorted(sample) if isinstance(sample, dict) else type(sample).__name__
+        raise ConfigError(f"plan_batched() got a sample without '__epoch__' and '__batch__' ({keys}): "
+                          "place it before stages that drop the '__' keys (such as to_tuple), "
+                          "and do that inside collation_fn") from exc
 
