@@ -47,6 +47,10 @@ def pattern(shards: list[str]) -> str:
     return os.path.join(os.path.dirname(shards[0]), "shard-{000000..000002}.tar")
 
 
+def _ratios(keys) -> list[float]:
+    return [float(w) / float(h) for w, h in (str(k).split(":") for k in keys)]
+
+
 # -- index ------------------------------------------------------------------------------------
 def test_index_writes_and_reports(tmp_path, shards, capsys) -> None:
     out = str(tmp_path / "train.wdsidx")
@@ -57,7 +61,9 @@ def test_index_writes_and_reports(tmp_path, shards, capsys) -> None:
     assert len(index) == 48 and index.name == "train"
     assert "indexed 3 shards" in stdout and "48 samples in" in stdout and f"-> {out}" in stdout
     counts = index.bucket_counts()
-    assert "buckets: " + ", ".join(f"{k}={v}" for k, v in counts.items()) in stdout
+    listed = next(ln for ln in stdout.splitlines() if ln.startswith("buckets: "))[len("buckets: "):].split(", ")
+    assert sorted(listed) == sorted(f"{k}={v}" for k, v in counts.items())
+    assert _ratios([kv.split("=")[0] for kv in listed]) == sorted(_ratios(counts))  # 9:16 < 1:1 < 16:9
     for word in ("3/3 shards", "shards/s", "samples/s", "MB/s"):  # the progress bar
         assert word in stderr
     assert "skipped" not in stdout and "excluded" not in stdout
@@ -365,6 +371,25 @@ def test_inspect_table(built, capsys) -> None:
         assert rows[key][3] == f"{sizes[key] / 1000:.1f}"
     per_shard = [s.samples for s in index.shards]
     assert "shards: 3, " in out and f"min {min(per_shard)} / max {max(per_shard)}, 0 with errors" in out
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_inspect_table_and_plot_list_buckets_by_ratio(built, tmp_path, capsys, monkeypatch, padding) -> None:
+    import matplotlib.axes
+
+    ticks: list[list[str]] = []
+    real = matplotlib.axes.Axes.set_xticks
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xticks",
+                        lambda self, x, labels=None, **kw: ticks.append(list(labels)) or real(self, x, labels, **kw))
+    extra = ["--world-size", "4", "--batch-size", "2"] if padding else []
+    code, out, _ = run(capsys, "inspect", built, "--plot", str(tmp_path / "b.png"), *extra)
+    assert code == 0
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["bucket", "samples"])
+    rows = [ln.split()[0] for ln in lines[head + 2:] if ln and ln.split()[0] != "total"][:len(load_index(built).buckets)]
+    assert len(rows) >= 4 and set(rows) == {str(k) for k in load_index(built).bucket_counts()}
+    assert _ratios(rows) == sorted(_ratios(rows)) and rows != sorted(rows)
+    assert ticks == [rows]
 
 
 def test_inspect_json_is_one_object(built, capsys) -> None:

@@ -119,6 +119,19 @@ def test_summary_table() -> None:
     assert kept.stderr == ""
 
 
+def test_summary_for_every_rank_ends_with_every_rank() -> None:
+    args = ["--buckets", "16:9=9,1:1=20,9:16=9,1:2=8,4:3=8", "--seed", "3", "--world-size", "4",
+            "--batch-size", "2", "--summary"]
+    every = wds_pad("plan", *args, "--rank", "all")
+    one = wds_pad("plan", *args, "--rank", "2")
+    assert every.returncode == one.returncode == 0
+    last = every.stdout.splitlines()[-1]
+    assert "on rank 0" not in last and last.endswith(", 9 steps per epoch, 9 batches on every one of the 4 ranks")
+    assert one.stdout.splitlines()[-1].endswith(", 9 batches on rank 2")
+    rows = [ln.split()[1] for ln in every.stdout.splitlines()[3:-1]]
+    assert rows == ["1:2", "9:16", "1:1", "4:3", "16:9"]  # by ratio, not as strings
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [

@@ -11,14 +11,16 @@ Invariants:
 - an integer option the library also checks (seed, epoch) accepts exactly the values
   the API accepts, with the API's message;
 - an interrupt exits 130 (Ctrl-C) or 143 (SIGTERM, raised as :class:`Terminated`);
-- tables and reports go to the stream they are given, never to stderr on their own.
+- tables and reports go to the stream they are given, never to stderr on their own;
+- tables and plots list aspect buckets by ratio (:func:`bucket_order`), never as strings.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import signal
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 from ..errors import ConfigError
 
@@ -100,6 +102,31 @@ def _epoch_arg(text: str) -> int:
 
 
 # -- tables and reports ----------------------------------------------------------------
+_RATIO = re.compile(r"\s*(\d+(?:\.\d+)?)\s*:\s*(\d+(?:\.\d+)?)\s*")
+
+
+def _ratio(key: Any) -> float | None:
+    """``"16:9"`` -> 16/9; None for a key that is not ``W:H`` with positive numbers."""
+    m = _RATIO.fullmatch(key) if isinstance(key, str) else None
+    if m is None or float(m[2]) == 0:
+        return None
+    return float(m[1]) / float(m[2])
+
+
+def bucket_order(keys: Iterable[Hashable]) -> list[Hashable]:
+    """Bucket keys in the order tables and plots show them.
+
+    Aspect keys are strings (``"16:9"``): where every key parses as ``W:H`` they are
+    sorted by their ratio (1:2 < 9:16 < 1:1 < 16:9, equal ratios as given), not as
+    strings; otherwise the keys keep the order given (the index's canonical order).
+    """
+    keys = list(keys)
+    ratios = [_ratio(k) for k in keys]
+    if not keys or any(r is None for r in ratios):
+        return keys
+    return [k for _, _, k in sorted(zip(ratios, range(len(keys)), keys))]  # type: ignore[type-var]
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
     """A plain-text table: left-aligned text, right-aligned numbers."""
     cells = [[str(c) for c in row] for row in rows]
@@ -115,11 +142,12 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: s
     return "\n".join([line(headers), rule] + [line(r) for r in cells])
 
 
-def _print_summary(plan: Any, out: Any) -> None:
-    """A plan's per-bucket table (``plan --summary``, the demo)."""
+def _print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
+    """A plan's per-bucket table (``plan --summary``, the demo); ``all_ranks``: the
+    table stands for every rank (``--rank all``), and its last line says so."""
     topo = plan.topology
     rows = []
-    for s in plan.stats:
+    for s in _stats_in_order(plan.stats):
         status = "empty" if s.samples == 0 else ("dropped" if s.dropped else
                                                   ("oversubscribed" if s.oversubscribed else "kept"))
         pct = f"{100 * s.padded_fraction:.1f}%"
@@ -135,7 +163,26 @@ def _print_summary(plan: Any, out: Any) -> None:
     padded = sum(s.padded_copies for s in plan.stats)
     dropped = sum(s.samples for s in plan.stats if s.dropped)
     out.write(f"total: {total} samples, {padded} padded copies, {dropped} samples in dropped buckets, "
-              f"{plan.steps} steps per epoch, {len(plan)} batches on rank {topo.rank}\n")
+              f"{plan.steps} steps per epoch, {_batches_per_rank(plan, all_ranks)}\n")
+
+
+def _batches_per_rank(plan: Any, all_ranks: bool) -> str:
+    """How many batches this plan gives, said of the ranks it stands for.
+
+    Every rank of a plan gets exactly as many batches (invariant 1), so one plan
+    speaks for all ranks when the table is about all of them.
+    """
+    if all_ranks:
+        world = plan.topology.world_size
+        return f"{len(plan)} batches on every one of the {world} ranks"
+    return f"{len(plan)} batches on rank {plan.topology.rank}"
+
+
+def _stats_in_order(stats: Sequence[Any]) -> list[Any]:
+    """A plan's bucket stats, datasets as planned, buckets of each by :func:`bucket_order`."""
+    order = {k: i for i, k in enumerate(bucket_order(dict.fromkeys(s.bucket for s in stats)))}
+    datasets = list(dict.fromkeys(s.dataset for s in stats))
+    return sorted(stats, key=lambda s: (datasets.index(s.dataset), order[s.bucket]))
 
 
 def _nbytes(n: float) -> str:
@@ -188,7 +235,8 @@ def _plot(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace)
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ConfigError("--plot needs matplotlib: pip install 'wds-pad[plot]' (or pip install matplotlib)") from exc
-    counts = index.bucket_counts()
+    unordered = index.bucket_counts()
+    counts = {k: unordered[k] for k in bucket_order(unordered)}
     labels = [str(k) for k in counts]
     samples = [counts[k] for k in counts]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(labels) + 2), 4.2))

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from .common import _plot, _positive, _print_summary, _seed_arg, format_table
+from .common import _plot, _positive, _print_summary, _seed_arg, bucket_order, format_table
 
 __all__ = ["add_parser", "run_demo"]
 
@@ -56,7 +56,7 @@ def run_demo(args: argparse.Namespace) -> int:
     index = build_index(urls, "aspect:width,height", output=index_path, progress=None)
     counts = index.bucket_counts()
     out.write(f"2. indexed into {len(counts)} aspect buckets -> {index_path} ({time.perf_counter() - t0:.2f} s): "
-              + ", ".join(f"{k}={v}" for k, v in counts.items()) + "\n")
+              + ", ".join(f"{k}={counts[k]}" for k in bucket_order(counts)) + "\n")
     world, cp, bs = args.world_size, args.cp_size, args.batch_size
     datasets = []
     for rank in range(world):

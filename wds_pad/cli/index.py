@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from .common import _nbytes, _plural, _positive, _report_excluded, interrupt_exit
+from .common import _nbytes, _plural, _positive, _report_excluded, bucket_order, interrupt_exit
 
 __all__ = ["add_parser"]
 
@@ -120,7 +120,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         out.write(f"update: {_plural(len(index.shards) - kept, 'shard')} scanned, {kept} unchanged\n")
     counts = index.bucket_counts()
     if counts:
-        top = ", ".join(f"{k}={v}" for k, v in list(counts.items())[:12])
+        top = ", ".join(f"{k}={counts[k]}" for k in bucket_order(counts)[:12])
         more = f", ... ({len(counts) - 12} more)" if len(counts) > 12 else ""
         out.write(f"buckets: {top}{more}\n")
     _report_excluded(index, out)

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any, Hashable
 
-from .common import _nbytes, _non_negative, _plot, _positive, _report_excluded, _usage, format_table
+from .common import _nbytes, _non_negative, _plot, _positive, _report_excluded, _usage, bucket_order, format_table
 
 __all__ = ["add_parser"]
 
@@ -109,7 +109,8 @@ def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Na
     out.write(f"bucket_by: {desc}; members: {', '.join(index.exts) or '-'}\n\n")
     headers = ["bucket", "samples", "%", "bytes", "mean sample"]
     rows = []
-    for key, n in counts.items():
+    for key in bucket_order(counts):
+        n = counts[key]
         row = [str(key), n, f"{100 * n / total:.1f}%" if total else "-", _nbytes(sizes[key]),
                _nbytes(sizes[key] / n) if n else "-"]
         if pad is not None:

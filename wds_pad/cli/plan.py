@@ -7,7 +7,8 @@ Invariants:
 - ``--json`` prints one JSON object per batch and nothing else on stdout, in step
   order, rank after rank for ``--rank all``; with index files each record also names
   the samples' shard URLs and keys;
-- ``--summary`` prints one table per bucket for the (first) rank;
+- ``--summary`` prints one table per bucket for the (first) rank; with ``--rank all``
+  its last line speaks of every rank (each gets the same number of batches);
 - a bad combination of options is a usage error (exit 2) before anything is planned.
 """
 
@@ -140,7 +141,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         warn = i == 0
         if args.summary:
             plan = plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=True, **common)
-            _print_summary(plan, out)
+            _print_summary(plan, out, all_ranks=args.rank == "all")  # equal on every rank
             return 0
         if args.mode == Mode.EPOCHS.value:
             plans: Any = [plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=warn, **common)]
