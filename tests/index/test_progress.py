@@ -74,3 +74,32 @@ def test_a_failed_build_in_a_log_ends_without_another_bar_line() -> None:
     bar.close(failed=True)
     bar.close()  # closing twice is harmless
     assert log.getvalue() == before
+
+
+def test_an_update_with_nothing_to_rescan_says_so_and_shows_no_rate(tmp_path, capsys) -> None:
+    from wds_pad.cli.synth import make_image_shards
+    from wds_pad.index.build import build_index
+
+    urls = make_image_shards(tmp_path / "shards", samples=24, shards=4, seed=1)
+    out = str(tmp_path / "i.wdsidx")
+    build_index(urls, "aspect:width,height", output=out, progress=False)
+    build_index(urls, "aspect:width,height", output=out, update=out, progress=True)  # a log: stderr
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "4/4 shards" in last and last.endswith("0 shards rescanned, 4 unchanged]")
+    assert "/s" not in last
+    os.utime(urls[1], ns=(os.stat(urls[1]).st_atime_ns, os.stat(urls[1]).st_mtime_ns + 10**9))
+    build_index(urls, "aspect:width,height", output=out, update=out, progress=True)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "1 shard rescanned, 3 unchanged, " in last and "samples/s" in last
+
+
+def test_rates_count_scanned_shards_only_and_never_over_near_zero_time() -> None:
+    bar = Progress(total=5, enabled=False)
+    bar.advance(unchanged=4)
+    assert bar.shards == 4 and bar.rates(1e-9) == bar.rates(10.0) == "0 shards rescanned, 4 unchanged"
+    bar.advance(shards=1, samples=100, nbytes=2_000_000)
+    assert bar.rates(2.0) == "1 shard rescanned, 4 unchanged, 0.5 shards/s, 50 samples/s, 1.0 MB/s"
+    fresh = Progress(total=2, enabled=False)
+    fresh.advance(shards=2, samples=10, nbytes=1_000_000)
+    assert fresh.rates(0.5) == "4.0 shards/s, 20 samples/s, 2.0 MB/s"
+    assert fresh.rates(1e-7) == "2 shards, 10 samples, 1.0 MB"  # no "20000000.0 shards/s"

@@ -257,7 +257,7 @@ def build_index(
     reused = _reusable(previous, shard_urls, storage_options) if previous is not None else {}
     todo = [u for u in shard_urls if u not in reused]
     bar = Progress(total=len(shard_urls), enabled=progress, label="index")
-    bar.advance(shards=len(reused))
+    bar.advance(unchanged=len(reused))  # done, but not scanned: no part of the rates
     results: dict[str, ShardRows] = dict(reused)
 
     def task(group: Sequence[str]) -> list[ShardRows]:

@@ -9,6 +9,9 @@ Invariants:
   a pipe) each redraw is one line of its own, at most one every 5 s, plus the last;
 - counts are exact and thread-safe: shards are counted as they finish, samples as each
   batch of a large shard is scanned, so the bar moves during a large shard too;
+- rates are of work done: shards an update reuses unchanged move the bar but count in
+  no rate (with nothing rescanned the bar says so and shows no rate), and no rate is
+  shown over a near-zero time (under a microsecond: the counts instead);
 - a disabled bar costs a lock and three additions per call, and never imports tqdm.
 """
 
@@ -19,6 +22,7 @@ import sys
 import threading
 from typing import Any, TextIO
 
+_MIN_ELAPSED = 1e-6  # seconds: less is no measurement (a rate of "12512512.4 shards/s")
 _FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} shards [{elapsed}<{remaining}{postfix}]"
 
 
@@ -32,23 +36,39 @@ class Progress:
         self.enabled = self.tty if enabled is None else bool(enabled)
         self.total, self.label = total, label
         self.shards = self.samples = self.nbytes = 0
+        self.unchanged = 0  # of ``shards``: reused by an update, not scanned
         self.interval = interval if self.tty else max(interval, 5.0)
         self._lock = threading.Lock()
         self._bar = _open_bar(self) if self.enabled else None
 
-    def advance(self, *, shards: int = 0, samples: int = 0, nbytes: int = 0) -> None:
+    def advance(self, *, shards: int = 0, samples: int = 0, nbytes: int = 0, unchanged: int = 0) -> None:
+        """Count ``shards`` scanned (with their ``samples`` and ``nbytes``) and
+        ``unchanged`` shards an update reuses without scanning them."""
         with self._lock:
-            self.shards += shards
+            self.shards += shards + unchanged
+            self.unchanged += unchanged
             self.samples += samples
             self.nbytes += nbytes
             if self._bar is not None:
-                self._bar.update(shards)  # redraws once ``interval`` has passed, also for 0
+                self._bar.update(shards + unchanged)  # redraws once ``interval`` has passed, also for 0
 
     def rates(self, elapsed: float) -> str:
-        """``'1.2 shards/s, 3,400 samples/s, 5.6 MB/s'`` over ``elapsed`` seconds."""
-        elapsed = max(elapsed, 1e-9)
-        return (f"{self.shards / elapsed:.1f} shards/s, {self.samples / elapsed:,.0f} samples/s, "
-                f"{self.nbytes / elapsed / 1e6:.1f} MB/s")
+        """``'1.2 shards/s, 3,400 samples/s, 5.6 MB/s'`` over ``elapsed`` seconds.
+
+        Only scanned shards count: an update says how many it rescanned and reused
+        (``'0 shards rescanned, 4 unchanged'``, no rate when it scanned nothing), and
+        over a near-zero time the counts stand in for rates.
+        """
+        scanned = self.shards - self.unchanged
+        head = f"{_plural(scanned, 'shard')} rescanned, {self.unchanged} unchanged" if self.unchanged else ""
+        if self.unchanged and not (scanned or self.samples or self.nbytes):
+            return head
+        if elapsed < _MIN_ELAPSED:
+            body = f"{_plural(scanned, 'shard')}, {self.samples:,} samples, {self.nbytes / 1e6:.1f} MB"
+        else:
+            body = (f"{scanned / elapsed:.1f} shards/s, {self.samples / elapsed:,.0f} samples/s, "
+                    f"{self.nbytes / elapsed / 1e6:.1f} MB/s")
+        return f"{head}, {body}" if head else body
 
     def close(self, *, failed: bool = False) -> None:
         """Draw the final counts and end the line. ``failed``: in a log, draw nothing
@@ -62,6 +82,10 @@ class Progress:
             elif bar.log and bar.last_print_t < bar.start_t + bar.delay:
                 bar.refresh()  # done within the first interval: its one line is the last
             bar.close()
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _open_bar(progress: Progress) -> Any:
