@@ -18,15 +18,22 @@ What it shows (see docs/distributed.md):
   topology error, unless ``--allow-elastic`` and the saved position maps exactly onto the
   new layout (an epoch boundary always does; mid-epoch where docs/resume.md says it does);
 - each rank appends every batch it trains on (sample keys, pad flags) to
-  ``OUT/samples-rankNNNNN.jsonl`` so a test can audit exactly what was seen.
+  ``OUT/samples-rankNNNNN.jsonl`` so a test can audit exactly what was seen;
+- it refuses to start (exit 3, before it writes anything) while another run holds
+  ``OUT/ckpt``: rank 0 holds an ``flock`` on ``OUT/ckpt/.lock`` for the life of the job,
+  which the kernel drops when that process ends, however it ends (a SIGKILLed run leaves
+  no stale lock). A killed torchrun can leave its workers running (docs/distributed.md,
+  "Stopping a job"): they still hold the folder, and the refusal names their pid.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -119,6 +126,32 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
         atomic_write(os.path.join(root, "latest"), lambda tmp: Path(tmp).write_text(os.path.basename(directory)))
 
 
+LOCK_NAME = ".lock"
+EXIT_IN_USE = 3
+
+
+def lock_folder(root: str) -> tuple[int | None, str]:
+    """Take the checkpoint folder ``root`` for this run: an exclusive ``flock`` on ``root/.lock``.
+
+    Returns ``(fd, "")`` with the lock held for as long as ``fd`` stays open (keep it open
+    for the life of the job; the kernel releases it when the process ends, even by
+    SIGKILL), or ``(None, holder)`` if another run holds it, ``holder`` being what that run
+    wrote into the file (its pid, host and start time).
+    """
+    path = os.path.join(root, LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        with open(path) as f:
+            return None, f.read().strip() or "a process that has not written its pid yet"
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+             .encode())
+    return fd, ""
+
+
 def latest_checkpoint(root: str) -> str | None:
     try:
         with open(os.path.join(root, "latest")) as f:
@@ -153,11 +186,25 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    ckpt_root = os.path.join(args.out, "ckpt")
+    # One run per checkpoint folder: rank 0 holds the lock until it exits, however it exits.
+    lock, holder = (None, "")
+    if rank == 0:
+        os.makedirs(ckpt_root, exist_ok=True)
+        lock, holder = lock_folder(ckpt_root)
+    verdict = [holder]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        print(f"rank {rank}: {ckpt_root} is in use by another run ({verdict[0]}); two runs writing into "
+              "one checkpoint folder overwrite each other's checkpoints. Stop that run first (a killed "
+              "torchrun can leave its workers running: docs/distributed.md, 'Stopping a job'), or pass "
+              "another --out. A run that was killed holds no lock.", file=sys.stderr)
+        dist.destroy_process_group()
+        return EXIT_IN_USE
     if rank == 0:
         ensure_dataset(args.data, samples=args.samples)
     dist.barrier()  # the other ranks wait for the index
 
-    ckpt_root = os.path.join(args.out, "ckpt")
     os.makedirs(ckpt_root, exist_ok=True)
     latest = latest_checkpoint(ckpt_root)
     trainer = torch.load(os.path.join(latest, "trainer.pt"), map_location=device) if latest else None
@@ -213,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     log.write(json.dumps({"event": "done", "step": step}) + "\n")
     log.close()
     dist.destroy_process_group()
+    if lock is not None:
+        os.close(lock)  # the folder is free for the next run
     return 0
 
 

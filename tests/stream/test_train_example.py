@@ -142,3 +142,40 @@ def test_preempted_job_resumes_exactly_and_refuses_another_topology(tmp_path: Pa
             plan = plan_epoch(index, Topology(world_size=world, rank=rank), seed=seed, epoch=epoch,
                               batch_size=BATCH, oversubscribe=True, warn=False)
             assert [b["keys"] for b in streams[epoch][rank]] == plan_keys(plan, index), (epoch, rank)
+
+
+def test_a_second_run_on_the_same_folder_is_refused_until_the_first_is_killed(tmp_path: Path,
+                                                                               tmp_path_factory: Any) -> None:
+    data = session_dataset(tmp_path_factory)
+    out = tmp_path / "run"
+    base = [sys.executable, str(EXAMPLE), "--data", data["dir"], "--out", str(out), "--batch-size", str(BATCH),
+            "--ckpt-every", str(EVERY), "--epochs", "1"]
+
+    first = Job(base + ["--step-delay", "0.5"], 2, timeout=150).start()
+    try:
+        while min(logged_step(out, r) for r in range(2)) < 1:  # training: the folder is held
+            if not first.running():
+                pytest.fail(f"the first run ended early:\n{format_outputs(first.collect())}")
+            first.check_deadline()
+            time.sleep(0.02)
+        logs = {r: (out / f"samples-rank{r:05d}.jsonl").read_text().count('"event": "start"') for r in range(2)}
+
+        # a second run against the same folder: refused on every rank, naming the holder
+        refused = launch(base, 2, timeout=120, expect_ok=False)
+        for r in refused:
+            assert r.returncode == 3, format_outputs(refused)
+            assert f"rank {r.rank}: {out / 'ckpt'} is in use by another run (pid {first.procs[0].pid} on " in r.stderr
+            assert "'Stopping a job'" in r.stderr and "A run that was killed holds no lock" in r.stderr
+        assert first.running()
+        assert {r: (out / f"samples-rank{r:05d}.jsonl").read_text().count('"event": "start"')
+                for r in range(2)} == logs == {0: 1, 1: 1}  # the refused run wrote nothing
+        first.kill(signal.SIGKILL)
+    finally:
+        first.close()
+    assert (out / "ckpt" / ".lock").exists()  # the killed run left its lock file, not its lock
+
+    # after SIGKILL nothing is stuck: a new run takes the folder and finishes the epoch
+    done = launch(base, 2, timeout=150)
+    assert all(r.returncode == 0 for r in done)
+    assert all(read_log(out, r)[-1][0]["event"] == "start" for r in range(2))
+    assert len(read_log(out, 0)) == 2 and read_log(out, 0)[-1][-1]["epoch"] == 0
