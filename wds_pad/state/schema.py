@@ -8,10 +8,17 @@ A state is small, JSON-safe and versioned (docs/resume.md describes every field)
                   "cp_size": 2, "cp_rank": 1},
      "fingerprint": "<hex>", "plan": {<the fingerprint's ingredients>},
      "elastic": {"segments": [[8, 120]]}     # only in an epoch resumed on another layout
-     "worker": {"id": 1, "num_workers": 2}}  # only in a DataLoader worker's own state
+     "worker": {"id": 1, "num_workers": 2},  # only in a DataLoader worker's own state
+     "per_rank": {"rank5": {<this same state, without per_rank>}}}
+
+``per_rank`` holds the state again under its rank's key (every rank's, when gathered), so
+a checkpoint that keeps one copy of a key every rank has (torch.distributed.checkpoint
+deduplicates non-tensor values across ranks) still gives each rank its own entry.
 
 Invariants:
 - :func:`check_schema` type-checks every field verification reads, naming the field;
+- ``per_rank`` maps ``"rank<r>"`` to a state of rank r without ``per_rank`` (checked
+  when :func:`wds_pad.state.verify.verify_state` selects it);
 - the fingerprint is the digest of the ``plan`` block (:func:`fingerprint_of`), which
   holds everything that shapes this rank's plan except its own rank: seed, datasets,
   batch size, policy, and the data-parallel layout (``dp_size``, ``pad_unit``).
@@ -19,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from typing import Any, Mapping
@@ -26,8 +34,8 @@ from typing import Any, Mapping
 from ..core.policy import MAX_EPOCH
 from ..errors import StateError
 
-__all__ = ["MAX_INDEX", "READABLE_VERSIONS", "STATE_FORMAT", "STATE_VERSION", "check_schema",
-           "elastic_segments", "fingerprint_of"]
+__all__ = ["MAX_INDEX", "PER_RANK", "READABLE_VERSIONS", "STATE_FORMAT", "STATE_VERSION", "check_schema",
+           "elastic_segments", "fingerprint_of", "keyed_by_rank", "rank_key"]
 
 STATE_FORMAT = "wds_pad.state"
 STATE_VERSION = 2
@@ -43,6 +51,26 @@ LAYOUT_FIELDS = ("dp_size", "pad_unit")
 #: Largest batch index or batch count a state may hold (far beyond any real epoch).
 MAX_INDEX = 2**53
 STATE_FILE_FORMAT = "wds_pad.state_file"
+#: The field that holds the state again under its rank's key (see the module docstring).
+PER_RANK = "per_rank"
+
+
+def rank_key(rank: int) -> str:
+    """The key of rank ``rank``'s entry in ``per_rank``: ``"rank5"``."""
+    return f"rank{int(rank)}"
+
+
+def keyed_by_rank(state: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """``state`` with its own entry under ``per_rank``: ``{**state, "per_rank": {"rank5": state}}``.
+
+    torch.distributed.checkpoint keeps one copy of a key that every rank saves (so each rank
+    would load the same rank's position); the entry's keys (``per_rank.rank5.index``)
+    are this rank's own, so each rank loads its own.
+    """
+    own = {k: v for k, v in state.items() if k != PER_RANK}
+    # a deep copy: DCP loads into the state_dict() in place, and a nested dict shared by
+    # the top level and the entry would take the top level's (another rank's) values
+    return {**own, PER_RANK: {rank_key(rank): copy.deepcopy(own)}}
 
 
 def fingerprint_of(fields: Mapping[str, Any]) -> str:
@@ -112,6 +140,13 @@ def check_schema(state: Any) -> dict[str, Any]:
     if worker is not None and (not isinstance(worker, Mapping) or not _is_count(worker.get("id"))
                                or not _is_count(worker.get("num_workers"), 1)):
         raise StateError(f"loader state field 'worker' must be {{'id': int, 'num_workers': int}}, got {worker!r}")
+    per = state.get(PER_RANK)
+    if per is not None and (not isinstance(per, Mapping) or not all(
+            isinstance(k, str) and k.startswith("rank") and k[4:].isdigit() and isinstance(v, Mapping)
+            for k, v in per.items())):
+        raise StateError(f"loader state field {PER_RANK!r} must map 'rank<r>' to a state dict, got "
+                         f"{type(per).__name__} with keys {list(per)[:4] if isinstance(per, Mapping) else per!r}; "
+                         "pass the dict returned by state_dict() unchanged")
     return dict(state)
 
 

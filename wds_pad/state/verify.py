@@ -11,6 +11,11 @@ Invariants:
 - an elastic resume is exact or refused: :func:`elastic_view` removes from the new
   layout's epoch exactly the windows the earlier layouts consumed, and refuses (naming
   the bucket) when a consumed prefix is not a whole number of the new global steps;
+- a state that holds this rank's entry under ``per_rank`` while its top level is another
+  rank's (what torch.distributed.checkpoint's deduplication gives back) resumes from that
+  entry; an entry whose layout or plan is not the top level's (a load template left in
+  place) is never used; a refusal of another rank's state says which entries it holds
+  and how to save one per rank;
 - :func:`restore` is pure: it says where to resume and mutates nothing.
 """
 
@@ -25,6 +30,7 @@ from ..errors import StateError, StateMismatchError, TopologyMismatchError
 from .elastic import ElasticView, elastic_view
 from .schema import (
     LAYOUT_FIELDS,
+    PER_RANK,
     STATE_FORMAT,
     STATE_VERSION,
     TOPOLOGY_FIELDS,
@@ -33,15 +39,95 @@ from .schema import (
     check_schema,
     elastic_segments,
     fingerprint_of,
+    keyed_by_rank,
+    rank_key,
 )
 
 __all__ = ["Resume", "epoch_length", "make_state", "restore", "verify_state"]
 
 
+def _same_job(entry: Mapping[str, Any], state: Mapping[str, Any]) -> bool:
+    """``entry`` was saved by a rank of the job that saved ``state`` (same layout and plan)."""
+    a, b = entry.get("topology"), state.get("topology")
+    return (isinstance(a, Mapping) and isinstance(b, Mapping)
+            and all(a.get(k) == b.get(k) for k in ("world_size", "dp_size", "cp_size"))
+            and all(entry.get(k) == state.get(k) for k in ("format", "version", "kind", "mode", "fingerprint")))
+
+
+#: Fields that differ between the ranks of one job: a DCP load mixes them from several
+#: ranks into the top level. Every other field is the same on every rank.
+_RANK_FIELDS = ("topology.rank", "topology.dp_rank", "topology.cp_rank")
+#: ... and where ranks' positions differ too: uneven plans (policy none), the shard path.
+_POSITION_FIELDS = ("index", "batches_in_epoch", "num_workers", "next_worker", "done", "workers")
+
+
+def _unexpected_differences(entry: Mapping[str, Any], state: Mapping[str, Any]) -> list[str]:
+    """Fields where the top level differs from this rank's entry though the ranks of one job
+    agree on them (empty: the top level is what torch.distributed.checkpoint gives back)."""
+    varying = set(_RANK_FIELDS)
+    plan = state.get("plan")
+    if state.get("kind") == "shards" or (isinstance(plan, Mapping) and plan.get("policy") == "none"):
+        varying.update(_POSITION_FIELDS)
+    a = _flatten({k: v for k, v in entry.items() if k != PER_RANK}, "")
+    b = _flatten({k: v for k, v in state.items() if k != PER_RANK}, "")
+
+    def varies(leaf: str) -> bool:
+        return any(leaf == f or leaf.startswith((f + ".", f + "[")) for f in varying)
+    return sorted(k[1:] for k in set(a) | set(b) if a.get(k) != b.get(k) and not varies(k[1:]))
+
+
+#: Added to the refusal of another rank's state of this layout: the usual cause and the fixes.
+ONE_COPY_HINT = (
+    " A checkpoint that keeps one copy of the loader state for the whole job (Lightning, Fabric.save, "
+    "accelerate's register_for_checkpointing) gives every rank the saving rank's state: build the "
+    "Loader with gather_state=True, or save one state per rank (save_state_file(state, directory, "
+    "rank)).")
+
+
+def _own_entry(state: dict[str, Any], topology: Topology) -> tuple[dict[str, Any], str]:
+    """The state to verify on this rank, and what to add to a topology refusal."""
+    per, topo = state.get(PER_RANK), state.get("topology")
+    if not isinstance(topo, Mapping):
+        return state, ""
+    key = rank_key(topology.rank)
+    entry = per.get(key) if per is not None else None
+    usable = isinstance(entry, Mapping) and _same_job(entry, state)
+    odd = _unexpected_differences(entry, state) if usable else []  # type: ignore[arg-type]
+    if usable and not odd:
+        return check_schema({k: v for k, v in entry.items() if k != PER_RANK}), ""  # type: ignore[union-attr]
+    if topo.get("rank") == topology.rank:
+        return state, ""  # this rank's own state (edited, if it differs from its entry): verified as it is
+    if odd:
+        return state, (
+            f" The top level differs from this rank's entry {PER_RANK}.{key} in {', '.join(odd[:6])}, where "
+            "the ranks of one job agree: the state was edited, or the ranks were saved at different "
+            "batches (save on every rank at the same step); pass the state_dict() unchanged.")
+    now = topology.to_dict()
+    same_layout = all(topo.get(k) == now[k] for k in ("world_size", "dp_size", "cp_size"))
+    if per is None:
+        return state, ONE_COPY_HINT if same_layout else ""
+    held = sorted(per, key=lambda k: int(k[4:]))
+    shown = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "")
+    hint = (f" The state's field {PER_RANK!r} has no entry of this rank ({key!r}) saved with it "
+            f"(it holds {shown}).")
+    if same_layout:
+        return state, hint + ONE_COPY_HINT
+    return state, hint + (
+        f" With torch.distributed.checkpoint, the DCP key '<your key>.{PER_RANK}.{key}' is missing "
+        "because the checkpoint was saved on another topology: restart with the saved topology, or load "
+        "with dcp.load(..., planner=DefaultLoadPlanner(allow_partial_load=True)) into a state_dict() "
+        "and pass it to load_state_dict(state, allow_elastic=True) to resume where the position maps "
+        "exactly.")
+
+
 def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, fingerprint: str,
                  plan_fields: Mapping[str, Any], allow_elastic: bool = False,
                  legacy_fingerprint: str | None = None) -> dict[str, Any]:
-    """Verify a saved state against the current loader; return it if it may be restored.
+    """Verify a saved state against the current loader; return the state to restore.
+
+    A state whose top level is another rank's but which holds this rank's entry under
+    ``per_rank`` (torch.distributed.checkpoint keeps one copy of the top level) is
+    verified and returned as that entry.
 
     Args:
         state: the saved state dict.
@@ -62,7 +148,20 @@ def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, finger
             distributed run or in a version-1 state.
         StateMismatchError: another plan (fingerprint), mode or loader kind.
     """
-    state = check_schema(state)
+    state, hint = _own_entry(check_schema(state), topology)
+    try:
+        return _verify(state, kind=kind, mode=mode, topology=topology, fingerprint=fingerprint,
+                       plan_fields=plan_fields, allow_elastic=allow_elastic,
+                       legacy_fingerprint=legacy_fingerprint)
+    except TopologyMismatchError as exc:
+        if not hint:
+            raise
+        raise TopologyMismatchError(f"{exc}.{hint}" if not str(exc).endswith(".") else f"{exc}{hint}") from exc
+
+
+def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, fingerprint: str,
+            plan_fields: Mapping[str, Any], allow_elastic: bool,
+            legacy_fingerprint: str | None) -> dict[str, Any]:
     version = state["version"]
     rows: list[tuple[str, Any, Any]] = []
     for name, now in (("kind", kind), ("mode", mode)):
@@ -173,7 +272,7 @@ def make_state(spec: Any, epoch: int, index: int, *, kind: str = "bucketed",
     }
     if worker is not None:
         state["worker"] = {"id": worker[0], "num_workers": worker[1]}
-    return state
+    return keyed_by_rank(state, spec.topology.rank)
 
 
 def _plan_on(spec: Any, epoch: int) -> Callable[[int], Plan]:

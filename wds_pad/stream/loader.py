@@ -10,7 +10,12 @@ Invariants:
   process (both count in the dataset's ``_live``);
 - DataLoader arguments that would break exactness (batching, shuffling, samplers,
   persistent workers) are refused up front;
-- the next iteration is a seek to the saved position: no earlier sample is read again.
+- the next iteration is a seek to the saved position: no earlier sample is read again;
+- ``state_dict()`` holds this rank's entry under ``per_rank`` (so torch.distributed.checkpoint,
+  which keeps one copy of a key every rank has, gives each rank its own); with
+  ``gather_state=True`` it holds every rank's (one all_gather over the dataset's group), so a
+  checkpoint one process writes for the whole job (Lightning, Fabric, accelerate's
+  ``register_for_checkpointing``) resumes every rank.
 """
 
 from __future__ import annotations
@@ -25,12 +30,28 @@ from ..core.policy import Mode
 from .dataset import BucketedWebDataset
 from .stages import Position
 from ..state import epoch_length, make_state, restore
+from ..state.schema import PER_RANK
 
 __all__ = ["Loader"]
 
 
 def _as_is(batch: Any) -> Any:
     return batch
+
+
+def _gather_entries(own: dict[str, Any], group: Any) -> dict[str, Any]:
+    """Every rank's ``per_rank`` entries, merged (one all_gather_object); ``own`` alone
+    without an initialised process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return own
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, own, group=group)
+    merged: dict[str, Any] = {}
+    for entries in gathered:
+        merged.update(entries)
+    return dict(sorted(merged.items(), key=lambda kv: int(kv[0][len('rank'):])))
 
 
 class Loader:
@@ -42,13 +63,19 @@ class Loader:
     Args:
         dataset: a BucketedWebDataset.
         num_workers: DataLoader worker processes (0: iterate in the main process).
+        gather_state: ``state_dict()`` gathers every rank's entry into ``per_rank`` (a
+            collective over the dataset's group: every rank calls it at once, as Lightning's,
+            Fabric's and accelerate's checkpointing do), so a checkpoint that one process
+            writes for the whole job resumes every rank. Not needed with
+            torch.distributed.checkpoint or per-rank state files.
         **kwargs: passed to torch's DataLoader (pin_memory, prefetch_factor,
             multiprocessing_context, timeout, ...). ``batch_size`` is always None
             (the dataset batches) and ``persistent_workers`` is not supported (workers
             must see each epoch's start position).
     """
 
-    def __init__(self, dataset: BucketedWebDataset, num_workers: int = 0, **kwargs: Any) -> None:
+    def __init__(self, dataset: BucketedWebDataset, num_workers: int = 0, *, gather_state: bool = False,
+                 **kwargs: Any) -> None:
         if not isinstance(dataset, BucketedWebDataset):
             raise ConfigError(f"Loader wraps a BucketedWebDataset, got {type(dataset).__name__}")
         check_loader_args("Loader", num_workers, kwargs, "the plan decides batches and order, "
@@ -59,6 +86,7 @@ class Loader:
         self.dataset = dataset
         self.num_workers = num_workers
         self.kwargs = kwargs
+        self.gather_state = bool(gather_state)
         self._position = dataset._position
 
     @property
@@ -76,9 +104,15 @@ class Loader:
         return len(self.dataset)
 
     def state_dict(self) -> dict[str, Any]:
-        """The position of the last batch the trainer received (JSON-safe, see docs/resume.md)."""
+        """The position of the last batch the trainer received (JSON-safe, see docs/resume.md).
+
+        With ``gather_state=True`` this is a collective: call it on every rank at once.
+        """
         view = self.dataset._view
-        return make_state(self.dataset.spec, self._position.epoch, self._position.index, view=view)
+        state = make_state(self.dataset.spec, self._position.epoch, self._position.index, view=view)
+        if self.gather_state:
+            state[PER_RANK] = _gather_entries(state[PER_RANK], self.dataset.group)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_elastic: bool = False) -> None:
         """Verify ``state`` in full, then make the next iteration start at its position.

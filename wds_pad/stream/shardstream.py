@@ -41,9 +41,10 @@ from ..index.shardfile import shard_info
 from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..core.seed import shared_seed, stable_digest
-from .live import OpenIterators
+from .live import OpenIterators, refuse_resplitting
 from .shards import WorkerPlan, local_path, shard_counts, worker_plan
 from ..state import STATE_FORMAT, STATE_VERSION, fingerprint_of, verify_state
+from ..state.schema import keyed_by_rank
 from ..index.tarscan import scan_tar
 from ..core.topology import Topology
 
@@ -170,12 +171,14 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
     def state_dict(self) -> dict[str, Any]:
         """The current position as a small JSON-safe dict (see docs/shards.md)."""
         p = self._progress
-        return {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": "shards", "mode": "epochs",
-                "epoch": self._epoch, "index": sum(q.yielded for q in p.positions),
-                "topology": self.topology.to_dict(), "fingerprint": self._fingerprint,
-                "plan": dict(self._fields), "num_workers": len(p.positions), "next_worker": p.next_worker,
-                "done": p.done, "workers": [{"shard": q.shard, "offset": q.offset, "yielded": q.yielded}
-                                            for q in p.positions]}
+        state = {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": "shards", "mode": "epochs",
+                 "epoch": self._epoch, "index": sum(q.yielded for q in p.positions),
+                 "topology": self.topology.to_dict(), "fingerprint": self._fingerprint,
+                 "plan": dict(self._fields), "num_workers": len(p.positions), "next_worker": p.next_worker,
+                 "done": p.done, "workers": [{"shard": q.shard, "offset": q.offset, "yielded": q.yielded}
+                                             for q in p.positions]}
+        # this rank's own entry too, so torch.distributed.checkpoint gives each rank its own
+        return keyed_by_rank(state, self.topology.rank)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at a saved position after verifying the whole state.
@@ -191,9 +194,28 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         self._pinned = True
 
     def _verify(self, state: Mapping[str, Any], num_workers: int | None = None) -> tuple[int, _Progress]:
+        given = state
         state = verify_state(state, kind="shards", mode="epochs", topology=self.topology,
                              fingerprint=self._fingerprint, plan_fields=self._fields,
                              legacy_fingerprint=self._legacy_fingerprint)
+        self._positions(given)  # the top level is sound too, also when the rank resumes from its per_rank entry
+        positions, nxt = self._positions(state)
+        progress = _Progress(positions, nxt, bool(state.get("done")))
+        if num_workers is not None:
+            self._check_workers(progress, num_workers)
+        epoch, n = state["epoch"], len(positions)
+        for w, pos in enumerate(positions):
+            plan = worker_plan(self.counts, self.seed, epoch, self.topology, w, n)
+            if pos.yielded > plan.target:
+                raise StateMismatchError(f"worker {w} of the state yielded {pos.yielded} samples, more than "
+                                         f"its {plan.target} in epoch {epoch}; the state is not of this stream")
+            if pos.offset and pos.yielded < plan.target and not progress.done:
+                self._check_shard(plan.shard_at(pos.shard)[0], pos.offset)
+        return epoch, progress
+
+    @staticmethod
+    def _positions(state: Mapping[str, Any]) -> tuple[tuple[Position, ...], int]:
+        """The worker positions and the next worker of a shard-stream state; StateError if malformed."""
         workers, n, nxt = state.get("workers"), state.get("num_workers"), state.get("next_worker")
         if not isinstance(workers, list) or n != len(workers) or not isinstance(nxt, int) or not 0 <= nxt < max(n, 1):
             raise StateError("shard-stream state fields 'workers', 'num_workers' and 'next_worker' are "
@@ -203,18 +225,7 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
             positions = tuple(Position(w["shard"], w["offset"], w["yielded"]) for w in workers)
         except (KeyError, TypeError) as exc:
             raise StateError(f"shard-stream state field 'workers' is malformed: {exc!r}") from exc
-        progress = _Progress(positions, nxt, bool(state.get("done")))
-        if num_workers is not None:
-            self._check_workers(progress, num_workers)
-        epoch = state["epoch"]
-        for w, pos in enumerate(positions):
-            plan = worker_plan(self.counts, self.seed, epoch, self.topology, w, n)
-            if pos.yielded > plan.target:
-                raise StateMismatchError(f"worker {w} of the state yielded {pos.yielded} samples, more than "
-                                         f"its {plan.target} in epoch {epoch}; the state is not of this stream")
-            if pos.offset and pos.yielded < plan.target and not progress.done:
-                self._check_shard(plan.shard_at(pos.shard)[0], pos.offset)
-        return epoch, progress
+        return positions, nxt
 
     def _check_workers(self, progress: _Progress, num_workers: int) -> None:
         n = len(progress.positions)
@@ -235,6 +246,7 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        refuse_resplitting("ShardStream")
         if get_worker_info() is not None or self._tag:
             yield from self._iterate()
             return
