@@ -5,8 +5,10 @@ Index turns itself into one through its duck-typed ``to_dataset()``). Invariants
 
 - a Dataset is frozen and valid once constructed: a non-empty name, ``repeats`` an int
   >= 0, ``weight`` a finite number > 0, and every bucket a sorted, duplicate-free int64
-  array; its buckets iterate in ``bucket_order``, so the bucket table, and with it the
-  plan, does not depend on the order the caller built the mapping in (invariant 4);
+  array, or an ``IdRange`` (a contiguous run of ids, sorted and duplicate-free by
+  construction: what an index's bucket-grouped rows give, at O(1) memory); its buckets
+  iterate in ``bucket_order``, so the bucket table, and with it the plan, does not
+  depend on the order the caller built the mapping in (invariant 4);
 - ``bucket_order`` is total and machine-independent over the keys ``encode_key``
   accepts (None, then bools, then numbers by value, strings, bytes, tuples);
 - ``_as_datasets`` returns a non-empty list of Datasets with unique names, or raises
@@ -24,7 +26,7 @@ import numpy as np
 from ..errors import ConfigError
 from .seed import encode_key
 
-__all__ = ["Dataset", "bucket_order"]
+__all__ = ["Dataset", "IdRange", "bucket_order"]
 
 
 def bucket_order(key: Hashable) -> tuple[Any, ...]:
@@ -47,14 +49,86 @@ def bucket_order(key: Hashable) -> tuple[Any, ...]:
     return (5, tuple(bucket_order(k) for k in key))  # type: ignore[union-attr]
 
 
+class IdRange:
+    """The sample ids ``start, start + 1, ..., stop - 1`` without holding them.
+
+    It reads like the int64 id array it stands for (``size``, ``len``, indexing with an
+    int, a slice or an int array, ``tolist``, ``np.asarray``), so a bucket of 10^8
+    samples costs the planner two integers. ``Index.to_dataset()`` gives its buckets
+    as IdRanges: an index stores each bucket's rows contiguously.
+    """
+
+    __slots__ = ("start", "stop")
+    ndim = 1
+    dtype = np.dtype(np.int64)
+
+    def __init__(self, start: int, stop: int) -> None:
+        if isinstance(start, bool) or isinstance(stop, bool) or not (
+                isinstance(start, (int, np.integer)) and isinstance(stop, (int, np.integer))):
+            raise ConfigError(f"IdRange bounds must be ints, got {start!r}, {stop!r}")
+        if not 0 <= start <= stop:
+            raise ConfigError(f"IdRange({start}, {stop}): need 0 <= start <= stop")
+        self.start, self.stop = int(start), int(stop)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.size,)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(self.size)
+            if step == 1:
+                return IdRange(self.start + lo, self.start + max(lo, hi))
+            return np.arange(self.start + lo, self.start + hi, step, dtype=np.int64)
+        if isinstance(i, (int, np.integer)) and not isinstance(i, bool):
+            if not -self.size <= i < self.size:
+                raise IndexError(f"index {i} out of range for {self!r}")
+            return np.int64(self.start + int(i) % self.size)
+        idx = np.asarray(i)
+        if idx.dtype == bool:
+            return np.flatnonzero(idx).astype(np.int64) + self.start
+        if idx.size and (idx.min() < -self.size or idx.max() >= self.size):
+            raise IndexError(f"index out of range for {self!r}")
+        return np.where(idx < 0, idx + self.size, idx).astype(np.int64) + self.start
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.arange(self.start, self.stop, dtype=np.int64)
+        return out if dtype is None else out.astype(dtype)
+
+    def __iter__(self) -> Any:
+        return (np.int64(i) for i in range(self.start, self.stop))
+
+    def tolist(self) -> list[int]:
+        return list(range(self.start, self.stop))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, IdRange):
+            return (self.start, self.stop) == (other.start, other.stop)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((IdRange, self.start, self.stop))
+
+    def __repr__(self) -> str:
+        return f"IdRange({self.start}, {self.stop})"
+
+
 @dataclass(frozen=True)
 class Dataset:
     """One dataset of the plan: buckets of sample ids, repeats and an interleave weight.
 
     Args:
         name: unique name among the planned datasets.
-        buckets: bucket key -> sample ids (any order; planned in sorted order).
-            Keys are str, int, float or tuples of them.
+        buckets: bucket key -> sample ids (any order; planned in sorted order), or an
+            ``IdRange`` / a ``range`` of step 1 for a contiguous run of ids (kept as
+            two integers). Keys are str, int, float or tuples of them.
         repeats: each sample appears 1 + repeats times per epoch.
         weight: rate at which this dataset's steps are drawn relative to the others.
     """
@@ -74,7 +148,11 @@ class Dataset:
             raise ConfigError(f"dataset {self.name!r}: weight must be a finite number > 0, got {w!r}")
         canon: dict[Hashable, np.ndarray] = {}
         for key in sorted(self.buckets, key=bucket_order):
-            ids = np.asarray(self.buckets[key])
+            given = self.buckets[key]
+            if isinstance(given, IdRange) or (isinstance(given, range) and given.step == 1 and given.start >= 0):
+                canon[key] = given if isinstance(given, IdRange) else IdRange(given.start, max(given.start, given.stop))
+                continue
+            ids = np.asarray(given)
             if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
                 raise ConfigError(
                     f"dataset {self.name!r} bucket {key!r}: sample ids must be a 1-D integer array"

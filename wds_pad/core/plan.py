@@ -113,11 +113,16 @@ class Batch:
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """This rank's ordered batches for one epoch, stored columnar.
+    """This rank's ordered batches for one epoch, evaluated lazily.
 
-    ``schedule[s]`` is the bucket-table index every rank takes at global step s;
-    ``batch_step[i]`` the global step of this rank's i-th batch, whose samples are
-    ``samples[offsets[i]:offsets[i + 1]]``.
+    ``schedule[s]`` is the bucket-table index every rank takes at global step s and
+    ``window[s]`` how many earlier steps took the same bucket; ``batch_step[i]`` is the
+    global step of this rank's i-th batch, which holds ``offsets[i + 1] - offsets[i]``
+    entries. A batch's sample ids are computed when it is asked for (``plan[i]``), from
+    the per-bucket facts kept here, so a plan costs O(buckets + steps) to set up and to
+    hold, and each batch O(batch size), whatever the number of samples.
+    ``samples`` / ``pad`` (every entry of the rank, in batch order) are computed on
+    first use: O(the rank's share).
     """
 
     epoch: int
@@ -130,11 +135,11 @@ class Plan:
     datasets: tuple[str, ...]
     bucket_table: tuple[tuple[int, Hashable], ...]  # (dataset index, bucket key)
     schedule: np.ndarray
+    window: np.ndarray
     batch_step: np.ndarray
     offsets: np.ndarray
-    samples: np.ndarray
-    pad: np.ndarray
     stats: tuple[BucketStats, ...] = field(repr=False)
+    buckets: _Buckets = field(repr=False)
 
     @property
     def steps(self) -> int:
@@ -146,16 +151,109 @@ class Plan:
 
     def __getitem__(self, i: int) -> Batch:
         n = len(self)
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"plan indices are ints, got {type(i).__name__}")
         if not -n <= i < n:
             raise IndexError(f"batch {i} out of range for a plan of {n} batches")
-        i %= n
+        i = int(i) % n
         step = int(self.batch_step[i])
-        ds, key = self.bucket_table[int(self.schedule[step])]
-        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-        return Batch(self.epoch, step, i, self.datasets[ds], key, self.samples[lo:hi], self.pad[lo:hi])
+        b = int(self.schedule[step])
+        ds, key = self.bucket_table[b]
+        size = int(self.offsets[i + 1] - self.offsets[i])
+        first = int(self.window[step]) * self.batch_size
+
+        def batch() -> tuple[np.ndarray, np.ndarray]:
+            k = np.arange(first, first + size, dtype=np.int64)
+            return _entries(self.buckets, np.full(size, b, dtype=np.int64), k)
+
+        samples, pad = _within_memory(batch, size, f"batch {i}")
+        return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad)
 
     def __iter__(self) -> Iterator[Batch]:
         return (self[i] for i in range(len(self)))
+
+    def _all(self) -> tuple[np.ndarray, np.ndarray]:
+        cached = self.__dict__.get("_entries")
+        if cached is None:
+            def share() -> tuple[np.ndarray, np.ndarray]:
+                sizes = np.diff(self.offsets)
+                b = np.repeat(self.schedule[self.batch_step], sizes)
+                k = (np.repeat(self.window[self.batch_step] * self.batch_size - self.offsets[:-1], sizes)
+                     + np.arange(int(self.offsets[-1]), dtype=np.int64))
+                return _entries(self.buckets, b, k)
+
+            cached = _within_memory(share, int(self.offsets[-1]), "this rank's share")
+            self.__dict__["_entries"] = cached
+        return cached
+
+    @property
+    def samples(self) -> np.ndarray:
+        """Every sample id of this rank's epoch, in batch order (batch i is
+        ``samples[offsets[i]:offsets[i + 1]]``); computed on first use, O(share)."""
+        return self._all()[0]
+
+    @property
+    def pad(self) -> np.ndarray:
+        """The padded-copy flags parallel to :attr:`samples`."""
+        return self._all()[1]
+
+
+class _Buckets:
+    """The kept buckets' facts a rank's entries are computed from: O(buckets).
+
+    Entry k of kept bucket b on dp_rank d is global position p = d + k * dp_size; it
+    holds pass ``(p mod m) // n`` at place ``perm_pass((p mod m) mod n)`` of the
+    bucket's sorted ids, and is a padded copy iff p >= m (n samples, m = n * passes).
+    """
+
+    def __init__(self, kept: Sequence[tuple[Any, int, int, int, list[list[int]]]], dp: int, d: int) -> None:
+        self.ids = [k[0] for k in kept]
+        self.n = np.asarray([k[1] for k in kept], dtype=np.int64)
+        self.m = np.asarray([k[2] for k in kept], dtype=np.int64)
+        self.key_rows = np.asarray([row for k in kept for row in k[4]], dtype=np.uint64).reshape(-1, ROUNDS)
+        self.first_row = np.zeros(len(kept), dtype=np.int64)
+        np.cumsum([len(k[4]) for k in kept][:-1], out=self.first_row[1:])
+        self.dp, self.d = dp, d
+        # entries of this rank per kept bucket
+        self.counts = np.asarray([max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
+
+
+def _within_memory(compute: Any, entries: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``compute()``, with a MemoryError (below the planner's limit, but more than this
+    machine holds) turned into a ConfigError that says what to lower."""
+    try:
+        return compute()  # type: ignore[no-any-return]
+    except MemoryError as exc:
+        raise ConfigError(
+            f"{what} holds {entries} planned entries, more than this machine can allocate "
+            f"(about {entries * 64 / 2**30:.1f} GiB); lower the batch size, plan on more DP ranks, "
+            "or turn oversubscribe off"
+        ) from exc
+
+
+def _entries(bk: _Buckets, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` (parallel arrays)."""
+    if not k.size:
+        return np.zeros(0, np.int64), np.zeros(0, bool)
+    pos = bk.d + bk.dp * k
+    m_e = bk.m[b]
+    n_e = bk.n[b]
+    q = pos % m_e
+    pass_idx = q // n_e
+    keys = bk.key_rows[bk.first_row[b] + pass_idx].T
+    perm = permute(q % n_e, n_e, keys)
+    samples = np.empty(k.size, dtype=np.int64)
+    if np.all(b == b[0]):  # one batch: one bucket
+        samples[:] = bk.ids[int(b[0])][perm]
+    else:
+        order = np.argsort(b, kind="stable")
+        bounds = np.searchsorted(b[order], np.arange(len(bk.ids) + 1))
+        for j, ids in enumerate(bk.ids):
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
+            if hi > lo:
+                sel = order[lo:hi]
+                samples[sel] = ids[perm[sel]]
+    return samples, pos >= m_e
 
 
 def _check_positive(name: str, value: Any) -> int:
@@ -247,16 +345,8 @@ def plan_epoch(
             f"planner's limit of MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower repeats, "
             f"the batch size ({bs}) or the world size ({dp} DP ranks), or turn oversubscribe off"
         )
-    try:
-        flat, flat_pad, counts = _rank_entries(kept, dp, d)
-    except MemoryError as exc:  # below the limit, but more than this machine holds
-        share = sum(max(0, -(-(k[3] - d) // dp)) for k in kept)
-        raise ConfigError(
-            f"epoch {epoch}: this rank's share is {share} planned entries (of {planned}; pad unit "
-            f"{unit} = {dp} DP ranks x batch {bs}), more than this machine can allocate to plan it "
-            f"(about {share * 64 / 2**30:.1f} GiB); lower the batch size, plan on more DP ranks, or "
-            "turn oversubscribe off"
-        ) from exc
+    buckets = _Buckets(kept, dp, d)
+    counts = buckets.counts
     if warn and dropped_names:
         warnings.warn(
             f"{len(dropped_names)} bucket(s) smaller than one global step were dropped from "
@@ -272,57 +362,14 @@ def plan_epoch(
     sizes = np.clip(counts[schedule] - starts_in_bucket, 0, bs) if schedule.size else np.zeros(0, np.int64)
     has = sizes > 0
     batch_step = np.flatnonzero(has).astype(np.int64)
-    sizes = sizes[has]
-    bucket_base = np.zeros(len(table) + 1, dtype=np.int64)
-    np.cumsum(counts, out=bucket_base[1:])
-    src_start = bucket_base[schedule[has]] + starts_in_bucket[has]
     offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    gather = np.repeat(src_start - offsets[:-1], sizes) + np.arange(offsets[-1], dtype=np.int64)
+    np.cumsum(sizes[has], out=offsets[1:])
     return Plan(
         epoch=epoch, topology=topology, batch_size=bs, policy=policy, mode=mode, pad_to=pad_to,
         oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss),
-        bucket_table=tuple(table), schedule=schedule, batch_step=batch_step, offsets=offsets,
-        samples=flat[gather], pad=flat_pad[gather], stats=tuple(stats),
+        bucket_table=tuple(table), schedule=schedule, window=window, batch_step=batch_step,
+        offsets=offsets, stats=tuple(stats), buckets=buckets,
     )
-
-
-def _rank_entries(
-    kept: Sequence[tuple[np.ndarray, int, int, int, list[list[int]]]], dp: int, d: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """This rank's entries of every kept bucket, concatenated in bucket-table order.
-
-    Global position p of a bucket (p = d, d + dp, ... < padded length) holds pass
-    ``(p mod m) // n`` at place ``perm_pass((p mod m) mod n)`` of the sorted ids; it
-    is a padded copy iff p >= m. All buckets are evaluated in one vectorised pass.
-
-    Returns:
-        (sample ids, padded flags, entries per bucket).
-    """
-    counts = np.asarray([max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
-    total = int(counts.sum())
-    if not total:
-        return np.zeros(0, np.int64), np.zeros(0, bool), counts
-    bucket = np.repeat(np.arange(len(kept)), counts)
-    starts = np.zeros(len(kept), dtype=np.int64)
-    np.cumsum(counts[:-1], out=starts[1:])
-    pos = d + dp * (np.arange(total, dtype=np.int64) - starts[bucket])
-    n_arr = np.asarray([k[1] for k in kept], dtype=np.int64)
-    m_arr = np.asarray([k[2] for k in kept], dtype=np.int64)
-    q = pos % m_arr[bucket]
-    n_e = n_arr[bucket]
-    pass_idx = q // n_e
-    key_rows = np.asarray([row for k in kept for row in k[4]], dtype=np.uint64).reshape(-1, ROUNDS)
-    first_row = np.zeros(len(kept), dtype=np.int64)
-    np.cumsum([len(k[4]) for k in kept][:-1], out=first_row[1:])
-    keys = key_rows[first_row[bucket] + pass_idx].T
-    perm = permute(q % n_e, n_e, keys)
-    samples = np.empty(total, dtype=np.int64)
-    for b, (ids, *_rest) in enumerate(kept):
-        lo, hi = int(starts[b]), int(starts[b]) + int(counts[b])
-        if hi > lo:
-            samples[lo:hi] = ids[perm[lo:hi]]
-    return samples, pos >= m_arr[bucket], counts
 
 
 def iter_steps(
