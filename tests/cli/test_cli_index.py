@@ -361,7 +361,7 @@ def test_inspect_table(built, capsys) -> None:
     code, out, _ = run(capsys, "inspect", built)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].startswith(f"index {built} (format v1, digest {index.digest[:16]})")
+    assert lines[0].startswith(f"index {built} (format v2, digest {index.digest[:16]})")
     head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["bucket", "samples"])
     assert lines[head].split() == ["bucket", "samples", "%", "bytes", "mean", "sample"]
     rows = {ln.split()[0]: ln.split() for ln in lines[head + 2 :] if ln and not ln.startswith(("shards", "total"))}
@@ -400,7 +400,7 @@ def test_inspect_json_is_one_object(built, capsys) -> None:
     assert got["shards"] == 3 and got["samples"] == 48 and got["excluded"] == 0
     assert got["buckets"] == {str(k): v for k, v in index.bucket_counts().items()}
     assert got["bucket_bytes"] == {str(k): v for k, v in index.bucket_bytes().items()}
-    assert got["digest"] == index.digest and got["version"] == 1 and got["bucket_by"]["kind"] == "aspect"
+    assert got["digest"] == index.digest and got["version"] == 2 and got["bucket_by"]["kind"] == "aspect"
     assert "padding" not in got
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from wds_pad.errors import IndexFormatError
 from wds_pad.index.format import FORMAT_VERSION, MAGIC, Index, ShardInfo, load_index, make_index
 from wds_pad.index.output import write_index
-from wds_pad.core.dataset import Dataset, bucket_order
+from wds_pad.core.dataset import Dataset, IdRange, bucket_order
 
 
 def small_index(name: str = "toy") -> Index:
@@ -39,7 +39,10 @@ def small_index(name: str = "toy") -> Index:
 def test_make_index_orders_buckets_canonically_and_remaps_rows() -> None:
     idx = small_index()
     assert idx.buckets == ("a", "b", "c")
-    assert [idx.buckets[b] for b in idx.bucket] == ["b", "a", "b", "c", "a", "a", "b"]
+    # rows grouped by bucket (canonical order), shard then byte order inside a bucket
+    assert [idx.buckets[b] for b in idx.bucket] == ["a", "a", "a", "b", "b", "b", "c"]
+    assert [idx.key(i) for i in range(len(idx))] == ["k1", "é4", "k5", "k0", "k2", "k6", "dir/k3"]
+    assert idx.bucket_offsets.tolist() == [0, 3, 6, 7]
     assert idx.bucket_counts() == {"a": 3, "b": 3, "c": 1}
     assert idx.bucket_bytes() == {"a": 1536 + 2048 + 2048, "b": 1536 + 1536 + 1024, "c": 2048}
     assert list(idx.buckets) == sorted(idx.buckets, key=bucket_order)
@@ -47,12 +50,13 @@ def test_make_index_orders_buckets_canonically_and_remaps_rows() -> None:
 
 def test_lookups_keys_urls_exts() -> None:
     idx = small_index()
-    assert [idx.key(i) for i in range(len(idx))] == ["k0", "k1", "k2", "dir/k3", "é4", "k5", "k6"]
-    assert idx.url(3) == "/data/a.tar" and idx.url(4) == "/data/b.tar"
-    assert idx.sample_exts(0) == ("jpg", "json")
-    assert idx.sample_exts(2) == ("jpg",)
-    assert idx.sample_exts(4) == ("json",)
-    urls, keys = idx.describe_samples(np.array([6, 0]))
+    by_key = {idx.key(i): i for i in range(len(idx))}
+    assert idx.url(by_key["dir/k3"]) == "/data/a.tar" and idx.url(by_key["é4"]) == "/data/b.tar"
+    assert int(idx.offset[by_key["k5"]]) == 2048 and int(idx.length[by_key["dir/k3"]]) == 2048
+    assert idx.sample_exts(by_key["k0"]) == ("jpg", "json")
+    assert idx.sample_exts(by_key["k2"]) == ("jpg",)
+    assert idx.sample_exts(by_key["é4"]) == ("json",)
+    urls, keys = idx.describe_samples(np.array([by_key["k6"], by_key["k0"]]))
     assert urls == ["/data/b.tar", "/data/a.tar"] and keys == ["k6", "k0"]
 
 
@@ -67,6 +71,7 @@ def test_bucket_samples_and_to_dataset() -> None:
     assert isinstance(ds, Dataset)
     assert ds.name == "toy" and ds.repeats == 2 and ds.weight == 0.5
     assert {k: v.tolist() for k, v in ds.buckets.items()} == {k: v.tolist() for k, v in got.items()}
+    assert all(isinstance(v, IdRange) for v in ds.buckets.values())  # O(buckets): no id is read
     assert idx.to_dataset(name="other").name == "other"
 
 
@@ -85,11 +90,13 @@ def test_round_trip_preserves_everything(tmp_path) -> None:
     magic, version, crc, hlen = struct.unpack_from("<8sIIQ", raw, 0)
     header = json.loads(raw[24 : 24 + hlen])
     assert magic == MAGIC and version == FORMAT_VERSION and crc == zlib.crc32(raw[24 : 24 + hlen])
-    assert set(header) == {"format", "version", "name", "samples", "shards", "buckets", "bucket_by",
-                           "exts", "excluded", "digest", "arrays"}
+    assert set(header) == {"format", "version", "name", "samples", "buckets", "bucket_by",
+                           "exts", "digest", "sections"}
     assert header["samples"] == 7 and header["format"] == "wds_pad.index"
+    assert sorted(header["sections"], key=lambda k: header["sections"][k]["offset"]) == ["bucket_offsets", "shard", "offset", "length", "exts", "key_offsets",
+                                        "keys", "shards", "excluded"]
     base = -(-(24 + hlen) // 64) * 64
-    for k, spec in header["arrays"].items():
+    for k, spec in header["sections"].items():
         assert (base + spec["offset"]) % 64 == 0  # every array 64-byte aligned
 
 
@@ -129,7 +136,7 @@ def test_memory_filesystem_write_and_load() -> None:
         assert write_index(small_index(), url) == url
         back = load_index(url)
         assert back.digest == small_index().digest and len(back) == 7
-        assert back.key(3) == "dir/k3"
+        assert back.key(6) == "dir/k3"
     finally:
         fs.rm("/wds_pad_test_index", recursive=True)
 
@@ -184,7 +191,9 @@ def test_refuses_damaged_header(tmp_path, index_bytes) -> None:
 
 def test_refuses_digest_mismatch_unless_verify_is_off(tmp_path, index_bytes) -> None:
     data = bytearray(index_bytes)
-    data[-70] ^= 0x01  # inside the array region: header crc still fine
+    hlen = struct.unpack_from("<Q", index_bytes, 16)[0]
+    sections = json.loads(index_bytes[24 : 24 + hlen])["sections"]
+    data[-(-(24 + hlen) // 64) * 64 + sections["offset"]["offset"]] ^= 0x01  # a sample's offset: crc still fine
     path = _write(tmp_path, bytes(data))
     with pytest.raises(IndexFormatError, match="content digest mismatch"):
         load_index(path)

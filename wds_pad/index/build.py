@@ -308,6 +308,9 @@ def _reusable(previous: Index, urls: Sequence[str],
               storage_options: Mapping[str, Any] | None) -> dict[str, ShardRows]:
     by_url = {s.url: i for i, s in enumerate(previous.shards) if s.error is None}
     out: dict[str, ShardRows] = {}
+    # each shard's rows in byte order (the index groups rows by bucket): one sort for all
+    order = np.lexsort((previous.offset, previous.shard))
+    bounds = np.searchsorted(previous.shard[order], np.arange(len(previous.shards) + 1))
     for url in urls:
         si = by_url.get(url)
         if si is None:
@@ -320,7 +323,7 @@ def _reusable(previous: Index, urls: Sequence[str],
         if size != old.size or stamp != old.stamp:
             continue
         rows = ShardRows(old, nbytes=0)
-        ids = np.flatnonzero(previous.shard == si)
+        ids = order[bounds[si] : bounds[si + 1]]
         rows.offset, rows.length = previous.offset[ids], previous.length[ids]
         rows.keys = [previous.key(int(i)) for i in ids]
         rows.buckets = [previous.buckets[int(b)] for b in previous.bucket[ids]]

@@ -241,12 +241,12 @@ def substitute(spec: PlanSpec, reader: RangeReader, ref: dict[str, Any], counter
     ds = spec.names.index(ref["__dataset__"])
     ix = spec.indexes[ds]
     bucket_id = ix.buckets.index(ref["__bucket__"])
-    candidates = np.flatnonzero(ix.bucket == bucket_id)
+    lo, hi = int(ix.bucket_offsets[bucket_id]), int(ix.bucket_offsets[bucket_id + 1])  # the bucket's rows
     last: BaseException | None = None
     for attempt in range(attempts):
         rng = derive_rng(spec.seed, ref["__epoch__"], ref["__dataset__"], ref["__bucket__"],
                          "substitute", ref["__index__"], attempt)
-        i = int(candidates[int(rng.integers(candidates.size))])
+        i = lo + int(rng.integers(hi - lo))
         if i == ref["__index__"]:
             continue
         alt = dict(ref, __url__=ix.url(i), __key__=ix.key(i), __offset__=int(ix.offset[i]),
