@@ -724,3 +724,13 @@ def test_a_batch_that_memory_cannot_hold_is_a_config_error(monkeypatch: pytest.M
     with pytest.raises(ConfigError, match=rf"this rank's share holds {5 * bs} planned entries"):
         plan.samples
     assert isinstance(err.value.__cause__, MemoryError)
+
+
+def test_dropped_bucket_warning_points_at_the_callers_line_and_counts_what_it_drops() -> None:
+    ds = Dataset("imgs", {"21:9": np.arange(3), "1:1": np.arange(10, 30)})
+    with pytest.warns(DroppedBucketWarning) as record:
+        plan_epoch(ds, Topology(4, 0), seed=0, batch_size=2, policy="cyclic")
+    (w,) = record
+    assert w.filename == __file__  # this line, not the planner's
+    assert "they hold 3 of the epoch's 23 samples (13.0%)" in str(w.message)
+    assert "oversubscribe=True" in str(w.message) and "appear more often" in str(w.message)

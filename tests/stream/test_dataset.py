@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import webdataset as wds
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
-from wds_pad.errors import ConfigError, StaleShardError, StateMismatchError
+from wds_pad.errors import ConfigError, DroppedBucketWarning, StaleShardError, StateMismatchError
 from wds_pad.index.format import Index, load_index
 from wds_pad.index.build import build_index
 from wds_pad.io.options import ReadOptions
@@ -624,3 +625,15 @@ def test_changed_shard_of_large_samples_is_refused_or_substituted(tmp_path: Path
     assert [len(b) for b in got] == [len(b.samples) for b in kept.plan()]
     in_shard = {mixed.key(i) for i in np.flatnonzero(mixed.shard == shard)}
     assert kept.counters.substituted >= 1 and not in_shard & {k for b in got for k in b}
+
+
+def test_dropped_bucket_warning_points_at_the_users_line(index: Index) -> None:
+    counts = index.bucket_counts()
+    batch = max(counts.values())  # every smaller bucket is below one global step
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", DroppedBucketWarning)
+        _ds(index, batch_size=batch)  # planned here, in the constructor
+        dropped = [w for w in record if issubclass(w.category, DroppedBucketWarning)]
+    assert dropped and {w.filename for w in dropped} == {__file__}
+    small = sum(c for c in counts.values() if c < batch)
+    assert f"they hold {small} of the epoch's {len(index)} samples" in str(dropped[0].message)

@@ -30,6 +30,7 @@ its bucket order in ``core.dataset``, the schedule of step 5 in ``core.schedule`
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterator, Sequence
@@ -256,6 +257,30 @@ def _entries(bk: _Buckets, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np
     return samples, pos >= m_e
 
 
+# wds_pad itself and the standard library: a warning's frame is never one of theirs
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+                 os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised by our caller at the user's line:
+    the first frame outside wds_pad, webdataset, torch and the standard library."""
+    import sys
+
+    skip = list(_LIBRARY_DIRS)
+    for mod in ("webdataset", "torch"):
+        m = sys.modules.get(mod)
+        if m is not None and getattr(m, "__file__", None):
+            skip.append(os.path.dirname(os.path.abspath(m.__file__)) + os.sep)
+    frame, level = sys._getframe(2), 2  # level 1 is our caller's warnings.warn line
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith(tuple(skip)) and not name.startswith("<frozen"):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
 def _check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
@@ -313,11 +338,13 @@ def plan_epoch(
     kept: list[tuple[np.ndarray, int, int, int, list[list[int]]]] = []  # ids, n, m, length, keys
     bucket_steps: list[int] = []
     dropped_names: list[str] = []
+    dropped_samples = total_samples = 0
     planned = 0  # entries of the whole epoch over all buckets, checked before allocating
     for di, ds in enumerate(dss):
         passes = 1 + ds.repeats
         for key, ids in ds.buckets.items():
             n = int(ids.size)
+            total_samples += n
             m = n * passes
             length = _padded_length(m, unit, policy, bool(oversubscribe)) if n else 0
             _check_planned_size(ds.name, key, n, passes, length, dp, bs, unit, bool(oversubscribe))
@@ -332,6 +359,7 @@ def plan_epoch(
             ))
             if dropped:
                 dropped_names.append(f"{ds.name}/{key!r} ({m} < pad unit {unit})")
+                dropped_samples += n
             if not length:
                 continue  # empty or dropped: never reaches the arithmetic below
             table.append((di, key))
@@ -351,9 +379,12 @@ def plan_epoch(
         warnings.warn(
             f"{len(dropped_names)} bucket(s) smaller than one global step were dropped from "
             f"epoch {epoch}: {', '.join(dropped_names[:10])}{' ...' if len(dropped_names) > 10 else ''}; "
-            "pass oversubscribe=True (--oversubscribe) to keep them",
+            f"they hold {dropped_samples} of the epoch's {total_samples} samples "
+            f"({100 * dropped_samples / max(total_samples, 1):.1f}%), which this epoch does not train on. "
+            "Pass oversubscribe=True (--oversubscribe) to keep them: each is then filled cyclically "
+            "to one global step, so its samples appear more often than the others'",
             DroppedBucketWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
 
     schedule, window = _schedule(dss, table, bucket_steps, seed, epoch)
