@@ -53,6 +53,7 @@ from typing import Any
 
 import pytest
 
+from dist_helpers import free_port
 from doc_blocks import DOCS, ROOT, Block, blocks
 
 pytest_plugins = ["conftest_servers"]
@@ -70,12 +71,51 @@ PLACEHOLDERS: list[tuple[str, str, str, str]] = [
     ("*", "{000000..000099}", "{000000..000005}", "your shards: the fixture has 6"),
     ("*", "{000000..000031}", "{000000..000005}", "your shards: the fixture has 6"),
     ("README.md", "storage_options={...}", "storage_options={}", "your credentials: moto's, from the environment"),
+    ("docs/object-storage.md", '"key": "AKIA...", "secret": "..."', '"key": "testing", "secret": "testing"',
+     "your credentials: moto's"),
+    ("docs/resume.md", '"/ckpt/run1", 100, 10', '"ckpt/run1", 3, 2',
+     "your checkpoint folder and run: one in the working directory, a save every 3 steps, 2 epochs"),
+    ("docs/concepts.md", '"cuda", (4, 2)', '"cpu", (1, 2)', "your 8 GPUs: 2 CPU processes here"),
+    ("docs/distributed.md", '"cuda", (dp, cp)', '"cpu", (1, 2)', "your GPUs and mesh sizes: 2 CPU processes here"),
 ]
 
 # Python run in a doc's kernel before its first block: the reader's own objects.
 PRELUDE: dict[str, str] = {
     "README.md": "epochs = 1\nurls = sorted(__import__('glob').glob('shards/train-*.tar'))\n",
     "docs/indexing.md": "urls = 'shards/shard-{000000..000005}.tar'\n",
+    "docs/planning.md": textwrap.dedent("""\
+        from wds_pad import Topology
+        web_buckets = {"short": range(0, 40), "long": range(40, 60)}    # your datasets' buckets
+        book_buckets = {"short": range(60, 70), "long": range(70, 100)}
+        topo, seed, epoch = Topology(world_size=2, rank=0), 7, 0
+        """),
+    "docs/object-storage.md": "index = 'train.wdsidx'   # your index\n",
+    "docs/streaming.md": "urls = sorted(__import__('glob').glob('shards/shard-*.tar'))   # your shards\n",
+    "docs/shards.md": textwrap.dedent("""\
+        import os
+        epochs, epoch, step, resuming = 1, 0, 0, False   # your loop's counters
+        rank = int(os.environ.get("RANK", 0))
+        """),
+    "docs/resume.md": textwrap.dedent("""\
+        import torch, wds_pad
+        loader = wds_pad.Loader(wds_pad.BucketedWebDataset("train.wdsidx", batch_size=4, seed=1234))  # your loader
+        def preprocess(sample):                     # your model's side of things
+            return sample
+        _net = torch.nn.Linear(4, 2)
+        def build_model():
+            return _net
+        def build_optimizer():
+            return torch.optim.SGD(_net.parameters(), lr=0.1)
+        def train_step(model, opt, batch):
+            return 0.0
+        """),
+    "docs/concepts.md": textwrap.dedent("""\
+        import torch.distributed as dist
+        ids_square, ids_wide = range(0, 100), range(100, 130)   # your sample ids
+        epoch = 0
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        g = dist.new_group([0])                                  # your process group
+        """),
 }
 
 # Where each doc's shards live in its working directory (directory, file-name prefix).
@@ -85,6 +125,7 @@ LAYOUT: dict[str, tuple[str, str]] = {
 }
 S3_DOCS = {"README.md", "docs/indexing.md", "docs/object-storage.md", "docs/resume.md"}
 HTTP_DOCS = {"docs/object-storage.md"}
+TORCHRUN_ENV = {"docs/resume.md"}  # their kernel is a one-process job, as torchrun would start it
 
 
 def _rel(path: Path) -> str:
@@ -154,7 +195,7 @@ class Kernel:
             self.close()
             return False, f"no answer from the kernel in {BLOCK_TIMEOUT:.0f} s (or it died)\n{printed[-4000:]}"
         res = json.loads(line)
-        return res["ok"], res["error"] + (f"\n--- printed:\n{printed[-4000:]}" if printed.strip() else "")
+        return res["ok"], res["error"][-3000:] + (f"\n--- printed:\n{printed[-3000:]}" if printed.strip() else "")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -242,7 +283,7 @@ class DocSession:
         if marker.startswith("torchrun"):
             nproc = int(marker.split()[1])
             script = self.workdir / f"block_{block.line}.py"
-            script.write_text(code)
+            script.write_text(PRELUDE.get(self.doc, "") + code)
             return self._shell([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc),
                                 script.name])
         if block.lang == "python":
@@ -326,6 +367,9 @@ def doc_sessions(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
         env["PYTHONPATH"] = str(workdir)
         extra: list[tuple[str, str, str, str]] = []
+        if doc in TORCHRUN_ENV:  # a block that calls init_process_group() as under torchrun
+            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(free_port()))
         if doc in S3_DOCS:
             moto = request.getfixturevalue("moto_server")
             if not s3_ready:
@@ -335,8 +379,11 @@ def doc_sessions(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
                 # indexing.md's map:s3://bucket/curation.tsv: a curation list of the demo keys
                 curation = "".join(f"{i:06d}\t{'hq' if i % 3 else 'lq'}\n" for i in range(300))
                 moto.put_bytes("s3://bucket/curation.tsv", curation.encode())
+                build_index("s3://bucket/train-{000000..000005}.tar", "aspect:width,height",
+                            output="s3://bucket/train.wdsidx", storage_options=moto.storage_options)
                 s3_ready.append(moto)
             env.update(moto.env)
+            extra.append((doc, "https://minio.internal:9000", moto.url, "your S3 endpoint: moto on loopback"))
         if doc in HTTP_DOCS:
             www = request.getfixturevalue("nginx_server")
             (www.root_dir / "data").mkdir(exist_ok=True)
