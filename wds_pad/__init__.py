@@ -32,7 +32,7 @@ from .errors import (
     WdsPadError,
 )
 from . import _moved
-from .core.dataset import Dataset
+from .core.dataset import Dataset, IdRange
 from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
 from .core.policy import Mode, PadTo, Policy
 from .core.seed import derive_rng, shared_seed
@@ -77,6 +77,7 @@ __all__ = sorted(
         "BucketStats",
         "ConfigError",
         "Dataset",
+        "IdRange",
         "DroppedBucketWarning",
         "IndexFormatError",
         "Mode",
