@@ -49,8 +49,8 @@ import numpy as np
 from ..core.dataset import Dataset, IdRange, bucket_order
 from ..errors import IndexFormatError
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "Index", "ShardInfo", "load_index", "make_index", "merged_parts",
-           "serialize"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "Index", "ShardInfo", "columns_parts", "load_index", "make_index",
+           "merged_parts", "serialize"]
 
 FORMAT_VERSION = 2
 MAGIC = b"WDSPADIX"
@@ -401,6 +401,47 @@ def serialize(index: Index) -> list[bytes | memoryview]:
     return list(_file_parts(index.header(), sections))
 
 
+def columns_parts(name: str, shards: Sequence[ShardInfo], buckets: Sequence[Hashable], bucket_by: Mapping[str, Any],
+                  exts: Sequence[str], excluded: Mapping[str, Any], columns: Mapping[str, Callable[[], Iterable[Any]]],
+                  *, samples: int, key_bytes: int, max_offset: int, max_length: int) -> Iterator[bytes | memoryview]:
+    """The bytes of an index file whose numeric sections come from chunk producers.
+
+    Nothing is held but one chunk at a time: each producer is called twice (once for the
+    digest, once for the bytes) and must yield the same chunks both times.
+
+    Args:
+        name: the index's dataset name.
+        shards: the shard table.
+        buckets: the bucket table, in canonical order (``bucket_order``).
+        bucket_by: how the buckets were computed (``BucketFn.describe()``).
+        exts: the member-extension table (bit i of a mask is ``exts[i]``).
+        excluded: the excluded-samples record.
+        columns: per numeric section (``ARRAYS``: bucket_offsets, shard, offset, length,
+            exts, key_offsets, keys) a zero-argument callable giving its values in row
+            order as chunks (any integer dtype; each is cast to the section's dtype).
+        samples: rows of the index.
+        key_bytes: the total UTF-8 bytes of the keys (the ``keys`` section's size).
+        max_offset: the largest ``offset`` value (chooses the column's width).
+        max_length: the largest ``length`` value (chooses the column's width).
+
+    Raises:
+        IndexFormatError: a section missing from ``columns``, or a producer that gives
+            another number of values than its section holds.
+    """
+    missing = [k for k in ARRAYS if k not in columns]
+    if missing:
+        raise IndexFormatError(f"index {name!r}: no producer for section(s) {missing}")
+    dt = column_dtypes(len(shards), max_offset, max_length, key_bytes, len(exts))
+    counts = {"bucket_offsets": len(buckets) + 1, "key_offsets": samples + 1, "keys": key_bytes,
+              **{k: samples for k in ROW_ARRAYS}}
+    blobs = {"shards": json.dumps([s.to_json() for s in shards], sort_keys=True).encode(),
+             "excluded": json.dumps(dict(excluded), sort_keys=True).encode()}
+    digest = _digest(buckets, exts, blobs, ((k, dt[k], columns[k]()) for k in ARRAYS))
+    sections: list[Section] = [(k, dt[k], counts[k], columns[k]) for k in ARRAYS]
+    sections += [(k, np.dtype(np.uint8), len(b), lambda b=b: [np.frombuffer(b, np.uint8)]) for k, b in blobs.items()]
+    yield from _file_parts(_header(name, samples, buckets, bucket_by, exts, digest), sections)
+
+
 def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_000) -> Iterator[bytes | memoryview]:
     """The bytes of the index of ``parts``' shards, in part order, without holding it.
 
@@ -430,8 +471,8 @@ def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_
     shard_base = np.cumsum([0] + [len(p.shards) for p in parts])
     n = sum(len(p) for p in parts)
     key_total = sum(int(p.arrays["key_offsets"][-1]) for p in parts)
-    dt = column_dtypes(len(shards), max((int(p.offset.max()) for p in parts if len(p)), default=0),
-                       max((int(p.length.max()) for p in parts if len(p)), default=0), key_total, len(exts))
+    max_offset = max((int(p.offset.max()) for p in parts if len(p)), default=0)
+    max_length = max((int(p.length.max()) for p in parts if len(p)), default=0)
     # per part: its bucket-table index of each global bucket (or -1)
     local = [np.asarray([p.buckets.index(b) if b in p.buckets else -1 for b in buckets], dtype=np.int64)
              for p in parts]
@@ -478,20 +519,14 @@ def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_
         "bucket_offsets": lambda: [bounds], "key_offsets": key_offsets, "keys": key_bytes,
         **{k: (lambda k=k: column(k)) for k in ROW_ARRAYS},
     }
-    counts_of = {"bucket_offsets": len(buckets) + 1, "key_offsets": n + 1, "keys": key_total,
-                 **{k: n for k in ROW_ARRAYS}}
     samples_ex = [e for p in parts for e in p.excluded.get("samples", [])]
     excluded: dict[str, Any] = {"samples": samples_ex[:excluded_limit],
                                 "shards": [f for p in parts for f in p.excluded.get("shards", [])],
                                 "count": sum(int(p.excluded.get("count", 0)) for p in parts)}
     if len(samples_ex) > excluded_limit or any(p.excluded.get("truncated") for p in parts):
         excluded["truncated"] = True
-    blobs = {"shards": json.dumps([s.to_json() for s in shards], sort_keys=True).encode(),
-             "excluded": json.dumps(excluded, sort_keys=True).encode()}
-    digest = _digest(buckets, exts, blobs, ((k, dt[k], producers[k]()) for k in ARRAYS))
-    sections: list[Section] = [(k, dt[k], counts_of[k], producers[k]) for k in ARRAYS]
-    sections += [(k, np.dtype(np.uint8), len(b), lambda b=b: [np.frombuffer(b, np.uint8)]) for k, b in blobs.items()]
-    yield from _file_parts(_header(name, n, buckets, bucket_by, exts, digest), sections)
+    yield from columns_parts(name, shards, buckets, bucket_by, exts, excluded, producers, samples=n,
+                             key_bytes=key_total, max_offset=max_offset, max_length=max_length)
 
 
 def _remap_bits(mask: np.ndarray, bit: np.ndarray) -> np.ndarray:
