@@ -75,6 +75,8 @@ PLACEHOLDERS: list[tuple[str, str, str, str]] = [
      "your credentials: moto's"),
     ("docs/resume.md", '"/ckpt/run1", 100, 10', '"ckpt/run1", 3, 2',
      "your checkpoint folder and run: one in the working directory, a save every 3 steps, 2 epochs"),
+    ("docs/distributed.md", "/tmp/wds-data", "wds-data", "your data folder: one in the working directory"),
+    ("docs/distributed.md", "--out /tmp/run", "--out run", "your run folder: one in the working directory"),
     ("docs/concepts.md", '"cuda", (4, 2)', '"cpu", (1, 2)', "your 8 GPUs: 2 CPU processes here"),
     ("docs/distributed.md", '"cuda", (dp, cp)', '"cpu", (1, 2)', "your GPUs and mesh sizes: 2 CPU processes here"),
 ]
@@ -90,6 +92,11 @@ PRELUDE: dict[str, str] = {
         topo, seed, epoch = Topology(world_size=2, rank=0), 7, 0
         """),
     "docs/object-storage.md": "index = 'train.wdsidx'   # your index\n",
+    "docs/distributed.md": textwrap.dedent("""\
+        import wds_pad
+        latest, index = None, "train.wdsidx"     # examples/train_ddp.py's: no checkpoint yet
+        loader = wds_pad.Loader(wds_pad.BucketedWebDataset(index, batch_size=4, seed=1234))
+        """),
     "docs/streaming.md": "urls = sorted(__import__('glob').glob('shards/shard-*.tar'))   # your shards\n",
     "docs/shards.md": textwrap.dedent("""\
         import os
@@ -125,6 +132,7 @@ LAYOUT: dict[str, tuple[str, str]] = {
 }
 S3_DOCS = {"README.md", "docs/indexing.md", "docs/object-storage.md", "docs/resume.md"}
 HTTP_DOCS = {"docs/object-storage.md"}
+TORCHRUN_PRELUDE = {"docs/shards.md"}  # docs whose prelude is also the start of a torchrun block
 TORCHRUN_ENV = {"docs/resume.md"}  # their kernel is a one-process job, as torchrun would start it
 
 
@@ -283,7 +291,7 @@ class DocSession:
         if marker.startswith("torchrun"):
             nproc = int(marker.split()[1])
             script = self.workdir / f"block_{block.line}.py"
-            script.write_text(PRELUDE.get(self.doc, "") + code)
+            script.write_text(PRELUDE.get(self.doc, "") * (self.doc in TORCHRUN_PRELUDE) + code)
             return self._shell([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc),
                                 script.name])
         if block.lang == "python":
