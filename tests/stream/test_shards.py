@@ -577,3 +577,13 @@ def test_splitter_expands_a_glob_and_file_urls_match_the_index(five) -> None:
     from_file_urls = build_index(["file://" + p for p in paths])
     assert list(from_file_urls.urls) == list(index.urls) and from_file_urls.digest == index.digest
     assert len(list(_dropin(paths, from_file_urls, topo))) == len(index)
+
+
+def test_shard_stream_batches_of_mixed_members_name_the_sample_not_assert(tmp_path: Path) -> None:
+    from wds_pad.cli.synth import make_image_shards
+
+    paths = make_image_shards(tmp_path, samples=40, shards=2, seed=3)  # jpg and png mixed
+    index = build_index(paths, None, output=str(tmp_path / "index.wdsidx"))
+    stream = _stream(index, Topology(1, 0)).decode("pil").batched(40)
+    with pytest.raises(ConfigError, match=r"(?s)members.*jpg;png"):
+        next(iter(stream))

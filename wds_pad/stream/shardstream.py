@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
 
+from .collate import run_collation
 from .loaderargs import check_loader_args
 from ..errors import ConfigError, StaleShardError, StateError, StateMismatchError
 from ..index.format import Index, load_index
@@ -341,10 +342,10 @@ class _Batcher:
         for sample in src:
             batch.append(sample)
             if len(batch) == self.size:
-                yield self.collate(batch) if self.collate is not None else batch
+                yield run_collation(self.collate, batch) if self.collate is not None else batch
                 batch = []
         if batch and self.partial:
-            yield self.collate(batch) if self.collate is not None else batch
+            yield run_collation(self.collate, batch) if self.collate is not None else batch
 
 
 
