@@ -230,7 +230,7 @@ _PROGRESS = re.compile(r"^\S+: +\d+%\|")  # tqdm's bar: drawn on a terminal only
 def normalise(text: str, workdir: Path) -> list[str]:
     """Output lines with what depends on the machine or the clock masked."""
     lines = []
-    for line in text.replace(str(workdir), "<dir>").replace("/tmp/wds-demo", "<dir>").splitlines():
+    for line in text.replace("/tmp/wds-demo", "<dir>").replace(str(workdir), "<dir>").splitlines():
         if _PROGRESS.match(line):
             continue
         for pattern, repl in _MASKS:

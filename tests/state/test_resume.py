@@ -8,7 +8,6 @@ Every check compares the resumed stream with the uninterrupted one batch for bat
 from __future__ import annotations
 
 import json
-import re
 import os
 import signal
 import subprocess
@@ -33,6 +32,7 @@ from wds_pad.index.build import build_index
 from wds_pad.state import load_state_file, state_path
 from wds_pad.core.topology import Topology
 
+import doc_blocks
 from data_helpers import image_index, make_dataset
 from resume_harness import check_resume, check_start_mid_boundary, epochs_driver, take
 
@@ -400,8 +400,7 @@ def _batch_keys(batch: Any) -> tuple[Any, ...]:
 
 def _doc_loop(path: str, first_line: str) -> str:
     """The code of a documented loop, as written: from ``first_line`` to the end of its block."""
-    text = (ROOT / path).read_text()
-    for block in re.findall(r"```python\n(.*?)```", text, re.S):
+    for block in (b.text for b in doc_blocks.blocks(ROOT / path) if b.lang == "python"):
         lines = block.splitlines()
         starts = [i for i, line in enumerate(lines) if line.startswith(first_line)]
         if starts:
