@@ -497,7 +497,7 @@ def test_skip_leaves_out_a_shard_whose_read_fails_midway(shards, monkeypatch, wo
     real = indexer_mod.open_for_scan
     bad = shards[1]
     monkeypatch.setattr(indexer_mod, "open_for_scan",
-                        lambda url, so: (Failing(url), False) if url == bad else real(url, so))
+                        lambda url, so, **kw: (Failing(url), False) if url == bad else real(url, so, **kw))
     index = build_index(shards, "aspect", on_error="skip", workers=workers)
     assert [s["url"] for s in index.excluded["shards"]] == [bad]
     assert "connection reset" in index.excluded["shards"][0]["reason"]
@@ -506,7 +506,7 @@ def test_skip_leaves_out_a_shard_whose_read_fails_midway(shards, monkeypatch, wo
     assert [rows_of(index, 0), rows_of(index, 2)] == [rows_of(good, 0), rows_of(good, 1)]
     with pytest.raises(ShardError, match="connection reset"):
         monkeypatch.setattr(indexer_mod, "open_for_scan",
-                            lambda url, so: (Failing(url), False) if url == bad else real(url, so))
+                            lambda url, so, **kw: (Failing(url), False) if url == bad else real(url, so, **kw))
         build_index(shards, "aspect", workers=workers)
 
 

@@ -10,7 +10,12 @@ Invariants:
   or failed, the path holds either nothing or the previous valid index;
 - an output that is one of its shards, a directory, an unwritable place, or an
   existing file that is not an index (unless ``--force``) is refused before scanning
-  anything.
+  anything;
+- ``--update -o INDEX`` without URLs re-indexes the shards INDEX lists, bucketed as
+  INDEX was (a version-1 INDEX is read converted: unchanged shards keep their rows);
+- ``--distributed`` (implied under torchrun with more than one process) runs one job
+  over every rank (``index.distributed``), in a gloo process group made from
+  torchrun's environment; only rank 0 prints the report.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from .common import _nbytes, _plural, _positive, _report_excluded, bucket_order, interrupt_exit
+from .common import _nbytes, _plural, _positive, _report_excluded, _usage, bucket_order, interrupt_exit
 
 __all__ = ["add_parser"]
 
@@ -32,16 +37,19 @@ def add_parser(sub: Any) -> None:
         "index", help="index tar shards into buckets (one pass over tar headers)",
         description="Index WebDataset tar shards: per sample its shard, byte range, key and bucket.",
     )
-    p.add_argument("urls", nargs="+", metavar="URL_OR_PATTERN",
-                   help="shard paths or fsspec URLs, brace patterns allowed: 's3://b/train-{000..099}.tar'")
+    p.add_argument("urls", nargs="*", metavar="URL_OR_PATTERN",
+                   help="shard paths or fsspec URLs, brace patterns allowed: 's3://b/train-{000..099}.tar' "
+                        "(none with --update: the shards INDEX lists)")
     p.add_argument("-o", "--output", required=True, metavar="INDEX", help="index file to write (path or URL)")
-    p.add_argument("--bucket-by", default="none", metavar="SPEC",
-                   help="none | aspect[:WIDTH_FIELD,HEIGHT_FIELD] | json:FIELD | image | map:FILE (default: none)")
+    p.add_argument("--bucket-by", default=None, metavar="SPEC",
+                   help="none | aspect[:WIDTH_FIELD,HEIGHT_FIELD] | json:FIELD | image | map:FILE "
+                        "(default: none, or with --update as INDEX was bucketed)")
     p.add_argument("--ratios", help="aspect/image: candidate ratios, e.g. '1:1,4:3,3:4,16:9'")
     p.add_argument("--boundaries", help="json:FIELD: band boundaries, e.g. '128,256,512'")
     p.add_argument("--step", type=float, help="aspect/image: round the ratio to a multiple of STEP instead")
     p.add_argument("--update", action="store_true",
-                   help="reuse the rows of shards unchanged since INDEX was written; scan only new or changed ones")
+                   help="reuse the rows of shards unchanged since INDEX was written; scan only new or changed ones "
+                        "(also converts a version-1 INDEX; without URLs: the shards INDEX lists)")
     p.add_argument("--workers", type=_positive, default=8, help="shards scanned concurrently (default 8)")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise",
                    help="bad shard or sample: stop with an error (default), or leave it out and report it")
@@ -49,6 +57,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--force", action="store_true",
                    help="let -o replace an existing file that is not a wds_pad index (never a shard being indexed)")
+    p.add_argument("--distributed", action="store_true",
+                   help="one job over every rank of torchrun (gloo): parts of --part-shards shards per rank, "
+                        "merged by rank 0; a rerun redoes only missing parts (implied under torchrun)")
+    p.add_argument("--part-shards", type=_positive, default=64,
+                   help="--distributed: shards per part, the unit of work and of reuse (default 64)")
+    p.add_argument("--timeout", type=_positive, default=600,
+                   help="--distributed: seconds a rank may stay silent before the job stops (default 600)")
     p.set_defaults(func=_cmd_index)
 
 
@@ -74,30 +89,57 @@ def _stamp(path: str) -> Any:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _under_torchrun() -> bool:
+    """Started by torchrun with more than one process (its agent sets TORCHELASTIC_RUN_ID)."""
+    import os
+
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
 def _cmd_index(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
     from ..index.bucket_spec import parse_bucket_by
+    from ..index.build import bucket_fn_of
     from ..index.format import load_index
     from ..index.output import check_output
     from ..index.build import build_index, expand_urls
 
-    fn = parse_bucket_by(args.bucket_by, ratios=args.ratios, boundaries=args.boundaries, step=args.step)
     before = _stamp(args.output)
     previous = None
+    urls = list(args.urls)
+    if not urls and not args.update:
+        raise _usage("index", "give the shard URLs or patterns to index, or --update -o INDEX to index again "
+                              "the shards an existing INDEX lists")
     if args.update:
         # refuse a bad -o before reading it as the previous index (build_index checks it
         # again, before scanning, in every case)
-        check_output(args.output, expand_urls(args.urls), force=args.force)
+        check_output(args.output, expand_urls(urls) if urls else (), force=args.force)
         if _exists(args.output):
-            previous = load_index(args.output)
+            previous = load_index(args.output, convert=True)  # a version-1 file: converted in memory
+            urls = urls or list(previous.urls)
+        elif not urls:
+            raise ConfigError(f"--update without shard URLs re-indexes the shards of {args.output!r}, which does "
+                              "not exist; give the shard URLs or patterns")
         else:
             sys.stderr.write(f"wds-pad index: no index at {args.output} yet: indexing every shard\n")
+    if args.bucket_by is None and previous is not None and (args.ratios, args.boundaries, args.step) == (None,) * 3:
+        fn = bucket_fn_of(previous)  # as the index was bucketed
+    else:
+        fn = parse_bucket_by(args.bucket_by or "none", ratios=args.ratios, boundaries=args.boundaries,
+                             step=args.step)
+    distributed = args.distributed or _under_torchrun()
+    if distributed:
+        return _run_distributed(args, urls, fn, previous)
     scan_log = logging.getLogger("wds_pad.index.tarscan")
     level = scan_log.level
     if args.on_error == "skip":  # the report below lists every skipped shard once
         scan_log.setLevel(logging.ERROR)
     start = time.monotonic()
     try:
-        index = build_index(args.urls, fn, output=args.output, workers=args.workers, on_error=args.on_error,
+        index = build_index(urls, fn, output=args.output, workers=args.workers, on_error=args.on_error,
                             update=previous, name=args.name, progress=not args.no_progress, force=args.force)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the temp file is gone, the target untouched
         code, what = interrupt_exit(exc)
@@ -108,12 +150,16 @@ def _cmd_index(args: argparse.Namespace) -> int:
         return code
     finally:
         scan_log.setLevel(level)
-    elapsed = time.monotonic() - start
+    _report(index, args.output, time.monotonic() - start, previous)
+    return 0
+
+
+def _report(index: Any, output: str, elapsed: float, previous: Any) -> None:
     out = sys.stdout
     nbytes = sum(max(s.size, 0) for s in index.shards)
     out.write(f"indexed {_plural(len(index.shards), 'shard')} ({_nbytes(nbytes)}), "
               f"{_plural(len(index), 'sample')} in {_plural(len(index.buckets), 'bucket')} "
-              f"in {elapsed:.2f} s -> {args.output}\n")
+              f"in {elapsed:.2f} s -> {output}\n")
     if previous is not None:
         old = {(s.url, s.size, s.stamp) for s in previous.shards if s.error is None}
         kept = sum((s.url, s.size, s.stamp) in old for s in index.shards if s.error is None)
@@ -124,4 +170,45 @@ def _cmd_index(args: argparse.Namespace) -> int:
         more = f", ... ({len(counts) - 12} more)" if len(counts) > 12 else ""
         out.write(f"buckets: {top}{more}\n")
     _report_excluded(index, out)
+
+
+def _run_distributed(args: argparse.Namespace, urls: list[str], fn: Any, previous: Any) -> int:
+    """``--distributed``: a gloo group from torchrun's environment, one job, rank 0 reports."""
+    import datetime
+    import os
+
+    from ..errors import ConfigError
+    from ..index.distributed import build_index_distributed
+
+    missing = [k for k in _TORCHRUN_ENV if not os.environ.get(k)]
+    if missing:
+        raise ConfigError(f"--distributed runs under torchrun, but {', '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not set; start it as `torchrun --nproc-per-node N "
+                          "-m wds_pad index --distributed ...` (on several machines: --nnodes, --rdzv-endpoint), "
+                          "or leave out --distributed to index in this process")
+    import torch.distributed as dist
+
+    log = logging.getLogger("wds_pad.index.distributed")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("wds-pad index: %(message)s"))
+    log.addHandler(handler)
+    saved = log.level
+    log.setLevel(logging.INFO)
+    made = not dist.is_initialized()
+    start = time.monotonic()
+    try:
+        if made:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        index = build_index_distributed(
+            urls, fn, output=args.output, workers=args.workers, on_error=args.on_error,
+            update=previous, name=args.name,
+            progress=not args.no_progress, force=args.force, part_shards=args.part_shards,
+            timeout=float(args.timeout))
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved)
+        if made and dist.is_initialized():
+            dist.destroy_process_group()
+    if index is not None:
+        _report(index, args.output, time.monotonic() - start, previous)
     return 0

@@ -35,11 +35,11 @@ from .format import Index, ShardInfo, load_index
 from .output import check_output, write_index
 from .progress import Progress
 from .rows import ShardRows, assemble, fit_exts, unreadable
-from .shardfile import directory_error, not_a_prefix, open_for_scan, plain_local, shard_info
+from .shardfile import directory_error, open_for_scan, shard_info, stat_shard
 from .tarrows import ScanRows, scan_many
 from .tarscan import parse_sample
 
-__all__ = ["build_index", "expand_urls", "scan_shard", "shard_info"]
+__all__ = ["bucket_fn_of", "build_index", "expand_urls", "scan_shard", "shard_info"]
 
 _GROUP = 32  # shards scanned by one task (see _scan_group)
 
@@ -50,19 +50,25 @@ def scan_shard(url: str, fn: BucketFn, on_error: str,
     return _scan_group([url], fn, on_error, storage_options, Progress(total=0, enabled=False))[0]
 
 
+Stat = tuple[int, str, bool]  # (size, change stamp, is a directory): shardfile.stat_shard
+
+
 def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_options: Mapping[str, Any] | None,
-                progress: Progress) -> list[ShardRows]:
-    """Scan consecutive shards; their last headers are checked together (scan_many)."""
+                progress: Progress, stats: Mapping[str, Stat] | None = None) -> list[ShardRows]:
+    """Scan consecutive shards; their last headers are checked together (scan_many).
+
+    A shard costs one ``stat_shard`` (unless ``stats`` holds it already) and its reads."""
     out: list[ShardRows | None] = [None] * len(urls)
     with contextlib.ExitStack() as stack:
         opened: list[tuple[int, str, int, str, Any, bool]] = []
         for i, url in enumerate(urls):
             try:
-                size, stamp = shard_info(url, storage_options)
+                known = stats.get(url) if stats is not None else None
+                size, stamp, is_dir = known if known is not None else stat_shard(url, storage_options)
                 try:
-                    if size == 0 and not plain_local(url):  # an object store lists a prefix as empty
-                        not_a_prefix(url, storage_options)
-                    f, seekable = open_for_scan(url, storage_options)
+                    if is_dir:  # a local directory, or a prefix an object store lists as one
+                        raise IsADirectoryError(url)
+                    f, seekable = open_for_scan(url, storage_options, size=size)
                 except FileNotFoundError:
                     raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
                 except IsADirectoryError:
@@ -88,9 +94,9 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
             # again one by one, from freshly opened files (a stream cannot go back), so
             # that only the unreadable shard is left out
             scanned = []
-            for i, url, *_ in opened:
+            for i, url, size, *_ in opened:
                 try:
-                    f, seekable = open_for_scan(url, storage_options)
+                    f, seekable = open_for_scan(url, storage_options, size=size)
                     stack.enter_context(f)
                     scanned.append(scan_many([(f, redact(url), seekable)], **kw)[0])
                 except (ShardError, OSError) as exc2:
@@ -240,28 +246,67 @@ def build_index(
             shard is scanned (one of the shards, a directory, an existing file that is
             not an index without ``force``, an unwritable place: see ``check_output``).
     """
-    if on_error not in ("raise", "skip"):
-        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ConfigError(f"workers must be an int >= 1, got {workers!r}")
+    check_options(on_error, workers)
     fn = _as_bucket_fn(bucket_by, members, head_bytes)
     shard_urls = expand_urls(urls, storage_options)
     if output is not None:
         check_output(output, shard_urls, force=force, storage_options=storage_options)
-    previous = load_index(update, storage_options=storage_options) if isinstance(update, str) else update
+    previous = previous_index(update, fn, storage_options)
+    bar = Progress(total=len(shard_urls), enabled=progress, label="index")
+    try:
+        parts = scan_shards(shard_urls, fn, workers=workers, on_error=on_error, storage_options=storage_options,
+                            bar=bar, previous=previous)
+    except BaseException:
+        bar.close(failed=True)  # in a log, a failed build ends with its error line
+        raise
+    bar.close()
+    index = rows_index(parts, fn, on_error, name or _default_name(output, shard_urls))
+    if output is not None:
+        write_index(index, output, storage_options, force=force)
+        object.__setattr__(index, "path", output)
+    return index
+
+
+def check_options(on_error: str, workers: int) -> None:
+    """Refuse a bad ``on_error`` or ``workers`` (ConfigError)."""
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers must be an int >= 1, got {workers!r}")
+
+
+def previous_index(update: Index | str | None, fn: BucketFn,
+                   storage_options: Mapping[str, Any] | None) -> Index | None:
+    """The index an update reuses rows from (a version-1 file converted in memory),
+    refused if it was bucketed otherwise than ``fn``."""
+    previous = load_index(update, storage_options=storage_options, convert=True) if isinstance(update, str) else update
     if previous is not None and dict(previous.bucket_by) != dict(fn.describe()):
         raise ConfigError(
             f"--update: the previous index was bucketed by {dict(previous.bucket_by)}, now by "
             f"{fn.describe()}; rebuild without --update to change how buckets are computed"
         )
-    reused = _reusable(previous, shard_urls, storage_options) if previous is not None else {}
+    return previous
+
+
+def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_error: str,
+                storage_options: Mapping[str, Any] | None, bar: Progress, previous: Index | None = None,
+                stats: Mapping[str, Stat] | None = None) -> list[ShardRows]:
+    """Every shard's rows, in shard order: reused from ``previous`` where unchanged, else
+    scanned (``workers`` concurrently). ``stats`` are shards' known (size, stamp, is a
+    directory): they are not asked for again."""
+    reused = _reusable(previous, shard_urls, storage_options, stats) if previous is not None else {}
     todo = [u for u in shard_urls if u not in reused]
-    bar = Progress(total=len(shard_urls), enabled=progress, label="index")
+    if todo and getattr(fn, "reuse_only", False):
+        raise ConfigError(
+            f"--update: {len(todo)} shard(s) changed or are new (first: {redact(todo[0])!r}), but the index "
+            f"was bucketed by {fn.describe()}, which cannot be rebuilt from the index file; index again with "
+            "the bucket function given (Python: build_index(..., bucket_by=fn, update=PATH))"
+        )
     bar.advance(unchanged=len(reused))  # done, but not scanned: no part of the rates
     results: dict[str, ShardRows] = dict(reused)
 
     def task(group: Sequence[str]) -> list[ShardRows]:
-        rows = _scan_group(group, fn, on_error, storage_options, bar)
+        rows = _scan_group(group, fn, on_error, storage_options, bar, stats)
         for r in rows:
             bar.advance(shards=1, nbytes=max(r.nbytes, 0))
         return rows
@@ -270,30 +315,77 @@ def build_index(
     # several workers, groups are small enough to keep every worker busy
     size = _GROUP if workers == 1 else max(1, min(_GROUP, len(todo) // (4 * workers)))
     groups = [todo[i : i + size] for i in range(0, len(todo), size)]
-    try:
-        if workers == 1 or len(groups) <= 1:
-            for group in groups:
-                results.update(zip(group, task(group)))
-        else:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-                futures = {pool.submit(task, group): group for group in groups}
-                try:
-                    for fut in concurrent.futures.as_completed(futures):
-                        results.update(zip(futures[fut], fut.result()))
-                except BaseException:  # a failed shard, Ctrl-C, SIGTERM: start no further group
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    raise
-    except BaseException:
-        bar.close(failed=True)  # in a log, a failed build ends with its error line
-        raise
-    bar.close()
-    parts = fit_exts([results[u] for u in shard_urls], on_error)
+    if workers == 1 or len(groups) <= 1:
+        for group in groups:
+            results.update(zip(group, task(group)))
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {pool.submit(task, group): group for group in groups}
+            try:
+                for fut in concurrent.futures.as_completed(futures):
+                    results.update(zip(futures[fut], fut.result()))
+            except BaseException:  # a failed shard, Ctrl-C, SIGTERM: start no further group
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+    return [results[u] for u in shard_urls]
+
+
+def rows_index(parts: list[ShardRows], fn: BucketFn, on_error: str, name: str) -> Index:
+    """The Index of the shards' rows (in shard order), as ``build_index`` assembles it."""
+    parts = fit_exts(parts, on_error)
     skipped = [p.fault for p in parts if p.fault is not None]  # shard order: same for any workers
-    index = assemble(parts, fn.describe(), skipped, name or _default_name(output, shard_urls))
-    if output is not None:
-        write_index(index, output, storage_options, force=force)
-        object.__setattr__(index, "path", output)
-    return index
+    return assemble(parts, fn.describe(), skipped, name)
+
+
+class _ReuseOnly:
+    """An index's bucketing that cannot be rebuilt from its description (a Python
+    callable): enough to reuse its rows, refused for any shard to scan."""
+
+    members: tuple[str, ...] = ()
+    head_bytes: int | None = None
+    reuse_only = True
+
+    def __init__(self, described: Mapping[str, Any]) -> None:
+        self._described = dict(described)
+
+    def __call__(self, key: str, data: Mapping[str, bytes]) -> Hashable | None:  # pragma: no cover - refused before
+        raise ConfigError(f"bucket function {self._described} cannot be rebuilt")
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self._described)
+
+
+def bucket_fn_of(index: Index) -> BucketFn:
+    """The bucket function ``index`` was built with, rebuilt from its ``bucket_by``.
+
+    Built-in bucketings (none, aspect, json, image, map files) come back as they were;
+    a Python callable (or a map given as a mapping) cannot be rebuilt: the result then
+    only lets an update reuse rows, and refuses to scan a changed or new shard.
+    """
+    from .bucket_user import MappingBuckets
+    from .buckets import AspectBuckets, ImageBuckets, JsonField
+
+    d = dict(index.bucket_by)
+    kind = d.get("kind")
+    fn: Any = None
+    try:
+        if kind == "none":
+            fn = SingleBucket()
+        elif kind == "aspect":
+            fn = AspectBuckets(d["width_field"], d["height_field"], ratios=d.get("ratios"), step=d.get("step"),
+                               member=d.get("member", "json"))
+        elif kind == "json":
+            fn = JsonField(d["field"], boundaries=d.get("boundaries"), member=d.get("member", "json"))
+        elif kind == "image":
+            fn = ImageBuckets(exts=tuple(d["exts"]), head_bytes=d.get("head_bytes"), ratios=d.get("ratios"),
+                              step=d.get("step"))
+        elif kind == "map" and d.get("source"):
+            fn = MappingBuckets(d["source"])
+    except (KeyError, TypeError, ConfigError):
+        fn = None
+    if fn is None or dict(fn.describe()) != d:
+        return _ReuseOnly(d)  # type: ignore[return-value]
+    return fn  # type: ignore[no-any-return]
 
 
 def _default_name(output: str | None, urls: Sequence[str]) -> str:
@@ -304,20 +396,23 @@ def _default_name(output: str | None, urls: Sequence[str]) -> str:
     return stem or "index"
 
 
-def _reusable(previous: Index, urls: Sequence[str],
-              storage_options: Mapping[str, Any] | None) -> dict[str, ShardRows]:
+def _reusable(previous: Index, urls: Sequence[str], storage_options: Mapping[str, Any] | None,
+              stats: Mapping[str, Stat] | None = None) -> dict[str, ShardRows]:
     by_url = {s.url: i for i, s in enumerate(previous.shards) if s.error is None}
     out: dict[str, ShardRows] = {}
+    candidates = [u for u in urls if u in by_url]
+    if not candidates:
+        return out
     # each shard's rows in byte order (the index groups rows by bucket): one sort for all
     order = np.lexsort((previous.offset, previous.shard))
     bounds = np.searchsorted(previous.shard[order], np.arange(len(previous.shards) + 1))
-    for url in urls:
-        si = by_url.get(url)
-        if si is None:
-            continue
+    samples = previous.excluded.get("samples", [])
+    for url in candidates:
+        si = by_url[url]
         old = previous.shards[si]
+        known = stats.get(url) if stats is not None else None
         try:
-            size, stamp = shard_info(url, storage_options)
+            size, stamp = known[:2] if known is not None else shard_info(url, storage_options)
         except ShardError:
             continue  # let the scan report it
         if size != old.size or stamp != old.stamp:
@@ -328,6 +423,6 @@ def _reusable(previous: Index, urls: Sequence[str],
         rows.keys = [previous.key(int(i)) for i in ids]
         rows.buckets = [previous.buckets[int(b)] for b in previous.bucket[ids]]
         rows.exts, rows.mask = list(previous.exts), previous.arrays["exts"][ids]
-        rows.excluded = [e for e in previous.excluded.get("samples", []) if e.get("url") == url]
+        rows.excluded = [e for e in samples if e.get("url") == url]
         out[url] = rows
     return out

@@ -474,8 +474,10 @@ def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_
     max_offset = max((int(p.offset.max()) for p in parts if len(p)), default=0)
     max_length = max((int(p.length.max()) for p in parts if len(p)), default=0)
     # per part: its bucket-table index of each global bucket (or -1)
-    local = [np.asarray([p.buckets.index(b) if b in p.buckets else -1 for b in buckets], dtype=np.int64)
-             for p in parts]
+    local = []
+    for p in parts:  # a dict per part: O(buckets) each, not O(buckets^2)
+        pos = {b: i for i, b in enumerate(p.buckets)}
+        local.append(np.asarray([pos.get(b, -1) for b in buckets], dtype=np.int64))
     counts = np.zeros(len(buckets), dtype=np.int64)
     for p, loc in zip(parts, local):
         has = loc >= 0
@@ -483,13 +485,20 @@ def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_
     bounds = np.zeros(len(buckets) + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
 
+    # (part number, lo, hi) of every non-empty slice, in merged row order: computed once
+    # (bucket offsets only), walked once per section
+    order: list[tuple[int, int, int]] = []
+    offsets = [p.bucket_offsets.tolist() for p in parts]
+    local_lists = [loc.tolist() for loc in local]
+    for b in range(len(buckets)):
+        for j in range(len(parts)):
+            lb = local_lists[j][b]
+            if lb >= 0 and offsets[j][lb + 1] > offsets[j][lb]:
+                order.append((j, offsets[j][lb], offsets[j][lb + 1]))
+
     def slices() -> Iterator[tuple[int, Index, int, int]]:  # (part number, part, lo, hi) in merged row order
-        for b in range(len(buckets)):
-            for j, (p, loc) in enumerate(zip(parts, local)):
-                if loc[b] >= 0:
-                    lo, hi = int(p.bucket_offsets[loc[b]]), int(p.bucket_offsets[loc[b] + 1])
-                    if hi > lo:
-                        yield j, p, lo, hi
+        for j, lo, hi in order:
+            yield j, parts[j], lo, hi
 
     remaps = [np.asarray([ebit[e] for e in p.exts], dtype=np.uint64) for p in parts]
 

@@ -9,12 +9,18 @@ Invariants:
 - a missing or unreadable shard is a ``ShardError`` naming the (redacted) URL; a store
   that cannot be reached is a ``ReadError`` (nothing is known about the shard);
 - a local shard opens unbuffered and seekable (the scan seeks past payloads); a remote
-  one opens as one read-ahead stream (the scan reads it through once).
+  one opens as one read-ahead stream (the scan reads it through once);
+- a shard costs at most one request beyond its reads: ``stat_shard`` is one ``info``
+  (a HEAD over HTTP and S3) that also says whether the URL is a prefix, and
+  ``open_for_scan(..., size=...)`` hands that size to the filesystem, which then opens
+  without a HEAD of its own.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import stat
 from typing import Any, Mapping
 
 from ..errors import ShardError
@@ -23,7 +29,10 @@ from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..io.stale import change_stamp as _stamp  # one definition: the reader checks against it
 
-__all__ = ["directory_error", "not_a_prefix", "open_for_scan", "plain_local", "shard_info"]
+__all__ = ["directory_error", "not_a_prefix", "open_for_scan", "plain_local", "shard_info", "stat_shard"]
+
+# filesystems whose ``open`` takes the size it would otherwise ask the store for (a HEAD)
+_SIZED_OPEN = frozenset({"http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
 
 def plain_local(url: str) -> bool:
@@ -39,6 +48,21 @@ def shard_info(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
         ReadError: Its store cannot be reached or found no credentials (not the shard's
             fault: nothing is known about it).
     """
+    size, stamp, _ = stat_shard(url, storage_options)
+    return size, stamp
+
+
+def stat_shard(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[int, str, bool]:
+    """(size, change stamp, is a directory) of one shard, from one ``info`` call.
+
+    The third value is True for a local directory or an object-store prefix (which
+    lists as a directory of size 0), so nobody needs to ask the store again.
+
+    Raises:
+        ShardError: It does not exist or is not readable.
+        ReadError: Its store cannot be reached or found no credentials (not the shard's
+            fault: nothing is known about it).
+    """
     if plain_local(url):
         try:  # what fsspec's LocalFileSystem.info gives, without building its dict
             st = os.stat(url)
@@ -46,14 +70,16 @@ def shard_info(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
             raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
         except PermissionError as exc:
             raise ShardError(f"shard {redact(url)!r} is not readable: permission denied") from exc
-        if not os.path.isdir(url):
-            return st.st_size, _stamp({"mtime": st.st_mtime})
+        return st.st_size, _stamp({"mtime": st.st_mtime}), stat.S_ISDIR(st.st_mode)
     fs, path = get_filesystem(url, storage_options)
     info = call_store(lambda: fs.info(path), url)
     size = info.get("size")
+    is_dir = info.get("type") == "directory"
     if size is None:
+        if is_dir:
+            return 0, "", True
         raise ShardError(f"shard {redact(url)!r}: the filesystem reports no size")
-    return int(size), _stamp(info)
+    return int(size), _stamp(info), is_dir
 
 
 def directory_error(url: str) -> ShardError:
@@ -73,12 +99,26 @@ def not_a_prefix(url: str, storage_options: Mapping[str, Any] | None) -> None:
         raise IsADirectoryError(path)
 
 
-def open_for_scan(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, bool]:
-    """(binary file, seekable): unbuffered local files, read-ahead streams elsewhere."""
+def open_for_scan(url: str, storage_options: Mapping[str, Any] | None,
+                  size: int | None = None) -> tuple[Any, bool]:
+    """(binary file, seekable): unbuffered local files, read-ahead streams elsewhere.
+
+    Args:
+        url: the shard.
+        storage_options: fsspec options for a remote shard.
+        size: the shard's size, if known (``stat_shard``): a remote file then opens
+            without asking the store for it again (no HEAD), and an empty one is not
+            opened at all.
+    """
     if plain_local(url):
         return open(url, "rb", buffering=0), True
     fs, path = get_filesystem(url, storage_options)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if protocol in ("file", "local"):
         return open(path, "rb", buffering=0), True
-    return fs.open(path, "rb", block_size=8 * 2**20, cache_type="readahead"), False
+    if size == 0:  # nothing to read: no request at all
+        return io.BytesIO(b""), True
+    kw: dict[str, Any] = {}
+    if size is not None and protocol in _SIZED_OPEN and "::" not in url:
+        kw["size"] = int(size)
+    return fs.open(path, "rb", block_size=8 * 2**20, cache_type="readahead", **kw), False

@@ -1,0 +1,271 @@
+"""Indexing as a distributed job (index.distributed, format.merged_parts): the merge of
+part indexes is byte-identical to one build, finished parts are reused and stale ones
+never, a failed or killed rank stops the job with its name, and a rerun redoes only the
+missing parts (real gloo jobs of several processes)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import wds_pad.index.distributed as dist_mod
+from dist_helpers import ROOT, launch
+from wds_pad.cli.synth import make_image_shards
+from wds_pad.errors import ConfigError, IndexFormatError, ShardError
+from wds_pad.index.build import build_index
+from wds_pad.index.distributed import build_index_distributed, part_layout, parts_dir
+from wds_pad.index.format import load_index, merged_parts, serialize
+
+
+def file_bytes(index) -> bytes:
+    return b"".join(bytes(p) for p in serialize(index))
+
+
+def merged_bytes(parts, name: str) -> bytes:
+    return b"".join(bytes(p) for p in merged_parts(parts, name=name))
+
+
+# -- merge identity: a property over random shard sets ------------------------------------------
+def _tar(path: str, samples: list[tuple[str, dict[str, bytes]]]) -> str:
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+        for key, members in samples:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size, info.mtime = len(data), 1_700_000_000
+                tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def label_or_none(key: str, data: dict) -> object:
+    """A callable bucket: the json label, None (excluded) for label 0."""
+    label = json.loads(data["json"])["label"]
+    return None if label == 0 else label
+
+
+EXTS = ("jpg", "png", "txt", "cls", "webp")
+shard_st = st.lists(  # a shard: samples of (label, width, height, extra member extensions, payload size)
+    st.tuples(st.integers(0, 4), st.integers(1, 40), st.integers(1, 40), st.sets(st.sampled_from(EXTS), max_size=3),
+              st.integers(0, 700)),
+    max_size=6)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shards=st.lists(shard_st, min_size=1, max_size=7), cuts=st.lists(st.integers(1, 6), max_size=4),
+       spec=st.sampled_from(["none", "aspect", "json:label", "callable", "skip-bad"]))
+def test_merge_of_parts_is_byte_identical_to_one_build(shards, cuts, spec) -> None:
+    """Any split of any shards into consecutive parts merges into the bytes (and digest)
+    of one build: buckets, extensions, excluded samples and skipped shards included."""
+    with tempfile.TemporaryDirectory() as tmp:
+        urls, n = [], 0
+        for s, samples in enumerate(shards):
+            members = []
+            for label, w, h, exts, size in samples:
+                doc = {"label": label, "width": w, "height": h}
+                members.append((f"s{n:05d}", {"json": json.dumps(doc).encode(),
+                                               **{e: bytes(size) for e in sorted(exts)}}))
+                n += 1
+            urls.append(_tar(f"{tmp}/shard-{s:03d}.tar", members))
+        kw: dict = {"bucket_by": {"none": None, "aspect": "aspect", "json:label": "json:label",
+                                  "callable": label_or_none, "skip-bad": "aspect"}[spec]}
+        if spec == "skip-bad":  # a shard that is no tar: skipped, recorded in excluded
+            Path(f"{tmp}/bad.tar").write_bytes(b"not a tar" * 200)
+            urls.insert(len(urls) // 2, f"{tmp}/bad.tar")
+        if spec in ("skip-bad", "callable"):
+            kw["on_error"] = "skip"
+        whole = build_index(urls, name="train", **kw)
+        bounds = sorted({0, len(urls), *[c for c in np.cumsum(cuts) if c < len(urls)]})
+        parts = []
+        for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            build_index(urls[lo:hi], name="part", output=f"{tmp}/p{j}.wdsidx", **kw)
+            parts.append(load_index(f"{tmp}/p{j}.wdsidx"))
+        got = merged_bytes(parts, "train")
+        assert got == file_bytes(whole)
+        Path(f"{tmp}/m.wdsidx").write_bytes(got)
+        assert load_index(f"{tmp}/m.wdsidx").digest == whole.digest
+
+
+def test_merge_refuses_parts_bucketed_differently(tmp_path) -> None:
+    paths = make_image_shards(tmp_path / "s", samples=20, shards=2, seed=1)
+    a = build_index(paths[:1], "aspect", output=str(tmp_path / "a.wdsidx"))
+    b = build_index(paths[1:], None, output=str(tmp_path / "b.wdsidx"))
+    with pytest.raises(IndexFormatError, match="bucketed differently"):
+        merged_bytes([load_index(a.path), load_index(b.path)], "x")
+    with pytest.raises(IndexFormatError, match="no index parts"):
+        merged_bytes([], "x")
+
+
+def test_part_layout_depends_on_the_shards_only() -> None:
+    assert part_layout(7, 3) == [(0, 3), (3, 6), (6, 7)]
+    assert part_layout(0, 3) == []
+    with pytest.raises(ConfigError, match="part_shards must be an int >= 1"):
+        part_layout(7, 0)
+
+
+# -- in one process (a gloo group of one): reuse, stale parts, refusals -------------------------
+@pytest.fixture()
+def group():
+    import torch.distributed as dist
+    from dist_helpers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture()
+def shards(tmp_path) -> list[str]:
+    return make_image_shards(tmp_path / "shards", samples=80, shards=8, seed=5)
+
+
+def _scanned_parts(monkeypatch) -> list[list[str]]:
+    """Record the shards of every part the job scans."""
+    seen: list[list[str]] = []
+    real = dist_mod.scan_shards
+
+    def spy(urls, *a, **kw):
+        seen.append(list(urls))
+        return real(urls, *a, **kw)
+
+    monkeypatch.setattr(dist_mod, "scan_shards", spy)
+    return seen
+
+
+def test_distributed_needs_a_process_group(tmp_path, shards) -> None:
+    with pytest.raises(ConfigError, match="needs a torch.distributed process group"):
+        build_index_distributed(shards, output=str(tmp_path / "x.wdsidx"))
+
+
+def test_rerun_reuses_finished_parts_and_never_a_stale_one(tmp_path, shards, monkeypatch, group) -> None:
+    out = str(tmp_path / "train.wdsidx")
+    single = build_index(shards, "aspect", name="train")
+    seen = _scanned_parts(monkeypatch)
+    real_write = dist_mod._write
+
+    def crash_on_third(path, chunks, so):  # the "crash": the 3rd part's write fails
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        real_write(path, chunks, so)
+
+    monkeypatch.setattr(dist_mod, "_write", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        build_index_distributed(shards, "aspect", output=out, part_shards=2, workers=2)
+    assert not os.path.exists(out)
+    written = sorted(os.listdir(parts_dir(out)))
+    assert [n[:11] for n in written] == ["part-000000", "part-000001"]
+    monkeypatch.setattr(dist_mod, "_write", real_write)
+    seen.clear()
+    # a shard of part 1 changes: its finished part is stale (another digest), redone
+    os.utime(shards[3], (1_600_000_000, 1_600_000_000))
+    index = build_index_distributed(shards, "aspect", output=out, part_shards=2, workers=2)
+    assert seen == [shards[2:4], shards[4:6], shards[6:8]]  # part 0 reused
+    assert not os.path.exists(parts_dir(out))  # removed after the merge
+    single = build_index(shards, "aspect", name="train")
+    assert Path(out).read_bytes() == file_bytes(single) and index.digest == single.digest
+
+
+def test_a_part_file_that_lies_is_refused(tmp_path, shards, monkeypatch, group) -> None:
+    """A part whose file holds other shards than its name says (copied by hand) is refused."""
+    out = str(tmp_path / "train.wdsidx")
+    seen = _scanned_parts(monkeypatch)
+    real = dist_mod._merge
+
+    def plant(paths, *a, **kw):  # before the merge, part 1's file is replaced by part 0's
+        os.replace(paths[0], paths[1])
+        os.link(paths[1], paths[0])
+        return real(paths, *a, **kw)
+
+    monkeypatch.setattr(dist_mod, "_merge", plant)
+    with pytest.raises(IndexFormatError, match=r"does not hold shards 2-3 .*delete .*train.wdsidx.parts"):
+        build_index_distributed(shards, "aspect", output=out, part_shards=2)
+    assert len(seen) == 4 and not os.path.exists(out)
+
+
+def test_distributed_refuses_a_bad_output_before_scanning(tmp_path, shards, monkeypatch, group) -> None:
+    seen = _scanned_parts(monkeypatch)
+    with pytest.raises(ConfigError, match="is one of the input shards"):
+        build_index_distributed(shards, "aspect", output=shards[0])
+    assert seen == []
+
+
+# -- real jobs: 4 gloo processes ----------------------------------------------------------------
+WORKER = """
+import os, signal, sys
+import wds_pad.index.distributed as d
+from wds_pad.cli.app import main
+
+rank = int(os.environ["RANK"])
+mode, *argv = sys.argv[1:]
+written = []
+real_write = d._write
+def write(path, chunks, so):
+    real_write(path, chunks, so)
+    written.append(path)
+    if mode == "kill" and rank == 2 and len(written) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed half way, after two whole parts
+real_scan = d.scan_shards
+def scan(urls, *a, **kw):
+    if mode == "fail" and rank == 1:
+        from wds_pad.errors import ShardError
+        raise ShardError(f"shard {urls[0]!r} is broken (planted by the test)")
+    return real_scan(urls, *a, **kw)
+d._write, d.scan_shards = write, scan
+sys.exit(main(["index", "--distributed", *argv]))
+"""
+
+
+def _job(tmp_path, mode: str, world: int, argv: list[str], expect_ok: bool):
+    script = tmp_path / "index_worker.py"
+    script.write_text(WORKER)
+    env = {"PYTHONPATH": str(ROOT)}
+    return launch([sys.executable, str(script), mode, *argv], world, timeout=150, expect_ok=expect_ok, env=env)
+
+
+def _parts_written(results) -> set[int]:
+    return {int(m) for r in results for m in re.findall(r"part (\d+) \(shards", r.stderr)}
+
+
+@pytest.mark.slow
+def test_killed_rank_then_rerun_redoes_only_missing_parts(tmp_path) -> None:
+    paths = make_image_shards(tmp_path / "shards", samples=240, shards=32, seed=7)
+    out = str(tmp_path / "train.wdsidx")
+    argv = [os.path.join(os.path.dirname(paths[0]), "shard-{000000..000031}.tar"), "-o", out, "--bucket-by",
+            "aspect", "--part-shards", "2", "--workers", "2", "--timeout", "5", "--no-progress"]
+    first = _job(tmp_path, "kill", 4, argv, expect_ok=False)
+    assert first[2].returncode == -9  # SIGKILL
+    assert not os.path.exists(out)
+    on_disk = {int(n[5:11]) for n in os.listdir(parts_dir(out)) if n.endswith(".wdsidx")}
+    assert {2, 6} <= on_disk and len(on_disk) < 16  # rank 2 had 2, 6, 10, 14: it wrote two
+    assert _parts_written([first[2]]) == {2}  # killed inside the write of part 6, after its rename
+    assert first[0].returncode == 1 and "rank 2 stopped answering" in first[0].stderr, first[0].stderr
+    # the rerun, on another world size, redoes exactly the missing parts
+    second = _job(tmp_path, "run", 3, argv, expect_ok=True)
+    assert _parts_written(second) == set(range(16)) - on_disk
+    assert not os.path.exists(parts_dir(out))
+    single = build_index(paths, "aspect", name="train")
+    assert Path(out).read_bytes() == file_bytes(single)
+    assert load_index(out).digest == single.digest
+    assert "indexed 32 shards" in second[0].stdout and second[1].stdout == "" == second[2].stdout
+
+
+@pytest.mark.slow
+def test_a_failed_rank_stops_every_rank_with_its_name(tmp_path) -> None:
+    paths = make_image_shards(tmp_path / "shards", samples=60, shards=12, seed=8)
+    out = str(tmp_path / "train.wdsidx")
+    argv = [*paths, "-o", out, "--bucket-by", "aspect", "--part-shards", "2", "--timeout", "30", "--no-progress"]
+    results = _job(tmp_path, "fail", 3, argv, expect_ok=False)
+    for r in results:
+        assert r.returncode == 1, (r.rank, r.stderr)
+        named = "" if r.rank == 1 else r"rank 1 failed: ShardError: "  # rank 1 says its own error
+        assert re.search(rf"error: {named}shard .* is broken", r.stderr), (r.rank, r.stderr)
+    assert not os.path.exists(out)

@@ -1,0 +1,500 @@
+"""Indexing as a distributed job: the shards split into parts, each part indexed by one
+rank and written on its own, then merged into one index by rank 0.
+
+The job runs in a torch.distributed process group the caller made (``wds-pad index
+--distributed`` makes a gloo one from torchrun's environment); this module never
+creates or destroys one.
+
+Invariants:
+- the part layout depends on the shard list and ``part_shards`` only, never on the world
+  size: part ``i`` is shards ``i * part_shards`` up to ``(i + 1) * part_shards``; a rerun
+  with another world size finds the same parts;
+- a part's file is ``OUTPUT.parts/part-<i>-<digest>.wdsidx``, the digest taken over what
+  decides its content (its shards' URLs, sizes and change stamps, how buckets are
+  computed, ``on_error``, the format and wds_pad versions), so a finished part is reused
+  and a stale one (a shard changed since) is never: it is simply not the file asked for;
+- each part is written atomically (``io.atomic`` locally, one PUT elsewhere): a killed
+  rank leaves whole parts or none, and a rerun redoes only the missing ones, dealt
+  evenly over the ranks of the rerun;
+- a shard costs one ``stat_shard`` (a HEAD over HTTP/S3) and its reads: the stat that
+  names its part is the one its scan uses;
+- rank 0 merges the parts with ``format.merged_parts`` (streamed: the tables and one
+  slice of one part in memory) into the output, written atomically (a remote output:
+  a local temp file, then one upload), then removes the part folder. The result is
+  byte-identical to ``build_index`` of the same shards in one process;
+- no rank waits forever: a rank that fails tells the others (each stops with an error
+  naming it), and a rank that stops beating (killed, hung) for ``timeout`` seconds is
+  named by rank 0, which stops the job.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+
+from .. import errors as _errors
+from ..errors import ConfigError, IndexFormatError, ReadError, ShardError, WdsPadError
+from ..io.atomic import atomic_write
+from ..io.redact import redact
+from ..io.urls import expand_urls
+from .build import Stat, _as_bucket_fn, _default_name, check_options, previous_index, rows_index, scan_shards
+from .buckets import BucketFn
+from .format import FORMAT_VERSION, Index, load_index, merged_parts, serialize
+from .output import _local, check_output
+from .progress import Progress
+from .shardfile import stat_shard
+
+__all__ = ["build_index_distributed", "part_layout"]
+
+_log = logging.getLogger(__name__)
+_PART_VERSION = 1  # bump when what a part holds changes
+_KEY = "wds_pad/index/"  # prefix of this job's store keys
+_BEAT = 1.0  # seconds between heartbeats
+_POLL = 0.2  # seconds between looks at the store while waiting
+
+
+def part_layout(n_shards: int, part_shards: int) -> list[tuple[int, int]]:
+    """The parts of ``n_shards`` shards: ``[(first, end), ...]`` runs of ``part_shards``."""
+    if isinstance(part_shards, bool) or not isinstance(part_shards, int) or part_shards < 1:
+        raise ConfigError(f"part_shards must be an int >= 1, got {part_shards!r}")
+    return [(lo, min(lo + part_shards, n_shards)) for lo in range(0, n_shards, part_shards)]
+
+
+def parts_dir(output: str) -> str:
+    """The folder beside ``output`` that holds its parts while a job runs."""
+    return output.rstrip("/") + ".parts"
+
+
+def part_digest(urls: Sequence[str], stats: Sequence[Stat | None], fn: BucketFn, on_error: str) -> str:
+    """What decides a part's content, hashed (a shard whose stat failed: ``None``)."""
+    from .. import __version__
+
+    doc = {"part": _PART_VERSION, "format": FORMAT_VERSION, "wds_pad": __version__, "bucket_by": fn.describe(),
+           "on_error": on_error, "shards": [[u, list(s) if s is not None else None] for u, s in zip(urls, stats)]}
+    return hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+class _Job:
+    """The store side of the job: heartbeats, status keys and waiting without hanging."""
+
+    def __init__(self, rank: int, world: int, timeout: float, bar: Any = None) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.store = dist.distributed_c10d._get_default_store()
+        self.bar = bar
+        self._stop = threading.Event()
+        self.store.add(f"{_KEY}beat/{rank}", 1)
+        self._thread = threading.Thread(target=self._beat, name="wds_pad-index-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(_BEAT):
+            try:
+                self.store.add(f"{_KEY}beat/{self.rank}", 1)
+                if self.bar is not None:
+                    done = self.store.add(f"{_KEY}parts_done", 0)
+                    self.bar.update(max(0, done - self.bar.n))
+            except Exception:  # noqa: BLE001 - the store is gone: the main thread reports it
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def call(self, what: str, op: Callable[[], Any]) -> Any:
+        try:
+            return op()
+        except Exception as exc:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise ReadError(f"rank {self.rank}: lost the job's store at {where} while {what} ({exc}); "
+                            "rank 0 (or torchrun) has stopped; rerun the command: finished parts are kept") from exc
+
+    def set(self, key: str, value: Any) -> None:
+        self.call(f"setting {key}", lambda: self.store.set(_KEY + key, json.dumps(value)))
+
+    def get(self, key: str) -> Any:
+        return json.loads(self.call(f"reading {key}", lambda: self.store.get(_KEY + key)))
+
+    def has(self, key: str) -> bool:
+        return bool(self.call(f"checking {key}", lambda: self.store.check([_KEY + key])))
+
+    def add(self, key: str, n: int) -> int:
+        return int(self.call(f"counting {key}", lambda: self.store.add(_KEY + key, n)))
+
+    def stopped(self) -> dict[str, Any] | None:
+        """Rank 0's verdict if it has stopped the job (a rank failed), else None."""
+        if self.has("verdict"):
+            verdict: dict[str, Any] = self.get("verdict")
+            if not verdict["ok"]:
+                return verdict
+        return None
+
+    def all_done(self) -> dict[str, Any] | None:
+        """(Rank 0) the first failed rank's status, ``{"ok": True}`` once all are done, else None."""
+        if self.add("failed", 0):
+            for r in range(self.world):
+                if self.has(f"done/{r}") and not (status := self.get(f"done/{r}"))["ok"]:
+                    return status  # type: ignore[no-any-return]
+        return {"ok": True} if self.add("done_n", 0) >= self.world else None
+
+    def outcome(self) -> dict[str, Any] | None:
+        """(Other ranks) the merge's outcome, or the job's failure, else None."""
+        if self.has("merged"):
+            return self.get("merged")  # type: ignore[no-any-return]
+        return self.stopped()
+
+    def wait(self, ready: Callable[[], Any], ranks: Iterable[int], what: str) -> Any:
+        """Poll until ``ready()`` returns something; meanwhile fail if one of ``ranks``
+        stops beating for ``timeout`` seconds (named in the error)."""
+        watched = list(ranks)
+        last = {r: (self.add(f"beat/{r}", 0), time.monotonic()) for r in watched}
+        while True:
+            got = ready()
+            if got is not None:
+                return got
+            now = time.monotonic()
+            for r in watched:
+                beat = self.add(f"beat/{r}", 0)
+                if beat != last[r][0]:
+                    last[r] = (beat, now)
+                elif now - last[r][1] > self.timeout:
+                    raise ReadError(
+                        f"rank {r} stopped answering while {what} (no heartbeat for {self.timeout:.0f} s): it was "
+                        "killed or hangs; rerun the command (finished parts are kept), or raise --timeout")
+            time.sleep(_POLL)
+
+
+def _error(status: Mapping[str, Any]) -> WdsPadError:
+    """The error a status names (its class from wds_pad.errors, else WdsPadError)."""
+    cls = getattr(_errors, str(status.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, WdsPadError)):
+        cls = WdsPadError
+    return cls(status["message"])
+
+
+def _status(rank: int, exc: BaseException) -> dict[str, Any]:
+    kind = type(exc).__name__ if isinstance(exc, WdsPadError) else "WdsPadError"
+    return {"ok": False, "rank": rank, "type": kind, "message": f"rank {rank} failed: {type(exc).__name__}: {exc}"}
+
+
+def _stat_all(urls: Sequence[str], workers: int, storage_options: Mapping[str, Any] | None) -> list[Stat | None]:
+    """Each shard's stat (None where it failed: its scan reports it, per on_error)."""
+    def one(url: str) -> Stat | None:
+        try:
+            return stat_shard(url, storage_options)
+        except ShardError:
+            return None
+
+    if workers == 1 or len(urls) <= 1:
+        return [one(u) for u in urls]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(one, urls))
+
+
+def _exists(path: str, storage_options: Mapping[str, Any] | None) -> bool:
+    local = _local(path)
+    if local is not None:
+        return os.path.isfile(local)
+    from ..io.faults import call_store
+    from ..io.fs import get_filesystem
+
+    fs, fpath = get_filesystem(path, storage_options)
+    return bool(call_store(lambda: fs.exists(fpath), path, what="index part"))
+
+
+def _write(path: str, chunks: Iterable[bytes | memoryview], storage_options: Mapping[str, Any] | None) -> None:
+    local = _local(path)
+    if local is not None:
+        atomic_write(local, chunks)
+        return
+    from ..io.faults import call_store
+    from ..io.fs import get_filesystem
+
+    fs, fpath = get_filesystem(path, storage_options)
+    data = b"".join(bytes(c) for c in chunks)
+    call_store(lambda: fs.pipe_file(fpath, data), path, what="index part",
+               fix="check the output URL and that these credentials may write there")
+
+
+def build_index_distributed(
+    urls: str | Iterable[str],
+    bucket_by: BucketFn | Callable[..., Hashable | None] | str | None = None,
+    *,
+    output: str,
+    workers: int = 8,
+    on_error: str = "raise",
+    update: Index | str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    members: Sequence[str] | None = None,
+    head_bytes: int | None = None,
+    name: str | None = None,
+    progress: bool | None = False,
+    force: bool = False,
+    part_shards: int = 64,
+    timeout: float = 600.0,
+) -> Index | None:
+    """Index tar shards with every rank of the default torch.distributed process group.
+
+    Call it on every rank with the same arguments, after
+    ``torch.distributed.init_process_group`` (any backend; ``wds-pad index
+    --distributed`` under torchrun does this with gloo). The arguments are those of
+    :func:`wds_pad.build_index`; ``output`` is required and, on several machines, must be
+    a place every rank can write and rank 0 can read (a shared filesystem or an object
+    store URL). Parts go to ``OUTPUT.parts/`` until the merge; a rerun after a crash
+    reuses every finished part.
+
+    Args:
+        part_shards: shards per part (the unit of work and of a rerun's reuse); the
+            layout depends on it and the shard list only, not on the world size.
+        timeout: seconds a rank may go without a heartbeat before the job is stopped.
+
+    Returns:
+        On rank 0 the merged Index (loaded from ``output``), on the other ranks None.
+
+    Raises:
+        ConfigError: no process group, bad arguments, or an output refused (before
+            any shard is scanned, on every rank).
+        ShardError, TarFormatError, BucketError, ...: a rank's error, raised on every
+            rank with ``rank R failed:`` before it.
+        ReadError: a rank stopped answering for ``timeout`` seconds, or the job's store
+            went away.
+        IndexFormatError: the parts could not be merged (more than 64 member
+            extensions together, a damaged part).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("build_index_distributed needs a torch.distributed process group: call "
+                          "torch.distributed.init_process_group() first, or run `wds-pad index --distributed` "
+                          "under torchrun")
+    check_options(on_error, workers)
+    part_layout(1, part_shards)  # checks part_shards
+    if not isinstance(output, str) or not output:
+        raise ConfigError(f"build_index_distributed needs an output path, got {output!r}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fn = _as_bucket_fn(bucket_by, members, head_bytes)
+
+    # 1. rank 0 expands the URLs and checks the output; every rank gets the list or the error
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            shard_urls = expand_urls(urls, storage_options)
+            check_output(output, shard_urls, force=force, storage_options=storage_options)
+            box[0] = {"ok": True, "urls": shard_urls}
+        except WdsPadError as exc:
+            box[0] = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+    dist.broadcast_object_list(box, src=0)
+    if not box[0]["ok"]:
+        raise _error(box[0])
+    shard_urls = box[0]["urls"]
+    previous = previous_index(update, fn, storage_options)
+    layout = part_layout(len(shard_urls), part_shards)
+    folder = parts_dir(output)
+    final_name = name or _default_name(output, shard_urls)
+
+    # 2. stat the shards of parts rank::world; which parts are missing (by digest)
+    mine: dict[str, Any]
+    previous = None
+    try:
+        previous = previous_index(update, fn, storage_options)
+        own = list(range(rank, len(layout), world))
+        flat = [u for i in own for u in shard_urls[layout[i][0]:layout[i][1]]]
+        stats = dict(zip(flat, _stat_all(flat, workers, storage_options)))
+        mine = {"ok": True, "parts": {}}
+        for i in own:
+            urls_i = shard_urls[layout[i][0]:layout[i][1]]
+            st = [stats[u] for u in urls_i]
+            path = f"{folder}/part-{i:06d}-{part_digest(urls_i, st, fn, on_error)}.wdsidx"
+            done = _exists(path, storage_options)
+            mine["parts"][i] = {"path": path, "done": done,
+                                "stats": None if done else {u: s for u, s in zip(urls_i, st) if s is not None}}
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the gather
+        mine = _status(rank, exc)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    for status in gathered:
+        if not status["ok"]:
+            raise _error(status)
+    parts = {int(i): p for status in gathered for i, p in status["parts"].items()}
+    paths = [parts[i]["path"] for i in range(len(layout))]
+    missing = sorted(i for i, p in parts.items() if not p["done"])
+    todo = missing[rank::world]  # the missing parts, dealt evenly over this run's ranks
+    if rank == 0:
+        _log.info("%d shards in %d parts of up to %d shards: %d to index, %d done before; %d ranks",
+                  len(shard_urls), len(layout), part_shards, len(missing), len(layout) - len(missing), world)
+
+    bar = _parts_bar(len(missing), progress) if rank == 0 and missing else None
+    job = _Job(rank, world, timeout, bar)
+    try:
+        # 3. each rank indexes and writes its parts
+        verdict = None
+        try:
+            for k, i in enumerate(todo):
+                verdict = job.stopped()
+                if verdict is not None:
+                    break
+                lo, hi = layout[i]
+                t0 = time.monotonic()
+                rows = scan_shards(shard_urls[lo:hi], fn, workers=workers, on_error=on_error,
+                                   storage_options=storage_options, bar=Progress(total=0, enabled=False),
+                                   previous=previous, stats={u: tuple(s) for u, s in parts[i]["stats"].items()})
+                index = rows_index(rows, fn, on_error, "part")
+                _write(paths[i], serialize(index), storage_options)
+                job.add("parts_done", 1)
+                _log.info("rank %d: part %d (shards %d-%d, %d samples) written in %.1f s; %d of its %d parts",
+                          rank, i, lo, hi - 1, len(index), time.monotonic() - t0, k + 1, len(todo))
+            if verdict is None:
+                job.set(f"done/{rank}", {"ok": True})
+        except Exception as exc:  # noqa: BLE001 - tell the others, then stop
+            status = _status(rank, exc)
+            job.set(f"done/{rank}", status)
+            job.add("failed", 1)
+            if rank == 0:
+                job.set("verdict", status)
+                _linger(job)
+            raise
+        finally:
+            job.add("done_n", 1)
+        if verdict is not None:
+            job.add("ack", 1)
+            raise _error(verdict)
+
+        # 4. rank 0 waits for every rank, merges, removes the parts; the others wait for it
+        if rank != 0:
+            result = job.wait(job.outcome, [0], "rank 0 merges the parts")
+            job.add("ack", 1)
+            if not result["ok"]:
+                raise _error(result)
+            return None
+        try:
+            verdict = job.wait(job.all_done, range(1, world), "the ranks index their parts")
+        except WdsPadError as exc:
+            verdict = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+        if not verdict["ok"]:
+            job.set("verdict", verdict)
+            _linger(job)
+            raise _error(verdict)
+        if bar is not None:
+            bar.update(max(0, len(missing) - bar.n))
+            bar.close()
+            bar = None
+        try:
+            merged = _merge(paths, shard_urls, layout, fn, output, final_name, storage_options, force)
+            _remove_parts(folder, storage_options)
+        except Exception as exc:  # noqa: BLE001
+            job.set("merged", _status(0, exc))
+            _linger(job)
+            raise
+        job.set("merged", {"ok": True})
+        _log.info("rank 0: merged %d parts into %s (%d samples)", len(layout), redact(output), len(merged))
+        _linger(job)
+        return merged
+    finally:
+        if bar is not None:
+            bar.close()
+        job.close()
+
+
+def _parts_bar(total: int, progress: bool | None) -> Any:
+    """Rank 0's bar of parts done across ranks (tqdm on stderr), or None."""
+    enabled = sys.stderr.isatty() if progress is None else bool(progress)
+    if not enabled or os.environ.get("TQDM_DISABLE") == "1":
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="index parts", unit="part", file=sys.stderr, mininterval=0.5)
+
+
+def _linger(job: _Job) -> None:
+    """Rank 0 hosts the store when no torchrun agent does: before it exits, give the
+    other ranks (up to 30 s) to read the outcome, so they report it, not a lost store."""
+    expected = job.world - 1 - job.add("failed", 0) + (1 if job.has("done/0") and not job.get("done/0")["ok"] else 0)
+    deadline = time.monotonic() + min(job.timeout, 30.0)
+    while job.add("ack", 0) < expected and time.monotonic() < deadline:
+        time.sleep(_POLL)
+
+
+def _merge(paths: Sequence[str], shard_urls: Sequence[str], layout: Sequence[tuple[int, int]], fn: BucketFn,
+           output: str, name: str, storage_options: Mapping[str, Any] | None, force: bool) -> Index:
+    """Merge the parts (in order) into ``output``, streamed; the merged index, loaded."""
+    tmp = tempfile.mkdtemp(prefix="wds_pad_merge_")
+    try:
+        loaded = []
+        for path, (lo, hi) in zip(paths, layout):
+            local = _local(path)
+            if local is None:  # a remote part: fetched to local disk, then memory-mapped
+                from ..io.faults import call_store
+                from ..io.fs import get_filesystem
+
+                fs, fpath = get_filesystem(path, storage_options)
+                local = os.path.join(tmp, os.path.basename(fpath))
+                call_store(lambda: fs.get_file(fpath, local), path, what="index part")
+            if not os.path.isfile(local):
+                raise IndexFormatError(f"index part {redact(path)!r} was written but rank 0 cannot see it: on several "
+                                       "machines, -o must be on a filesystem every rank shares (or an object store URL)")
+            part = load_index(local, verify=True)
+            want = list(shard_urls[lo:hi])
+            if list(part.urls) != want or dict(part.bucket_by) != dict(fn.describe()):
+                raise IndexFormatError(f"index part {redact(path)!r} does not hold shards {lo}-{hi - 1} as this job "
+                                       f"indexes them; delete {redact(parts_dir(output))!r} and rerun")
+            loaded.append(part)
+        check_output(output, shard_urls, force=force, storage_options=storage_options)
+        local_out = _local(output)
+        if local_out is not None:
+            atomic_write(local_out, merged_parts(loaded, name=name))
+            index = load_index(local_out, verify=False)
+        else:  # a local temp file, then one upload
+            from ..io.faults import call_store
+            from ..io.fs import get_filesystem
+
+            staged = os.path.join(tmp, "merged.wdsidx")
+            atomic_write(staged, merged_parts(loaded, name=name))
+            fs, fpath = get_filesystem(output, storage_options)
+            call_store(lambda: fs.put_file(staged, fpath), output, what="index output",
+                       fix="check the output URL and that these credentials may write there")
+            index = load_index(staged, verify=False)  # mapped: the pages outlive the temp file
+        object.__setattr__(index, "path", output)
+        return index
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_parts(folder: str, storage_options: Mapping[str, Any] | None) -> None:
+    """Remove the part folder: every part file of ours in it (stale ones too), then it."""
+    local = _local(folder)
+    if local is not None:
+        try:
+            names = os.listdir(local)
+        except FileNotFoundError:
+            return
+        for n in names:
+            if n.startswith(("part-", ".part-")) and (n.endswith(".wdsidx") or n.endswith(".tmp")):
+                try:
+                    os.unlink(os.path.join(local, n))
+                except FileNotFoundError:
+                    pass
+        try:
+            os.rmdir(local)
+        except OSError:  # something else in it: left alone
+            _log.warning("index: %s is not empty after the merge; left in place", local)
+        return
+    from ..io.fs import get_filesystem
+
+    fs, fpath = get_filesystem(folder, storage_options)
+    try:
+        found = fs.ls(fpath, detail=False)
+    except (FileNotFoundError, OSError):
+        return
+    ours = [p for p in found if p.rsplit("/", 1)[-1].startswith("part-") and p.endswith(".wdsidx")]
+    if ours:
+        fs.rm(ours)
