@@ -61,7 +61,7 @@ pytest_plugins = ["conftest_servers"]
 RUN = {"python", "sh", "bash", "shell", "console"}
 NOT_RUN = {"", "text", "json"}
 COMMAND = re.compile(r"^(\$ |wds-pad |python |torchrun |pip |make |\.venv/)")
-SLOW = re.compile(r"torchrun|num_workers=[1-9]|make demo|init_process_group|make_shards\.py|examples/")
+SLOW = re.compile(r"torchrun|num_workers=[1-9]|make demo|wds-pad demo|init_process_group|make_shards\.py|examples/")
 BLOCK_TIMEOUT = 240.0
 BIN = Path(sys.executable).parent
 
