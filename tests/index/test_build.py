@@ -603,3 +603,45 @@ def test_extension_limit_names_the_shard_and_skip_skips_it(tmp_path, shards, wor
     index = build_index([a, b, shards[0]], on_error="skip", workers=workers)
     assert [s["url"] for s in index.excluded["shards"]] == [b] and len(index.exts) <= 64
     assert index.shards[2].samples > 0
+
+
+# -- issue 13: a shard costs at most one request beyond its reads ------------------------------
+def _requests_per_shard(proxy, names: list[str]) -> dict[str, list[str]]:
+    seen: dict[str, list[str]] = {n: [] for n in names}
+    for r in proxy.requests:
+        name = r.target.split("?")[0].rsplit("/", 1)[-1]
+        if name in seen:
+            seen[name].append(r.method if r.header("Range") is None else f"{r.method} range")
+    return seen
+
+
+def test_a_shard_over_http_costs_one_head_and_its_reads(tmp_path, nginx_server, fault_proxy) -> None:
+    """Build and update over HTTP: one HEAD per shard (its size and stamp), then its reads;
+    fsspec's open is handed the size, so it asks for none of its own."""
+    folder = nginx_server.root_dir / f"heads-{tmp_path.name}"
+    paths = make_blob_shards(folder, samples=24, sample_bytes=500, shards=4, seed=0)
+    proxy = fault_proxy(nginx_server)
+    names = [os.path.basename(p) for p in paths]
+    urls = [f"{proxy.url}/{folder.name}/{n}" for n in names]
+    out = str(tmp_path / "x.wdsidx")
+    index = build_index(urls, "aspect:width,height", output=out, workers=2)
+    assert index.arrays["offset"].tolist() == build_index(paths, "aspect:width,height").arrays["offset"].tolist()
+    seen = _requests_per_shard(proxy, names)
+    assert all(methods == ["HEAD", "GET range"] for methods in seen.values()), seen  # small shards: one read
+    proxy.reset_counters()
+    build_index(urls, "aspect:width,height", update=out)  # unchanged: one HEAD, no read
+    assert all(methods == ["HEAD"] for methods in _requests_per_shard(proxy, names).values())
+
+
+def test_a_shard_on_s3_costs_one_head_and_its_reads(tmp_path, moto_server, s3_bucket, fault_proxy) -> None:
+    paths = make_blob_shards(tmp_path / "s", samples=24, sample_bytes=500, shards=3, seed=1)
+    names = [os.path.basename(p) for p in paths]
+    for p, n in zip(paths, names):
+        moto_server.upload(p, f"s3://{s3_bucket}/{n}")
+    proxy = fault_proxy(moto_server)
+    opts = moto_server.storage_options_via(proxy.url)
+    index = build_index([f"s3://{s3_bucket}/{n}" for n in names], "aspect:width,height", storage_options=opts,
+                        workers=1)
+    assert len(index) == 24
+    seen = _requests_per_shard(proxy, names)
+    assert all(methods == ["HEAD", "GET range"] for methods in seen.values()), seen

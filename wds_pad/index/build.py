@@ -68,7 +68,7 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
                 try:
                     if is_dir:  # a local directory, or a prefix an object store lists as one
                         raise IsADirectoryError(url)
-                    f, seekable = open_for_scan(url, storage_options, size=size)
+                    f, seekable = open_for_scan(url, storage_options, size=size, stamp=stamp)
                 except FileNotFoundError:
                     raise ShardError(f"shard {redact(url)!r} does not exist; check the URL or pattern") from None
                 except IsADirectoryError:
@@ -94,9 +94,9 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
             # again one by one, from freshly opened files (a stream cannot go back), so
             # that only the unreadable shard is left out
             scanned = []
-            for i, url, size, *_ in opened:
+            for i, url, size, stamp, *_ in opened:
                 try:
-                    f, seekable = open_for_scan(url, storage_options, size=size)
+                    f, seekable = open_for_scan(url, storage_options, size=size, stamp=stamp)
                     stack.enter_context(f)
                     scanned.append(scan_many([(f, redact(url), seekable)], **kw)[0])
                 except (ShardError, OSError) as exc2:

@@ -100,7 +100,7 @@ def not_a_prefix(url: str, storage_options: Mapping[str, Any] | None) -> None:
 
 
 def open_for_scan(url: str, storage_options: Mapping[str, Any] | None,
-                  size: int | None = None) -> tuple[Any, bool]:
+                  size: int | None = None, stamp: str | None = None) -> tuple[Any, bool]:
     """(binary file, seekable): unbuffered local files, read-ahead streams elsewhere.
 
     Args:
@@ -121,4 +121,12 @@ def open_for_scan(url: str, storage_options: Mapping[str, Any] | None,
     kw: dict[str, Any] = {}
     if size is not None and protocol in _SIZED_OPEN and "::" not in url:
         kw["size"] = int(size)
-    return fs.open(path, "rb", block_size=8 * 2**20, cache_type="readahead", **kw), False
+    f = fs.open(path, "rb", block_size=8 * 2**20, cache_type="readahead", **kw)
+    if kw and getattr(f, "_details", False) is None:
+        # fsspec's buffered files (s3fs, gcsfs) look their details up on first read (a
+        # second HEAD) to check the ETag of every read: hand them what the stat found
+        details: dict[str, Any] = {"name": path, "size": int(size), "type": "file"}  # type: ignore[arg-type]
+        if stamp and stamp.startswith("ETag="):
+            details["ETag"] = stamp[len("ETag="):]
+        f._details = details
+    return f, False
