@@ -124,6 +124,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             for k, ix in enumerate(indexes))
         if len(names) != n:
             raise ConfigError(f"names has {len(names)} values for {n} index(es)")
+        # detected: a Loader refuses it if the job's process group turns out bigger (built too early)
+        self._detected_topology = topology is None
         if topology is None:
             topology = Topology.detect(group=group, cp_size=cp_size)
         if storage_options:

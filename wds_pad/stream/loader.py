@@ -15,7 +15,13 @@ Invariants:
   which keeps one copy of a key every rank has, gives each rank its own); with
   ``gather_state=True`` it holds every rank's (one all_gather over the dataset's group), so a
   checkpoint one process writes for the whole job (Lightning, Fabric, accelerate's
-  ``register_for_checkpointing``) resumes every rank.
+  ``register_for_checkpointing``) resumes every rank;
+- ``loader.sampler.set_epoch(e)`` is ``loader.set_epoch(e)``: Lightning's Trainer calls it on
+  every loader at the start of each epoch, so under ``Trainer.fit`` each epoch has its own
+  order and a mid-epoch resume keeps its restored position, with no callback;
+- a dataset that detected its topology before the job's process group existed (one process,
+  while the group has more ranks: built before ``Trainer.fit`` under Lightning's launchers) is
+  refused when iteration starts, before any batch: every rank would stream the whole plan.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any, Iterator, Mapping
 from torch.utils.data import DataLoader
 
 from .loaderargs import check_loader_args
-from ..errors import ConfigError
+from ..errors import ConfigError, TopologyError
 from ..core.policy import Mode
 from .dataset import BucketedWebDataset
 from .stages import Position
@@ -52,6 +58,45 @@ def _gather_entries(own: dict[str, Any], group: Any) -> dict[str, Any]:
     for entries in gathered:
         merged.update(entries)
     return dict(sorted(merged.items(), key=lambda kv: int(kv[0][len('rank'):])))
+
+
+class _EpochHook:
+    """``Loader.sampler``: not a torch Sampler (the plan orders the batches), only the
+    ``set_epoch`` that Lightning's loops call on a loader's sampler at every epoch start."""
+
+    __slots__ = ("_loader",)
+
+    def __init__(self, loader: "Loader") -> None:
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
+def _refuse_early_topology(ds: BucketedWebDataset) -> None:
+    """Raise a TopologyError if ``ds`` detected fewer ranks than the job's process group has.
+
+    Lightning creates the process group inside ``Trainer.fit``: a dataset built before it,
+    with no torchrun environment (``strategy="ddp_spawn"`` pickles it into every process;
+    under Lightning's own ``ddp`` launcher rank 0 builds it before rank 1 exists), detected
+    one process, and every rank would stream the whole plan. The agreement check cannot see
+    it: every rank holds the same one-process plan.
+    """
+    if not getattr(ds, "_detected_topology", False) or ds.group is not None:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    if world != ds.topology.world_size:
+        raise TopologyError(
+            f"Loader: the dataset detected {ds.topology.world_size} process(es) when it was built, but the "
+            f"job's process group has {world} ranks now: it was built before the process group existed, "
+            "and every rank would stream the same batches. Build it where the group exists: under "
+            "Lightning in LightningModule.train_dataloader() or LightningDataModule.setup() (Trainer.fit "
+            "starts the processes), otherwise after torch.distributed.init_process_group(); or pass "
+            "topology= or group= explicitly (see docs/distributed.md, 'PyTorch Lightning')")
 
 
 class Loader:
@@ -100,6 +145,17 @@ class Loader:
         self.dataset.set_epoch(epoch)
         self._position = self.dataset._position
 
+    @property
+    def sampler(self) -> _EpochHook:
+        """An object whose ``set_epoch(epoch)`` is this loader's :meth:`set_epoch` (no sampling:
+        the plan orders the batches).
+
+        Lightning's Trainer calls ``sampler.set_epoch(epoch)`` on every loader at the start of
+        each epoch, and before each validation run: so under ``Trainer.fit`` every epoch gets
+        its own order, and after a mid-epoch resume the restored epoch keeps its position.
+        """
+        return _EpochHook(self)
+
     def __len__(self) -> int:
         return len(self.dataset)
 
@@ -133,6 +189,7 @@ class Loader:
 
     def _iterate(self) -> Iterator[Any]:
         ds = self.dataset
+        _refuse_early_topology(ds)
         spec = ds.spec
         start = self._position
         if (not ds._pinned and spec.mode is Mode.EPOCHS
