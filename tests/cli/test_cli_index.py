@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import wds_pad.index.build as indexer_mod
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.cli.app import main
-from wds_pad.index.format import load_index
+from wds_pad.index.format import load_index, serialize
 from wds_pad.index.tarscan import parse_sample
 
 
@@ -548,3 +549,138 @@ def test_verify_deep_prints_plain_ints_and_says_renamed(tmp_path, capsys) -> Non
     code, stdout, _ = run(capsys, "verify", out, "--deep")
     assert code == 1 and "np." not in stdout
     assert f"STALE {url}: sample 'a' was renamed: the sample at byte offset 0 is now key 'c'" in stdout
+
+
+# -- issue 13: version-1 files, --update without URLs, --distributed ------------------------------
+def write_v1(index, path: str) -> str:
+    """``index`` written as a version-1 file (rows in shard order, wide columns, the shard
+    table and excluded samples in the header): what wds_pad wrote before format 2 (checked
+    byte for byte against ``git show f052939~1:wds_pad/index/format.py``'s ``serialize``)."""
+    import hashlib
+    import json as _json
+    import struct
+    import zlib
+
+    order = np.lexsort((index.offset, index.shard))
+    keys = [index.key(int(i)).encode() for i in order]
+    key_offsets = np.zeros(len(keys) + 1, np.int64)
+    np.cumsum([len(k) for k in keys], out=key_offsets[1:])
+    arrays = {"shard": index.shard[order].astype(np.int32), "offset": index.offset[order].astype(np.int64),
+              "length": index.length[order].astype(np.int64), "bucket": index.bucket[order].astype(np.int32),
+              "exts": index.arrays["exts"][order].astype(np.uint64), "key_offsets": key_offsets,
+              "keys": np.frombuffer(b"".join(keys), np.uint8)}
+    buckets = [list(b) if isinstance(b, tuple) else b for b in index.buckets]
+    h = hashlib.blake2b(digest_size=16)
+    head = {"shards": [[s.url, s.size, s.stamp, s.samples] for s in index.shards], "buckets": buckets,
+            "exts": list(index.exts)}
+    h.update(_json.dumps(head, sort_keys=True).encode())
+    for a in arrays.values():
+        h.update(np.ascontiguousarray(a).data)
+    layout, pos = {}, 0
+    for k, a in arrays.items():
+        layout[k] = {"dtype": a.dtype.str, "offset": pos, "count": int(a.size)}
+        pos += -(-a.nbytes // 64) * 64
+    header = {"format": "wds_pad.index", "version": 1, "name": index.name, "samples": len(index),
+              "shards": [s.to_json() for s in index.shards], "buckets": buckets, "bucket_by": dict(index.bucket_by),
+              "exts": list(index.exts), "excluded": dict(index.excluded), "digest": h.hexdigest(), "arrays": layout}
+    raw = _json.dumps(header, sort_keys=True).encode()
+    out = [struct.pack("<8sIIQ", b"WDSPADIX", 1, zlib.crc32(raw), len(raw)), raw, b"\0" * (-(24 + len(raw)) % 64)]
+    for a in arrays.values():
+        out += [a.tobytes(), b"\0" * (-a.nbytes % 64)]
+    with open(path, "wb") as f:
+        f.write(b"".join(out))
+    return path
+
+
+def test_the_v1_refusal_command_converts_in_place_rescanning_nothing(tmp_path, shards, capsys, monkeypatch) -> None:
+    """The command a version-1 index is refused with runs as printed: it reuses every
+    shard's rows (no scan), keeps the bucketing, and writes the bytes of a fresh build."""
+    import shlex
+
+    from wds_pad.errors import IndexFormatError
+    from wds_pad.index.build import build_index
+
+    out = str(tmp_path / "train.wdsidx")
+    fresh = build_index(shards, "aspect", name="train")
+    write_v1(fresh, out)
+    with pytest.raises(IndexFormatError, match="format version 1") as info:
+        load_index(out)
+    command = re.search(r"`(wds-pad index [^`]*)`", str(info.value)).group(1)
+    assert command == f"wds-pad index --update -o {out}"
+    monkeypatch.setattr(indexer_mod, "scan_many", lambda *a, **kw: pytest.fail("a shard was rescanned"))
+    code, stdout, stderr = run(capsys, *shlex.split(command)[1:], "--no-progress")
+    assert code == 0, stderr
+    assert "update: 0 shards scanned, 3 unchanged" in stdout
+    with open(out, "rb") as f:
+        assert f.read() == b"".join(bytes(p) for p in serialize(fresh))
+    assert load_index(out).digest == fresh.digest and load_index(out).bucket_by == fresh.bucket_by
+
+
+def test_update_without_urls_rescans_only_changed_shards_bucketed_as_before(tmp_path, shards, capsys,
+                                                                            monkeypatch) -> None:
+    out = str(tmp_path / "train.wdsidx")
+    assert run(capsys, "index", *shards, "-o", out, "--bucket-by", "aspect", "--no-progress")[0] == 0
+    before = load_index(out)
+    os.utime(shards[1], (1_600_000_000, 1_600_000_000))
+    scanned: list[str] = []
+    real = indexer_mod.scan_many
+    monkeypatch.setattr(indexer_mod, "scan_many",
+                        lambda sources, **kw: scanned.extend(u for _, u, *_ in sources) or real(sources, **kw))
+    code, stdout, _ = run(capsys, "index", "--update", "-o", out, "--no-progress")
+    assert code == 0 and scanned == [shards[1]] and "update: 1 shard scanned, 2 unchanged" in stdout
+    after = load_index(out)
+    assert after.bucket_by == before.bucket_by and after.buckets == before.buckets
+    assert after.shards[1].stamp != before.shards[1].stamp
+
+
+def test_update_of_a_callable_index_reuses_rows_but_cannot_rescan(tmp_path, shards, capsys) -> None:
+    from wds_pad.index.build import build_index
+
+    out = str(tmp_path / "train.wdsidx")
+    build_index(shards, lambda key, data: len(key) % 2, members=("json",), output=out)
+    assert run(capsys, "index", "--update", "-o", out, "--no-progress")[0] == 0
+    os.utime(shards[0], (1_600_000_000, 1_600_000_000))
+    code, _, stderr = run(capsys, "index", "--update", "-o", out, "--no-progress")
+    line = one_error_line(stderr, "index")
+    assert code == 2 and "1 shard(s) changed or are new" in line and "bucket_by=fn, update=PATH" in line
+
+
+def test_index_without_urls_needs_update_and_an_existing_index(tmp_path, capsys) -> None:
+    code, _, stderr = run(capsys, "index", "-o", str(tmp_path / "x.wdsidx"))
+    assert code == 2 and "give the shard URLs or patterns" in one_error_line(stderr, "index")
+    code, _, stderr = run(capsys, "index", "--update", "-o", str(tmp_path / "x.wdsidx"))
+    assert code == 2 and "which does not exist; give the shard URLs" in one_error_line(stderr, "index")
+
+
+def test_distributed_without_torchrun_is_refused(tmp_path, shards, capsys, monkeypatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    code, _, stderr = run(capsys, "index", "--distributed", *shards, "-o", str(tmp_path / "x.wdsidx"))
+    line = one_error_line(stderr, "index")
+    assert code == 2 and "--distributed runs under torchrun, but RANK, WORLD_SIZE" in line
+    assert "torchrun --nproc-per-node N -m wds_pad index --distributed" in line
+
+
+@pytest.mark.slow
+def test_torchrun_module_form_indexes_as_one_job(tmp_path, shards) -> None:
+    """`torchrun --nproc-per-node 2 -m wds_pad index ...` (no --distributed: implied) gives
+    the bytes of a one-process build."""
+    from dist_helpers import free_port
+    from wds_pad.index.build import build_index
+
+    out = str(tmp_path / "train.wdsidx")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), "-m", "wds_pad", "index", *shards, "-o", out, "--bucket-by", "aspect",
+         "--part-shards", "1", "--no-progress"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "indexed 3 shards" in proc.stdout and "merged 3 parts" in proc.stderr
+    with open(out, "rb") as f:
+        assert f.read() == b"".join(bytes(p) for p in serialize(build_index(shards, "aspect", name="train")))
+
+
+def test_python_m_wds_pad_runs_the_cli() -> None:
+    proc = subprocess.run([sys.executable, "-m", "wds_pad", "index", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "--distributed" in proc.stdout and "--part-shards" in proc.stdout
