@@ -734,3 +734,69 @@ def test_dropped_bucket_warning_points_at_the_callers_line_and_counts_what_it_dr
     assert w.filename == __file__  # this line, not the planner's
     assert "they hold 3 of the epoch's 23 samples (13.0%)" in str(w.message)
     assert "oversubscribe=True" in str(w.message) and "appear more often" in str(w.message)
+
+
+# -- lazy plans equal the eager definition --------------------------------------------------
+
+@PROPERTY
+@given(scenarios(max_world=16), st.data())
+def test_lazy_batches_equal_the_materialised_share(sc: Scenario, data: Any) -> None:
+    """plan[i], computed alone, is slice i of plan.samples / plan.pad (the whole share)."""
+    d = data.draw(st.integers(0, sc.dp - 1))
+    lazy = sc.plan(d, data.draw(st.integers(0, sc.cp - 1)))
+    batches = [lazy[i] for i in data.draw(st.permutations(range(len(lazy))))]  # any order, before the share
+    eager = sc.plan(d)
+    samples, pad, offsets = eager.samples, eager.pad, eager.offsets
+    assert offsets[0] == 0 and offsets[-1] == samples.size == pad.size
+    for b in batches:
+        i = b.index
+        assert np.array_equal(b.samples, samples[offsets[i] : offsets[i + 1]])
+        assert np.array_equal(b.pad, pad[offsets[i] : offsets[i + 1]])
+        assert b.samples.dtype == np.int64 and b.pad.dtype == bool
+        assert b.step == int(eager.batch_step[i])
+    assert sorted(b.index for b in batches) == list(range(len(eager)))
+
+
+@st.composite
+def range_datasets_st(draw: Any) -> tuple[list[Dataset], list[Dataset]]:
+    """Datasets whose buckets are contiguous runs of ids (as an index's rows are), twice:
+    as IdRange buckets and as the same ids in explicit arrays."""
+    from wds_pad import IdRange
+
+    ranges, arrays = [], []
+    for i in range(draw(st.integers(1, 2))):
+        keys = draw(st.lists(st.sampled_from(KEYS), min_size=0, max_size=5, unique=True))
+        start = draw(st.integers(0, 10**9))
+        spans: dict[Hashable, tuple[int, int]] = {}
+        for key in keys:  # disjoint runs, laid out in the order drawn (not the bucket order)
+            n = draw(SIZES)
+            spans[key] = (start, start + n)
+            start += n + draw(st.integers(0, 5))
+        repeats, weight = draw(st.integers(0, 3)), draw(st.floats(0.1, 10.0))
+        ranges.append(Dataset(f"ds{i}", {k: IdRange(a, b) for k, (a, b) in spans.items()}, repeats, weight))
+        arrays.append(Dataset(f"ds{i}", {k: np.arange(a, b, dtype=np.int64) for k, (a, b) in spans.items()},
+                              repeats, weight))
+    return ranges, arrays
+
+
+@PROPERTY
+@given(range_datasets_st(), st.data())
+def test_idrange_buckets_plan_like_explicit_ids_and_the_reference(dss: Any, data: Any) -> None:
+    ranges, arrays = dss
+    cp = data.draw(st.integers(1, 2))
+    world = cp * data.draw(st.integers(1, 16 // cp))
+    rank = data.draw(st.integers(0, world - 1))
+    kwargs: dict[str, Any] = dict(
+        seed=data.draw(st.integers(0, 2**64 - 1)), epoch=data.draw(st.integers(0, 3)),
+        batch_size=data.draw(st.integers(1, 6)), policy=data.draw(st.sampled_from(["auto", "cyclic", "drop", "none"])),
+        mode=data.draw(st.sampled_from(["epochs", "steps"])), pad_to=data.draw(st.sampled_from(["batch", "rank"])),
+        oversubscribe=data.draw(st.booleans()))
+    topo = Topology(world, rank, cp_size=cp)
+    lazy, eager = quiet_plan(ranges, topo, **kwargs), quiet_plan(arrays, topo, **kwargs)
+    for name in ("schedule", "window", "batch_step", "offsets", "samples", "pad"):
+        a, b = getattr(lazy, name), getattr(eager, name)
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name  # bitwise
+    assert lazy.stats == eager.stats and lazy.bucket_table == eager.bucket_table
+    assert batches_of(lazy) == batches_of(eager)
+    ref = lists.plan_epoch_lists(to_list_datasets(ranges), world_size=world, rank=rank, cp_size=cp, **kwargs)
+    assert lazy.steps == ref.steps and batches_of(lazy) == ref.batches
