@@ -27,6 +27,8 @@ from wds_pad.index.build import build_index
 from wds_pad.index.distributed import build_index_distributed, part_layout, parts_dir
 from wds_pad.index.format import load_index, merged_parts, serialize
 
+pytest_plugins = ["conftest_servers"]
+
 
 def file_bytes(index) -> bytes:
     return b"".join(bytes(p) for p in serialize(index))
@@ -269,3 +271,29 @@ def test_a_failed_rank_stops_every_rank_with_its_name(tmp_path) -> None:
         named = "" if r.rank == 1 else r"rank 1 failed: ShardError: "  # rank 1 says its own error
         assert re.search(rf"error: {named}shard .* is broken", r.stderr), (r.rank, r.stderr)
     assert not os.path.exists(out)
+
+
+
+def test_parts_and_output_on_s3(tmp_path, shards, moto_server, s3_bucket, monkeypatch, group) -> None:
+    """A remote output: parts are objects beside it, rank 0 fetches them, merges into a
+    local temp file and uploads it once; a rerun reuses the parts already there."""
+    import fsspec
+
+    for p in shards:
+        moto_server.upload(p, f"s3://{s3_bucket}/{os.path.basename(p)}")
+    urls = [f"s3://{s3_bucket}/{os.path.basename(p)}" for p in shards]
+    opts = moto_server.storage_options
+    out = f"s3://{s3_bucket}/train.wdsidx"
+    seen = _scanned_parts(monkeypatch)
+    real_merge = dist_mod._merge
+    monkeypatch.setattr(dist_mod, "_merge", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):  # killed before the merge: every part is written
+        build_index_distributed(urls, "aspect", output=out, part_shards=3, storage_options=opts)
+    fs = fsspec.filesystem("s3", **opts)
+    assert len(fs.ls(f"{s3_bucket}/train.wdsidx.parts")) == 3 and len(seen) == 3
+    monkeypatch.setattr(dist_mod, "_merge", real_merge)
+    index = build_index_distributed(urls, "aspect", output=out, part_shards=3, storage_options=opts)
+    assert len(seen) == 3  # nothing scanned again
+    assert not fs.exists(f"{s3_bucket}/train.wdsidx.parts/part-000000") and index.path == out
+    single = build_index(urls, "aspect", name="train", storage_options=opts)
+    assert fs.cat_file(f"{s3_bucket}/train.wdsidx") == file_bytes(single)
