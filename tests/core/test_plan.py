@@ -800,3 +800,180 @@ def test_idrange_buckets_plan_like_explicit_ids_and_the_reference(dss: Any, data
     assert batches_of(lazy) == batches_of(eager)
     ref = lists.plan_epoch_lists(to_list_datasets(ranges), world_size=world, rank=rank, cp_size=cp, **kwargs)
     assert lazy.steps == ref.steps and batches_of(lazy) == ref.batches
+
+
+# -- the invariants for locality="shard" (core/locality.py) -------------------------------
+# The same properties over both localities: ``none`` is the scenarios above; ``shard``
+# wraps each drawn dataset in a ShardMap (each sample id's shard drawn at random or in
+# runs) and plans with a drawn window. Properties that only call ``sc.plan`` are the
+# tests above run on these scenarios; the others are restated with the shard maps.
+
+from wds_pad.core.locality import ShardMap  # noqa: E402
+
+
+@dataclass
+class ShardedScenario(Scenario):
+    locality: str = "shard"
+    window: int = 8
+    shards: int = 1
+    chunk: int = 1
+    shard_seed: int = 0
+
+    def shard_maps(self) -> list[ShardMap]:
+        cached = self.__dict__.get("_maps")
+        if cached is None:
+            cached = []
+            for ds in self.datasets:
+                top = max((int(np.max(v)) for v in ds.buckets.values() if v.size), default=-1) + 1
+                if self.chunk:
+                    sh = (np.arange(top, dtype=np.int64) // self.chunk) % self.shards
+                else:
+                    sh = np.random.default_rng(self.shard_seed).integers(0, self.shards, size=top)
+                cached.append(ShardMap(ds, sh))
+            self.__dict__["_maps"] = cached
+        return cached
+
+    def plan(self, dp_rank: int, cp_rank: int = 0, **over: Any) -> Plan:
+        kwargs: dict[str, Any] = dict(seed=self.seed, epoch=self.epoch, batch_size=self.batch_size,
+                                      policy=self.policy, mode=self.mode, pad_to=self.pad_to,
+                                      oversubscribe=self.oversubscribe, locality=self.locality,
+                                      window=self.window)
+        kwargs.update(over)
+        return quiet_plan(self.shard_maps(), self.topo(dp_rank, cp_rank), **kwargs)
+
+
+@st.composite
+def sharded_scenarios(draw: Any, max_world: int = 16) -> ShardedScenario:
+    sc = draw(scenarios(max_world=max_world))
+    return ShardedScenario(**{k: getattr(sc, k) for k in sc.__dataclass_fields__},
+                           window=draw(st.integers(1, 6)), shards=draw(st.integers(1, 40)),
+                           chunk=draw(st.sampled_from([0, 1, 3, 20])), shard_seed=draw(st.integers(0, 2**32 - 1)))
+
+
+LOCAL = settings(PROPERTY, max_examples=150)
+
+
+@LOCAL
+@given(sharded_scenarios())
+def test_shard_locality_inv1_equal_batch_counts_and_same_bucket_per_step(sc: ShardedScenario) -> None:
+    test_inv1_equal_batch_counts_and_same_bucket_per_step.hypothesis.inner_test(sc)  # type: ignore[attr-defined]
+    # and the schedule is exactly the one of locality="none"
+    assert np.array_equal(sc.plan(0).schedule, sc.plan(0, locality="none").schedule)
+
+
+@LOCAL
+@given(sharded_scenarios(), st.data())
+def test_shard_locality_inv2_cp_peers_get_identical_batches(sc: ShardedScenario, data: Any) -> None:
+    test_inv2_cp_peers_get_identical_batches.hypothesis.inner_test(sc, data)  # type: ignore[attr-defined]
+
+
+@LOCAL
+@given(sharded_scenarios())
+def test_shard_locality_batches_have_batch_size_and_never_mix_buckets(sc: ShardedScenario) -> None:
+    test_batches_have_batch_size_and_never_mix_buckets.hypothesis.inner_test(sc)  # type: ignore[attr-defined]
+
+
+@LOCAL
+@given(sharded_scenarios(), st.data())
+def test_shard_locality_lazy_batches_equal_the_materialised_share(sc: ShardedScenario, data: Any) -> None:
+    test_lazy_batches_equal_the_materialised_share.hypothesis.inner_test(sc, data)  # type: ignore[attr-defined]
+
+
+@LOCAL
+@given(sharded_scenarios())
+def test_shard_locality_inv3_union_over_ranks_is_the_padded_bucket_lists(sc: ShardedScenario) -> None:
+    """Each bucket's reassembled global list: a permutation of its 1 + repeats passes
+    (cut to the unpadded length), extended by its own prefix, exactly as for ``none``."""
+    plans = all_dp_plans(sc)
+    glob = global_lists(sc, plans)
+    policy = sc.concrete
+    ref = {(s.dataset, s.bucket): s for s in sc.plan(0, locality="none").stats}
+    assert {(s.dataset, s.bucket): s for s in plans[0].stats} == ref
+    seen = set()
+    for ds in sc.datasets:
+        passes = 1 + ds.repeats
+        for key, ids in ds.buckets.items():
+            n, m = int(ids.size), int(ids.size) * passes
+            length = expected_length(m, sc.unit, policy, sc.oversubscribe)
+            if length == 0:
+                assert (ds.name, key) not in glob
+                continue
+            seen.add((ds.name, key))
+            g, pad = glob[(ds.name, key)]
+            assert len(g) == length and None not in g, "a global position is missing"
+            assert pad == [i >= m for i in range(length)]
+            assert all(g[i] == g[i % m] for i in range(m, length))  # padded copies: the front
+            counts = Counter(g[:min(m, length)])
+            assert set(counts) <= set(ids.tolist())
+            assert max(counts.values()) <= passes
+            if length >= m:  # nothing truncated: every sample exactly 1 + repeats times
+                assert counts == {i: passes for i in ids.tolist()}
+    assert set(glob) == seen
+
+
+@LOCAL
+@given(sharded_scenarios(), st.data())
+def test_shard_locality_inv4_same_inputs_same_plan(sc: ShardedScenario, data: Any) -> None:
+    d = data.draw(st.integers(0, sc.dp - 1))
+    a = sc.plan(d)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    rebuilt = []
+    for ds, sm in zip(sc.datasets, sc.shard_maps()):
+        keys = list(ds.buckets)
+        rng.shuffle(keys)
+        rebuilt.append(ShardMap(Dataset(ds.name, {k: rng.permutation(ds.buckets[k]) for k in keys},
+                                        repeats=ds.repeats, weight=ds.weight), sm.shard.copy()))
+    b = quiet_plan(rebuilt, sc.topo(d), seed=sc.seed, epoch=sc.epoch, batch_size=sc.batch_size,
+                   policy=sc.policy, mode=sc.mode, pad_to=sc.pad_to, oversubscribe=sc.oversubscribe,
+                   locality="shard", window=sc.window)
+    for name in ("schedule", "batch_step", "offsets", "samples", "pad"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
+    assert a.stats == b.stats and a.bucket_table == b.bucket_table
+
+
+@LOCAL
+@given(sharded_scenarios(), st.data())
+def test_shard_locality_inv5_empty_buckets_contribute_nothing(sc: ShardedScenario, data: Any) -> None:
+    d = data.draw(st.integers(0, sc.dp - 1))
+    with_empty = []
+    for ds, sm in zip(sc.datasets, sc.shard_maps()):
+        buckets = {**ds.buckets, "e1": np.zeros(0, np.int64), ("len", 0): np.zeros(0, np.int64)}
+        with_empty.append(ShardMap(Dataset(ds.name, buckets, repeats=ds.repeats, weight=ds.weight), sm.shard))
+    a = quiet_plan(with_empty, sc.topo(d), seed=sc.seed, epoch=sc.epoch, batch_size=sc.batch_size,
+                   policy=sc.policy, mode=sc.mode, pad_to=sc.pad_to, oversubscribe=sc.oversubscribe,
+                   locality="shard", window=sc.window)
+    assert batches_of(a) == batches_of(sc.plan(d)) and a.steps == sc.plan(d).steps
+
+
+@LOCAL
+@given(sharded_scenarios())
+def test_shard_locality_inv6_next_epoch_uses_the_same_policy(sc: ShardedScenario) -> None:
+    d = sc.seed % sc.dp
+    first, nxt = sc.plan(d), sc.plan(d, epoch=sc.epoch + 1)
+    assert first.policy is nxt.policy is Policy(sc.concrete)
+    assert first.stats == nxt.stats
+    assert first.steps == nxt.steps and len(first) == len(nxt)
+    if sc.mode == "steps" and first.steps:
+        stream = iter_steps(sc.shard_maps(), sc.topo(d), seed=sc.seed, batch_size=sc.batch_size,
+                            start_epoch=sc.epoch, policy=sc.policy, oversubscribe=sc.oversubscribe,
+                            pad_to=sc.pad_to, locality="shard", window=sc.window)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DroppedBucketWarning)
+            got = [next(stream) for _ in range(2)]
+        assert batches_of(got[0]) == batches_of(first) and batches_of(got[1]) == batches_of(nxt)
+
+
+@pytest.mark.parametrize("locality", ["none", "shard"])
+def test_both_localities_plan_the_same_schedule_and_stats(locality: str) -> None:
+    rng = np.random.default_rng(5)
+    ids = {k: np.flatnonzero(rng.integers(0, 4, 600) == k) for k in range(4)}
+    sm = ShardMap(Dataset("d", ids, repeats=1), np.arange(600) // 30)
+    ref = plan_epoch(sm, Topology(4, 1), seed=9, batch_size=5)
+    plan = plan_epoch(sm, Topology(4, 1), seed=9, batch_size=5, locality=locality)
+    assert plan.locality.value == locality
+    for name in ("schedule", "window", "batch_step", "offsets"):
+        assert getattr(plan, name).tobytes() == getattr(ref, name).tobytes()
+    assert plan.stats == ref.stats
+    if locality == "none":  # bitwise today's plan
+        assert plan.samples.tobytes() == ref.samples.tobytes()

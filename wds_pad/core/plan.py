@@ -39,6 +39,7 @@ import numpy as np
 
 from ..errors import ConfigError, DroppedBucketWarning
 from .dataset import Dataset, _as_datasets, bucket_order  # noqa: F401 - also the old wds_pad.plan names
+from .locality import LocalBuckets, Locality
 from .permute import ROUNDS, permute, round_keys
 from .policy import (  # noqa: F401 - MAX_EPOCH and resolve_policy: also the old wds_pad.plan names
     MAX_EPOCH,
@@ -141,6 +142,8 @@ class Plan:
     offsets: np.ndarray
     stats: tuple[BucketStats, ...] = field(repr=False)
     buckets: _Buckets = field(repr=False)
+    locality: Locality = Locality.NONE
+    shard_window: int = 8  # shards a rank visits at once (locality="shard")
 
     @property
     def steps(self) -> int:
@@ -241,6 +244,7 @@ class _Buckets:
         self.first_row = np.zeros(len(kept), dtype=np.int64)
         np.cumsum([len(k[4]) for k in kept][:-1], out=self.first_row[1:])
         self.dp, self.d = dp, d
+        self.local: LocalBuckets | None = None  # set for locality="shard"
         # entries of this rank per kept bucket
         self.counts = np.asarray([max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
 
@@ -260,6 +264,8 @@ def _within_memory(compute: Any, entries: int, what: str) -> tuple[np.ndarray, n
 
 def _entries(bk: _Buckets, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` (parallel arrays)."""
+    if bk.local is not None:
+        return bk.local.entries(b, k)
     if not k.size:
         return np.zeros(0, np.int64), np.zeros(0, bool)
     pos = bk.d + bk.dp * k
@@ -325,6 +331,8 @@ def plan_epoch(
     oversubscribe: bool = False,
     pad_to: PadTo | str = PadTo.BATCH,
     warn: bool = True,
+    locality: Locality | str = Locality.NONE,
+    window: int = 8,
 ) -> Plan:
     """Plan one epoch for this rank.
 
@@ -340,6 +348,10 @@ def plan_epoch(
         oversubscribe: keep buckets smaller than one pad unit, filled cyclically.
         pad_to: ``batch`` (unit dp_size * batch_size) or ``rank`` (unit dp_size).
         warn: emit a DroppedBucketWarning naming each dropped bucket.
+        locality: ``none`` (every bucket shuffled across all shards) or ``shard`` (each
+            rank reads its own shards, dealt per epoch, through a window of shards;
+            core/locality.py). ``shard`` needs an Index or a ShardMap per dataset.
+        window: shards a rank visits at once with ``locality="shard"`` (int >= 1).
 
     Returns:
         The Plan of ``topology.rank`` for ``epoch``.
@@ -355,6 +367,9 @@ def plan_epoch(
     mode = _enum(Mode, mode, "mode")
     pad_to = _enum(PadTo, pad_to, "pad_to")
     policy = resolve_policy(policy, mode, bool(oversubscribe))
+    locality = _enum(Locality, locality, "locality")
+    shard_window = _check_positive("window", window)
+    raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
     dss = _as_datasets(datasets)
     dp, d = int(topology.dp_size), int(topology.dp_rank)  # type: ignore[arg-type]
     unit = dp * bs if pad_to is PadTo.BATCH else dp
@@ -362,6 +377,7 @@ def plan_epoch(
     table: list[tuple[int, Hashable]] = []
     stats: list[BucketStats] = []
     kept: list[tuple[np.ndarray, int, int, int, list[list[int]]]] = []  # ids, n, m, length, keys
+    kept_local: list[tuple[int, Hashable, Any, int, int, int]] = []  # di, key, ids, n, passes, length
     bucket_steps: list[int] = []
     dropped_names: list[str] = []
     dropped_samples = total_samples = 0
@@ -392,6 +408,7 @@ def plan_epoch(
             # one keyed permutation per pass: the bucket's global order, evaluated pointwise
             keys = [round_keys(derive_seed(seed, epoch, ds.name, key, "shuffle", j)) for j in range(passes)]
             kept.append((ids, n, m, length, keys))
+            kept_local.append((di, key, ids, n, passes, length))
             bucket_steps.append(steps)
     if planned > MAX_PLANNED_ENTRIES:
         raise ConfigError(
@@ -400,6 +417,8 @@ def plan_epoch(
             f"the batch size ({bs}) or the world size ({dp} DP ranks), or turn oversubscribe off"
         )
     buckets = _Buckets(kept, dp, d)
+    if locality is Locality.SHARD:
+        buckets.local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window)
     counts = buckets.counts
     if warn and dropped_names:
         warnings.warn(
@@ -425,14 +444,15 @@ def plan_epoch(
         epoch=epoch, topology=topology, batch_size=bs, policy=policy, mode=mode, pad_to=pad_to,
         oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss),
         bucket_table=tuple(table), schedule=schedule, window=window, batch_step=batch_step,
-        offsets=offsets, stats=tuple(stats), buckets=buckets,
+        offsets=offsets, stats=tuple(stats), buckets=buckets, locality=locality,
+        shard_window=shard_window,
     )
 
 
 def iter_steps(
     datasets: Any, topology: Topology, *, seed: int, batch_size: int, start_epoch: int = 0,
     policy: Policy | str = Policy.AUTO, oversubscribe: bool = False,
-    pad_to: PadTo | str = PadTo.BATCH,
+    pad_to: PadTo | str = PadTo.BATCH, locality: Locality | str = Locality.NONE, window: int = 8,
 ) -> Iterator[Plan]:
     """Steps mode: an endless sequence of epoch plans, each with the same policy.
 
@@ -441,11 +461,11 @@ def iter_steps(
             has no steps at all (every bucket dropped), which would otherwise loop forever.
     """
     epoch = check_epoch(start_epoch, "start_epoch")
-    dss = _as_datasets(datasets)
+    dss = datasets if isinstance(datasets, (list, tuple)) else [datasets]
     while True:
         plan = plan_epoch(dss, topology, seed=seed, epoch=epoch, batch_size=batch_size,
                           policy=policy, mode=Mode.STEPS, oversubscribe=oversubscribe,
-                          pad_to=pad_to, warn=epoch == start_epoch)
+                          pad_to=pad_to, warn=epoch == start_epoch, locality=locality, window=window)
         if plan.steps == 0:
             raise ConfigError(
                 "steps mode has nothing to stream: every bucket is smaller than one global "

@@ -1,0 +1,309 @@
+"""Shard locality: how a bucket's global order is drawn when ``locality="shard"``.
+
+With ``locality="none"`` every bucket is one keyed permutation over all of its samples
+(core/plan.py): one ranged read per sample. With ``locality="shard"`` the order is
+drawn so that a DP rank reads its samples from a few whole shards:
+
+1. each epoch, a dataset's shards are shuffled from (seed, epoch, dataset) and dealt to
+   the DP ranks as contiguous runs of that order, balanced by bytes (each rank within one
+   shard of ``total / dp_size``); the run is also the order in which the rank visits them;
+2. a rank's shards are cut into windows of ``window`` shards; inside a window the
+   samples of each bucket are shuffled (one keyed permutation per window and pass, so
+   with repeats every pass of a window is read while the window is open);
+3. bucket b needs ``r_d`` real entries on rank d (the positions ``d + k * dp_size`` below
+   the bucket's unpadded length, exactly as for ``none``) while the rank owns ``o_d``
+   entries of it. A rank with ``o_d > r_d`` keeps its first ``r_d`` and gives the rest
+   away; a rank short of its share receives ``r_d - o_d`` "foreign" entries: surpluses
+   and deficits are matched in rank order, so the foreign count is
+   ``sum(max(0, r_d - o_d))``, the fewest that make every share equal (what ``drop``
+   truncates is surplus nobody needs). Foreign entries are spread evenly through the
+   rank's entries of the bucket;
+4. padded copies (positions past the unpadded length) are, as for ``none``, the entries
+   at the front of the bucket's global order: global position p holds rank
+   ``p mod dp_size``'s entry ``p // dp_size``.
+
+So the global order of a bucket is a permutation of its entries (each sample 1 + repeats
+times) and everything after it — padding, the split across ranks, the epoch schedule —
+is the code of ``none``: invariants 1-7 hold unchanged. Everything is integer numpy
+arithmetic on keys from :func:`~wds_pad.core.seed.derive_seed` (invariant 4).
+
+Cost: setting up an epoch is O(buckets x shards) per rank (each bucket's per-shard
+counts: binary searches in an index's shard column, whose rows are grouped by bucket and
+then shard; a plain Dataset with a shard map sorts each bucket once, O(samples)); a
+batch costs O(batch size x log(shards)).
+
+The planner needs each sample's shard: an Index (``shard`` column and shard table) or a
+:class:`ShardMap` around a Dataset. Anything else is a ConfigError that names the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from .dataset import Dataset, IdRange
+from .permute import ROUNDS, _mix, permute
+from .seed import derive_rng, derive_seed
+
+__all__ = ["Locality", "ShardMap"]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+class Locality(str, Enum):
+    """How a bucket's global order is drawn: ``none`` (all shards) or ``shard`` (per rank)."""
+
+    NONE = "none"
+    SHARD = "shard"
+
+
+@dataclass(frozen=True, eq=False)
+class ShardMap:
+    """A Dataset with the shard of every sample, for ``locality="shard"``.
+
+    Args:
+        dataset: the Dataset.
+        shard: int array indexed by sample id: the shard number (0 <= shard < shards).
+        shard_bytes: bytes of each shard (balances the deal); None: its sample count.
+        grouped: the rows of each ``IdRange`` bucket are already in shard order (an
+            index's are), so a bucket's per-shard counts are binary searches.
+    """
+
+    dataset: Dataset
+    shard: Any
+    shard_bytes: Any = None
+    grouped: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dataset, Dataset):
+            raise ConfigError(f"ShardMap.dataset must be a Dataset, got {type(self.dataset).__name__}")
+        sh = self.shard if self.grouped else np.asarray(self.shard)
+        if sh.ndim != 1 or (sh.size and (not np.issubdtype(sh.dtype, np.integer)
+                                         or (not self.grouped and sh.min() < 0))):
+            raise ConfigError("ShardMap.shard must be a 1-D array of shard numbers >= 0, indexed by sample id")
+        object.__setattr__(self, "shard", sh)
+        top = max((_max_id(ids) for ids in self.dataset.buckets.values()), default=-1)
+        if top >= sh.size:
+            raise ConfigError(f"ShardMap.shard has {sh.size} entries but dataset {self.dataset.name!r} "
+                              f"holds sample id {top}; give one shard number per sample id")
+        if self.shard_bytes is not None:
+            sb = np.asarray(self.shard_bytes, dtype=np.int64)
+            if sb.ndim != 1 or (sh.size and sb.size <= int(sh.max())) or (sb.size and sb.min() < 0):
+                raise ConfigError("ShardMap.shard_bytes must give a size >= 0 for every shard number")
+            object.__setattr__(self, "shard_bytes", sb)
+
+    @property
+    def name(self) -> str:
+        return self.dataset.name
+
+    def to_dataset(self) -> Dataset:
+        """The Dataset (so the planner takes a ShardMap wherever it takes a Dataset)."""
+        return self.dataset
+
+
+def _max_id(ids: Any) -> int:
+    if isinstance(ids, IdRange):
+        return ids.stop - 1
+    return int(ids[-1]) if ids.size else -1
+
+
+@dataclass(frozen=True)
+class _Layout:
+    shard: Any               # sample id -> shard number (memory-mapped for an index)
+    shard_bytes: np.ndarray  # per shard
+    grouped: bool            # each IdRange bucket's rows are already in shard order
+
+
+def layouts(raw: Sequence[Any], dss: Sequence[Dataset]) -> list[_Layout]:
+    """The shard layout of every planned input (an Index or a ShardMap), in input order.
+
+    Raises:
+        ConfigError: an input without a shard map.
+    """
+    out = []
+    for item, ds in zip(raw, dss):
+        if isinstance(item, ShardMap):
+            sh = item.shard
+            if item.shard_bytes is not None:
+                sb = item.shard_bytes
+            else:
+                sb = np.bincount(sh, minlength=int(sh.max()) + 1 if sh.size else 0)
+            out.append(_Layout(sh, np.asarray(sb, dtype=np.int64), item.grouped))
+        elif hasattr(item, "to_dataset") and hasattr(item, "shard") and hasattr(item, "shards"):
+            sizes = np.asarray([max(int(s.size), 0) for s in item.shards], dtype=np.int64)
+            out.append(_Layout(item.shard, sizes, True))
+        else:
+            raise ConfigError(
+                f"locality='shard' needs each sample's shard, and dataset {ds.name!r} is a "
+                f"{type(item).__name__} without one: plan an Index (wds_pad.load_index), or wrap the "
+                "Dataset as wds_pad.ShardMap(dataset, shard=<shard number per sample id>), or use "
+                "locality='none'"
+            )
+    return out
+
+
+def _window_keys(base: int, idx: np.ndarray) -> np.ndarray:
+    """Round keys (ROUNDS, len(idx)) of the permutations ``idx`` of one bucket: the numpy
+    image of ``round_keys(mix(base + (idx + 1) * golden))``, bitwise on every machine."""
+    with np.errstate(over="ignore"):
+        key = _mix(np.uint64(base) + (idx.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+        return np.stack([_mix(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
+
+
+def _floor_mul_div(k: np.ndarray, f: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """``k * f // r`` exactly (int64 when it cannot overflow, Python ints otherwise)."""
+    if k.size and int(k.max()) * int(f.max()) >= 2**62:
+        return np.asarray([a * b // c for a, b, c in zip(k.tolist(), f.tolist(), r.tolist())], dtype=np.int64)
+    return k * f // np.maximum(r, 1)
+
+
+class _DealtDataset:
+    """One dataset's shard deal and windows for an epoch: identical on every rank."""
+
+    def __init__(self, layout: _Layout, name: str, seed: int, epoch: int, dp: int, window: int) -> None:
+        s = int(layout.shard_bytes.size)
+        self.visit = derive_rng(seed, epoch, name, "locality", "deal").permutation(s).astype(np.int64)
+        weight = layout.shard_bytes[self.visit] if s else np.zeros(0, np.int64)
+        if s and int(weight.sum()) == 0:
+            weight = np.ones(s, np.int64)
+        before = np.zeros(s, np.int64)
+        if s:
+            np.cumsum(weight[:-1], out=before[1:])
+        total = int(weight.sum())
+        # rank d owns the shards whose byte midpoint falls in [total*d/dp, total*(d+1)/dp)
+        thresholds = np.asarray([-(-2 * total * d // dp) for d in range(dp)], dtype=np.int64)
+        owner = np.searchsorted(thresholds, 2 * before + weight, side="right") - 1 if s else np.zeros(0, np.int64)
+        self.rank_start = np.searchsorted(owner, np.arange(dp + 1), side="left").astype(np.int64)
+        per_rank = np.diff(self.rank_start)
+        nwin = -(-per_rank // window)
+        self.win_base = np.zeros(dp + 1, np.int64)
+        np.cumsum(nwin, out=self.win_base[1:])
+        # visit position where each global window starts (plus the end)
+        starts = [self.rank_start[d] + window * np.arange(int(nwin[d]), dtype=np.int64) for d in range(dp)]
+        self.win_start = np.concatenate(starts + [np.asarray([s], np.int64)]).astype(np.int64)
+        self.layout = layout
+
+
+class _LocalBucket:
+    """Kept bucket b's per-shard, per-window and per-rank counts (see the module doc)."""
+
+    def __init__(self, dealt: _DealtDataset, ids: Any, passes: int, m: int, length: int,
+                 dp: int, base_key: int) -> None:
+        sh, s = dealt.layout.shard, int(dealt.layout.shard_bytes.size)
+        if isinstance(ids, IdRange) and dealt.layout.grouped:
+            self.sorted_ids = ids
+            of = np.asarray(sh[ids.start:ids.stop])
+            self.start = np.searchsorted(of, np.arange(s + 1), side="left").astype(np.int64)
+        else:
+            arr = np.asarray(ids, dtype=np.int64)
+            of = np.asarray(sh[arr])
+            if of.size and int(of.max()) >= s:
+                raise ConfigError(f"a sample's shard number {int(of.max())} is past the {s} shards of its map")
+            order = np.argsort(of, kind="stable")
+            self.sorted_ids = arr[order]
+            self.start = np.searchsorted(of[order], np.arange(s + 1), side="left").astype(np.int64)
+        counts_v = np.diff(self.start)[dealt.visit]
+        self.cum = np.zeros(s + 1, np.int64)             # samples before each visit position
+        np.cumsum(counts_v, out=self.cum[1:])
+        win_samples = np.diff(self.cum[dealt.win_start])
+        self.win_entries = np.zeros(win_samples.size + 1, np.int64)
+        np.cumsum(win_samples * passes, out=self.win_entries[1:])
+        own = (self.cum[dealt.rank_start[1:]] - self.cum[dealt.rank_start[:-1]]) * passes
+        real = min(m, length)
+        d = np.arange(dp, dtype=np.int64)
+        self.need = np.maximum(0, -(-(real - d) // dp))
+        self.own = own
+        self.surplus_cum = np.zeros(dp + 1, np.int64)
+        np.cumsum(np.maximum(own - self.need, 0), out=self.surplus_cum[1:])
+        self.deficit = np.maximum(self.need - own, 0)
+        self.deficit_cum = np.zeros(dp + 1, np.int64)
+        np.cumsum(self.deficit, out=self.deficit_cum[1:])
+        self.passes, self.m, self.base_key, self.dealt = passes, m, base_key, dealt
+
+    def own_entries(self, d: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Sample ids of rank d's own entries j (both arrays): window, pass, shuffled place."""
+        dealt = self.dealt
+        g = self.win_entries[dealt.win_base[d]] + j
+        w = np.searchsorted(self.win_entries, g, side="right") - 1
+        q = g - self.win_entries[w]
+        n_w = (self.win_entries[w + 1] - self.win_entries[w]) // self.passes
+        pass_idx = q // n_w
+        u = permute(q % n_w, n_w, _window_keys(self.base_key, w * self.passes + pass_idx))
+        vpos = self.cum[dealt.win_start[w]] + u
+        i = np.searchsorted(self.cum, vpos, side="right") - 1
+        rows = self.start[dealt.visit[i]] + (vpos - self.cum[i])
+        return np.asarray(self.sorted_ids[rows], dtype=np.int64)
+
+    def rank_entries(self, d: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Sample ids of entries k of ranks d, k < need[d]: own ones with foreign spread in."""
+        r, f = self.need[d], self.deficit[d]
+        before = _floor_mul_div(k, f, r)
+        foreign = _floor_mul_div(k + 1, f, r) > before
+        out = np.empty(k.size, np.int64)
+        mine = ~foreign
+        if mine.any():
+            out[mine] = self.own_entries(d[mine], (k - before)[mine])
+        if foreign.any():
+            gd = self.deficit_cum[d[foreign]] + before[foreign]
+            giver = np.searchsorted(self.surplus_cum, gd, side="right") - 1
+            out[foreign] = self.own_entries(giver, self.need[giver] + gd - self.surplus_cum[giver])
+        return out
+
+    def entries(self, pos: np.ndarray, dp: int) -> np.ndarray:
+        """Sample ids at global positions ``pos`` (padded ones wrap to the front)."""
+        q = pos % self.m
+        return self.rank_entries(q % dp, q // dp)
+
+
+class LocalBuckets:
+    """The kept buckets of a shard-local plan: what ``Plan`` computes entries from."""
+
+    def __init__(self, raw: Sequence[Any], dss: Sequence[Dataset],
+                 kept: Sequence[tuple[int, Hashable, Any, int, int, int]],
+                 seed: int, epoch: int, dp: int, d: int, window: int) -> None:
+        lays = layouts(raw, dss)
+        self.dealt = [_DealtDataset(lay, ds.name, seed, epoch, dp, window) for lay, ds in zip(lays, dss)]
+        self.buckets = [
+            _LocalBucket(self.dealt[di], ids, passes, n * passes, length, dp,
+                         derive_seed(seed, epoch, dss[di].name, key, "window"))
+            for di, key, ids, n, passes, length in kept]
+        self.kept_dataset = [k[0] for k in kept]
+        self.dp, self.d, self.window = dp, d, window
+
+    def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` of this rank."""
+        if not k.size:
+            return np.zeros(0, np.int64), np.zeros(0, bool)
+        pos = self.d + self.dp * k
+        samples = np.empty(k.size, np.int64)
+        pad = np.empty(k.size, bool)
+        for j in np.unique(b).tolist():
+            sel = np.flatnonzero(b == j)
+            bk = self.buckets[j]
+            samples[sel] = bk.entries(pos[sel], self.dp)
+            pad[sel] = pos[sel] >= bk.m
+        return samples, pad
+
+    # -- facts for summaries (pure) ----------------------------------------------------
+    def rank_shards(self, di: int, d: int | None = None) -> np.ndarray:
+        """Shard numbers of dataset ``di`` dealt to rank d (default: this rank), in visit order."""
+        dealt = self.dealt[di]
+        d = self.d if d is None else d
+        return dealt.visit[dealt.rank_start[d]:dealt.rank_start[d + 1]]
+
+    def foreign(self, d: int | None = None) -> int:
+        """Foreign entries of rank d (default: this rank) over every kept bucket."""
+        d = self.d if d is None else d
+        return int(sum(int(bk.deficit[d]) for bk in self.buckets))
+
+    def is_foreign(self, b: int, k: np.ndarray, d: int | None = None) -> np.ndarray:
+        """Whether entries k (real, not padded) of kept bucket b on rank d are foreign."""
+        d = self.d if d is None else d
+        bk = self.buckets[b]
+        dd = np.full(k.size, d, np.int64)
+        r, f = bk.need[dd], bk.deficit[dd]
+        return _floor_mul_div(k + 1, f, r) > _floor_mul_div(k, f, r)
