@@ -115,6 +115,7 @@ def _shard_rows(url: str, size: int, stamp: str, scanned: ScanRows, fn: BucketFn
     rows = ShardRows(ShardInfo(url=url, size=size, stamp=stamp, samples=0))
     buckets = _bucket_keys(url, fn, scanned, on_error, rows, storage_options)
     rows.exts = scanned.exts
+    rows.member_count, rows.member_ext, rows.member_size = scanned.member_count, scanned.member_ext, scanned.member_size
     if None not in buckets:
         rows.offset, rows.length, rows.mask = scanned.offset, scanned.length, scanned.mask
         rows.keys, rows.buckets = scanned.keys, buckets
@@ -123,6 +124,10 @@ def _shard_rows(url: str, size: int, stamp: str, scanned: ScanRows, fn: BucketFn
         rows.offset, rows.length, rows.mask = scanned.offset[keep], scanned.length[keep], scanned.mask[keep]
         rows.keys = [k for k, b in zip(scanned.keys, buckets) if b is not None]
         rows.buckets = [b for b in buckets if b is not None]
+        if scanned.member_count is not None:  # the kept samples' members
+            mkeep = np.repeat(keep, scanned.member_count)
+            rows.member_count = scanned.member_count[keep]
+            rows.member_ext, rows.member_size = scanned.member_ext[mkeep], scanned.member_size[mkeep]
     error = None
     if scanned.fault is not None:  # samples before the fault are kept; --update rescans the shard
         error = redact(str(scanned.fault))
@@ -423,6 +428,13 @@ def _reusable(previous: Index, urls: Sequence[str], storage_options: Mapping[str
         rows.keys = [previous.key(int(i)) for i in ids]
         rows.buckets = [previous.buckets[int(b)] for b in previous.bucket[ids]]
         rows.exts, rows.mask = list(previous.exts), previous.arrays["exts"][ids]
+        if previous.has_members:  # the member table, in the same byte order
+            ms = previous.arrays["member_start"]
+            starts, ends = ms[ids].astype(np.int64), ms[ids + 1].astype(np.int64)
+            rows.member_count = ends - starts
+            at = np.repeat(starts - np.cumsum(rows.member_count) + rows.member_count, rows.member_count) \
+                + np.arange(int(rows.member_count.sum()), dtype=np.int64)
+            rows.member_ext, rows.member_size = previous.arrays["member_ext"][at], previous.arrays["member_size"][at]
         rows.excluded = [e for e in samples if e.get("url") == url]
         out[url] = rows
     return out

@@ -19,6 +19,13 @@ Sections, in file order (what reads them):
   narrow as its values allow (``shard`` int16/int32, ``offset``/``length`` int32 when
   every value is under 2 GiB, else int64, ``exts`` a uint8..uint64 bit mask);
 - ``key_offsets`` [samples + 1] (int32 or int64) and ``keys`` (UTF-8 bytes): sample keys;
+- optional, the member table (the streaming fast path; written by ``wds-pad index``):
+  ``member_start`` [samples + 1] (int32/int64) into ``member_ext`` (uint8, an index into
+  the extension table) and ``member_size`` (int32/int64, payload bytes), each sample's
+  members in archive order. A sample whose members are not plain 512-byte headers each
+  followed by its payload (pax or GNU long names, metadata members, ustar prefixes)
+  records none: streaming parses its headers. An index without these sections (from
+  ``tools/make_index.py``, or converted from version 1) streams through that parse path;
 - ``shards``, ``excluded``: JSON, for inspect, verify, update and the stale-shard check.
 
 Invariants:
@@ -60,6 +67,7 @@ VERIFY_LIMIT = 256 * 2**20
 ROW_ARRAYS = ("shard", "offset", "length", "exts")           # one value per sample
 ARRAYS = ("bucket_offsets", *ROW_ARRAYS, "key_offsets", "keys")  # the numeric sections, in file order
 JSON_SECTIONS = ("shards", "excluded")
+MEMBER_ARRAYS = ("member_start", "member_ext", "member_size")  # optional: the member table
 _V1_DTYPES = {"shard": np.int32, "offset": np.int64, "length": np.int64, "bucket": np.int32,
               "exts": np.uint64, "key_offsets": np.int64, "keys": np.uint8}
 CONVERT_HINT = "convert it in place with `wds-pad index --update -o {path}` (nothing is rescanned)"
@@ -103,6 +111,11 @@ def _mask_dtype(exts: int) -> np.dtype:
     raise IndexFormatError(f"{exts} member extensions; the index records at most 64")
 
 
+def member_dtypes(members: int, max_size: int) -> dict[str, np.dtype]:
+    """The dtypes of the member table's sections, from the member count and largest payload."""
+    return {"member_start": _signed(members), "member_ext": np.dtype(np.uint8), "member_size": _signed(max_size)}
+
+
 def column_dtypes(shards: int, max_offset: int, max_length: int, key_bytes: int, exts: int) -> dict[str, np.dtype]:
     """The dtype of each numeric section: as narrow as its values allow, chosen from the
     largest values only (so a build and a merge of the same shards choose alike)."""
@@ -143,6 +156,11 @@ class Index:
                 )
         if self.arrays["key_offsets"].size != n + 1:
             raise IndexFormatError(f"index {where!r} is damaged: key table size")
+        present = [k for k in MEMBER_ARRAYS if k in self.arrays]
+        if present and (len(present) != len(MEMBER_ARRAYS) or self.arrays["member_start"].size != n + 1
+                        or self.arrays["member_ext"].size != int(self.arrays["member_start"][-1])
+                        or self.arrays["member_size"].size != self.arrays["member_ext"].size):
+            raise IndexFormatError(f"index {where!r} is damaged: member table sizes; rebuild it with `wds-pad index`")
         bo = self.arrays["bucket_offsets"]
         if bo.size != len(self.buckets) + 1 or int(bo[0]) != 0 or int(bo[-1]) != n:
             raise IndexFormatError(f"index {where!r} is damaged: bucket offsets do not cover its {n} rows; "
@@ -241,10 +259,19 @@ class Index:
         return Dataset(name=name or self.name, buckets={k: IdRange(bo[b], bo[b + 1]) for b, k in enumerate(self.buckets)},
                        repeats=repeats, weight=weight)
 
+    @property
+    def has_members(self) -> bool:
+        """Whether the index records its samples' members (the member table sections)."""
+        return "member_start" in self.arrays
+
+    def numeric_sections(self) -> tuple[str, ...]:
+        """The numeric sections this index holds, in file order."""
+        return ARRAYS + (MEMBER_ARRAYS if self.has_members else ())
+
     # -- digest --------------------------------------------------------------------------
     def _compute_digest(self) -> str:
         return _digest(self.buckets, self.exts, self._blobs(),
-                       ((k, self.arrays[k].dtype, [self.arrays[k]]) for k in ARRAYS))
+                       ((k, self.arrays[k].dtype, [self.arrays[k]]) for k in self.numeric_sections()))
 
     def _blobs(self) -> dict[str, bytes]:
         """The JSON sections' bytes: as stored when loaded, else as they will be written."""
@@ -257,7 +284,7 @@ class Index:
     def bytes_per_sample(self) -> dict[str, float]:
         """On-disk bytes per sample of each section (and ``total``)."""
         n = max(len(self), 1)
-        out = {k: self.arrays[k].nbytes / n for k in ARRAYS}
+        out = {k: self.arrays[k].nbytes / n for k in self.numeric_sections()}
         out["shards+excluded"] = sum(len(b) for b in self._blobs().values()) / n
         out["total"] = sum(out.values())
         return out
@@ -310,11 +337,12 @@ def _pack_keys(keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 def _gather_keys(offsets: np.ndarray, blob: np.ndarray, order: np.ndarray,
                  chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
-    """The key table of rows ``order`` (offsets, bytes), gathered in bounded chunks."""
+    """The key table of rows ``order`` (offsets, bytes), gathered in bounded chunks (any
+    variable-length section: the member table too)."""
     lengths = (offsets[1:] - offsets[:-1])[order]
     new = np.zeros(order.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=new[1:])
-    out = np.empty(int(new[-1]), dtype=np.uint8)
+    out = np.empty(int(new[-1]), dtype=blob.dtype)
     for lo in range(0, order.size, chunk):
         hi = min(lo + chunk, order.size)
         ln = lengths[lo:hi]
@@ -346,6 +374,15 @@ def _grouped(shards: Sequence[ShardInfo], buckets: Sequence[Hashable], rows: Map
         "key_offsets": key_offsets.astype(dt["key_offsets"]),
         "keys": key_bytes,
     }
+    if "member_count" in rows:  # the member table, gathered like the keys
+        count = np.asarray(rows["member_count"], np.int64)
+        start = np.zeros(n + 1, np.int64)
+        np.cumsum(count, out=start[1:])
+        new_start, ext = _gather_keys(start, np.asarray(rows["member_ext"], np.uint8), order)
+        _, size = _gather_keys(start, np.asarray(rows["member_size"], np.int64), order)
+        mdt = member_dtypes(int(new_start[-1]), int(size.max()) if size.size else 0)
+        arrays.update(member_start=new_start.astype(mdt["member_start"]), member_ext=ext,
+                      member_size=size.astype(mdt["member_size"]))
     return Index(shards=tuple(shards), buckets=tuple(buckets), arrays=arrays, bucket_by=dict(bucket_by),
                  exts=tuple(exts), excluded=dict(excluded or {}), name=name)
 
@@ -396,14 +433,15 @@ def serialize(index: Index) -> list[bytes | memoryview]:
     """The bytes of ``index``'s file, in order."""
     blobs = index._blobs()
     sections: list[Section] = [(k, index.arrays[k].dtype, index.arrays[k].size, lambda a=index.arrays[k]: [a])
-                               for k in ARRAYS]
+                               for k in index.numeric_sections()]
     sections += [(k, np.dtype(np.uint8), len(b), lambda b=b: [np.frombuffer(b, np.uint8)]) for k, b in blobs.items()]
     return list(_file_parts(index.header(), sections))
 
 
 def columns_parts(name: str, shards: Sequence[ShardInfo], buckets: Sequence[Hashable], bucket_by: Mapping[str, Any],
                   exts: Sequence[str], excluded: Mapping[str, Any], columns: Mapping[str, Callable[[], Iterable[Any]]],
-                  *, samples: int, key_bytes: int, max_offset: int, max_length: int) -> Iterator[bytes | memoryview]:
+                  *, samples: int, key_bytes: int, max_offset: int, max_length: int,
+                  members: int | None = None, max_member_size: int = 0) -> Iterator[bytes | memoryview]:
     """The bytes of an index file whose numeric sections come from chunk producers.
 
     Nothing is held but one chunk at a time: each producer is called twice (once for the
@@ -423,21 +461,28 @@ def columns_parts(name: str, shards: Sequence[ShardInfo], buckets: Sequence[Hash
         key_bytes: the total UTF-8 bytes of the keys (the ``keys`` section's size).
         max_offset: the largest ``offset`` value (chooses the column's width).
         max_length: the largest ``length`` value (chooses the column's width).
+        members: with the member table (``columns`` then also has ``MEMBER_ARRAYS``), its
+            total number of members; None: no member table.
+        max_member_size: the largest ``member_size`` value.
 
     Raises:
         IndexFormatError: a section missing from ``columns``, or a producer that gives
             another number of values than its section holds.
     """
-    missing = [k for k in ARRAYS if k not in columns]
+    names = ARRAYS + (MEMBER_ARRAYS if members is not None else ())
+    missing = [k for k in names if k not in columns]
     if missing:
         raise IndexFormatError(f"index {name!r}: no producer for section(s) {missing}")
     dt = column_dtypes(len(shards), max_offset, max_length, key_bytes, len(exts))
     counts = {"bucket_offsets": len(buckets) + 1, "key_offsets": samples + 1, "keys": key_bytes,
               **{k: samples for k in ROW_ARRAYS}}
+    if members is not None:
+        dt.update(member_dtypes(members, max_member_size))
+        counts.update(member_start=samples + 1, member_ext=members, member_size=members)
     blobs = {"shards": json.dumps([s.to_json() for s in shards], sort_keys=True).encode(),
              "excluded": json.dumps(dict(excluded), sort_keys=True).encode()}
-    digest = _digest(buckets, exts, blobs, ((k, dt[k], columns[k]()) for k in ARRAYS))
-    sections: list[Section] = [(k, dt[k], counts[k], columns[k]) for k in ARRAYS]
+    digest = _digest(buckets, exts, blobs, ((k, dt[k], columns[k]()) for k in names))
+    sections: list[Section] = [(k, dt[k], counts[k], columns[k]) for k in names]
     sections += [(k, np.dtype(np.uint8), len(b), lambda b=b: [np.frombuffer(b, np.uint8)]) for k, b in blobs.items()]
     yield from _file_parts(_header(name, samples, buckets, bucket_by, exts, digest), sections)
 
@@ -534,8 +579,41 @@ def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_
                                 "count": sum(int(p.excluded.get("count", 0)) for p in parts)}
     if len(samples_ex) > excluded_limit or any(p.excluded.get("truncated") for p in parts):
         excluded["truncated"] = True
+    members = _merged_members(parts, slices, remaps, producers)
     yield from columns_parts(name, shards, buckets, bucket_by, exts, excluded, producers, samples=n,
-                             key_bytes=key_total, max_offset=max_offset, max_length=max_length)
+                             key_bytes=key_total, max_offset=max_offset, max_length=max_length, **members)
+
+
+def _merged_members(parts: Sequence[Index], slices: Callable[[], Iterator[tuple[int, Index, int, int]]],
+                    remaps: Sequence[np.ndarray], producers: dict[str, Callable[[], Iterable[Any]]]) -> dict[str, Any]:
+    """merged_parts' member-table producers (added to ``producers``) and sizes: none if no
+    part has a member table; a part without one records no members for its samples."""
+    if not any(p.has_members for p in parts):
+        return {}
+
+    def member_start() -> Iterator[np.ndarray]:
+        yield np.zeros(1, np.int64)
+        base = 0
+        for _, p, lo, hi in slices():
+            if not p.has_members:
+                yield np.full(hi - lo, base, np.int64)
+                continue
+            ms = p.arrays["member_start"][lo : hi + 1].astype(np.int64)
+            yield ms[1:] - ms[0] + base
+            base += int(ms[-1] - ms[0])
+
+    def member_column(k: str) -> Iterator[np.ndarray]:
+        for j, p, lo, hi in slices():
+            if p.has_members:
+                ms = p.arrays["member_start"]
+                v = p.arrays[k][int(ms[lo]) : int(ms[hi])]
+                yield remaps[j].astype(np.uint8)[v] if k == "member_ext" else v
+
+    producers.update(member_start=member_start, member_ext=lambda: member_column("member_ext"),
+                     member_size=lambda: member_column("member_size"))
+    return {"members": sum(int(p.arrays["member_start"][-1]) for p in parts if p.has_members),
+            "max_member_size": max((int(p.arrays["member_size"].max()) for p in parts
+                                    if p.has_members and p.arrays["member_size"].size), default=0)}
 
 
 def _remap_bits(mask: np.ndarray, bit: np.ndarray) -> np.ndarray:

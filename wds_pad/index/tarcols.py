@@ -58,6 +58,11 @@ class ScanRows:
         data: For each wanted extension, each sample's payload (its first ``head_bytes``
             when that is set), or ``None`` where the sample has no such member.
         fault: With ``on_error="skip"``: why the scan stopped early, else ``None``.
+        member_count: Each sample's members in the member table (int64; 0: its headers
+            are not all plain, streaming parses them), or ``None``: no member table.
+        member_ext: Each recorded member's extension, a bit number of ``exts`` (uint8),
+            samples back to back, members in archive order.
+        member_size: Each recorded member's payload size (int64).
     """
 
     url: str
@@ -68,6 +73,9 @@ class ScanRows:
     mask: np.ndarray
     data: dict[str, list[bytes | None]]
     fault: TarFormatError | None = None
+    member_count: np.ndarray | None = None
+    member_ext: np.ndarray | None = None
+    member_size: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -111,6 +119,12 @@ class _Acc:
     tail_mask: list[int] = field(default_factory=list)
     bits: dict[str, int] = field(default_factory=dict)
     url: str = ""  # the shard, for messages
+    mcount: list[np.ndarray] = field(default_factory=list)  # the member table, in chunks
+    mext: list[np.ndarray] = field(default_factory=list)
+    msize: list[np.ndarray] = field(default_factory=list)
+    tail_mcount: list[int] = field(default_factory=list)
+    tail_mext: list[int] = field(default_factory=list)
+    tail_msize: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.data = {e: [] for e in sorted(self.want)}
@@ -131,6 +145,21 @@ class _Acc:
         for m in s.members:
             bits |= 1 << self.bit(m.ext)
         self.tail_mask.append(bits)
+        # the member table records a sample whose members are plain: each one 512-byte
+        # header right before its payload, back to back from the sample's first byte,
+        # its name the key and extension (no metadata or skipped entries in between)
+        at, plain = s.offset, True
+        for m in s.members:
+            if m.header_offset != at or m.data_offset != at + 512 or len(m.name.encode("utf-8", "surrogateescape")) > 100:
+                plain = False
+                break
+            at = m.data_offset + ((m.size + 511) & ~511)
+        if plain and at == s.offset + s.length:
+            self.tail_mcount.append(len(s.members))
+            self.tail_mext.extend(self.bit(m.ext) for m in s.members)
+            self.tail_msize.extend(m.size for m in s.members)
+        else:
+            self.tail_mcount.append(0)
         self.keys.append(s.key)
         for e, col in self.data.items():
             col.append(s.data.get(e))
@@ -145,7 +174,11 @@ class _Acc:
             self.offset.append(np.array(self.tail_offset, np.int64))
             self.length.append(np.array(self.tail_length, np.int64))
             self.mask.append(np.array(self.tail_mask, np.uint64))
+            self.mcount.append(np.array(self.tail_mcount, np.int64))
+            self.mext.append(np.array(self.tail_mext, np.uint8))
+            self.msize.append(np.array(self.tail_msize, np.int64))
             self.tail_offset, self.tail_length, self.tail_mask = [], [], []
+            self.tail_mcount, self.tail_mext, self.tail_msize = [], [], []
 
     def rows(self, url: str, fault: TarFormatError | None) -> ScanRows:
         if self.report is not None and self.samples > self.reported:
@@ -155,7 +188,8 @@ class _Acc:
         cat = lambda xs, dt: (xs[0] if len(xs) == 1 else np.concatenate(xs)).astype(dt, copy=False)  # noqa: E731
         exts = sorted(self.bits, key=self.bits.__getitem__)
         return ScanRows(url, cat(self.offset, np.int64), cat(self.length, np.int64), self.keys, exts,
-                        cat(self.mask, np.uint64), self.data, fault)
+                        cat(self.mask, np.uint64), self.data, fault, cat(self.mcount, np.int64),
+                        cat(self.mext, np.uint8), cat(self.msize, np.int64))
 
 
 def _popcount(x: np.ndarray) -> np.ndarray:
@@ -316,6 +350,12 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, hea
         seen = int(np.bitwise_or.reduce(group_bits[lo_g:g_end]))
         local = [1 << acc.bit(e) if seen >> i & 1 else 0 for i, e in enumerate(exts)]
         acc.mask.append(_remap(group_bits[lo_g:g_end], local))
+        # the member table: every header of these samples is a plain member
+        rows_m = slice(int(first[0]), int(ends[g_end - 1]))
+        acc.mcount.append((ends[lo_g:g_end] - first).astype(np.int64))
+        bitno = np.asarray([acc.bit(e) if seen >> i & 1 else 0 for i, e in enumerate(exts)] or [0], np.uint8)
+        acc.mext.append(bitno[ids[rows_m]])
+        acc.msize.append(Sa[rows_m])
         acc.keys.extend(b"\0".join(K[first].view(f"S{W}").ravel().tolist()).decode("ascii")[1:].split("\0/"))
         base_i = int(seg_first[s])
         for e, col in acc.data.items():
