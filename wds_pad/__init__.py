@@ -33,6 +33,7 @@ from .errors import (
 )
 from . import _moved
 from .core.dataset import Dataset, IdRange
+from .core.locality import Locality, ShardMap
 from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
 from .core.policy import Mode, PadTo, Policy
 from .core.seed import derive_rng, shared_seed
@@ -78,6 +79,8 @@ __all__ = sorted(
         "ConfigError",
         "Dataset",
         "IdRange",
+        "Locality",
+        "ShardMap",
         "DroppedBucketWarning",
         "IndexFormatError",
         "Mode",

@@ -277,3 +277,48 @@ def test_cli_and_api_accept_exactly_the_same_epochs(epoch: str) -> None:
         assert json.loads(out.stdout.splitlines()[0])["epoch"] == int(epoch)
     else:
         assert out.returncode == 2 and "epoch must be" in out.stderr
+
+
+# -- --locality and --window (issue 14) -----------------------------------------------
+
+def _blob_index(tmp_path: Path) -> Path:
+    shards = tmp_path / "shards"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_shards.py"), "blobs", str(shards),
+                    "--samples", "400", "--shards", "10", "--sample-bytes", "500"],
+                   check=True, capture_output=True)
+    index = tmp_path / "ix.wdsidx"
+    subprocess.run([sys.executable, "-m", "wds_pad", "index", str(shards / "*.tar"), "-o", str(index),
+                    "--bucket-by", "aspect", "--no-progress"], check=True, capture_output=True)
+    return index
+
+
+def test_locality_shard_in_plan_json_and_summary(tmp_path: Path) -> None:
+    from wds_pad import load_index
+    from wds_pad.core.locality import shard_map_of
+
+    index = _blob_index(tmp_path)
+    args = [str(index), "--world-size", "4", "--rank", "2", "--batch-size", "4", "--seed", "3"]
+    def records(*more: str) -> list[dict[str, Any]]:
+        out = wds_pad("plan", *args, *more, "--json")
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in out.stdout.splitlines()]
+
+    got = records("--locality", "shard", "--window", "2")
+    ix = load_index(str(index))
+    ref = plan_epoch(shard_map_of(ix, ix.to_dataset()), Topology(4, 2), seed=3, batch_size=4,
+                     locality="shard", window=2)
+    assert [r["samples"] for r in got] == [b.samples.tolist() for b in ref]
+    none = records()
+    assert [r["step"] for r in got] == [r["step"] for r in none]  # the same schedule
+    assert [r["samples"] for r in got] != [r["samples"] for r in none]
+    out = wds_pad("plan", *args, "--summary", "--locality", "shard", "--window", "2")
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("locality ")]
+    assert lines[0].startswith("locality shard: rank 2 reads ") and "GETs per epoch" in lines[0]
+    assert lines[1].startswith("locality none (the other choice): rank 2 reads 0 shards whole")
+    assert "bytes read / used" in lines[0] and "distinct shards per batch" in lines[1]
+    bad = wds_pad("plan", "--buckets", "a=4", "--world-size", "2", "--rank", "0", "--batch-size", "2",
+                  "--seed", "0", "--summary", "--locality", "shard")
+    assert bad.returncode == 2 and "--locality shard needs INDEX file(s)" in bad.stderr
+    what_if = wds_pad("inspect", str(index), "--world-size", "4", "--batch-size", "4", "--locality", "shard")
+    assert what_if.returncode == 0 and "locality shard: rank 0 reads" in what_if.stdout

@@ -15,7 +15,17 @@ import json
 import sys
 from typing import Any, Hashable
 
-from .common import _nbytes, _non_negative, _plot, _positive, _report_excluded, _usage, bucket_order, format_table
+from .common import (
+    _nbytes,
+    _non_negative,
+    _plot,
+    _positive,
+    _print_locality,
+    _report_excluded,
+    _usage,
+    bucket_order,
+    format_table,
+)
 
 __all__ = ["add_parser"]
 
@@ -40,6 +50,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--pad", choices=["auto", "cyclic", "drop", "none"], default="auto", help="padding policy")
     p.add_argument("--repeats", type=_non_negative, default=0)
     p.add_argument("--oversubscribe", action="store_true")
+    p.add_argument("--locality", choices=["none", "shard"], default=None,
+                   help="with --world-size/--batch-size: also show what rank 0's epoch costs to read")
+    p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
     p.set_defaults(func=_cmd_inspect)
 
 
@@ -93,9 +106,26 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(_summary(index, pad)) + "\n")
         return 0
     _print_tables(index, pad, args, sys.stdout)
+    if pad is not None and args.locality is not None:
+        _what_if_locality(index, args, sys.stdout)
     if args.plot:
         sys.stdout.write(f"plot written to {args.plot}\n")
     return 0
+
+
+def _what_if_locality(index: Any, args: argparse.Namespace, out: Any) -> None:
+    """``locality ...`` lines: rank 0's reading cost under both localities."""
+    from ..core.locality import shard_map_of
+    from ..core.plan import plan_epoch
+    from ..core.topology import Topology
+
+    topo = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size)
+    ds = index.to_dataset(repeats=args.repeats)
+    source = shard_map_of(index, ds) if args.locality == "shard" else ds
+    plan = plan_epoch(source, topo, seed=args.seed, batch_size=args.batch_size, policy=args.pad,
+                      oversubscribe=args.oversubscribe, warn=False, locality=args.locality, window=args.window)
+    out.write("\n")
+    _print_locality(plan, [index], [ds], topo, args, out)
 
 
 def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace, out: Any) -> None:

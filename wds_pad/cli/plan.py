@@ -8,7 +8,9 @@ Invariants:
   order, rank after rank for ``--rank all``; with index files each record also names
   the samples' shard URLs and keys;
 - ``--summary`` prints one table per bucket for the (first) rank; with ``--rank all``
-  its last line speaks of every rank (each gets the same number of batches);
+  its last line speaks of every rank (each gets the same number of batches); with index
+  files it ends with what the epoch costs to read on that rank, for the chosen
+  ``--locality`` beside the other one (``locality:`` lines);
 - a bad combination of options is a usage error (exit 2) before anything is planned.
 """
 
@@ -19,7 +21,16 @@ import json
 import sys
 from typing import Any
 
-from .common import _epoch_arg, _int_at_least, _non_negative, _positive, _print_summary, _seed_arg, _usage
+from .common import (
+    _epoch_arg,
+    _int_at_least,
+    _non_negative,
+    _positive,
+    _print_locality,
+    _print_summary,
+    _seed_arg,
+    _usage,
+)
 
 __all__ = ["add_parser", "synthetic_dataset"]
 
@@ -85,6 +96,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--oversubscribe", action="store_true")
     p.add_argument("--mode", choices=["epochs", "steps"], default="epochs")
     p.add_argument("--steps", type=_positive, help="steps mode: how many global steps to print")
+    p.add_argument("--locality", choices=["none", "shard"], default="none",
+                   help="none: buckets shuffled over all shards; shard: each rank reads its own shards "
+                        "(needs index files)")
+    p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
     out = p.add_mutually_exclusive_group(required=True)
     out.add_argument("--json", action="store_true", help="one JSON object per batch")
     out.add_argument("--summary", action="store_true", help="a table per bucket")
@@ -98,6 +113,8 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     if bool(args.index) == bool(args.buckets):
         raise _usage("plan", "give either INDEX file(s) or --buckets, not both and not neither")
     if args.buckets:
+        if args.locality != "none":
+            raise _usage("plan", "--locality shard needs INDEX file(s): --buckets has no shards")
         ds = synthetic_dataset(args.buckets)
         return [Dataset(ds.name, ds.buckets, repeats=args.repeats)], [None]
     from ..index.format import load_index  # lazily: only when an index file is planned
@@ -117,6 +134,11 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
         if ds.name in names:
             ds = Dataset(f"{ds.name}#{i}", ds.buckets, repeats=ds.repeats, weight=ds.weight)
         names.add(ds.name)
+        if args.locality != "none":
+            from ..core.locality import shard_map_of
+
+            ds = shard_map_of(idx, ds)
+        args.loaded = [*getattr(args, "loaded", []), idx]
         datasets.append(ds)
         lookups.append(idx.describe_samples)
     return datasets, lookups
@@ -134,7 +156,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.rank != "all" and args.rank >= args.world_size:
         raise _usage("plan", f"--rank {args.rank} is out of range for --world-size {args.world_size}")
     common = dict(seed=args.seed, batch_size=args.batch_size, policy=args.pad,
-                  oversubscribe=args.oversubscribe, pad_to=args.pad_to)
+                  oversubscribe=args.oversubscribe, pad_to=args.pad_to, locality=args.locality,
+                  window=args.window)
     out = sys.stdout
     for i, rank in enumerate(ranks):
         topo = Topology(world_size=args.world_size, rank=rank, cp_size=args.cp_size)
@@ -142,6 +165,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.summary:
             plan = plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=True, **common)
             _print_summary(plan, out, all_ranks=args.rank == "all")  # equal on every rank
+            if args.index:
+                _print_locality(plan, getattr(args, "loaded", []), sources, topo, args, out)
             return 0
         if args.mode == Mode.EPOCHS.value:
             plans: Any = [plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=warn, **common)]

@@ -49,7 +49,7 @@ from .dataset import Dataset, IdRange
 from .permute import ROUNDS, _mix, permute
 from .seed import derive_rng, derive_seed
 
-__all__ = ["Locality", "ShardMap"]
+__all__ = ["Locality", "LocalityFigures", "ShardMap", "figures", "shard_map_of"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -307,3 +307,65 @@ class LocalBuckets:
         dd = np.full(k.size, d, np.int64)
         r, f = bk.need[dd], bk.deficit[dd]
         return _floor_mul_div(k + 1, f, r) > _floor_mul_div(k, f, r)
+
+
+def shard_map_of(index: Any, dataset: Dataset) -> ShardMap:
+    """``dataset`` (an index's ``to_dataset()``) with that index's shard column and shard
+    sizes: what ``locality="shard"`` plans from (duck-typed: the planner imports no I/O)."""
+    sizes = np.asarray([max(int(s.size), 0) for s in index.shards], dtype=np.int64)
+    return ShardMap(dataset, index.shard, shard_bytes=sizes, grouped=True)
+
+
+@dataclass(frozen=True)
+class LocalityFigures:
+    """What a plan costs to read, for one rank and one epoch (``wds-pad plan --summary``)."""
+
+    shards: int              # shards read whole
+    entries: int             # samples the rank yields (padded copies included)
+    single: int              # entries read by a single ranged GET (foreign, or from no own shard)
+    distinct_per_batch: float
+    gets: int                # GETs per epoch: whole shards in blocks + single reads
+    bytes_read: int
+    bytes_used: int
+
+    @property
+    def foreign_fraction(self) -> float:
+        return self.single / self.entries if self.entries else 0.0
+
+
+def figures(plan: Any, shard_of: Sequence[Any], lengths: Sequence[Any], shard_bytes: Sequence[Any],
+            block_bytes: int) -> LocalityFigures:
+    """The reading cost of ``plan`` (either locality) given per dataset the shard and the
+    byte length of every sample and the bytes of every shard. O(the rank's share)."""
+    samples = plan.samples
+    sizes = np.diff(plan.offsets)
+    b = np.repeat(plan.schedule[plan.batch_step], sizes)
+    ds_of = np.asarray([plan.bucket_table[int(x)][0] for x in range(len(plan.bucket_table))], np.int64)
+    ds_e = ds_of[b] if b.size else np.zeros(0, np.int64)
+    shards = single = gets = read = used = 0
+    distinct = 0
+    batch_of = np.repeat(np.arange(len(plan), dtype=np.int64), sizes)
+    local = plan.buckets.local
+    for di in range(len(plan.datasets)):
+        sel = np.flatnonzero(ds_e == di)
+        sh = np.asarray(shard_of[di])[samples[sel]].astype(np.int64)
+        ln = np.asarray(lengths[di])[samples[sel]].astype(np.int64)
+        used += int(ln.sum())
+        # distinct shards per batch
+        key = np.unique(batch_of[sel] * (int(sh.max()) + 1 if sh.size else 1) + sh)
+        distinct += key.size
+        if local is None:
+            single += sel.size
+            gets += sel.size
+            read += int(ln.sum())
+            continue
+        mine = local.rank_shards(di)
+        own = np.isin(sh, mine)
+        sb = np.asarray(shard_bytes[di], dtype=np.int64)[mine]
+        shards += int(mine.size)
+        single += int((~own).sum())
+        gets += int((-(-sb // block_bytes)).sum()) + int((~own).sum())
+        read += int(sb.sum()) + int(ln[~own].sum())
+    return LocalityFigures(shards=shards, entries=int(samples.size), single=single,
+                           distinct_per_batch=distinct / max(len(plan), 1), gets=gets,
+                           bytes_read=read, bytes_used=used)

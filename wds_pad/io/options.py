@@ -48,6 +48,14 @@ class ReadOptions:
             consumer joins in rather than wait. Order is kept; ``max_in_flight`` and
             ``max_bytes_in_flight`` bound what is read ahead. They start with a stream and
             stop with it. 0 reads every local sample inline in the consuming thread.
+        block_bytes: With a shard-local plan (``locality="shard"``), each remote shard a
+            rank reads whole is fetched in requests of this many bytes (the last one
+            shorter), ahead of its first use (:mod:`wds_pad.io.shardcache`).
+        cache_dir: Where whole shards are kept between their first and last planned use:
+            None keeps them in memory; a local folder keeps them on disk, shared by the
+            DataLoader workers of a rank (one fetch per shard per rank, under a file lock).
+        cache_bytes: Bound on the cached and in-flight shard bytes of a stream; shards
+            are fetched ahead while they fit (at least the one in use is always fetched).
     """
 
     max_in_flight: int = 32
@@ -60,10 +68,14 @@ class ReadOptions:
     timeout: float = 60.0
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, hash=False)
     local_threads: int = 2
+    block_bytes: int = 64 * 2**20
+    cache_dir: str | None = None
+    cache_bytes: int = 2 * 2**30
 
     def __post_init__(self) -> None:
         for name, low in (("max_in_flight", 1), ("max_bytes_in_flight", 1), ("merge_gap", 0),
-                          ("max_merged_bytes", 0), ("retries", 0), ("local_threads", 0)):
+                          ("max_merged_bytes", 0), ("retries", 0), ("local_threads", 0),
+                          ("block_bytes", 1), ("cache_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"ReadOptions.{name} must be an int >= {low}, got {value!r}")
@@ -77,6 +89,10 @@ class ReadOptions:
         if self.backoff_max < self.backoff:
             raise ConfigError(f"ReadOptions.backoff_max ({self.backoff_max}) must be >= backoff "
                               f"({self.backoff}); raise backoff_max or lower backoff")
+        if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir
+                                           or "://" in self.cache_dir):
+            raise ConfigError(f"ReadOptions.cache_dir must be a local folder path or None, got "
+                              f"{self.cache_dir!r}")
         if not isinstance(self.storage_options, Mapping):
             raise ConfigError("ReadOptions.storage_options must be a mapping, got "
                               f"{type(self.storage_options).__name__}")

@@ -281,7 +281,8 @@ def _plan_on(spec: Any, epoch: int) -> Callable[[int], Plan]:
     def plan_for(dp_size: int) -> Plan:
         return plan_epoch(datasets, Topology(world_size=dp_size, rank=0), seed=spec.seed, epoch=epoch,
                           batch_size=spec.batch_size, policy=spec.policy, mode=spec.mode,
-                          oversubscribe=spec.oversubscribe, pad_to=spec.pad_to, warn=False)
+                          oversubscribe=spec.oversubscribe, pad_to=spec.pad_to, warn=False,
+                          locality=getattr(spec, "locality", "none"), window=getattr(spec, "window", 8))
     return plan_for
 
 

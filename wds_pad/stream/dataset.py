@@ -34,6 +34,7 @@ from webdataset.filters import default_collation_fn
 
 from ..errors import ConfigError, WdsPadError
 from ..index.format import Index, load_index
+from ..core.locality import Locality
 from ..core.policy import Mode, PadTo, Policy, _enum, check_epoch
 from ..io.options import ReadOptions, ReadStats
 from ..core.seed import shared_seed
@@ -84,6 +85,10 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             small collective) before the first batch.
         group: the torch.distributed group of the job.
         cp_size: ranks per data-parallel replica when detecting the topology.
+        locality: ``none`` (each bucket shuffled over all shards: one ranged read per
+            sample) or ``shard`` (each rank reads its own shards whole, through a window
+            of ``window`` shards; docs/object-storage.md).
+        window: shards a rank visits at once with ``locality="shard"``.
     """
 
     def __init__(
@@ -108,6 +113,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         check_agreement: bool = True,
         group: Any = None,
         cp_size: int = 1,
+        locality: str = "none",
+        window: int = 8,
     ) -> None:
         super().__init__()
         items = list(index) if isinstance(index, (list, tuple)) else [index]
@@ -138,6 +145,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             mode=_enum(Mode, mode, "mode"), pad_to=_enum(PadTo, pad_to, "pad_to"),
             oversubscribe=bool(oversubscribe), repeats=_per_index(repeats, n, "repeats", int),
             weights=tuple(float(w) for w in _per_index(weights, n, "weights", (int, float))),  # type: ignore[arg-type]
+            locality=_enum(Locality, locality, "locality"), window=window,
         )
         epoch = check_epoch(epoch)
         self.spec.plan(epoch)  # validates every argument now, in the main process

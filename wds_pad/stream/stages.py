@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import ConfigError, WdsPadError
 from ..index.format import Index, load_index
+from ..core.locality import Locality, shard_map_of
 from ..core.plan import Plan, plan_epoch
 from ..core.policy import MAX_EPOCH, Mode, PadTo, Policy, resolve_policy
 from ..core.seed import stable_digest
@@ -73,6 +74,8 @@ class PlanSpec:
     oversubscribe: bool = False
     repeats: tuple[int, ...] = ()
     weights: tuple[float, ...] = ()
+    locality: Locality = Locality.NONE
+    window: int = 8
     _cache: dict[int, Plan] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -102,8 +105,11 @@ class PlanSpec:
         return resolve_policy(self.policy, self.mode, self.oversubscribe)
 
     def datasets(self) -> list[Any]:
-        return [ix.to_dataset(name=n, repeats=r, weight=w)
-                for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)]
+        out = [ix.to_dataset(name=n, repeats=r, weight=w)
+               for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)]
+        if self.locality is Locality.SHARD:
+            return [shard_map_of(ix, ds) for ix, ds in zip(self.indexes, out)]
+        return out
 
     def plan(self, epoch: int) -> Plan:
         """This rank's plan for ``epoch`` (cached: the last few epochs only)."""
@@ -112,7 +118,7 @@ class PlanSpec:
             plan = plan_epoch(self.datasets(), self.topology, seed=self.seed, epoch=epoch,
                               batch_size=self.batch_size, policy=self.policy, mode=self.mode,
                               oversubscribe=self.oversubscribe, pad_to=self.pad_to,
-                              warn=not self._cache)
+                              warn=not self._cache, locality=self.locality, window=self.window)
             if len(self._cache) >= 2:
                 self._cache.pop(min(self._cache))
             self._cache[epoch] = plan
@@ -134,7 +140,7 @@ class PlanSpec:
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """The fingerprint's ingredients, JSON-safe (saved in a state as ``plan``)."""
-        return {
+        fields = {
             "seed_hash": stable_digest(self.seed, size=8).hex(),
             "batch_size": self.batch_size,
             "policy": self.resolved_policy.value,
@@ -146,6 +152,10 @@ class PlanSpec:
             "datasets": [{"name": n, "index_digest": ix.digest, "repeats": r, "weight": float(w)}
                          for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)],
         }
+        if self.locality is not Locality.NONE:  # locality="none" keeps the fingerprints it always had
+            fields["locality"] = self.locality.value
+            fields["window"] = self.window
+        return fields
 
 
 class _IndexRef:
