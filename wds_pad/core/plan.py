@@ -176,30 +176,29 @@ class Plan:
     def __iter__(self) -> Iterator[Batch]:
         return (self[i] for i in range(len(self)))
 
-    def batches(self, lo: int, hi: int) -> list[Batch]:
-        """Batches ``lo..hi-1``, equal to ``[self[i] for i in range(lo, hi)]``, computed
-        together: one pass of the permutation for all their entries (a batch alone pays
-        numpy's fixed cost per operation, several hundred microseconds). O(their entries)."""
-        lo, hi = max(0, int(lo)), min(len(self), int(hi))
-        if hi <= lo:
+    def batches(self, lo: int, hi: int, step: int = 1) -> list[Batch]:
+        """Batches ``range(lo, hi, step)``, equal to ``[self[i] for i in range(lo, hi, step)]``,
+        computed together: one pass of the permutation for all their entries (a batch alone
+        pays numpy's fixed cost per operation, several hundred microseconds). O(their entries)."""
+        idx = np.arange(max(0, int(lo)), min(len(self), int(hi)), max(1, int(step)), dtype=np.int64)
+        if not idx.size:
             return []
-        steps = self.batch_step[lo:hi]
-        sizes = np.diff(self.offsets[lo : hi + 1])
+        steps = self.batch_step[idx]
+        sizes = self.offsets[idx + 1] - self.offsets[idx]
+        before = np.cumsum(sizes) - sizes
         total = int(sizes.sum())
 
         def entries() -> tuple[np.ndarray, np.ndarray]:
             b = np.repeat(self.schedule[steps], sizes)
-            k = (np.repeat(self.window[steps] * self.batch_size - (self.offsets[lo:hi] - self.offsets[lo]), sizes)
-                 + np.arange(total, dtype=np.int64))
+            k = np.repeat(self.window[steps] * self.batch_size - before, sizes) + np.arange(total, dtype=np.int64)
             return _entries(self.buckets, b, k)
 
-        samples, pad = _within_memory(entries, total, f"batches {lo}..{hi - 1}")
-        out, at = [], 0
-        for i, step, size in zip(range(lo, hi), steps.tolist(), sizes.tolist()):
-            ds, key = self.bucket_table[int(self.schedule[step])]
-            out.append(Batch(self.epoch, step, i, self.datasets[ds], key, samples[at : at + size],
+        samples, pad = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
+        out = []
+        for i, st, at, size in zip(idx.tolist(), steps.tolist(), before.tolist(), sizes.tolist()):
+            ds, key = self.bucket_table[int(self.schedule[st])]
+            out.append(Batch(self.epoch, st, i, self.datasets[ds], key, samples[at : at + size],
                              pad[at : at + size]))
-            at += size
         return out
 
     def _all(self) -> tuple[np.ndarray, np.ndarray]:

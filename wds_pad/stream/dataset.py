@@ -39,10 +39,12 @@ from ..core.policy import Mode, PadTo, Policy, _enum, check_epoch
 from ..io.options import ReadOptions, ReadStats
 from ..core.seed import shared_seed
 from .agreement import check_agreement
+from .batchread import BatchCache, BatchReader
 from .collate import run_collation
 from .fetch import Counters, fetch, substitute
 from .live import OpenIterators, refuse_resplitting
-from .stages import PlannedSource, PlanSpec, Position
+from .packed import SampleBatch
+from .stages import PlannedSource, PlanSpec, Position, batch_refs
 from ..state import ElasticView, epoch_length, make_state, restore
 from ..core.topology import Topology
 
@@ -283,6 +285,9 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         source = self._source()
         fetcher = fetch(self.read_options, handler=self.handler, spec=self.spec, counters=self.counters)
         self._read_stats = fetcher.reader.stats
+        if _all_local(self.spec, fetcher.reader):
+            yield from self._iterate_batches(source, fetcher)
+            return
         stages, collate = self.stages, self.collation_fn
         batch: list[Any] = []
         refs: list[dict[str, Any]] = []  # the fetched samples: their keys name them in errors
@@ -300,6 +305,30 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         if batch:
             out = run_collation(collate, batch, _where(refs))
             self._advance(current)  # type: ignore[arg-type]
+            yield out
+
+    def _iterate_batches(self, source: PlannedSource, fetcher: Any) -> Iterator[Any]:
+        """Local shards: batch by batch, through the member table where it records the
+        samples (batchread.py), else (or when anything differs) on the exact path."""
+        spec, stages, collate = self.spec, self.stages, self.collation_fn
+        info = get_worker_info()
+        fast = BatchReader(fetcher.reader, spec.names, spec.indexes)
+        cache = BatchCache(1 if info is None else info.num_workers)
+        for plan, j in source.batches():
+            batch = cache.get(plan, j)
+            samples = fast.read(batch)
+            if samples is None:
+                samples = list(fetcher(iter(batch_refs(spec, plan, j, batch))))
+            if not samples:
+                continue
+            if stages:
+                batch_samples = [self._transform(sample, fetcher) for sample in samples]
+            else:
+                batch_samples = samples
+            out = run_collation(collate, batch_samples, _where(samples))
+            if type(out) is list:
+                out = SampleBatch(out)  # pickles at about memcpy cost into the trainer process
+            self._advance((batch.epoch, j))
             yield out
 
     def _source(self) -> PlannedSource:
@@ -354,6 +383,24 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             ref = {**sample, "__offset__": -1, "__length__": 0}
             alt = substitute(self.spec, fetcher.reader, ref, self.counters, message)
             return apply_stages(self.stages, alt)
+
+
+_LOCAL: dict[str, bool] = {}
+
+
+def _all_local(spec: PlanSpec, reader: Any) -> bool:
+    """Whether every shard of the spec's indexes is a local file (the batch-wise path)."""
+    for ix in spec.indexes:
+        for url in ix.urls:
+            local = _LOCAL.get(url)
+            if local is None:
+                try:
+                    local = _LOCAL[url] = bool(reader._target(url).local)
+                except Exception:  # noqa: BLE001 - the exact path reports it where it is read
+                    return False
+            if not local:
+                return False
+    return True
 
 
 def _where(refs: list[dict[str, Any]]) -> Callable[[int], str]:

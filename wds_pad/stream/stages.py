@@ -244,9 +244,9 @@ class PlannedSource:
         return iter(self)
 
 
-def batch_refs(spec: PlanSpec, plan: Plan, j: int) -> list[dict[str, Any]]:
-    """The sample references of batch ``j`` of ``plan``."""
-    batch = plan[j]
+def batch_refs(spec: PlanSpec, plan: Plan, j: int, batch: Any = None) -> list[dict[str, Any]]:
+    """The sample references of batch ``j`` of ``plan`` (``batch``: ``plan[j]``, if known)."""
+    batch = plan[j] if batch is None else batch
     ds = plan.datasets.index(batch.dataset)
     ix = spec.indexes[ds]
     ids = batch.samples

@@ -1,0 +1,156 @@
+"""The batch-wise fast path (stream/batchread.py): the same samples as the exact path,
+the same stale-shard and bad-sample behaviour, and Plan.batches (its chunked plan)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from wds_pad import BucketedWebDataset, StaleShardError, Topology
+from wds_pad.index.build import build_index
+from wds_pad.stream import batchread
+from wds_pad.stream.packed import SampleBatch
+
+
+def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = 0
+    tf.addfile(info, io.BytesIO(data))
+
+
+def _shard(path: Path, start: int, count: int, kind: str) -> str:
+    """A shard of ``count`` samples with the oddities ``kind`` names."""
+    fmt = tarfile.PAX_FORMAT if kind == "pax" else tarfile.GNU_FORMAT
+    with tarfile.open(path, "w", format=fmt) as tf:
+        for i in range(start, start + count):
+            key = f"{i:06d}"
+            if kind == "long" and i % 3 == 0:
+                key = "d" * 120 + "/" + key  # a GNU long name
+            if kind == "pax" and i % 4 == 0:
+                key = f"p\u00e9-{i:06d}"  # non-ASCII: a pax path record
+            ext = "png" if kind == "mixed" and i % 2 else "jpg"
+            if not (kind == "missing" and i % 5 == 0):
+                _add(tf, f"{key}.{ext}", os.urandom(100 + (i * 37) % 3000))
+            if kind == "meta" and i % 7 == 0:
+                _add(tf, f"{key}.__meta__", b"x")  # skipped by webdataset, inside the sample
+            _add(tf, f"{key}.json", json.dumps({"width": 4, "height": 3 if i % 2 else 4, "i": i}).encode())
+    return str(path)
+
+
+@pytest.fixture(params=["plain", "pax", "long", "mixed", "missing", "meta"])
+def shards(request: Any, tmp_path: Path) -> list[str]:
+    return [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, request.param if k else "plain") for k in range(3)]
+
+
+def _dataset(index: Any, **kw: Any) -> BucketedWebDataset:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return BucketedWebDataset(index, batch_size=8, seed=3, topology=Topology(world_size=1, rank=0),
+                                  check_agreement=False, **kw)
+
+
+def _exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batchread.BatchReader, "read", lambda self, batch: None)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    used: list[int] = []
+    real = batchread.BatchReader.read
+
+    def read(self: Any, batch: Any) -> Any:
+        out = real(self, batch)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(batchread.BatchReader, "read", read)
+    return used
+
+
+def _as_plain(batches: list[Any]) -> list[list[list[tuple[str, Any]]]]:
+    return [[list(s.items()) for s in b] for b in batches]
+
+
+def test_fast_path_equals_exact_path(shards: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    index = build_index(shards, "aspect:width,height", output=str(tmp_path / "i.wdsidx"))
+    assert index.has_members
+    used = _counting(monkeypatch)
+    fast = list(_dataset(str(tmp_path / "i.wdsidx")))
+    assert any(used)  # the plain samples went the fast way
+    monkeypatch.undo()
+    _exact(monkeypatch)
+    exact = list(_dataset(str(tmp_path / "i.wdsidx")))
+    assert _as_plain(fast) == _as_plain(exact)  # same dicts, same key order
+    assert all(type(b) is SampleBatch for b in fast)
+    ref = {(u, k): s for u, k, s in ((s["__url__"], s["__key__"], s) for s in wds.WebDataset(shards, shardshuffle=False))}
+    for b in fast:
+        for s in b:
+            want = ref[(s["__url__"], s["__key__"])]
+            assert {k: v for k, v in s.items() if not k.startswith("__")} == \
+                {k: v for k, v in want.items() if not k.startswith("__")}
+
+
+def test_index_without_member_table_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "plain") for k in range(2)]
+    index = build_index(urls, "aspect:width,height")
+    with_members = list(_dataset(index))
+    for k in ("member_start", "member_ext", "member_size"):
+        index.arrays.pop(k)
+    assert not index.has_members
+    used = _counting(monkeypatch)
+    assert _as_plain(list(_dataset(index))) == _as_plain(with_members)
+    assert not any(used)
+
+
+def test_stale_shard_raises_on_fast_path(tmp_path: Path) -> None:
+    urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "plain") for k in range(2)]
+    build_index(urls, "aspect:width,height", output=str(tmp_path / "i.wdsidx"))
+    os.utime(urls[1], (1, 1))
+    with pytest.raises(StaleShardError, match="changed since it was indexed"):
+        list(_dataset(str(tmp_path / "i.wdsidx")))
+
+
+def _corrupt_first_name(url: str, index: Any) -> str:
+    """Overwrite the first header name of a sample of ``url`` in place (size and mtime kept)."""
+    si = index.urls.index(url)
+    i = int(np.flatnonzero(index.shard == si)[0])
+    st = os.stat(url)
+    with open(url, "r+b") as f:
+        f.seek(int(index.offset[i]))
+        f.write(b"zz")
+    os.utime(url, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return index.key(i)
+
+
+def test_bad_sample_raises_or_is_substituted_on_fast_path(tmp_path: Path) -> None:
+    urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "plain") for k in range(2)]
+    index = build_index(urls, "aspect:width,height", output=str(tmp_path / "i.wdsidx"))
+    key = _corrupt_first_name(urls[0], index)
+    with pytest.raises(StaleShardError, match=key):
+        list(_dataset(str(tmp_path / "i.wdsidx")))
+    ds = _dataset(str(tmp_path / "i.wdsidx"), handler=lambda exc: True)
+    batches = list(ds)
+    assert ds.counters.substituted == 1
+    subs = [s for b in batches for s in b if "__substitute_for__" in s]
+    assert [s["__substitute_for__"] for s in subs] == [key]
+    assert sum(len(b) for b in batches) == len(index)
+
+
+def test_plan_batches_equal_plan_items(tmp_path: Path) -> None:
+    urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "plain") for k in range(3)]
+    plan = _dataset(build_index(urls, "aspect:width,height")).plan()
+    for lo, hi, step in ((0, len(plan), 1), (1, len(plan), 2), (2, len(plan) + 5, 3), (4, 2, 1)):
+        got = plan.batches(lo, hi, step)
+        want = [plan[i] for i in range(lo, min(hi, len(plan)), step)]
+        assert [(b.index, b.step, b.bucket, b.dataset, b.epoch) for b in got] == \
+            [(b.index, b.step, b.bucket, b.dataset, b.epoch) for b in want]
+        assert all(np.array_equal(a.samples, b.samples) and np.array_equal(a.pad, b.pad) for a, b in zip(got, want))
