@@ -112,6 +112,7 @@ class ReadStats:
     timeouts: int = 0
     peak_bytes_in_flight: int = 0
     peak_requests_in_flight: int = 0
+    shard_blocks: int = 0  # requests of whole-shard blocks (ShardCache)
 
     def as_dict(self) -> dict[str, int]:
         """Returns the counters as a plain dict."""

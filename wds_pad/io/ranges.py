@@ -41,6 +41,7 @@ import functools
 import logging
 import operator
 import os
+import tempfile
 import threading
 import weakref
 from collections import deque
@@ -55,6 +56,7 @@ from .faults import _attempt_error, _cause, _chain, _retries_exhausted, call_sto
 from .fs import get_filesystem
 from .options import ReadOptions, ReadStats
 from .readahead import LocalReadAhead
+from .shardcache import PlannedShard, ShardCache
 from .redact import redact
 from .remote import _backoff, _Target, _watched
 from .stale import _short_read, _ShardCheck, change_stamp
@@ -72,7 +74,7 @@ _MAX_OPEN_FDS = 256
 class _Request:
     """One fetch serving one or more consecutive input ranges of one URL."""
 
-    __slots__ = ("url", "target", "start", "end", "parts", "future", "data")
+    __slots__ = ("url", "target", "start", "end", "parts", "future", "data", "cached")
 
     def __init__(self, url: str, target: _Target, offset: int, length: int) -> None:
         self.url, self.target = url, target
@@ -80,6 +82,7 @@ class _Request:
         self.parts = [(offset, length)]
         self.future: concurrent.futures.Future[bytes] | None = None
         self.data: bytes | None = None
+        self.cached = False  # served by the reader's ShardCache
 
     def merge(self, url: str, offset: int, length: int, gap: int, cap: int) -> bool:
         end = max(self.end, offset + length)
@@ -145,6 +148,7 @@ class RangeReader:
         self._fds: dict[str, int] = {}  # never replaced: the finalizer closes what it holds
         self._busy: dict[int, int] = {}  # descriptor -> reads in flight on read-ahead threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._cache: ShardCache | None = None
         # a reader per stream is common (BucketedWebDataset makes one per iteration): its
         # descriptors must not outlive it, or every epoch leaks one per shard
         weakref.finalize(self, _close_fds, self._fds)
@@ -174,6 +178,7 @@ class RangeReader:
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():
+            self._cache = None  # the parent's: its futures and threads are not ours
             self.close()
 
     def local_fd(self, url: str) -> int | None:
@@ -303,8 +308,48 @@ class RangeReader:
                 self.options.max_in_flight, thread_name_prefix="wds_pad-read")
         return self._pool
 
+    def follow(self, schedule: Iterator[list[PlannedShard]], worker: tuple[int, int] = (0, 1)) -> None:
+        """Reads the remote shards of ``schedule`` whole, through a :class:`ShardCache`.
+
+        Args:
+            schedule: per epoch, the stream's planned shards in order of first use
+                (``wds_pad.stream.stages.shard_schedule``).
+            worker: (worker id, workers) of this process on its rank. With several
+                workers and no ``cache_dir`` the shards go to a folder in the temporary
+                directory named after the workers' parent process, so each is fetched
+                once per rank.
+        """
+        self._check_fork()
+        opts = self.options
+        cache_dir = opts.cache_dir
+        if cache_dir is None and worker[1] > 1:
+            cache_dir = os.path.join(tempfile.gettempdir(), f"wds_pad-shards-{os.getppid()}")
+        if self._cache is not None:
+            self._cache.close()
+        self._cache = ShardCache(self._get_block, schedule, block_bytes=opts.block_bytes,
+                                 cache_bytes=opts.cache_bytes, cache_dir=cache_dir, worker=worker[0])
+
+    @property
+    def shard_cache(self) -> ShardCache | None:
+        """The cache of :meth:`follow`, or None."""
+        return self._cache
+
+    def _get_block(self, url: str, start: int, length: int) -> concurrent.futures.Future[bytes]:
+        """One ranged GET of a shard's block (retried, timed, stale-checked like any)."""
+        target = self._target(url)
+        with self._stats_lock:
+            self.stats.requests += 1
+            self.stats.bytes += length
+            self.stats.shard_blocks += 1
+        pool = None if target.is_async else self._pool_for_sync()
+        loop = target.loop or fsspec.asyn.get_loop()
+        return asyncio.run_coroutine_threadsafe(self._fetch(target, pool, url, start, length, 1), loop)
+
     def _submit(self, req: _Request) -> None:
         target, st, length = req.target, self.stats, req.end - req.start
+        if req.cached:
+            req.future = self._cache.read(req.url, req.start, length, len(req.parts))  # type: ignore[union-attr]
+            return
         st.requests += 1
         if length == 0:
             req.data = b""
@@ -361,7 +406,7 @@ class RangeReader:
     def _read_general(self, it: Iterator[Any], nxt: tuple[str, int, int] | None,
                       ) -> Iterator[bytes]:
         """Read-ahead loop for remote (or mixed) streams; see the module invariants."""
-        opts, st = self.options, self.stats
+        opts, st, cache = self.options, self.stats, self._cache
         cap = min(opts.max_merged_bytes, opts.max_bytes_in_flight)
         gap, max_n, max_b = opts.merge_gap, opts.max_in_flight, opts.max_bytes_in_flight
         guard = (opts.retries + 1) * (opts.timeout + opts.backoff_max) + 30.0
@@ -403,6 +448,8 @@ class RangeReader:
                             break
                         submit(held)
                     held, nxt = _Request(nxt[0], self._target(nxt[0]), nxt[1], nxt[2]), None
+                    if cache is not None and not held.target.local and cache.planned(held.url):
+                        held.cached = True
                 if not pending:
                     if held is None:
                         return
@@ -427,7 +474,8 @@ class RangeReader:
                         if off + ln - head.start > len(data):
                             raise _short_read(head.url, off, ln,
                                               max(0, len(data) - (off - head.start)))
-                st.bytes += size
+                if not head.cached:
+                    st.bytes += size
                 st.ranges += len(head.parts)
                 if len(head.parts) == 1:
                     yield data

@@ -44,7 +44,7 @@ from .collate import run_collation
 from .fetch import Counters, fetch, substitute
 from .live import OpenIterators, refuse_resplitting
 from .packed import SampleBatch
-from .stages import PlannedSource, PlanSpec, Position, batch_refs
+from .stages import PlannedSource, PlanSpec, Position, batch_refs, shard_schedule
 from ..state import ElasticView, epoch_length, make_state, restore
 from ..core.topology import Topology
 
@@ -288,6 +288,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         if _all_local(self.spec, fetcher.reader):
             yield from self._iterate_batches(source, fetcher)
             return
+        if self.spec.locality is Locality.SHARD:  # whole remote shards, as planned (io/shardcache.py)
+            fetcher.reader.follow(shard_schedule(source), source._worker())
         stages, collate = self.stages, self.collation_fn
         batch: list[Any] = []
         refs: list[dict[str, Any]] = []  # the fetched samples: their keys name them in errors

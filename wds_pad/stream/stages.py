@@ -36,7 +36,7 @@ from ..state.schema import fingerprint_of
 from ..core.topology import Topology
 from .collate import run_collation
 
-__all__ = ["PlanSpec", "PlannedSource", "Position", "plan_batched"]
+__all__ = ["PlanSpec", "PlannedSource", "Position", "plan_batched", "shard_schedule"]
 
 
 @dataclass(frozen=True)
@@ -301,3 +301,50 @@ def _batch_key(sample: dict[str, Any]) -> tuple[Any, Any]:
                           "place it before stages that drop the '__' keys (such as to_tuple), "
                           "and do that inside collation_fn") from exc
 
+
+
+def shard_schedule(source: Any) -> Iterator[list[Any]]:
+    """Per epoch a stream walks, the shards its DataLoader worker reads whole (its rank's
+    own shards under ``locality="shard"``), in order of first use: what
+    ``RangeReader.follow`` fetches ahead and drops after the last use. Foreign samples
+    (shards dealt to other ranks) are not listed: they stay single ranged reads.
+
+    O(the rank's share) per epoch: every batch of the epoch from the start position on
+    is evaluated once, for all workers (each shard's users are the workers that read it).
+    """
+    from ..io.shardcache import PlannedShard
+
+    spec: PlanSpec = source.spec
+    wid, nw = source._worker()
+    epoch, first, counter = source.start.epoch, source.start.index, 0
+    rank = spec.topology.rank
+    fp = spec.fingerprint()
+    while True:
+        plan, walk = source.epoch_batches(epoch)
+        local = plan.buckets.local
+        picks: dict[int, list[tuple[np.ndarray, int]]] = {}
+        for k in range(first, len(walk)):
+            batch = plan[int(walk[k])]
+            picks.setdefault(plan.datasets.index(batch.dataset), []).append((batch.samples, counter % nw))
+            counter += 1
+        out: list[tuple[int, PlannedShard]] = []
+        for di, items in picks.items() if local is not None else ():
+            ix = spec.indexes[di]
+            samples = np.concatenate([s for s, _ in items])
+            workers = np.repeat([w for _, w in items], [s.size for s, _ in items])
+            shards = np.asarray(ix.shard[samples], dtype=np.int64)
+            own = np.isin(shards, local.rank_shards(di))
+            shards, workers, where = shards[own], workers[own], np.flatnonzero(own)
+            infos, urls = ix.shards, ix.urls
+            for s in np.unique(shards).tolist():
+                sel = shards == s
+                mine = sel & (workers == wid)
+                if not mine.any():
+                    continue
+                out.append((int(where[np.argmax(mine)]) + di * (1 << 40), PlannedShard(
+                    url=urls[s], size=int(infos[s].size), uses=int(mine.sum()),
+                    users=frozenset(np.unique(workers[sel]).tolist()), key=f"{fp}:{epoch}:{rank}")))
+        yield [p for _, p in sorted(out, key=lambda t: t[0])]
+        if spec.mode is not Mode.STEPS:
+            return
+        epoch, first = epoch + 1, 0

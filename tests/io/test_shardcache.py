@@ -1,0 +1,190 @@
+"""The plan-aware shard cache (io/shardcache.py) against loopback nginx and moto S3.
+
+Requests are counted at the server (a FaultProxy in front of nginx) and bytes are
+compared with webdataset reading the same shards from local disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from data_helpers import assert_same_bytes, batch_keys, plan_keys, serve_dir, upload_files, wds_reference
+from servers import MotoServer
+from wds_pad.cli.synth import make_image_shards
+from wds_pad.core.topology import Topology
+from wds_pad.errors import StateMismatchError
+from wds_pad.index.build import build_index
+from wds_pad.io.ranges import ReadOptions
+from wds_pad.io.shardcache import PlannedShard, ShardCache
+from wds_pad.stream.dataset import BucketedWebDataset
+
+pytest_plugins = ["conftest_servers"]
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning"),
+              pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
+
+SHARDS = 8
+SAMPLES = 160
+BUCKET_BY = "aspect:width,height"
+BLOCK = 16 * 1024  # small blocks, so a shard takes several GETs
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sc-shards")
+    for i, path in enumerate(make_image_shards(out / "gen", samples=SAMPLES, shards=SHARDS, seed=9)):
+        os.replace(path, out / f"train-{i:06d}.tar")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(shard_dir: Path) -> dict[str, dict[str, Any]]:
+    return wds_reference(str(shard_dir / f"train-{i:06d}.tar") for i in range(SHARDS))
+
+
+@pytest.fixture
+def proxied(nginx_server: Any, shard_dir: Path, fault_proxy: Any, tmp_path: Path) -> tuple[Any, Any]:
+    base = serve_dir(nginx_server, shard_dir, "sc-train", ignore=shutil.ignore_patterns("gen"))
+    proxy = fault_proxy(nginx_server)
+    url = base.replace(f"{nginx_server.host}:{nginx_server.port}", f"{proxy.host}:{proxy.port}")
+    index = build_index(f"{url}/train-{{000000..{SHARDS - 1:06d}}}.tar", BUCKET_BY,
+                        output=str(tmp_path / "ix.wdsidx"))
+    proxy.reset_counters()
+    return proxy, index
+
+
+def blocks_of(index: Any, shards: Any) -> int:
+    return sum(-(-index.shards[s].size // BLOCK) for s in shards)
+
+
+def dataset(index: Any, dp: int = 2, rank: int = 0, **kw: Any) -> BucketedWebDataset:
+    opts = kw.pop("read_options", ReadOptions(block_bytes=BLOCK, max_in_flight=8))
+    return BucketedWebDataset(index, batch_size=4, topology=Topology(dp, rank), seed=5, locality="shard",
+                              window=2, read_options=opts, check_agreement=False, **kw)
+
+
+def test_each_own_shard_is_fetched_once_in_blocks_and_foreign_samples_singly(
+        proxied: tuple[Any, Any], reference: dict[str, Any]) -> None:
+    proxy, index = proxied
+    ds = dataset(index)
+    batches = list(ds)
+    plan = ds.plan(0)
+    assert batch_keys(batches) == plan_keys(plan, index)
+    assert_same_bytes(batches, reference)
+    local = plan.buckets.local
+    own = local.rank_shards(0)
+    shard_of = index.shard[plan.samples]
+    import numpy as np
+    single = int((~np.isin(shard_of, own)).sum())
+    assert proxy.requests_seen == blocks_of(index, own) + single == ds.read_stats.requests
+    assert ds.read_stats.shard_blocks == blocks_of(index, own)
+    # against one GET per sample with locality="none"
+    proxy.reset_counters()
+    none = BucketedWebDataset(index, batch_size=4, topology=Topology(2, 0), seed=5, check_agreement=False,
+                              read_options=ReadOptions(block_bytes=BLOCK))
+    list(none)
+    assert proxy.requests_seen == int(none.plan(0).samples.size) > 2 * ds.read_stats.requests
+
+
+def test_shards_are_fetched_ahead_within_cache_bytes_and_dropped_after_their_last_use() -> None:
+    """The cache alone, with a counting fetch: blocks, the bound, and optimal eviction."""
+    import concurrent.futures
+
+    data = {f"s{i}": bytes([i]) * 100 for i in range(4)}
+    calls: list[tuple[str, int, int]] = []
+
+    def fetch(url: str, start: int, length: int) -> concurrent.futures.Future[bytes]:
+        calls.append((url, start, length))
+        f: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        f.set_result(data[url][start:start + length])
+        return f
+
+    order = [PlannedShard(u, 100, 2, frozenset({0}), "k") for u in data]
+    cache = ShardCache(fetch, iter([order]), block_bytes=40, cache_bytes=250)
+    assert cache.planned("s0")
+    assert cache.read("s0", 30, 20).result() == data["s0"][30:50]  # across a block boundary
+    # s0 and s1 fit the 250 bytes, s2 would not: fetched ahead only after s0 is dropped
+    assert {c[0] for c in calls} == {"s0", "s1"} and [c[1:] for c in calls[:3]] == [(0, 40), (40, 40), (80, 20)]
+    assert cache.read("s0", 0, 10).result() == data["s0"][:10]  # its last use: dropped
+    assert not cache.planned("s0")
+    assert cache.read("s1", 5, 5).result() == data["s1"][5:10]
+    assert {c[0] for c in calls} == {"s0", "s1", "s2"}
+    for u in ("s1", "s2", "s2", "s3", "s3"):
+        if u != "s1" or cache.planned(u):
+            cache.read(u, 0, 1).result()
+    assert cache.peak_bytes <= 250 + 100 and cache.fetched_shards == 4
+    assert len(calls) == 4 * 3  # every shard once, in blocks of 40
+
+
+def test_resume_mid_window_in_a_fresh_reader_fetches_no_finished_shard(proxied: tuple[Any, Any]) -> None:
+    proxy, index = proxied
+    ds = dataset(index)
+    it = iter(ds)
+    k = len(ds.plan(0)) // 2
+    for _ in range(k):
+        next(it)
+    state = ds.state_dict()
+    it.close()
+    plan = ds.plan(0)
+    finished = set()
+    later = set(index.shard[plan.samples[plan.offsets[k]:]].tolist())
+    finished = set(index.shard[plan.samples[:plan.offsets[k]]].tolist()) - later
+    proxy.reset_counters()
+    fresh = dataset(index)
+    fresh.load_state_dict(state)
+    rest = list(fresh)
+    assert len(rest) == len(plan) - k
+    urls = {r.target.rsplit("/", 1)[-1] for r in proxy.requests}
+    names = {index.shards[s].url.rsplit("/", 1)[-1] for s in finished}
+    assert finished and not (urls & names), "a finished shard was fetched again"
+
+
+@pytest.mark.parametrize("shared", ["cache_dir", "default"])
+def test_two_workers_fetch_each_shard_once_per_rank(proxied: tuple[Any, Any], tmp_path: Path,
+                                                    reference: dict[str, Any], shared: str) -> None:
+    """Workers share whole shards through a folder (cache_dir, or by default one in the
+    temporary directory named after their parent process): one fetch per rank."""
+    proxy, index = proxied
+    import numpy as np
+    folder = tmp_path / "cache" if shared == "cache_dir" else None
+    ds = dataset(index, read_options=ReadOptions(block_bytes=BLOCK, cache_dir=folder and str(folder)))
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    batches = list(loader)
+    plan = ds.plan(0)
+    assert batch_keys(batches) == plan_keys(plan, index)
+    assert_same_bytes(batches, reference)
+    own = plan.buckets.local.rank_shards(0)
+    single = int((~np.isin(index.shard[plan.samples], own)).sum())
+    assert proxy.requests_seen == blocks_of(index, own) + single
+    if folder is not None:
+        assert not [p for p in folder.iterdir() if p.suffix in (".shard", ".part")]
+
+
+def test_s3_streams_whole_shards(moto_server: MotoServer, shard_dir: Path, reference: dict[str, Any]) -> None:
+    bucket = upload_files(moto_server, "wds-pad-shardcache", [shard_dir / f"train-{i:06d}.tar" for i in range(SHARDS)])
+    index = build_index(f"s3://{bucket}/train-{{000000..{SHARDS - 1:06d}}}.tar", BUCKET_BY,
+                        storage_options=moto_server.storage_options)
+    ds = dataset(index, read_options=ReadOptions(block_bytes=BLOCK, storage_options=moto_server.storage_options))
+    batches = list(ds)
+    assert batch_keys(batches) == plan_keys(ds.plan(0), index)
+    assert_same_bytes(batches, reference)
+    assert ds.read_stats.shard_blocks == blocks_of(index, ds.plan(0).buckets.local.rank_shards(0))
+
+
+def test_a_state_of_one_locality_is_refused_by_the_other(proxied: tuple[Any, Any]) -> None:
+    _, index = proxied
+    shard = dataset(index)
+    none = BucketedWebDataset(index, batch_size=4, topology=Topology(2, 0), seed=5, check_agreement=False)
+    with pytest.raises(StateMismatchError, match="plan.locality"):
+        none.load_state_dict(shard.state_dict())
+    with pytest.raises(StateMismatchError, match="plan.window"):
+        dataset(index).load_state_dict(BucketedWebDataset(
+            index, batch_size=4, topology=Topology(2, 0), seed=5, locality="shard", window=3,
+            check_agreement=False).state_dict())

@@ -1,0 +1,255 @@
+"""A plan-aware cache of whole remote shards (``locality="shard"``).
+
+The plan knows which shards a stream reads, in which order, and how many of its ranges
+each one serves. :class:`ShardCache` follows that schedule: each planned shard is fetched
+whole, in requests of ``ReadOptions.block_bytes``, ahead of its first use (while the
+cached and in-flight shard bytes fit ``cache_bytes``; the shard in use is always
+fetched), its ranges are sliced from it, and it is dropped right after its last planned
+range — the future is known, so eviction is optimal, not LRU. Ranges of shards the
+schedule does not list (foreign samples) are none of its business: the reader reads
+them with single ranged GETs.
+
+Invariants:
+    * a range served from the cache is byte-for-byte the range a ranged GET returns; the
+      blocks are fetched by the reader's own retried, timed, stale-checked GET;
+    * memory mode (``cache_dir=None``): one stream holds at most ``cache_bytes`` of shards
+      plus the one in use; nothing is shared between processes;
+    * disk mode (``cache_dir``): a shard is one file ``<digest>.shard`` written under an
+      exclusive ``flock`` of ``<digest>.lock`` and renamed into place when complete, so
+      the DataLoader workers of a rank (every process that plans the same epoch for the
+      same DP rank) fetch it once; each user appends its worker id to ``<digest>.done``
+      after its last range, and the last of the planned users deletes the files;
+    * a schedule is per epoch; the next epoch's is taken when the current one's planned
+      ranges are all served, so a resumed stream (whose schedule starts at the restored
+      position) fetches no shard it had finished.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fcntl
+import hashlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+__all__ = ["PlannedShard", "ShardCache"]
+
+
+@dataclass(frozen=True)
+class PlannedShard:
+    """One shard of a stream's schedule for one epoch.
+
+    Attributes:
+        url: the shard URL.
+        size: its size in bytes (from the index).
+        uses: ranges this stream reads from it this epoch.
+        users: the DataLoader workers (of this rank) that read from it this epoch.
+        key: what names the shared file (the plan fingerprint, epoch and DP rank).
+    """
+
+    url: str
+    size: int
+    uses: int
+    users: frozenset[int]
+    key: str
+
+
+class _Entry:
+    __slots__ = ("shard", "blocks", "ready", "left", "path", "started")
+
+    def __init__(self, shard: PlannedShard) -> None:
+        self.shard = shard
+        self.blocks: list[concurrent.futures.Future[bytes]] = []
+        self.ready: concurrent.futures.Future[None] | None = None  # disk mode: the file exists
+        self.left = shard.uses
+        self.path = ""
+        self.started = False
+
+
+class ShardCache:
+    """Whole shards for one stream of one reader (see the module invariants).
+
+    Args:
+        fetch: ``fetch(url, start, length) -> Future[bytes]``: one ranged GET.
+        schedule: per epoch, the stream's shards in order of first use.
+        block_bytes: size of each GET of a shard.
+        cache_bytes: bound on cached plus in-flight shard bytes.
+        cache_dir: a local folder shared by the rank's workers, or None (memory).
+        worker: this process's DataLoader worker id.
+    """
+
+    def __init__(self, fetch: Callable[[str, int, int], concurrent.futures.Future[bytes]],
+                 schedule: Iterator[list[PlannedShard]], *, block_bytes: int, cache_bytes: int,
+                 cache_dir: str | None = None, worker: int = 0) -> None:
+        self._get, self._schedule = fetch, schedule
+        self.block_bytes, self.cache_bytes = block_bytes, cache_bytes
+        self.cache_dir, self.worker = cache_dir, worker
+        self._order: list[PlannedShard] = []
+        self._next = 0              # first shard of _order not yet started
+        self._entries: dict[str, _Entry] = {}
+        self._left = 0              # planned ranges of the epoch not yet served
+        self._held = 0              # bytes of started, not yet dropped shards
+        self.peak_bytes = 0
+        self.fetched_shards = 0     # shards this process fetched (not found on disk)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reads: concurrent.futures.ThreadPoolExecutor | None = None  # one thread: reads in order
+        self._lock = threading.Lock()
+        self._done = False
+        if cache_dir is not None:
+            os.makedirs(cache_dir, exist_ok=True)
+        self._take_epoch()
+
+    # -- the schedule --------------------------------------------------------------------
+    def _take_epoch(self) -> None:
+        while not self._done and self._left == 0:
+            try:
+                order = next(self._schedule)
+            except StopIteration:
+                self._done = True
+                return
+            self._order, self._next = [s for s in order if s.uses > 0], 0
+            self._entries = {s.url: _Entry(s) for s in self._order}
+            self._left = sum(s.uses for s in self._order)
+
+    def planned(self, url: str) -> bool:
+        """Whether the next range of ``url`` comes from the cache."""
+        if self._left == 0:
+            self._take_epoch()
+        entry = self._entries.get(url)
+        return entry is not None and entry.left > 0
+
+    # -- fetching ------------------------------------------------------------------------
+    def _start(self, entry: _Entry) -> None:
+        size, url = entry.shard.size, entry.shard.url
+        entry.started = True
+        self._held += size
+        self.peak_bytes = max(self.peak_bytes, self._held)
+        if self.cache_dir is None:
+            self.fetched_shards += 1
+            entry.blocks = [self._get(url, off, min(self.block_bytes, size - off))
+                            for off in range(0, size, self.block_bytes)]
+            return
+        name = hashlib.sha256(f"{entry.shard.key}\0{url}".encode()).hexdigest()[:32]
+        entry.path = os.path.join(self.cache_dir, name)
+        entry.ready = self._threads().submit(self._ensure_file, entry)
+
+    def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="wds_pad-shard")
+        return self._pool
+
+    def _ensure_file(self, entry: _Entry) -> None:
+        data, size = entry.path + ".shard", entry.shard.size
+        with open(entry.path + ".lock", "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if os.path.exists(data) and os.path.getsize(data) == size:
+                    return  # another worker of the rank fetched it
+                blocks = [self._get(entry.shard.url, off, min(self.block_bytes, size - off))
+                          for off in range(0, size, self.block_bytes)]
+                part = f"{data}.{os.getpid()}.part"
+                with open(part, "wb") as f:
+                    for b in blocks:
+                        f.write(b.result())
+                os.replace(part, data)
+                with self._lock:
+                    self.fetched_shards += 1
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _ahead(self, needed: _Entry) -> None:
+        """Start ``needed`` (if not yet), then what comes next while it fits."""
+        if not needed.started:
+            self._start(needed)
+        while self._next < len(self._order):
+            entry = self._entries[self._order[self._next].url]
+            if entry.started or entry.left == 0:
+                self._next += 1
+                continue
+            if self._held + entry.shard.size > self.cache_bytes:
+                return
+            self._start(entry)
+            self._next += 1
+
+    # -- reading -------------------------------------------------------------------------
+    def read(self, url: str, start: int, length: int, ranges: int = 1) -> concurrent.futures.Future[bytes]:
+        """The bytes ``[start, start + length)`` of planned shard ``url``, which serve
+        ``ranges`` of its planned ranges; after its last one the shard is dropped."""
+        entry = self._entries[url]
+        self._ahead(entry)
+        entry.left -= ranges
+        self._left -= ranges
+        last = entry.left <= 0
+        out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        if self.cache_dir is None:
+            bb = self.block_bytes
+            first, end = start // bb, (start + length - 1) // bb if length else start // bb
+            blocks = entry.blocks[first:end + 1]
+            if last:
+                self._drop(entry)
+
+            def done(_: Any) -> None:
+                if out.done() or not all(b.done() for b in blocks):
+                    return
+                try:
+                    joined = b"".join(b.result() for b in blocks)
+                except BaseException as exc:  # noqa: BLE001 - handed to the reader
+                    out.set_exception(exc)
+                    return
+                lo = start - first * bb
+                try:
+                    out.set_result(joined[lo:lo + length])
+                except concurrent.futures.InvalidStateError:
+                    pass
+            if not blocks:
+                out.set_result(b"")
+            for b in blocks:
+                b.add_done_callback(done)
+            return out
+        ready: concurrent.futures.Future[None] = entry.ready  # type: ignore[assignment]
+
+        def from_disk() -> bytes:
+            ready.result()
+            with open(entry.path + ".shard", "rb") as f:
+                data = os.pread(f.fileno(), length, start)
+            if last:
+                self._finish_on_disk(entry)
+            return data
+        if last:
+            self._drop(entry)
+        if self._reads is None:
+            self._reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wds_pad-shard-read")
+        return self._reads.submit(from_disk)
+
+    def _drop(self, entry: _Entry) -> None:
+        self._held -= entry.shard.size
+        if self.cache_dir is None:
+            entry.blocks = []
+
+    def _finish_on_disk(self, entry: _Entry) -> None:
+        """This worker is done with the shard; the last planned user deletes it."""
+        with open(entry.path + ".lock", "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                with open(entry.path + ".done", "a") as f:
+                    f.write(f"{self.worker}\n")
+                with open(entry.path + ".done") as f:
+                    done = {int(x) for x in f.read().split()}
+                if entry.shard.users <= done:
+                    for suffix in (".shard", ".done", ".lock"):
+                        try:
+                            os.unlink(entry.path + suffix)
+                        except FileNotFoundError:
+                            pass
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Stops the helper threads (cached blocks are dropped with the cache)."""
+        for pool in (self._pool, self._reads):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._reads = None
+
