@@ -1,4 +1,4 @@
-"""What the benchmark scripts in tools/bench/ share: options, timers, CPU clocks, tables.
+"""What the benchmark scripts in tools/bench/ share: options, timers, CPU clocks, peak memory, tables.
 
 The scripts are runnable files outside the package (``python tools/bench/NAME.py``); each
 imports this module as ``_common`` before anything of ``wds_pad`` (the script's own
@@ -16,6 +16,8 @@ Invariants:
   never inside the wall-clock window;
 - the garbage collector is off only inside :func:`steady`'s window, and always on again
   after it;
+- :class:`PeakRss` measures a block's extra peak RSS over the process's RSS at entry (the
+  kernel's high-water mark, reset at entry), never tracemalloc's view of it;
 - a :class:`Columns` table declares each column's width once; its header and rows
   print exactly as the format spec says (a cell wider than its column widens it).
 """
@@ -182,3 +184,100 @@ class Columns:
         head = self.line(*names)
         return head + "\n" + "-" * len(head)
 
+
+
+# -- memory and subprocesses ---------------------------------------------------------
+
+
+def _status_kb(field: str, pid: int | str = "self") -> int:
+    """A ``/proc/PID/status`` field in kB (``VmRSS``, ``VmHWM``), or -1 off Linux."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+class PeakRss:
+    """Extra peak RSS of this process inside a ``with`` block, over its RSS at entry, in MB.
+
+    On Linux the peak (``VmHWM``) is reset to the current RSS at entry by writing ``5``
+    to ``/proc/self/clear_refs``, so ``extra_mb`` is the block's own high-water mark above
+    what the process held before it (the interpreter, the imports). Elsewhere, or when
+    the reset is refused, it falls back to ``ru_maxrss`` after minus before, which
+    undercounts when an earlier peak was higher; ``method`` says which was used.
+    Resident pages of memory-mapped files the block touches count, as they do in RSS.
+    """
+
+    def __enter__(self) -> "PeakRss":
+        gc.collect()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.method = "VmHWM"
+            self._base = _status_kb("VmRSS")
+        except OSError:
+            self.method = "ru_maxrss"
+            self._base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self.extra_mb = 0.0
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        peak = _status_kb("VmHWM") if self.method == "VmHWM" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self.extra_mb = max(0, peak - self._base) / 1024
+
+
+def smaps_rollup_mb(pid: int) -> dict[str, float]:
+    """``/proc/PID/smaps_rollup`` in MB: ``Rss``, ``Pss``, ``Pss_Anon``, ``Pss_File``, ... (empty off Linux)."""
+    out: dict[str, float] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[2] == "kB":
+                    out[parts[0].rstrip(":")] = int(parts[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def mapping_mb(pid: int, path: str) -> dict[str, float]:
+    """``Rss`` and ``Pss`` in MB of the mappings of file ``path`` in process ``pid`` (summed)."""
+    real = os.path.realpath(path)
+    out = {"Rss": 0.0, "Pss": 0.0}
+    inside = False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split()
+                if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                    inside = len(head) >= 6 and head[5] == real
+                elif inside and head and head[0] in ("Rss:", "Pss:"):
+                    out[head[0][:-1]] += int(head[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def run_json(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 600,
+             cwd: str | None = None) -> dict[str, Any]:
+    """Run ``cmd`` and return the JSON object on the last line of its stdout.
+
+    A failure (non-zero exit, timeout, no JSON) returns ``{"error": "..."}`` with the
+    last line of its stderr, so a table can say where a peer stopped instead of dying.
+    """
+    import json
+    import subprocess
+
+    try:
+        out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        tail = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+        return {"error": f"exit {out.returncode}: {tail[:200]}"}
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
