@@ -22,9 +22,10 @@ Invariants:
   slice of one part in memory) into the output, written atomically (a remote output:
   a local temp file, then one upload), then removes the part folder. The result is
   byte-identical to ``build_index`` of the same shards in one process;
-- no rank waits forever: a rank that fails tells the others (each stops with an error
-  naming it), and a rank that stops beating (killed, hung) for ``timeout`` seconds is
-  named by rank 0, which stops the job.
+- no rank waits forever (``index.jobstore``: status keys and heartbeats in the process
+  group's store, not collectives, once scanning starts): a rank that fails tells the
+  others (each stops with an error naming it), and a rank that stops beating (killed,
+  hung) for ``timeout`` seconds is named by rank 0, which stops the job.
 """
 
 from __future__ import annotations
@@ -37,18 +38,17 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
-from .. import errors as _errors
-from ..errors import ConfigError, IndexFormatError, ReadError, ShardError, WdsPadError
+from ..errors import ConfigError, IndexFormatError, ShardError, WdsPadError
 from ..io.atomic import atomic_write
 from ..io.redact import redact
 from ..io.urls import expand_urls
 from .build import Stat, _as_bucket_fn, _default_name, check_options, previous_index, rows_index, scan_shards
 from .buckets import BucketFn
 from .format import FORMAT_VERSION, Index, load_index, merged_parts, serialize
+from .jobstore import Job, failure, job_error, linger, new_job_id
 from .output import _local, check_output
 from .progress import Progress
 from .shardfile import stat_shard
@@ -57,9 +57,6 @@ __all__ = ["build_index_distributed", "part_layout"]
 
 _log = logging.getLogger(__name__)
 _PART_VERSION = 1  # bump when what a part holds changes
-_KEY = "wds_pad/index/"  # prefix of this job's store keys
-_BEAT = 1.0  # seconds between heartbeats
-_POLL = 0.2  # seconds between looks at the store while waiting
 
 
 def part_layout(n_shards: int, part_shards: int) -> list[tuple[int, int]]:
@@ -81,110 +78,6 @@ def part_digest(urls: Sequence[str], stats: Sequence[Stat | None], fn: BucketFn,
     doc = {"part": _PART_VERSION, "format": FORMAT_VERSION, "wds_pad": __version__, "bucket_by": fn.describe(),
            "on_error": on_error, "shards": [[u, list(s) if s is not None else None] for u, s in zip(urls, stats)]}
     return hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(), digest_size=12).hexdigest()
-
-
-class _Job:
-    """The store side of the job: heartbeats, status keys and waiting without hanging."""
-
-    def __init__(self, rank: int, world: int, timeout: float, bar: Any = None) -> None:
-        import torch.distributed as dist
-
-        self.rank, self.world, self.timeout = rank, world, timeout
-        self.store = dist.distributed_c10d._get_default_store()
-        self.bar = bar
-        self._stop = threading.Event()
-        self.store.add(f"{_KEY}beat/{rank}", 1)
-        self._thread = threading.Thread(target=self._beat, name="wds_pad-index-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(_BEAT):
-            try:
-                self.store.add(f"{_KEY}beat/{self.rank}", 1)
-                if self.bar is not None:
-                    done = self.store.add(f"{_KEY}parts_done", 0)
-                    self.bar.update(max(0, done - self.bar.n))
-            except Exception:  # noqa: BLE001 - the store is gone: the main thread reports it
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def call(self, what: str, op: Callable[[], Any]) -> Any:
-        try:
-            return op()
-        except Exception as exc:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError
-            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-            raise ReadError(f"rank {self.rank}: lost the job's store at {where} while {what} ({exc}); "
-                            "rank 0 (or torchrun) has stopped; rerun the command: finished parts are kept") from exc
-
-    def set(self, key: str, value: Any) -> None:
-        self.call(f"setting {key}", lambda: self.store.set(_KEY + key, json.dumps(value)))
-
-    def get(self, key: str) -> Any:
-        return json.loads(self.call(f"reading {key}", lambda: self.store.get(_KEY + key)))
-
-    def has(self, key: str) -> bool:
-        return bool(self.call(f"checking {key}", lambda: self.store.check([_KEY + key])))
-
-    def add(self, key: str, n: int) -> int:
-        return int(self.call(f"counting {key}", lambda: self.store.add(_KEY + key, n)))
-
-    def stopped(self) -> dict[str, Any] | None:
-        """Rank 0's verdict if it has stopped the job (a rank failed), else None."""
-        if self.has("verdict"):
-            verdict: dict[str, Any] = self.get("verdict")
-            if not verdict["ok"]:
-                return verdict
-        return None
-
-    def all_done(self) -> dict[str, Any] | None:
-        """(Rank 0) the first failed rank's status, ``{"ok": True}`` once all are done, else None."""
-        if self.add("failed", 0):
-            for r in range(self.world):
-                if self.has(f"done/{r}") and not (status := self.get(f"done/{r}"))["ok"]:
-                    return status  # type: ignore[no-any-return]
-        return {"ok": True} if self.add("done_n", 0) >= self.world else None
-
-    def outcome(self) -> dict[str, Any] | None:
-        """(Other ranks) the merge's outcome, or the job's failure, else None."""
-        if self.has("merged"):
-            return self.get("merged")  # type: ignore[no-any-return]
-        return self.stopped()
-
-    def wait(self, ready: Callable[[], Any], ranks: Iterable[int], what: str) -> Any:
-        """Poll until ``ready()`` returns something; meanwhile fail if one of ``ranks``
-        stops beating for ``timeout`` seconds (named in the error)."""
-        watched = list(ranks)
-        last = {r: (self.add(f"beat/{r}", 0), time.monotonic()) for r in watched}
-        while True:
-            got = ready()
-            if got is not None:
-                return got
-            now = time.monotonic()
-            for r in watched:
-                beat = self.add(f"beat/{r}", 0)
-                if beat != last[r][0]:
-                    last[r] = (beat, now)
-                elif now - last[r][1] > self.timeout:
-                    raise ReadError(
-                        f"rank {r} stopped answering while {what} (no heartbeat for {self.timeout:.0f} s): it was "
-                        "killed or hangs; rerun the command (finished parts are kept), or raise --timeout")
-            time.sleep(_POLL)
-
-
-def _error(status: Mapping[str, Any]) -> WdsPadError:
-    """The error a status names (its class from wds_pad.errors, else WdsPadError)."""
-    cls = getattr(_errors, str(status.get("type")), None)
-    if not (isinstance(cls, type) and issubclass(cls, WdsPadError)):
-        cls = WdsPadError
-    return cls(status["message"])
-
-
-def _status(rank: int, exc: BaseException) -> dict[str, Any]:
-    kind = type(exc).__name__ if isinstance(exc, WdsPadError) else "WdsPadError"
-    return {"ok": False, "rank": rank, "type": kind, "message": f"rank {rank} failed: {type(exc).__name__}: {exc}"}
 
 
 def _stat_all(urls: Sequence[str], workers: int, storage_options: Mapping[str, Any] | None) -> list[Stat | None]:
@@ -290,13 +183,13 @@ def build_index_distributed(
         try:
             shard_urls = expand_urls(urls, storage_options)
             check_output(output, shard_urls, force=force, storage_options=storage_options)
-            box[0] = {"ok": True, "urls": shard_urls}
+            box[0] = {"ok": True, "urls": shard_urls, "job": new_job_id()}
         except WdsPadError as exc:
             box[0] = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
     dist.broadcast_object_list(box, src=0)
     if not box[0]["ok"]:
-        raise _error(box[0])
-    shard_urls = box[0]["urls"]
+        raise job_error(box[0])
+    shard_urls: list[str] = box[0]["urls"]
     previous = previous_index(update, fn, storage_options)
     layout = part_layout(len(shard_urls), part_shards)
     folder = parts_dir(output)
@@ -319,12 +212,12 @@ def build_index_distributed(
             mine["parts"][i] = {"path": path, "done": done,
                                 "stats": None if done else {u: s for u, s in zip(urls_i, st) if s is not None}}
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather
-        mine = _status(rank, exc)
+        mine = failure(rank, exc)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     for status in gathered:
         if not status["ok"]:
-            raise _error(status)
+            raise job_error(status)
     parts = {int(i): p for status in gathered for i, p in status["parts"].items()}
     paths = [parts[i]["path"] for i in range(len(layout))]
     missing = sorted(i for i, p in parts.items() if not p["done"])
@@ -334,7 +227,7 @@ def build_index_distributed(
                   len(shard_urls), len(layout), part_shards, len(missing), len(layout) - len(missing), world)
 
     bar = _parts_bar(len(missing), progress) if rank == 0 and missing else None
-    job = _Job(rank, world, timeout, bar)
+    job = Job(box[0]["job"], rank, world, timeout, bar)
     try:
         # 3. each rank indexes and writes its parts
         verdict = None
@@ -356,25 +249,25 @@ def build_index_distributed(
             if verdict is None:
                 job.set(f"done/{rank}", {"ok": True})
         except Exception as exc:  # noqa: BLE001 - tell the others, then stop
-            status = _status(rank, exc)
+            status = failure(rank, exc)
             job.set(f"done/{rank}", status)
             job.add("failed", 1)
             if rank == 0:
                 job.set("verdict", status)
-                _linger(job)
+                linger(job)
             raise
         finally:
             job.add("done_n", 1)
         if verdict is not None:
             job.add("ack", 1)
-            raise _error(verdict)
+            raise job_error(verdict)
 
         # 4. rank 0 waits for every rank, merges, removes the parts; the others wait for it
         if rank != 0:
             result = job.wait(job.outcome, [0], "rank 0 merges the parts")
             job.add("ack", 1)
             if not result["ok"]:
-                raise _error(result)
+                raise job_error(result)
             return None
         try:
             verdict = job.wait(job.all_done, range(1, world), "the ranks index their parts")
@@ -382,8 +275,8 @@ def build_index_distributed(
             verdict = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
         if not verdict["ok"]:
             job.set("verdict", verdict)
-            _linger(job)
-            raise _error(verdict)
+            linger(job)
+            raise job_error(verdict)
         if bar is not None:
             bar.update(max(0, len(missing) - bar.n))
             bar.close()
@@ -392,12 +285,12 @@ def build_index_distributed(
             merged = _merge(paths, shard_urls, layout, fn, output, final_name, storage_options, force)
             _remove_parts(folder, storage_options)
         except Exception as exc:  # noqa: BLE001
-            job.set("merged", _status(0, exc))
-            _linger(job)
+            job.set("merged", failure(0, exc))
+            linger(job)
             raise
         job.set("merged", {"ok": True})
         _log.info("rank 0: merged %d parts into %s (%d samples)", len(layout), redact(output), len(merged))
-        _linger(job)
+        linger(job)
         return merged
     finally:
         if bar is not None:
@@ -413,15 +306,6 @@ def _parts_bar(total: int, progress: bool | None) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="index parts", unit="part", file=sys.stderr, mininterval=0.5)
-
-
-def _linger(job: _Job) -> None:
-    """Rank 0 hosts the store when no torchrun agent does: before it exits, give the
-    other ranks (up to 30 s) to read the outcome, so they report it, not a lost store."""
-    expected = job.world - 1 - job.add("failed", 0) + (1 if job.has("done/0") and not job.get("done/0")["ok"] else 0)
-    deadline = time.monotonic() + min(job.timeout, 30.0)
-    while job.add("ack", 0) < expected and time.monotonic() < deadline:
-        time.sleep(_POLL)
 
 
 def _merge(paths: Sequence[str], shard_urls: Sequence[str], layout: Sequence[tuple[int, int]], fn: BucketFn,
