@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import wds_pad.index.distributed as dist_mod
 from dist_helpers import ROOT, launch
 from wds_pad.cli.synth import make_image_shards
-from wds_pad.errors import ConfigError, IndexFormatError, ShardError
+from wds_pad.errors import ConfigError, IndexFormatError
 from wds_pad.index.build import build_index
 from wds_pad.index.distributed import build_index_distributed, part_layout, parts_dir
 from wds_pad.index.format import load_index, merged_parts, serialize
@@ -297,3 +297,45 @@ def test_parts_and_output_on_s3(tmp_path, shards, moto_server, s3_bucket, monkey
     assert not fs.exists(f"{s3_bucket}/train.wdsidx.parts/part-000000") and index.path == out
     single = build_index(urls, "aspect", name="train", storage_options=opts)
     assert fs.cat_file(f"{s3_bucket}/train.wdsidx") == file_bytes(single)
+
+
+API_WORKER = """
+import json, os, sys
+import torch.distributed as dist
+import wds_pad.index.distributed as d
+from wds_pad.errors import ShardError, WdsPadError
+
+out, *shards = sys.argv[1:]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+real = d.scan_shards
+def broken(urls, *a, **kw):
+    if rank == 1:
+        raise ShardError("planted")
+    return real(urls, *a, **kw)
+d.scan_shards = broken
+try:
+    d.build_index_distributed(shards, "aspect", output=out, part_shards=1, timeout=30)
+    first = "ok"
+except WdsPadError as exc:
+    first = str(exc)
+d.scan_shards = real  # a second job in the same process group: the first one's keys are not its own
+index = d.build_index_distributed(shards, "aspect", output=out, part_shards=1, timeout=30)
+print(json.dumps({"rank": rank, "first": first, "second": None if index is None else index.digest}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_jobs_one_after_another_in_one_process_group(tmp_path) -> None:
+    """The Python API on two ranks: a failed job, then a good one in the same group (the
+    second must not read the first's verdict), byte-identical to one build."""
+    from gloo_jobs import run_gloo_job
+
+    paths = make_image_shards(tmp_path / "shards", samples=30, shards=4, seed=9)
+    out = str(tmp_path / "train.wdsidx")
+    results = run_gloo_job(tmp_path, API_WORKER, world=2, args=(out, *paths))
+    assert results[0]["first"].startswith("rank 1 failed: ShardError: planted") and results[1]["first"] == "planted"
+    single = build_index(paths, "aspect", name="train")
+    assert results[0]["second"] == single.digest and results[1]["second"] is None
+    assert Path(out).read_bytes() == file_bytes(single)
