@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -190,7 +191,6 @@ def build_index_distributed(
     if not box[0]["ok"]:
         raise job_error(box[0])
     shard_urls: list[str] = box[0]["urls"]
-    previous = previous_index(update, fn, storage_options)
     layout = part_layout(len(shard_urls), part_shards)
     folder = parts_dir(output)
     final_name = name or _default_name(output, shard_urls)
@@ -248,16 +248,18 @@ def build_index_distributed(
                           rank, i, lo, hi - 1, len(index), time.monotonic() - t0, k + 1, len(todo))
             if verdict is None:
                 job.set(f"done/{rank}", {"ok": True})
-        except Exception as exc:  # noqa: BLE001 - tell the others, then stop
-            status = failure(rank, exc)
-            job.set(f"done/{rank}", status)
-            job.add("failed", 1)
-            if rank == 0:
-                job.set("verdict", status)
-                linger(job)
+        except BaseException as exc:  # an error, Ctrl-C, SIGTERM: tell the others, then stop
+            with contextlib.suppress(Exception):  # the store may be gone too: this error matters more
+                status = failure(rank, exc)
+                job.set(f"done/{rank}", status)
+                job.add("failed", 1)
+                if rank == 0:
+                    job.set("verdict", status)
+                    linger(job)
             raise
         finally:
-            job.add("done_n", 1)
+            with contextlib.suppress(Exception):
+                job.add("done_n", 1)
         if verdict is not None:
             job.add("ack", 1)
             raise job_error(verdict)

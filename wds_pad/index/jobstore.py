@@ -142,6 +142,7 @@ def job_error(status: Mapping[str, Any]) -> WdsPadError:
 
 
 def failure(rank: int, exc: BaseException) -> dict[str, Any]:
+    """The status of ``rank`` failing with ``exc`` (an interrupt too), for the others."""
     kind = type(exc).__name__ if isinstance(exc, WdsPadError) else "WdsPadError"
     return {"ok": False, "rank": rank, "type": kind, "message": f"rank {rank} failed: {type(exc).__name__}: {exc}"}
 
