@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -310,7 +311,11 @@ def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_err
     bar.advance(unchanged=len(reused))  # done, but not scanned: no part of the rates
     results: dict[str, ShardRows] = dict(reused)
 
+    stop = threading.Event()
+
     def task(group: Sequence[str]) -> list[ShardRows]:
+        if stop.is_set():  # a worker may dequeue a group while the pool is being shut down
+            raise concurrent.futures.CancelledError()
         rows = _scan_group(group, fn, on_error, storage_options, bar, stats)
         for r in rows:
             bar.advance(shards=1, nbytes=max(r.nbytes, 0))
@@ -330,6 +335,7 @@ def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_err
                 for fut in concurrent.futures.as_completed(futures):
                     results.update(zip(futures[fut], fut.result()))
             except BaseException:  # a failed shard, Ctrl-C, SIGTERM: start no further group
+                stop.set()
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
     return [results[u] for u in shard_urls]
