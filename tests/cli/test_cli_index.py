@@ -620,6 +620,11 @@ def test_the_v1_refusal_command_converts_in_place_rescanning_nothing(tmp_path, s
     for k in ARRAYS:  # every row as a fresh build has it (v1 recorded no member table: none is made up)
         np.testing.assert_array_equal(converted.arrays[k], fresh.arrays[k], err_msg=k)
     assert not converted.has_members or not converted.arrays["member_ext"].size
+    # the Python API reads a version-1 file given as update=PATH the same way
+    write_v1(fresh, out)
+    again = build_index(shards, "aspect", update=out, name="train")
+    for k in ARRAYS:
+        np.testing.assert_array_equal(again.arrays[k], fresh.arrays[k], err_msg=k)
 
 
 def test_update_without_urls_rescans_only_changed_shards_bucketed_as_before(tmp_path, shards, capsys,
