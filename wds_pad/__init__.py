@@ -57,6 +57,7 @@ _LAZY: dict[str, str] = {
     "ShardStream": "stream.shardstream",
     "SplitByNode": "stream.shards",
     "build_index": "index.build",
+    "build_index_distributed": "index.distributed",
     "check_agreement": "stream.agreement",
     "equalize": "stream.shards",
     "fetch": "stream.fetch",

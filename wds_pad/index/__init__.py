@@ -3,12 +3,14 @@ build / update / verify, and the memory-mappable file format.
 
 Modules, in the order of the flow: ``tarscan`` / ``tarrows`` (tar headers), ``buckets``
 and ``imagesize`` (bucket keys), ``shardfile`` (a shard's size, change stamp, opening),
-``build`` (scanning shards, ``build_index``, update), ``rows`` (one shard's rows, joined
-into an Index), ``format`` (the Index record, its bytes, ``load_index``), ``output``
+``build`` (scanning shards, ``build_index``, update), ``distributed`` and ``jobstore``
+(``build_index_distributed``: parts over the ranks of a torch.distributed job, merged
+without holding the index), ``rows`` (one shard's rows, joined into an Index), ``format``
+(the Index record, its bytes, ``merged_parts``, ``load_index``), ``output``
 (refusing an output path, ``write_index``), ``verify`` (``verify_index``), ``progress``
 (the bar on stderr).
 
-Owns: ``Index``, ``ShardInfo``, ``build_index``, ``load_index``, ``write_index``,
+Owns: ``Index``, ``ShardInfo``, ``build_index``, ``build_index_distributed``, ``load_index``, ``write_index``,
 ``verify_index``, the bucket functions (``aspect:...``, ``length:...``, ...).
 
 May import: ``wds_pad.io`` (filesystems, URL patterns, atomic writes), ``wds_pad.core``
