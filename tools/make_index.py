@@ -23,7 +23,10 @@ What it writes (deterministic for a given ``--seed``):
   sorted by bucket): that is what lets the generator stream the rows, which the format
   groups by bucket, holding O(shards) state instead of every sample;
 - keys ``<shard><position in shard>`` in decimal, zero-padded to ``--key-width``
-  characters (default: the width they need, at least 9), increasing inside a shard.
+  characters (default: the width they need, at least 9), increasing inside a shard;
+- the member table (each sample's members in archive order, their extensions and
+  payload sizes, consistent with its length), as ``wds-pad index`` records it for
+  plain tar headers; ``--no-members`` leaves it out.
 
 The file loads with ``load_index`` (digest verified), and ``wds-pad inspect`` and
 ``wds-pad plan`` work on it; ``wds-pad verify`` reports its shards missing, as there are
@@ -56,6 +59,7 @@ __all__ = ["SyntheticIndex", "bucket_sizes", "main"]
 
 EXTS = ("jpg", "json", "png", "txt")  # the extension table (sorted, as a build writes it)
 _JPG, _JSON, _PNG, _TXT = (1 << i for i in range(4))
+_JPG_ORDER, _PNG_ORDER = np.array([0, 1, 3], np.uint8), np.array([1, 2, 3], np.uint8)  # members' EXTS indices, in archive order
 CHUNK = 1 << 21  # rows per chunk: a few tens of MB of temporaries
 _TABLE = 1 << 16  # lengths are drawn from a table of this many log-normal sample sizes
 _RECORD = 10240  # tar's record: an archive's size is a multiple of it
@@ -94,7 +98,7 @@ class SyntheticIndex:
 
     def __init__(self, samples: int, shards: int, buckets: int, *, seed: int = 0, key_width: int | None = None,
                  key_kind: str = "aspect", sigma: float = 1.5, image_kb: float = 40.0, name: str = "synthetic",
-                 chunk: int = CHUNK) -> None:
+                 chunk: int = CHUNK, members: bool = True) -> None:
         if shards < 1 or shards > 2**31 - 1:
             raise ConfigError(f"--shards must be in [1, 2**31), got {shards}")
         self.n, self.shards, self.seed, self.name, self.chunk = int(samples), int(shards), int(seed), name, int(chunk)
@@ -110,11 +114,16 @@ class SyntheticIndex:
         self.counts = counts.astype(cell)
         del counts
         # sample lengths: 3 tar headers + jpg/png (log-normal) + json + txt, each padded to 512
-        image = np.minimum(rng.lognormal(math.log(image_kb * 1024), 0.6, _TABLE), 64 * 2**20)
+        image = np.ceil(np.minimum(rng.lognormal(math.log(image_kb * 1024), 0.6, _TABLE), 64 * 2**20)).astype(np.int64)
         js = rng.integers(200, 900, _TABLE)
         txt = rng.integers(20, 600, _TABLE)
-        pad = lambda x: (np.ceil(x / 512) * 512).astype(np.int64)  # noqa: E731
+        pad = lambda x: -(-x // 512) * 512  # noqa: E731
         self.length_table = (3 * 512 + pad(image) + pad(js) + pad(txt)).astype(np.int32)
+        # the member table's payload sizes, in archive order: image, json, txt (a png sample: json, png, txt)
+        self.members = members
+        # (rows 0.._TABLE-1 for a jpg sample, _TABLE.. for a png one: one gather either way)
+        self.size_table = np.concatenate([np.stack([image, js, txt], axis=1),
+                                          np.stack([js, image, txt], axis=1)]).astype(np.int32)
         self.pos_digits = len(str(max(int(self.shard_samples.max()) - 1, 0)))
         need = len(str(self.shards - 1)) + self.pos_digits
         self.key_width = max(9, need) if key_width is None else int(key_width)
@@ -136,8 +145,9 @@ class SyntheticIndex:
     def _chunks(self, *need: str) -> Iterator[dict[str, Any]]:
         """Per chunk (whole cells of one bucket, at most ``chunk`` rows unless one cell is
         larger) the columns in ``need`` ("shard", "offset", "length", "exts", "position"
-        in shard); always ``cells``/``cell_rows`` (its shards and their rows), ``last_offset``
-        (each cell's last offset) and ``cursor`` (each shard's byte cursor after it)."""
+        in shard, "member_ext", "member_size"); always ``cells``/``cell_rows`` (its shards
+        and their rows); with no ``need``, or offsets or lengths, ``last_offset`` (each
+        cell's last offset) and ``cursor`` (each shard's byte cursor after it)."""
         cursor = np.zeros(self.shards, dtype=np.int64)  # next free byte of each shard
         placed = np.zeros(self.shards, dtype=np.int64)  # samples already in each shard
         sdt = np.int16 if self.shards <= 2**15 else np.int32
@@ -160,19 +170,24 @@ class SyntheticIndex:
                     out["shard"] = np.repeat(sh.astype(sdt), k)
                 if "position" in need:
                     out["position"] = np.repeat(placed[sh] - first, k) + np.arange(rows, dtype=np.int64)
-                if "exts" in need:
-                    draw = np.random.default_rng([self.seed, 4, b, c]).integers(0, 256, rows, dtype=np.uint8)
-                    out["exts"] = np.where(draw < 8, np.uint8(_PNG | _JSON | _TXT), np.uint8(_JPG | _JSON | _TXT))
-                ln = self.length_table[np.random.default_rng([self.seed, 3, b, c]).integers(0, _TABLE, rows,
-                                                                                            dtype=np.uint16)]
-                ends = np.cumsum(ln, dtype=np.int64)
-                shift = cursor[sh] - (ends[first] - ln[first])  # a row's offset: shift of its cell + ends - ln
-                if "length" in need:
-                    out["length"] = ln
-                if "offset" in need:
-                    out["offset"] = np.repeat(shift, k) + (ends - ln)
-                out["last_offset"] = shift + ends[last] - ln[last]
-                cursor[sh] = shift + ends[last]
+                if {"exts", "member_size", "member_ext"} & set(need):
+                    png = np.random.default_rng([self.seed, 4, b, c]).integers(0, 256, rows, dtype=np.uint8) < 8
+                    out["exts"] = np.where(png, np.uint8(_PNG | _JSON | _TXT), np.uint8(_JPG | _JSON | _TXT))
+                draw_len = np.random.default_rng([self.seed, 3, b, c]).integers(0, _TABLE, rows, dtype=np.uint16)
+                if "member_size" in need:  # per sample its 3 members' payload sizes, in archive order
+                    out["member_size"] = self.size_table[draw_len + png.astype(np.int32) * _TABLE].ravel()
+                if "member_ext" in need:
+                    out["member_ext"] = np.where(png[:, None], _PNG_ORDER, _JPG_ORDER).ravel()
+                if not need or "offset" in need or "length" in need:  # the byte layout
+                    ln = self.length_table[draw_len]
+                    ends = np.cumsum(ln, dtype=np.int64)
+                    shift = cursor[sh] - (ends[first] - ln[first])  # a row's offset: its cell's shift + ends - ln
+                    if "length" in need:
+                        out["length"] = ln
+                    if "offset" in need:
+                        out["offset"] = np.repeat(shift, k) + (ends - ln)
+                    out["last_offset"] = shift + ends[last] - ln[last]
+                    cursor[sh] = shift + ends[last]
                 placed[sh] += k
                 out["cursor"] = cursor
                 yield out
@@ -181,6 +196,14 @@ class SyntheticIndex:
     def _column(self, k: str) -> Iterator[np.ndarray]:
         for ch in self._chunks(k):
             yield ch[k]
+
+    def _members(self, k: str) -> Iterator[np.ndarray]:
+        for ch in self._chunks(k):
+            yield ch[k]
+
+    def _member_start(self) -> Iterator[np.ndarray]:
+        for lo in range(0, self.n + 1, self.chunk):
+            yield np.arange(lo, min(lo + self.chunk, self.n + 1), dtype=np.int64) * 3
 
     def _key_offsets(self) -> Iterator[np.ndarray]:
         w = self.key_width
@@ -214,10 +237,15 @@ class SyntheticIndex:
             "length": lambda: self._column("length"), "exts": lambda: self._column("exts"),
             "key_offsets": self._key_offsets, "keys": self._keys,
         }
+        table: dict[str, Any] = {}
+        if self.members:
+            producers.update(member_start=self._member_start, member_ext=lambda: self._members("member_ext"),
+                             member_size=lambda: self._members("member_size"))
+            table = {"members": 3 * self.n, "max_member_size": int(self.size_table.max())}
         excluded = {"samples": [], "shards": [], "count": 0}
         return columns_parts(self.name, self.shard_table(), self.keys, self.bucket_by, EXTS, excluded, producers,
                              samples=self.n, key_bytes=self.n * self.key_width, max_offset=self.max_offset,
-                             max_length=self.max_length)
+                             max_length=self.max_length, **table)
 
     def write(self, path: str) -> str:
         """Write the index to ``path`` atomically; returns ``path``."""
@@ -253,6 +281,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sigma", type=float, default=1.5, help="log-normal sigma of the bucket sizes (default 1.5)")
     p.add_argument("--image-kb", type=float, default=40.0, help="median image payload in KB (default 40)")
     p.add_argument("--name", default=None, help="dataset name (default: the output file stem)")
+    p.add_argument("--no-members", action="store_true", help="leave out the optional member table")
     return p
 
 
@@ -262,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         synth = SyntheticIndex(args.samples, args.shards, args.buckets, seed=args.seed, key_width=args.key_width,
                                key_kind=args.key_kind, sigma=args.sigma, image_kb=args.image_kb,
-                               name=args.name or Path(args.output).stem)
+                               name=args.name or Path(args.output).stem, members=not args.no_members)
         synth.write(args.output)
     except WdsPadError as exc:
         print(f"make_index: {exc}", file=sys.stderr)

@@ -86,6 +86,17 @@ def test_offsets_and_lengths_are_a_tar_layout(synthetic: Path) -> None:
     assert all(a < b for a, b, sm in zip(keys, keys[1:], same) if sm)
     masks = index.arrays["exts"]
     assert set(np.unique(masks).tolist()) <= {0b1011, 0b1110}  # jpg|json|txt, png|json|txt
+    # the member table: 3 members a sample, each a 512-byte header and its padded payload
+    assert index.has_members
+    start = index.arrays["member_start"].astype(np.int64)
+    size, ext = index.arrays["member_size"].astype(np.int64), index.arrays["member_ext"].astype(np.int64)
+    assert np.array_equal(start, 3 * np.arange(len(index) + 1))
+    assert np.array_equal(np.add.reduceat(512 + -(-size // 512) * 512, start[:-1]), ln)
+    bits = np.zeros(len(index), np.int64)
+    for j in range(3):
+        bits |= 1 << ext[start[:-1] + j]
+    assert np.array_equal(bits, masks.astype(np.int64))
+    assert np.all(np.diff(ext.reshape(-1, 3), axis=1) > 0)  # archive order: sorted by extension
 
 
 def test_inspect_and_plan_work_on_it(synthetic: Path) -> None:
@@ -120,11 +131,13 @@ def test_chunked_rows_equal_one_chunk_and_int_keys(tmp_path: Path) -> None:
         assert np.array_equal(o[k][1:][same], (o[k] + n[k])[:-1][same])
 
 
-def test_key_width_and_bad_arguments(tmp_path: Path) -> None:
+def test_key_width_no_members_and_bad_arguments(tmp_path: Path) -> None:
     path = tmp_path / "w.wdsidx"
-    out = run(str(TOOL), "--samples", "1e3", "--shards", "4", "--buckets", "3", "--key-width", "12", "-o", str(path))
+    out = run(str(TOOL), "--samples", "1e3", "--shards", "4", "--buckets", "3", "--key-width", "12", "--no-members",
+              "-o", str(path))
     assert out.returncode == 0, out.stderr
-    assert load_index(str(path)).key(0) == "000000000000"
+    index = load_index(str(path), verify=True)
+    assert index.key(0) == "000000000000" and not index.has_members
     out = run(str(TOOL), "--samples", "1e3", "--shards", "4", "--buckets", "3", "--key-width", "2", "-o", str(path))
     assert out.returncode == 2 and "--key-width 2 is too narrow" in out.stderr
     out = run(str(TOOL), "--samples", "2", "--shards", "4", "--buckets", "3", "-o", str(path))
