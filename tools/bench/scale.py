@@ -483,12 +483,13 @@ def main(argv: list[str] | None = None) -> int:
                                     name="tars")
             tables = [(f"synthetic {args.samples:.0e}", load_index(v2).bytes_per_sample()),
                       ("real tars (make_shards images, 3000)", tar_index.bytes_per_sample())]
-            keys = list(tables[0][1])
+            keys = list(dict.fromkeys(k for _, t in tables for k in t if k != "total")) + ["total"]
             cols = Columns("{:<38}" + " {:>9}" * len(keys))
-            print(cols.header("index", *[k.replace("bucket_offsets", "bkt_offs").replace("shards+excluded", "json")
-                                         .replace("key_offsets", "key_offs") for k in keys]))
+            short = {"bucket_offsets": "bkt_offs", "shards+excluded": "json", "key_offsets": "key_offs",
+                     "member_start": "mem_start", "member_ext": "mem_ext", "member_size": "mem_size"}
+            print(cols.header("index", *[short.get(k, k) for k in keys]))
             for label, t in tables:
-                print(cols.line(label, *(f"{t[k]:.2f}" for k in keys)))
+                print(cols.line(label, *(f"{t[k]:.2f}" if k in t else "-" for k in keys)))
             if v1:
                 print(f"  the same synthetic samples in format v1 (previous main): "
                       f"{os.path.getsize(v1) / args.samples:.2f} bytes per sample, v2: "
