@@ -190,7 +190,7 @@ class Plan:
 
         def entries() -> tuple[np.ndarray, np.ndarray]:
             b = np.repeat(self.schedule[steps], sizes)
-            k = np.repeat(self.window[steps] * self.batch_size - before, sizes) + np.arange(total, dtype=np.int64)
+            k = np.repeat(self.window[steps].astype(np.int64) * self.batch_size - before, sizes) + np.arange(total, dtype=np.int64)
             return _entries(self.buckets, b, k)
 
         samples, pad = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
@@ -207,7 +207,7 @@ class Plan:
             def share() -> tuple[np.ndarray, np.ndarray]:
                 sizes = np.diff(self.offsets)
                 b = np.repeat(self.schedule[self.batch_step], sizes)
-                k = (np.repeat(self.window[self.batch_step] * self.batch_size - self.offsets[:-1], sizes)
+                k = (np.repeat(self.window[self.batch_step].astype(np.int64) * self.batch_size - self.offsets[:-1], sizes)
                      + np.arange(int(self.offsets[-1]), dtype=np.int64))
                 return _entries(self.buckets, b, k)
 
@@ -433,12 +433,19 @@ def plan_epoch(
 
     schedule, window = _schedule(dss, table, bucket_steps, seed, epoch)
     # This rank's batch for global step s: its entries [k*bs, (k+1)*bs) of bucket schedule[s].
-    starts_in_bucket = window * bs
-    sizes = np.clip(counts[schedule] - starts_in_bucket, 0, bs) if schedule.size else np.zeros(0, np.int64)
-    has = sizes > 0
-    batch_step = np.flatnonzero(has).astype(np.int64)
-    offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
-    np.cumsum(sizes[has], out=offsets[1:])
+    step_dtype = np.int32 if schedule.size < 2**31 else np.int64
+    if np.array_equal(counts, np.asarray(bucket_steps, dtype=np.int64) * bs):
+        # every bucket fills whole global steps (cyclic, drop, or lengths that happen to
+        # divide): this rank has a full batch at every step; nothing per step to compute
+        batch_step = np.arange(schedule.size, dtype=step_dtype)
+        offsets = np.arange(schedule.size + 1, dtype=np.int64) * bs
+    else:
+        starts_in_bucket = window.astype(np.int64) * bs
+        sizes = np.clip(counts[schedule] - starts_in_bucket, 0, bs) if schedule.size else np.zeros(0, np.int64)
+        has = sizes > 0
+        batch_step = np.flatnonzero(has).astype(step_dtype)
+        offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
+        np.cumsum(sizes[has], out=offsets[1:])
     return Plan(
         epoch=epoch, topology=topology, batch_size=bs, policy=policy, mode=mode, pad_to=pad_to,
         oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss),

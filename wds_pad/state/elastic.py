@@ -48,15 +48,6 @@ class ElasticView:
         return {"segments": [[d, s] for d, s in self.segments]}
 
 
-def _windows(schedule: np.ndarray) -> np.ndarray:
-    """Window number of each global step within its bucket (earlier steps of that bucket)."""
-    order = np.argsort(schedule, kind="stable")
-    first = np.searchsorted(schedule[order], schedule[order], side="left")
-    window = np.empty_like(schedule)
-    window[order] = np.arange(schedule.size, dtype=np.int64) - first
-    return window
-
-
 def _skips(plan: Plan, prefix: Mapping[tuple[int, Hashable], int]) -> np.ndarray:
     """Windows of each of ``plan``'s buckets covered by the consumed prefixes (exactly)."""
     dp, bs = int(plan.topology.dp_size), plan.batch_size  # type: ignore[arg-type]
@@ -107,7 +98,7 @@ def elastic_view(plan_for: Callable[[int], Plan], epoch: int, segments: Sequence
     prefix: dict[tuple[int, Hashable], int] = {}
     for dp, steps in segments:
         plan = plan_for(dp)
-        window, sched = _windows(plan.schedule), plan.schedule
+        window, sched = plan.window, plan.schedule
         skip = _skips(plan, prefix)
         left = np.flatnonzero(window >= skip[sched]) if sched.size else sched
         if steps > left.size:
@@ -120,7 +111,7 @@ def elastic_view(plan_for: Callable[[int], Plan], epoch: int, segments: Sequence
         for t, (di, key) in enumerate(plan.bucket_table):
             done = int(skip[t] + taken[t]) * width
             prefix[(di, key)] = min(done, lengths[(plan.datasets[di], key)])
-    window = _windows(current.schedule)
+    window = current.window
     skip = _skips(current, prefix)
     steps = current.batch_step
     keep = np.flatnonzero(window[steps] >= skip[current.schedule[steps]]) if steps.size else steps
