@@ -507,7 +507,6 @@ def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_
             raise IndexFormatError(f"index parts were bucketed differently: {bucket_by} and {dict(p.bucket_by)}; "
                                    "build every part with the same --bucket-by")
     buckets = sorted({b for p in parts for b in p.buckets}, key=bucket_order)
-    bid = {b: i for i, b in enumerate(buckets)}
     exts = sorted({e for p in parts for e in p.exts})
     if len(exts) > 64:
         raise IndexFormatError(f"index parts use {len(exts)} distinct member extensions together; at most 64")
