@@ -174,7 +174,10 @@ class Plan:
         return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad)
 
     def __iter__(self) -> Iterator[Batch]:
-        return (self[i] for i in range(len(self)))
+        # consecutive batches in blocks of about 64K entries: one permutation pass each
+        block = max(1, 65536 // max(self.batch_size, 1))
+        for lo in range(0, len(self), block):
+            yield from self.batches(lo, lo + block)
 
     def batches(self, lo: int, hi: int, step: int = 1) -> list[Batch]:
         """Batches ``range(lo, hi, step)``, equal to ``[self[i] for i in range(lo, hi, step)]``,
