@@ -322,3 +322,8 @@ def test_locality_shard_in_plan_json_and_summary(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "--locality shard needs INDEX file(s)" in bad.stderr
     what_if = wds_pad("inspect", str(index), "--world-size", "4", "--batch-size", "4", "--locality", "shard")
     assert what_if.returncode == 0 and "locality shard: rank 0 reads" in what_if.stdout
+    pytest.importorskip("matplotlib")
+    plot = wds_pad("inspect", str(index), "--world-size", "4", "--batch-size", "4", "--locality", "shard",
+                   "--plot", str(tmp_path / "p.png"))
+    assert plot.returncode == 0, plot.stderr
+    assert (tmp_path / "p.png").stat().st_size > 1000

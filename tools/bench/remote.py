@@ -10,6 +10,10 @@ process) adding a fixed latency (default 20 ms) to every request. Then times:
 * ``wds_pad planned``  ``BucketedWebDataset`` over the same proxy URLs in the plan's
   random order, one ranged GET per sample, ``max_in_flight`` 32 and 64, iterated through
   ``Loader`` with 0 (main process) and 2 DataLoader workers;
+* ``wds_pad shard``  the same with ``locality="shard"``: each shard fetched whole in
+  ``block_bytes`` GETs ahead of its first use and dropped after its last
+  (io/shardcache.py); GETs are counted by the reader (0 workers) or from the plan;
+* ``parallel download``  every shard fetched whole at once, nothing parsed: the limit;
 * ``in-flight sweep``  one reader (``Loader`` with 0 workers) at max_in_flight 1, 4, 16,
   32, 64: samples/s per DataLoader worker against the ranges in flight, and as a ratio
   against the same reader at 1 in flight (target: >= 4x at 16 in flight). Low settings
@@ -100,10 +104,13 @@ def run_webdataset(urls: list[str]) -> tuple[int, int]:
     return n, nbytes
 
 
+STATS: dict[str, Any] = {}  # the last run_ours: its reader's counters (0 workers only)
+
+
 def run_ours(index: Index, in_flight: int, workers: int, max_batches: int | None,
-             batch_size: int) -> tuple[int, int]:
+             batch_size: int, locality: str = "none", window: int = 8) -> tuple[int, int]:
     ds = BucketedWebDataset(index, batch_size=batch_size, topology=Topology(world_size=1, rank=0),
-                            seed=0, pad="drop",
+                            seed=0, pad="drop", locality=locality, window=window,
                             read_options=ReadOptions(max_in_flight=in_flight))
     n = nbytes = 0
     for batch in itertools.islice(Loader(ds, num_workers=workers), max_batches):
@@ -111,13 +118,58 @@ def run_ours(index: Index, in_flight: int, workers: int, max_batches: int | None
             check(s["__key__"], s["bin"])
             n += 1
             nbytes += len(s["bin"]) + len(s["json"])
+    STATS["read"] = ds.read_stats if workers == 0 else None
+    STATS["plan"] = ds.plan(0)
     return n, nbytes
+
+
+def run_download(index: Index, in_flight: int) -> tuple[int, int]:
+    """The limit: every shard fetched whole, in parallel, nothing parsed."""
+    from wds_pad.io.ranges import RangeReader
+
+    with RangeReader(ReadOptions(max_in_flight=in_flight, max_bytes_in_flight=2**40)) as reader:
+        nbytes = sum(len(b) for b in reader.read_many((s.url, 0, s.size) for s in index.shards))
+    return len(index), nbytes
+
+
+def planned_gets(index: Index, plan: Any, block: int, workers: int) -> int:
+    """GETs the plan says a rank makes: one per sample (none); with shard locality every
+    shard a worker's schedule lists once, in blocks, and every other range singly."""
+    from wds_pad.stream.stages import PlannedSource, PlanSpec, shard_schedule
+
+    if plan.buckets.local is None:
+        return int(plan.samples.size)
+    spec = PlanSpec(indexes=(index,), names=(index.name,), topology=plan.topology, seed=0,
+                    batch_size=plan.batch_size, policy=plan.policy, locality=plan.locality,
+                    window=plan.shard_window)
+    shards: set[str] = set()
+    single = 0
+    for w in range(max(workers, 1)):
+        src = PlannedSource(spec, worker=(w, max(workers, 1)))
+        sched = next(shard_schedule(src))
+        shards |= {p.url for p in sched}
+        single += sum(int(spec.plan(0)[j].samples.size) for _, j in src.batches()) - sum(p.uses for p in sched)
+    size = {s.url: s.size for s in index.shards}
+    return sum(-(-size[u] // block) for u in shards) + single
+
+
+def fresh_connections() -> None:
+    """Each run opens its own HTTP connections: a keep-alive connection pooled by an earlier
+    run (after DataLoader workers forked from this process) was seen to stall one large GET
+    for 60 s through the proxy, whichever contender came next."""
+    import fsspec
+
+    from wds_pad.io import fs as wds_fs
+
+    wds_fs._FS_CACHE.clear()
+    fsspec.AbstractFileSystem.clear_instance_cache()
 
 
 def timed(proxy: ProxyProcess, repeat: int, fn: Callable[[], tuple[int, int]]) -> dict[str, Any]:
     """The fastest of ``repeat`` runs; client CPU: this process plus its reaped children
     (curl, DataLoader workers)."""
     def run() -> tuple[int, int, float]:
+        fresh_connections()
         before = proxy.cpu()
         n, nbytes = fn()
         return n, nbytes, proxy.cpu() - before
@@ -135,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=20)
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--window", type=int, default=8, help="locality='shard': shards a rank visits at once")
     add_repeat(ap, 1)
     ap.add_argument("--dir", help="where to write shards (default: a temp dir, removed)")
     args = ap.parse_args(argv)
@@ -175,15 +228,50 @@ def report(args: argparse.Namespace, proxy: ProxyProcess, urls: list[str], index
           f"batch_size {args.batch_size}, best of {args.repeat}\n")
     ref = timed(proxy, args.repeat, lambda: run_webdataset(urls))
     rows.append(("webdataset sequential (curl)", ref))
-    for in_flight, workers in ((32, 0), (64, 0), (32, 2), (64, 2)):
-        rows.append((f"wds_pad planned  in-flight {in_flight:2d}, workers {workers}",
-                     timed(proxy, args.repeat, lambda: run_ours(index, in_flight, workers, None,
-                                                                args.batch_size))))
-    cols = Columns("{:42} {:>7} {:>7} {:>10} {:>7} {:>6} {:>11} {:>12}")
-    print(cols.header("contender", "samples", "wall s", "samples/s", "MB/s", "x wds", "proxy cpu s", "client cpu s"))
+    ref["gets"] = len(urls)
+    block = ReadOptions().block_bytes
+    def one(locality: str, in_flight: int, workers: int) -> tuple[str, dict[str, Any]]:
+        r = timed(proxy, args.repeat, lambda: run_ours(index, in_flight, workers, None, args.batch_size,
+                                                       locality, args.window))
+        r["gets"] = planned_gets(index, STATS["plan"], block, workers)
+        if STATS["read"] is not None:
+            r["gets"] = STATS["read"].requests  # counted by the reader
+            r["peak"] = STATS["read"].peak_cache_bytes
+            if STATS["read"].timeouts or STATS["read"].retries:
+                print(f"  ({locality} {in_flight}/{workers}: {STATS['read'].timeouts} timeouts, "
+                      f"{STATS['read'].retries} retries)")
+        return f"wds_pad {locality:5} in-flight {in_flight:2d}, workers {workers}", r
+
+    # runs with DataLoader workers last: after workers forked from this process, large GETs
+    # on the main process's pooled connections were seen to stall for a whole timeout (60 s)
+    for locality, in_flight in itertools.product(("none", "shard"), (32, 64)):
+        rows.append(one(locality, in_flight, 0))
+    limit = timed(proxy, args.repeat, lambda: run_download(index, 32))
+    limit["gets"] = len(index.shards)
+    rows.append(("parallel download of the shards (limit)", limit))
+    for locality, in_flight in itertools.product(("none", "shard"), (32, 64)):
+        rows.append(one(locality, in_flight, 2))
+    cols = Columns("{:42} {:>7} {:>7} {:>10} {:>7} {:>6} {:>7} {:>11} {:>12}")
+    print(cols.header("contender", "samples", "wall s", "samples/s", "MB/s", "x wds", "GETs", "proxy cpu s",
+                      "client cpu s"))
     for name, r in rows:
         print(cols.line(name, r["n"], f"{r['wall']:.2f}", f"{r['sps']:.0f}", f"{r['mbps']:.1f}",
-                        f"{r['sps'] / ref['sps']:.2f}", f"{r['proxy_cpu']:.2f}", f"{r['our_cpu']:.2f}"))
+                        f"{r['sps'] / ref['sps']:.2f}", r.get("gets", "-"), f"{r['proxy_cpu']:.2f}",
+                        f"{r['our_cpu']:.2f}"))
+    by = dict(rows)
+    largest = max(s.size for s in index.shards)
+    for w in (0, 2):
+        shard = max((r for n, r in rows if n.startswith("wds_pad shard") and n.endswith(f"workers {w}")),
+                    key=lambda r: r["sps"])
+        none = max((r for n, r in rows if n.startswith("wds_pad none") and n.endswith(f"workers {w}")),
+                   key=lambda r: r["sps"])
+        print(f"workers {w}: shard / webdataset {shard['sps'] / ref['sps']:.2f}x (target >= {1.5 if w == 0 else 2}x), "
+              f"shard / none {shard['sps'] / none['sps']:.2f}x, none / webdataset {none['sps'] / ref['sps']:.2f}x, "
+              f"shard / parallel download {shard['sps'] / by['parallel download of the shards (limit)']['sps']:.2f}x")
+    peaks = [r["peak"] for n, r in rows if "peak" in r and n.startswith("wds_pad shard")]
+    if peaks:
+        print(f"peak cache bytes (0 workers): {max(peaks) / 1e6:.0f} MB = {max(peaks) / largest:.1f} x the "
+              f"largest shard (target <= window + 2 = {args.window + 2})")
 
     print(f"\nsamples/s of one reader (Loader, 0 workers) against ranges in flight, {lat:.0f} ms:")
     cols = Columns("{:>9} {:>7} {:>10} {:>7} {:>13} {:>13} {:>11} {:>12}")
@@ -200,7 +288,7 @@ def report(args: argparse.Namespace, proxy: ProxyProcess, urls: list[str], index
         print(cols.line(in_flight, r["n"], f"{r['sps']:.0f}", f"{r['mbps']:.1f}", f"{bound:.0f}",
                         f"{r['sps'] / sweep[1]:.2f}", f"{100 * r['proxy_cpu'] / r['wall']:.0f}",
                         f"{100 * r['our_cpu'] / r['wall']:.0f}"))
-    best = max(r["sps"] for name, r in rows[1:])
+    best = max(r["sps"] for name, r in rows[1:] if name.startswith("wds_pad"))
     print(f"\nbest planned / webdataset sequential: {best / ref['sps']:.2f}x (target >= 0.5x)")
     # The speed-up the tests used to assert in wall-clock time (tests/io/test_read.py and
     # tests/io/test_object_storage.py now count requests in flight instead): the same reader,

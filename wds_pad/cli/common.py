@@ -261,8 +261,31 @@ def _report_excluded(index: Any, out: Any) -> None:
 
 
 # -- the bucket plot -------------------------------------------------------------------
-def _plot(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace) -> None:
-    """Bar chart of an index's buckets (with ``pad``: kept, padded and dropped) to ``args.plot``."""
+def _plot_reading(ax: Any, reading: dict[str, Any], args: argparse.Namespace) -> None:
+    """GETs per epoch of rank 0 for each locality (log scale), split into whole-shard
+    blocks and single reads, labelled with the distinct shards per batch."""
+    names = list(reading)
+    singles = [reading[n].single for n in names]
+    blocks = [reading[n].gets - reading[n].single for n in names]
+    ax.bar(names, blocks, color="#4c72b0", label="whole-shard GETs")
+    ax.bar(names, singles, bottom=blocks, color="#dd8452", label="single-sample GETs")
+    for i, n in enumerate(names):
+        f = reading[n]
+        ax.annotate(f"{f.gets:,} GETs\n{f.distinct_per_batch:.1f} shards/batch",
+                    (i, f.gets), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_ylim(1, max(f.gets for f in reading.values()) * 8)
+    ax.set_ylabel("GETs per epoch, rank 0")
+    ax.set_title(f"reading cost per locality (window {args.window})", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+
+
+
+def _plot(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace,
+          reading: dict[str, Any] | None = None) -> None:
+    """Bar chart of an index's buckets (with ``pad``: kept, padded and dropped) to ``args.plot``;
+    with ``reading`` (locality -> LocalityFigures of rank 0) a second panel: what each
+    locality costs to read."""
     try:
         import matplotlib
 
@@ -274,7 +297,12 @@ def _plot(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace)
     counts = {k: unordered[k] for k in bucket_order(unordered)}
     labels = [str(k) for k in counts]
     samples = [counts[k] for k in counts]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(labels) + 2), 4.2))
+    width = max(6.0, 0.6 * len(labels) + 2)
+    if reading:
+        fig, (ax, rx) = plt.subplots(1, 2, figsize=(width + 5, 4.2), gridspec_kw={"width_ratios": [width, 5]})
+        _plot_reading(rx, reading, args)
+    else:
+        fig, ax = plt.subplots(figsize=(width, 4.2))
     x = range(len(labels))
     if pad is None:
         bars = ax.bar(x, samples, color="#4c72b0", label="samples")

@@ -101,7 +101,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     index = load_index(args.index)
     pad = _padding_stats(args, index)
     if args.plot:
-        _plot(index, pad, args)
+        _plot(index, pad, args, _reading(index, args) if pad is not None and args.locality is not None else None)
     if args.json:
         sys.stdout.write(json.dumps(_summary(index, pad)) + "\n")
         return 0
@@ -111,6 +111,24 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.plot:
         sys.stdout.write(f"plot written to {args.plot}\n")
     return 0
+
+
+def _reading(index: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """locality -> LocalityFigures of rank 0, for the plot's second panel."""
+    from ..core.locality import figures, shard_map_of
+    from ..core.plan import plan_epoch
+    from ..core.topology import Topology
+    from ..io.options import ReadOptions
+
+    topo = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size)
+    ds = index.to_dataset(repeats=args.repeats)
+    sizes = [[max(s.size, 0) for s in index.shards]]
+    out = {}
+    for name, source in (("none", ds), ("shard", shard_map_of(index, ds))):
+        plan = plan_epoch(source, topo, seed=args.seed, batch_size=args.batch_size, policy=args.pad,
+                          oversubscribe=args.oversubscribe, warn=False, locality=name, window=args.window)
+        out[name] = figures(plan, [index.shard], [index.length], sizes, ReadOptions().block_bytes)
+    return out
 
 
 def _what_if_locality(index: Any, args: argparse.Namespace, out: Any) -> None:

@@ -189,7 +189,11 @@ class _DealtDataset:
 
 
 class _LocalBucket:
-    """Kept bucket b's per-shard, per-window and per-rank counts (see the module doc)."""
+    """Kept bucket b's per-shard, per-window and per-rank counts (see the module doc).
+
+    Built in two steps: the per-shard counts (``__init__``), then, once every bucket's
+    counts give the windows' step spans, the time tables (``align``).
+    """
 
     def __init__(self, dealt: _DealtDataset, ids: Any, passes: int, m: int, length: int,
                  dp: int, base_key: int) -> None:
@@ -206,37 +210,98 @@ class _LocalBucket:
             order = np.argsort(of, kind="stable")
             self.sorted_ids = arr[order]
             self.start = np.searchsorted(of[order], np.arange(s + 1), side="left").astype(np.int64)
-        counts_v = np.diff(self.start)[dealt.visit]
-        self.cum = np.zeros(s + 1, np.int64)             # samples before each visit position
-        np.cumsum(counts_v, out=self.cum[1:])
-        win_samples = np.diff(self.cum[dealt.win_start])
-        self.win_entries = np.zeros(win_samples.size + 1, np.int64)
-        np.cumsum(win_samples * passes, out=self.win_entries[1:])
+        self.counts_v = np.diff(self.start)[dealt.visit]   # samples per visit position
+        self.cum = np.zeros(s + 1, np.int64)              # samples before each visit position
+        np.cumsum(self.counts_v, out=self.cum[1:])
+        self.win_samples = np.diff(self.cum[dealt.win_start])
         own = (self.cum[dealt.rank_start[1:]] - self.cum[dealt.rank_start[:-1]]) * passes
         real = min(m, length)
         d = np.arange(dp, dtype=np.int64)
         self.need = np.maximum(0, -(-(real - d) // dp))
         self.own = own
+        self.keep = np.minimum(own, self.need)            # own entries a rank yields itself
         self.surplus_cum = np.zeros(dp + 1, np.int64)
         np.cumsum(np.maximum(own - self.need, 0), out=self.surplus_cum[1:])
         self.deficit = np.maximum(self.need - own, 0)
         self.deficit_cum = np.zeros(dp + 1, np.int64)
         np.cumsum(self.deficit, out=self.deficit_cum[1:])
-        self.passes, self.m, self.base_key, self.dealt = passes, m, base_key, dealt
+        self.passes, self.m, self.base_key, self.dealt, self.dp = passes, m, base_key, dealt, dp
 
-    def own_entries(self, d: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """Sample ids of rank d's own entries j (both arrays): window, pass, shuffled place."""
+    def align(self, win_step: np.ndarray, steps_b: np.ndarray, bs: int) -> None:
+        """Time tables: window g's entries are the rank's entries of this bucket at the
+        steps of g's span, taken from g's pool; a window's pool left over ("spill")
+        fills the others' shortfalls, in order, and the rest is the rank's surplus."""
+        dealt, dp = self.dealt, self.dp
+        gw = self.win_samples.size
+        rank_of = np.repeat(np.arange(dp, dtype=np.int64), np.diff(dealt.win_base))
+        pool = self.win_samples * self.passes
+        # own entries of rank d before step t: rank entries before t minus the foreign among them
+        k = np.minimum(bs * np.searchsorted(steps_b, win_step[:gw], side="left"), self.need[rank_of])
+        q_start = k - _floor_mul_div(k, self.deficit[rank_of], self.need[rank_of])
+        first = dealt.win_base[:-1]
+        starts_of_rank = np.zeros(gw, bool)
+        starts_of_rank[first[first < gw]] = True
+        q_start = np.where(starts_of_rank, 0, q_start)
+        q_end = np.empty(gw, np.int64)
+        q_end[:-1] = q_start[1:]
+        last = np.flatnonzero(np.r_[starts_of_rank[1:], True])
+        q_end[last] = self.keep[rank_of[last]]
+        q = np.maximum(q_end - q_start, 0)
+        use = np.minimum(pool, q)
+        base = np.zeros(dp + 1, np.int64)
+        np.cumsum(self.keep, out=base[1:])
+        self.rank_of = rank_of
+        self.q_glob = q_start + base[rank_of]               # monotone over all windows
+        self.use, self.pool, self.q = use, pool, q
+        self.pool_cum = np.zeros(gw + 1, np.int64)
+        np.cumsum(pool, out=self.pool_cum[1:])
+        dcum, scum = np.zeros(gw + 1, np.int64), np.zeros(gw + 1, np.int64)
+        np.cumsum(q - use, out=dcum[1:])
+        np.cumsum(pool - use, out=scum[1:])
+        self.d_in = dcum[:-1] - dcum[first[rank_of]]     # deficits before g within its rank
+        self.d_tot = dcum[dealt.win_base[1:]] - dcum[dealt.win_base[:-1]]
+        self.s_glob = scum                                 # spill before g, over all windows
+        self.s_base = scum[dealt.win_base[:-1]]            # per rank
+
+    def _pool_entries(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Sample ids of pool entries u of global windows g: pass-major, shuffled per pass."""
         dealt = self.dealt
-        g = self.win_entries[dealt.win_base[d]] + j
-        w = np.searchsorted(self.win_entries, g, side="right") - 1
-        q = g - self.win_entries[w]
-        n_w = (self.win_entries[w + 1] - self.win_entries[w]) // self.passes
-        pass_idx = q // n_w
-        u = permute(q % n_w, n_w, _window_keys(self.base_key, w * self.passes + pass_idx))
-        vpos = self.cum[dealt.win_start[w]] + u
+        n_w = self.win_samples[g]
+        pass_idx = u // n_w
+        t = permute(u % n_w, n_w, _window_keys(self.base_key, g * self.passes + pass_idx))
+        vpos = self.cum[dealt.win_start[g]] + t
         i = np.searchsorted(self.cum, vpos, side="right") - 1
         rows = self.start[dealt.visit[i]] + (vpos - self.cum[i])
         return np.asarray(self.sorted_ids[rows], dtype=np.int64)
+
+    def own_entries(self, d: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Sample ids of rank d's own entries j (j >= keep[d]: its surplus, given away)."""
+        out = np.empty(j.size, np.int64)
+        kept = j < self.keep[d]
+        spill = np.where(kept, 0, self.d_tot[d] + j - self.keep[d])
+        if kept.any():
+            base = self.q_glob[self.dealt.win_base[d[kept]]] - 0
+            rank_base = np.zeros(self.dp + 1, np.int64)
+            np.cumsum(self.keep, out=rank_base[1:])
+            pos = rank_base[d[kept]] + j[kept]
+            g = np.searchsorted(self.q_glob, pos, side="right") - 1
+            i = pos - self.q_glob[g]
+            inside = i < self.use[g]
+            res = np.empty(g.size, np.int64)
+            if inside.any():
+                res[inside] = self._pool_entries(g[inside], i[inside])
+            del base
+            sel = np.flatnonzero(kept)
+            out[sel] = res
+            outside = sel[~inside]
+            spill[outside] = self.d_in[g[~inside]] + i[~inside] - self.use[g[~inside]]
+            kept[outside] = False
+        rest = ~kept
+        if rest.any():
+            pos = self.s_base[d[rest]] + spill[rest]
+            g = np.searchsorted(self.s_glob, pos, side="right") - 1
+            out[rest] = self._pool_entries(g, self.use[g] + pos - self.s_glob[g])
+        return out
 
     def rank_entries(self, d: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Sample ids of entries k of ranks d, k < need[d]: own ones with foreign spread in."""
@@ -250,7 +315,7 @@ class _LocalBucket:
         if foreign.any():
             gd = self.deficit_cum[d[foreign]] + before[foreign]
             giver = np.searchsorted(self.surplus_cum, gd, side="right") - 1
-            out[foreign] = self.own_entries(giver, self.need[giver] + gd - self.surplus_cum[giver])
+            out[foreign] = self.own_entries(giver, self.keep[giver] + gd - self.surplus_cum[giver])
         return out
 
     def entries(self, pos: np.ndarray, dp: int) -> np.ndarray:
@@ -264,7 +329,8 @@ class LocalBuckets:
 
     def __init__(self, raw: Sequence[Any], dss: Sequence[Dataset],
                  kept: Sequence[tuple[int, Hashable, Any, int, int, int]],
-                 seed: int, epoch: int, dp: int, d: int, window: int) -> None:
+                 seed: int, epoch: int, dp: int, d: int, window: int,
+                 schedule: np.ndarray, batch_size: int) -> None:
         lays = layouts(raw, dss)
         self.dealt = [_DealtDataset(lay, ds.name, seed, epoch, dp, window) for lay, ds in zip(lays, dss)]
         self.buckets = [
@@ -273,6 +339,25 @@ class LocalBuckets:
             for di, key, ids, n, passes, length in kept]
         self.kept_dataset = [k[0] for k in kept]
         self.dp, self.d, self.window = dp, d, window
+        # each bucket's global steps, in order (its windows of the schedule)
+        order = np.argsort(schedule, kind="stable")
+        bounds = np.searchsorted(schedule[order], np.arange(len(kept) + 1))
+        total = int(schedule.size)
+        self.win_step: list[np.ndarray] = []
+        for di, dealt in enumerate(self.dealt):
+            mine = [bk for bk, kd in zip(self.buckets, self.kept_dataset) if kd == di]
+            # a window's step span: its share of its rank's samples (every bucket), in steps
+            samples = sum((bk.win_samples for bk in mine), np.zeros(dealt.win_start.size - 1, np.int64))
+            gw = samples.size
+            rank_of = np.repeat(np.arange(dp, dtype=np.int64), np.diff(dealt.win_base))
+            before = np.zeros(gw + 1, np.int64)
+            np.cumsum(samples, out=before[1:])
+            rank_total = before[dealt.win_base[1:]] - before[dealt.win_base[:-1]]
+            in_rank = before[:-1] - before[dealt.win_base[:-1]][rank_of]
+            step = np.where(rank_total[rank_of] > 0, in_rank * total // np.maximum(rank_total[rank_of], 1), 0)
+            self.win_step.append(np.append(step, total).astype(np.int64))
+        for j, bk in enumerate(self.buckets):
+            bk.align(self.win_step[self.kept_dataset[j]], order[bounds[j]:bounds[j + 1]].astype(np.int64), batch_size)
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` of this rank."""
@@ -300,6 +385,15 @@ class LocalBuckets:
         d = self.d if d is None else d
         return int(sum(int(bk.deficit[d]) for bk in self.buckets))
 
+    def window_of_step(self, di: int, steps: np.ndarray, d: int | None = None) -> np.ndarray:
+        """Rank d's window (0, 1, ... in its visit order) whose step span holds each step."""
+        d = self.d if d is None else d
+        dealt = self.dealt[di]
+        lo, hi = int(dealt.win_base[d]), int(dealt.win_base[d + 1])
+        if hi == lo:
+            return np.full(np.asarray(steps).shape, -1, np.int64)
+        return np.searchsorted(self.win_step[di][lo:hi], steps, side="right") - 1
+
     def is_foreign(self, b: int, k: np.ndarray, d: int | None = None) -> np.ndarray:
         """Whether entries k (real, not padded) of kept bucket b on rank d are foreign."""
         d = self.d if d is None else d
@@ -322,7 +416,7 @@ class LocalityFigures:
 
     shards: int              # shards read whole
     entries: int             # samples the rank yields (padded copies included)
-    single: int              # entries read by a single ranged GET (foreign, or from no own shard)
+    single: int              # entries read by a single ranged GET (foreign, spilled, or all with none)
     distinct_per_batch: float
     gets: int                # GETs per epoch: whole shards in blocks + single reads
     bytes_read: int
@@ -361,6 +455,11 @@ def figures(plan: Any, shard_of: Sequence[Any], lengths: Sequence[Any], shard_by
             continue
         mine = local.rank_shards(di)
         own = np.isin(sh, mine)
+        # an own shard's read at a step outside its window's span is read singly (spilled)
+        where = np.zeros(int(max(mine.max(initial=0), sh.max(initial=0))) + 1, np.int64)
+        where[mine] = np.arange(mine.size) // plan.shard_window
+        steps = np.repeat(plan.batch_step, sizes)[sel]
+        own &= where[sh] == local.window_of_step(di, steps)
         sb = np.asarray(shard_bytes[di], dtype=np.int64)[mine]
         shards += int(mine.size)
         single += int((~own).sum())

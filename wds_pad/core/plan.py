@@ -419,8 +419,6 @@ def plan_epoch(
             f"the batch size ({bs}) or the world size ({dp} DP ranks), or turn oversubscribe off"
         )
     buckets = _Buckets(kept, dp, d)
-    if locality is Locality.SHARD:
-        buckets.local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window)
     counts = buckets.counts
     if warn and dropped_names:
         warnings.warn(
@@ -435,6 +433,8 @@ def plan_epoch(
         )
 
     schedule, window = _schedule(dss, table, bucket_steps, seed, epoch)
+    if locality is Locality.SHARD:  # the order inside each bucket; the schedule is the same
+        buckets.local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window, schedule, bs)
     # This rank's batch for global step s: its entries [k*bs, (k+1)*bs) of bucket schedule[s].
     step_dtype = np.int32 if schedule.size < 2**31 else np.int64
     if np.array_equal(counts, np.asarray(bucket_steps, dtype=np.int64) * bs):

@@ -113,6 +113,7 @@ class ReadStats:
     peak_bytes_in_flight: int = 0
     peak_requests_in_flight: int = 0
     shard_blocks: int = 0  # requests of whole-shard blocks (ShardCache)
+    peak_cache_bytes: int = 0  # most shard bytes held (fetched ahead or in use) at once
 
     def as_dict(self) -> dict[str, int]:
         """Returns the counters as a plain dict."""

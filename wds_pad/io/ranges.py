@@ -308,7 +308,8 @@ class RangeReader:
                 self.options.max_in_flight, thread_name_prefix="wds_pad-read")
         return self._pool
 
-    def follow(self, schedule: Iterator[list[PlannedShard]], worker: tuple[int, int] = (0, 1)) -> None:
+    def follow(self, schedule: Iterator[list[PlannedShard]], worker: tuple[int, int] = (0, 1),
+               max_shards: int | None = None) -> None:
         """Reads the remote shards of ``schedule`` whole, through a :class:`ShardCache`.
 
         Args:
@@ -318,6 +319,8 @@ class RangeReader:
                 workers and no ``cache_dir`` the shards go to a folder in the temporary
                 directory named after the workers' parent process, so each is fetched
                 once per rank.
+            max_shards: shards held at once at most (the plan's window + 1), besides
+                the one a read needs.
         """
         self._check_fork()
         opts = self.options
@@ -327,7 +330,8 @@ class RangeReader:
         if self._cache is not None:
             self._cache.close()
         self._cache = ShardCache(self._get_block, schedule, block_bytes=opts.block_bytes,
-                                 cache_bytes=opts.cache_bytes, cache_dir=cache_dir, worker=worker[0])
+                                 cache_bytes=opts.cache_bytes, cache_dir=cache_dir, worker=worker[0],
+                                 max_shards=max_shards)
 
     @property
     def shard_cache(self) -> ShardCache | None:
@@ -348,7 +352,9 @@ class RangeReader:
     def _submit(self, req: _Request) -> None:
         target, st, length = req.target, self.stats, req.end - req.start
         if req.cached:
-            req.future = self._cache.read(req.url, req.start, length, len(req.parts))  # type: ignore[union-attr]
+            cache = self._cache
+            req.future = cache.read(req.url, req.start, length, len(req.parts))  # type: ignore[union-attr]
+            st.peak_cache_bytes = max(st.peak_cache_bytes, cache.peak_bytes)  # type: ignore[union-attr]
             return
         st.requests += 1
         if length == 0:
@@ -439,7 +445,8 @@ class RangeReader:
                             submit(held)
                             held = None
                         break
-                    if held is not None and held.merge(*nxt, gap, cap):
+                    if held is not None and not (cache is not None and cache.lists(held.url)) \
+                            and held.merge(*nxt, gap, cap):
                         st.merged += 1
                         nxt = None
                         continue

@@ -46,7 +46,10 @@ class PlannedShard:
         size: its size in bytes (from the index).
         uses: ranges this stream reads from it this epoch.
         users: the DataLoader workers (of this rank) that read from it this epoch.
-        key: what names the shared file (the plan fingerprint, epoch and DP rank).
+        key: what names the shared file (the plan fingerprint, epoch and rank).
+        skip: ranges of it this stream reads singly before the ``uses`` cached ones (uses
+            far outside its window's time, so the shard is not held long for them; the
+            ranges after the cached ones are read singly too).
     """
 
     url: str
@@ -54,10 +57,11 @@ class PlannedShard:
     uses: int
     users: frozenset[int]
     key: str
+    skip: int = 0
 
 
 class _Entry:
-    __slots__ = ("shard", "blocks", "ready", "left", "path", "started")
+    __slots__ = ("shard", "blocks", "ready", "left", "path", "started", "skip")
 
     def __init__(self, shard: PlannedShard) -> None:
         self.shard = shard
@@ -66,6 +70,7 @@ class _Entry:
         self.left = shard.uses
         self.path = ""
         self.started = False
+        self.skip = shard.skip
 
 
 class ShardCache:
@@ -78,14 +83,17 @@ class ShardCache:
         cache_bytes: bound on cached plus in-flight shard bytes.
         cache_dir: a local folder shared by the rank's workers, or None (memory).
         worker: this process's DataLoader worker id.
+        max_shards: at most this many shards held at once (fetched ahead or in use),
+            besides the one a read needs; None: only ``cache_bytes`` bounds them.
     """
 
     def __init__(self, fetch: Callable[[str, int, int], concurrent.futures.Future[bytes]],
                  schedule: Iterator[list[PlannedShard]], *, block_bytes: int, cache_bytes: int,
-                 cache_dir: str | None = None, worker: int = 0) -> None:
+                 cache_dir: str | None = None, worker: int = 0, max_shards: int | None = None) -> None:
         self._get, self._schedule = fetch, schedule
         self.block_bytes, self.cache_bytes = block_bytes, cache_bytes
-        self.cache_dir, self.worker = cache_dir, worker
+        self.cache_dir, self.worker, self.max_shards = cache_dir, worker, max_shards
+        self._count = 0             # shards started, not yet dropped
         self._order: list[PlannedShard] = []
         self._next = 0              # first shard of _order not yet started
         self._entries: dict[str, _Entry] = {}
@@ -113,17 +121,27 @@ class ShardCache:
             self._entries = {s.url: _Entry(s) for s in self._order}
             self._left = sum(s.uses for s in self._order)
 
+    def lists(self, url: str) -> bool:
+        """Whether ``url`` is a shard of the current schedule (its ranges are never merged)."""
+        return url in self._entries
+
     def planned(self, url: str) -> bool:
-        """Whether the next range of ``url`` comes from the cache."""
+        """Whether the next range of ``url`` comes from the cache (asked once per range)."""
         if self._left == 0:
             self._take_epoch()
         entry = self._entries.get(url)
-        return entry is not None and entry.left > 0
+        if entry is None:
+            return False
+        if entry.skip > 0:
+            entry.skip -= 1
+            return False
+        return entry.left > 0
 
     # -- fetching ------------------------------------------------------------------------
     def _start(self, entry: _Entry) -> None:
         size, url = entry.shard.size, entry.shard.url
         entry.started = True
+        self._count += 1
         self._held += size
         self.peak_bytes = max(self.peak_bytes, self._held)
         if self.cache_dir is None:
@@ -168,7 +186,8 @@ class ShardCache:
             if entry.started or entry.left == 0:
                 self._next += 1
                 continue
-            if self._held + entry.shard.size > self.cache_bytes:
+            if self._held + entry.shard.size > self.cache_bytes or (
+                    self.max_shards is not None and self._count >= self.max_shards):
                 return
             self._start(entry)
             self._next += 1
@@ -225,6 +244,7 @@ class ShardCache:
 
     def _drop(self, entry: _Entry) -> None:
         self._held -= entry.shard.size
+        self._count -= 1
         if self.cache_dir is None:
             entry.blocks = []
 

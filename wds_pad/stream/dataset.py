@@ -289,7 +289,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             yield from self._iterate_batches(source, fetcher)
             return
         if self.spec.locality is Locality.SHARD:  # whole remote shards, as planned (io/shardcache.py)
-            fetcher.reader.follow(shard_schedule(source), source._worker())
+            fetcher.reader.follow(shard_schedule(source), source._worker(), max_shards=self.spec.window + 1)
         stages, collate = self.stages, self.collation_fn
         batch: list[Any] = []
         refs: list[dict[str, Any]] = []  # the fetched samples: their keys name them in errors

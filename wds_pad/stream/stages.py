@@ -322,29 +322,58 @@ def shard_schedule(source: Any) -> Iterator[list[Any]]:
     while True:
         plan, walk = source.epoch_batches(epoch)
         local = plan.buckets.local
-        picks: dict[int, list[tuple[np.ndarray, int]]] = {}
+        picks: dict[int, list[tuple[np.ndarray, int, int]]] = {}
+        at = 0  # position in the walk, over every dataset and worker
         for k in range(first, len(walk)):
             batch = plan[int(walk[k])]
-            picks.setdefault(plan.datasets.index(batch.dataset), []).append((batch.samples, counter % nw))
+            picks.setdefault(plan.datasets.index(batch.dataset), []).append(
+                (batch.samples, counter % nw, at, batch.step))
+            at += batch.samples.size
             counter += 1
         out: list[tuple[int, PlannedShard]] = []
         for di, items in picks.items() if local is not None else ():
             ix = spec.indexes[di]
-            samples = np.concatenate([s for s, _ in items])
-            workers = np.repeat([w for _, w in items], [s.size for s, _ in items])
+            samples = np.concatenate([s for s, _, _, _ in items])
+            sizes = [s.size for s, _, _, _ in items]
+            workers = np.repeat([w for _, w, _, _ in items], sizes)
+            steps = np.repeat([t for _, _, _, t in items], sizes)
+            where = np.concatenate([a + np.arange(s.size) for s, _, a, _ in items])
             shards = np.asarray(ix.shard[samples], dtype=np.int64)
-            own = np.isin(shards, local.rank_shards(di))
-            shards, workers, where = shards[own], workers[own], np.flatnonzero(own)
+            mine_shards = local.rank_shards(di)
+            own = np.isin(shards, mine_shards)
+            shards, workers, where, steps = shards[own], workers[own], where[own], steps[own]
+            in_span = _in_window(shards, steps, mine_shards, plan.shard_window, local.window_of_step(di, steps))
             infos, urls = ix.shards, ix.urls
             for s in np.unique(shards).tolist():
                 sel = shards == s
-                mine = sel & (workers == wid)
-                if not mine.any():
+                mine = np.flatnonzero(sel & (workers == wid))  # this worker's uses, in order
+                held = mine[in_span[mine]]
+                if not held.size:
                     continue
-                out.append((int(where[np.argmax(mine)]) + di * (1 << 40), PlannedShard(
-                    url=urls[s], size=int(infos[s].size), uses=int(mine.sum()),
-                    users=frozenset(np.unique(workers[sel]).tolist()), key=f"{fp}:{epoch}:{rank}")))
+                lo, hi = int(np.searchsorted(mine, held[0])), int(np.searchsorted(mine, held[-1])) + 1
+                users = np.unique(workers[sel & in_span]).tolist()
+                out.append((int(where[held[0]]), PlannedShard(
+                    url=urls[s], size=int(infos[s].size), uses=hi - lo, users=frozenset(users),
+                    key=f"{fp}:{epoch}:{rank}", skip=lo)))
         yield [p for _, p in sorted(out, key=lambda t: t[0])]
         if spec.mode is not Mode.STEPS:
             return
         epoch, first = epoch + 1, 0
+
+
+def _in_window(shards: np.ndarray, steps: np.ndarray, visit: np.ndarray, window: int,
+               step_window: np.ndarray) -> np.ndarray:
+    """For a rank's own-shard reads: is each read at a step of its shard's window?
+
+    The plan gives window w of the rank's visit order a span of steps, and takes a
+    bucket's entries at those steps from w's shards, but for the few that the shards'
+    bucket counts cannot match (a bucket with fewer batches than windows, or more
+    samples in w than steps for them): those are read singly, so a shard is held only
+    while its window's steps run, and with the next shards fetched ahead at most about
+    ``window + 2`` shards are held at once.
+    """
+    if not shards.size:
+        return np.zeros(0, bool)
+    pos_in_visit = np.zeros(int(max(visit.max(initial=0), shards.max())) + 1, np.int64)
+    pos_in_visit[visit] = np.arange(visit.size)
+    return pos_in_visit[shards] // window == step_window
