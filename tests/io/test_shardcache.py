@@ -172,7 +172,6 @@ def test_two_workers_fetch_each_shard_once_per_rank(proxied: tuple[Any, Any], tm
     """Workers share whole shards through a folder (cache_dir, or by default one in the
     temporary directory named after their parent process): one fetch per rank."""
     proxy, index = proxied
-    import numpy as np
     folder = tmp_path / "cache" if shared == "cache_dir" else None
     ds = dataset(index, read_options=ReadOptions(block_bytes=BLOCK, cache_dir=folder and str(folder)))
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)

@@ -7,9 +7,12 @@ drawn so that a DP rank reads its samples from a few whole shards:
 1. each epoch, a dataset's shards are shuffled from (seed, epoch, dataset) and dealt to
    the DP ranks as contiguous runs of that order, balanced by bytes (each rank within one
    shard of ``total / dp_size``); the run is also the order in which the rank visits them;
-2. a rank's shards are cut into windows of ``window`` shards; inside a window the
-   samples of each bucket are shuffled (one keyed permutation per window and pass, so
-   with repeats every pass of a window is read while the window is open);
+2. a rank's shards are cut into windows of ``window`` shards, and window w gets a span
+   of the epoch's global steps, its share of the rank's samples; the rank's entries of a
+   bucket at w's steps are that bucket's samples in w's shards ("pool": 1 + repeats
+   passes, each shuffled by one keyed permutation per window and pass). Where a pool is
+   larger than its steps ask for, the rest ("spill") fills, in order, the windows whose
+   pools are short; what spills beyond the rank's need is its surplus;
 3. bucket b needs ``r_d`` real entries on rank d (the positions ``d + k * dp_size`` below
    the bucket's unpadded length, exactly as for ``none``) while the rank owns ``o_d``
    entries of it. A rank with ``o_d > r_d`` keeps its first ``r_d`` and gives the rest
@@ -27,10 +30,11 @@ times) and everything after it — padding, the split across ranks, the epoch sc
 is the code of ``none``: invariants 1-7 hold unchanged. Everything is integer numpy
 arithmetic on keys from :func:`~wds_pad.core.seed.derive_seed` (invariant 4).
 
-Cost: setting up an epoch is O(buckets x shards) per rank (each bucket's per-shard
-counts: binary searches in an index's shard column, whose rows are grouped by bucket and
-then shard; a plain Dataset with a shard map sorts each bucket once, O(samples)); a
-batch costs O(batch size x log(shards)).
+Cost: setting up an epoch is O(buckets x shards + steps) per rank (each bucket's
+per-shard counts: binary searches in an index's shard column, whose rows are grouped by
+bucket and then shard; a plain Dataset with a shard map sorts each bucket once,
+O(samples)); a batch costs O(batch size x log(shards)). The shard cache's schedule
+(stream/stages.py ``shard_schedule``) costs O(the rank's share) per epoch.
 
 The planner needs each sample's shard: an Index (``shard`` column and shard table) or a
 :class:`ShardMap` around a Dataset. Anything else is a ConfigError that names the fix.
@@ -280,7 +284,6 @@ class _LocalBucket:
         kept = j < self.keep[d]
         spill = np.where(kept, 0, self.d_tot[d] + j - self.keep[d])
         if kept.any():
-            base = self.q_glob[self.dealt.win_base[d[kept]]] - 0
             rank_base = np.zeros(self.dp + 1, np.int64)
             np.cumsum(self.keep, out=rank_base[1:])
             pos = rank_base[d[kept]] + j[kept]
@@ -290,7 +293,6 @@ class _LocalBucket:
             res = np.empty(g.size, np.int64)
             if inside.any():
                 res[inside] = self._pool_entries(g[inside], i[inside])
-            del base
             sel = np.flatnonzero(kept)
             out[sel] = res
             outside = sel[~inside]
