@@ -18,7 +18,6 @@ import webdataset as wds
 from wds_pad import BucketedWebDataset, StaleShardError, Topology
 from wds_pad.index.build import build_index
 from wds_pad.stream import batchread
-from wds_pad.stream.packed import SampleBatch
 
 
 def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -90,7 +89,7 @@ def test_fast_path_equals_exact_path(shards: list[str], tmp_path: Path, monkeypa
     _exact(monkeypatch)
     exact = list(_dataset(str(tmp_path / "i.wdsidx")))
     assert _as_plain(fast) == _as_plain(exact)  # same dicts, same key order
-    assert all(type(b) is SampleBatch for b in fast)
+    assert all(type(b) is list for b in fast)
     ref = {(u, k): s for u, k, s in ((s["__url__"], s["__key__"], s) for s in wds.WebDataset(shards, shardshuffle=False))}
     for b in fast:
         for s in b:
@@ -154,3 +153,14 @@ def test_plan_batches_equal_plan_items(tmp_path: Path) -> None:
         assert [(b.index, b.step, b.bucket, b.dataset, b.epoch) for b in got] == \
             [(b.index, b.step, b.bucket, b.dataset, b.epoch) for b in want]
         assert all(np.array_equal(a.samples, b.samples) and np.array_equal(a.pad, b.pad) for a, b in zip(got, want))
+
+
+def test_workers_deliver_the_fast_path_batches(tmp_path: Path) -> None:
+    from wds_pad import Loader
+
+    urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "mixed") for k in range(3)]
+    build_index(urls, "aspect:width,height", output=str(tmp_path / "i.wdsidx"))
+    inline = list(Loader(_dataset(str(tmp_path / "i.wdsidx")), num_workers=0))
+    workers = list(Loader(_dataset(str(tmp_path / "i.wdsidx")), num_workers=2))
+    assert _as_plain(workers) == _as_plain(inline)
+    assert len(inline) == len(_dataset(str(tmp_path / "i.wdsidx")))
