@@ -40,12 +40,9 @@ from ..io.options import ReadOptions, ReadStats
 from ..core.seed import shared_seed
 from .agreement import check_agreement
 from .batchread import BatchCache, BatchReader
-from .batchread import BatchCache, BatchReader
 from .collate import run_collation
 from .fetch import Counters, fetch, substitute
 from .live import OpenIterators, refuse_resplitting
-from .packed import SampleBatch
-from .packed import SampleBatch
 from .stages import PlannedSource, PlanSpec, Position, batch_refs, shard_schedule
 from ..state import ElasticView, epoch_length, make_state, restore
 from ..core.topology import Topology
@@ -330,30 +327,6 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             else:
                 batch_samples = samples
             out = run_collation(collate, batch_samples, _where(samples))
-            if type(out) is list:
-                out = SampleBatch(out)  # pickles at about memcpy cost into the trainer process
-            self._advance((batch.epoch, j))
-            yield out
-
-    def _iterate_batches(self, source: PlannedSource, fetcher: Any) -> Iterator[Any]:
-        """Local shards: batch by batch, through the member table where it records the
-        samples (batchread.py), else (or when anything differs) on the exact path."""
-        spec, stages, collate = self.spec, self.stages, self.collation_fn
-        info = get_worker_info()
-        fast = BatchReader(fetcher.reader, spec.names, spec.indexes)
-        cache = BatchCache(1 if info is None else info.num_workers)
-        for plan, j in source.batches():
-            batch = cache.get(plan, j)
-            samples = fast.read(batch)
-            if samples is None:
-                samples = list(fetcher(iter(batch_refs(spec, plan, j, batch))))
-            if not samples:
-                continue
-            if stages:
-                batch_samples = [self._transform(sample, fetcher) for sample in samples]
-            else:
-                batch_samples = samples
-            out = run_collation(collate, batch_samples, _where(samples))
             self._advance((batch.epoch, j))
             yield out
 
@@ -409,24 +382,6 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             ref = {**sample, "__offset__": -1, "__length__": 0}
             alt = substitute(self.spec, fetcher.reader, ref, self.counters, message)
             return apply_stages(self.stages, alt)
-
-
-_LOCAL: dict[str, bool] = {}
-
-
-def _all_local(spec: PlanSpec, reader: Any) -> bool:
-    """Whether every shard of the spec's indexes is a local file (the batch-wise path)."""
-    for ix in spec.indexes:
-        for url in ix.urls:
-            local = _LOCAL.get(url)
-            if local is None:
-                try:
-                    local = _LOCAL[url] = bool(reader._target(url).local)
-                except Exception:  # noqa: BLE001 - the exact path reports it where it is read
-                    return False
-            if not local:
-                return False
-    return True
 
 
 _LOCAL: dict[str, bool] = {}
