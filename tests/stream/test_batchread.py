@@ -164,3 +164,36 @@ def test_workers_deliver_the_fast_path_batches(tmp_path: Path) -> None:
     workers = list(Loader(_dataset(str(tmp_path / "i.wdsidx")), num_workers=2))
     assert _as_plain(workers) == _as_plain(inline)
     assert len(inline) == len(_dataset(str(tmp_path / "i.wdsidx")))
+
+
+def test_loader_widens_the_workers_pipe() -> None:
+    import fcntl
+    import types
+
+    from wds_pad.stream.loader import _PIPE_BYTES, _widen_pipe
+
+    r, w = os.pipe()
+    try:
+        fake = types.SimpleNamespace(_worker_result_queue=types.SimpleNamespace(
+            _reader=types.SimpleNamespace(fileno=lambda: r)))
+        _widen_pipe(fake)
+        assert fcntl.fcntl(r, getattr(fcntl, "F_GETPIPE_SZ", 1032)) == _PIPE_BYTES
+        _widen_pipe(object())  # another torch: nothing happens
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_large_local_samples_need_no_read_ahead_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from wds_pad import ReadOptions
+    from wds_pad.stream import fetch as fetch_mod
+
+    monkeypatch.setattr(fetch_mod, "BIG_SAMPLE", 1)  # every sample "large" on the exact path
+    _exact(monkeypatch)
+    urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "plain") for k in range(2)]
+    index = build_index(urls, "aspect:width,height")
+    before = threading.active_count()
+    assert sum(len(b) for b in _dataset(index, read_options=ReadOptions(local_threads=2))) == len(index)
+    assert threading.active_count() == before

@@ -555,7 +555,7 @@ def test_dropped_iterator_leaves_no_threads_and_epochs_leak_no_descriptors(mixed
     assert stats.bytes == int(mixed.length[ids].sum())
     it = iter(ds)
     next(it), next(it)
-    assert _read_ahead_threads()
+    assert not _read_ahead_threads()  # large local samples are read inline: no thread to stop
     del it
     gc.collect()
     deadline = time.monotonic() + 5
