@@ -143,6 +143,15 @@ class BatchReader:
                 data = pread(fd, nb, o)
                 if len(data) != nb:
                     return None
+                if cnt == 2:  # the common shape (a payload and its .json), unrolled
+                    h, h2 = heads[m], heads[m + 1]
+                    if not (data.startswith(kd, h) and data.startswith(kd, h2)):
+                        return None
+                    d[ext_names[m]] = data[h + 512 : h + 512 + size_list[m]]
+                    d[ext_names[m + 1]] = data[h2 + 512 : h2 + 512 + size_list[m + 1]]
+                    m += 2
+                    append(d)
+                    continue
                 for m in range(m, m + cnt):
                     h = heads[m]
                     if not data.startswith(kd, h):
