@@ -9,8 +9,7 @@ times every contender in turn (round robin, best of ``--repeat``):
   (per payload for large samples), a webdataset sample dict each;
 * ``wds_pad exact path``  the same batches with the member table ignored: every sample's
   tar headers parsed again (the path of indexes without a member table, and what every
-  sample took before it); ``..., inline`` the same with ``local_threads=0`` (large samples
-  only differ: their read-ahead threads);
+  sample took before it);
 * ``wds_pad Loader(2)``  the same through ``Loader(ds, num_workers=2)``;
 * ``wds_pad stages, checked`` / ``unchecked``  the raw stages ``PlannedSource -> fetch ->
   plan_batched`` with and without the indexes handed to ``fetch`` (the shard check);
@@ -166,14 +165,13 @@ def run_case(label: str, urls: list[str], index: Index, batch_size: int, repeat:
                                   seed=0, check_agreement=False,
                                   read_options=ReadOptions(**read) if read else None)
 
-    ds, inline = dataset(), dataset(local_threads=0)
+    ds = dataset()
     plan = ds.plan()
     ids = np.concatenate([b.samples for b in plan])
     planned, planned_bytes = int(ids.size), int(index.length[ids].sum())
     contenders: dict[str, tuple[Any, int, int]] = {
         "wds_pad direct": (lambda: ours_direct(ds), planned, planned_bytes),
         "wds_pad exact path": (lambda: ours_exact(ds), planned, planned_bytes),
-        "wds_pad exact path, inline": (lambda: ours_exact(inline), planned, planned_bytes),
         "wds_pad Loader(2)": (lambda: ours_loader(ds, 2), planned, planned_bytes),
         "wds_pad stages, checked": (lambda: ours_stages(ds, True), planned, planned_bytes),
         "wds_pad stages, unchecked": (lambda: ours_stages(ds, False), planned, planned_bytes),
