@@ -1,7 +1,9 @@
 """Scale tests of the planner: one rank's memory is O(its share), not O(samples).
 
 Each measurement runs in a fresh subprocess over a synthetic index of 10^6-10^7 samples
-(tools/make_index.py, in tmp_path): ``ru_maxrss`` after the imports, then after
+(tools/make_index.py, in tmp_path): the peak RSS (``VmHWM``, the subprocess's own
+high-water mark; ``ru_maxrss`` would start at the RSS of the forking test process,
+which Linux carries across exec) after the imports, then after
 ``load_index`` + ``plan_epoch`` + a few batches; the difference is the planner's extra
 peak RSS. Never wall time. The eager path (the ids of every bucket in explicit arrays,
 what ``Index.to_dataset()`` built before format version 2) is measured the same way,
@@ -24,17 +26,22 @@ pytestmark = pytest.mark.slow
 BOUND_MB = 24  # what a rank may add for 10^3 entries of its own, whatever the number of samples
 
 _MEASURE = r"""
-import json, resource, sys
+import json, sys
 import numpy as np
 from wds_pad import Dataset, Topology, load_index, plan_epoch
+
+def peak_kb():  # this process image's own high-water mark: ru_maxrss would start at the
+    with open("/proc/self/status") as f:  # RSS the forking parent had (Linux keeps it across exec)
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
 path, world, eager = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "eager"
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_kb()
 index = load_index(path, verify=False)  # (a file under 256 MiB is digest-checked by default: every page read)
 source = Dataset(index.name, index.bucket_samples()) if eager else index
 plan = plan_epoch(source, Topology(world, world // 2 + 3), seed=7, batch_size=4, warn=False)
 firsts = [plan[i].samples.size for i in range(min(3, len(plan)))]
 share = int(plan.samples.size)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = peak_kb()
 print(json.dumps({"extra_mb": (after - before) / 1024, "share": share, "batches": len(plan), "firsts": firsts}))
 """
 

@@ -151,7 +151,14 @@ def test_resume_reads_only_what_the_first_batch_needs(index: Index, monkeypatch:
                 yield url, offset, length
         return original(self, spy())
 
+    real_pread = os.pread
+
+    def pread(fd: int, n: int, offset: int) -> bytes:  # the batch-wise local path reads with pread
+        read.append(offset)
+        return real_pread(fd, n, offset)
+
     monkeypatch.setattr(read_mod.RangeReader, "read_many", counting)
+    monkeypatch.setattr(os, "pread", pread)
     state = make_ds(index, batch_size=4).state_dict()
     resumed = make_ds(index, batch_size=4)
     resumed.load_state_dict(dict(state, index=k))
