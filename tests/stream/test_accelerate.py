@@ -97,12 +97,14 @@ else:
         out["keys"].append([s["__key__"] for s in batch])
 out["weight"] = float(acc.unwrap_model(model).weight.sum())
 acc.wait_for_everyone()
-print(json.dumps(out))
+# a file per rank: the ranks share the launcher's stdout, where two lines can interleave
+with open(f"result-{phase}-{acc.process_index}.json", "w") as f:
+    json.dump(out, f)
 """
 
 
 def _accelerate_launch(tmp_path: Path, args: list[str], timeout: float = 150.0) -> list[dict]:
-    """``accelerate launch --multi_gpu --num_processes 2`` on loopback, CPU ranks; every rank's JSON line."""
+    """``accelerate launch --multi_gpu --num_processes 2`` on loopback, CPU ranks; every rank's result."""
     script = tmp_path / "acc_job.py"
     script.write_text(_JOB)
     launcher = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
@@ -122,7 +124,8 @@ def _accelerate_launch(tmp_path: Path, args: list[str], timeout: float = 150.0) 
         out, err = proc.communicate()
         raise AssertionError(f"accelerate launch timed out:\n{out.decode()[-3000:]}\n{err.decode()[-3000:]}")
     assert proc.returncode == 0, f"accelerate launch failed:\n{out.decode()[-3000:]}\n{err.decode()[-5000:]}"
-    rows = [json.loads(line) for line in out.decode().splitlines() if line.startswith('{"rank"')]
+    phase = args[2]
+    rows = [json.loads((tmp_path / f"result-{phase}-{r}.json").read_text()) for r in range(2)]
     return sorted(rows, key=lambda r: r["rank"])
 
 
