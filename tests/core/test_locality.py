@@ -150,3 +150,152 @@ def test_refusals_name_the_fix(kwargs: dict[str, Any], match: str) -> None:
 def test_a_shard_map_must_cover_every_sample_id() -> None:
     with pytest.raises(ConfigError, match="one shard number per sample id"):
         ShardMap(Dataset("d", {0: np.arange(10)}), np.zeros(5, np.int64))
+
+
+# -- the sparse per-bucket shard tables keep the plan bitwise (issue 14) --------------------
+# Inputs built by integer arithmetic only (no RNG stream that a numpy release could
+# change), planned for every rank and three epochs; the digests were computed with the
+# dense per-shard tables (every bucket holding arrays of length shards + 1) before they
+# were made sparse, so a digest that changes is a plan that changed.
+
+def _mix_ids(n: int, mult: int, mod: int) -> np.ndarray:
+    return (np.arange(n, dtype=np.int64) * mult + (np.arange(n, dtype=np.int64) >> 3)) % mod
+
+
+def _grouped(counts: list[int], shards: int, stride: int) -> tuple[Dataset, np.ndarray]:
+    """IdRange buckets whose rows are sorted by shard within each bucket (an index's layout)."""
+    from wds_pad import IdRange
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    col = np.concatenate([np.sort(_mix_ids(c, stride + 2 * b, shards)) for b, c in enumerate(counts)])
+    return Dataset("g", {f"b{b}": IdRange(int(starts[b]), int(starts[b + 1])) for b in range(len(counts))}), col
+
+
+def _golden_case(name: str) -> tuple[list[Any], dict[str, Any]]:
+    if name == "arrays":  # explicit id arrays, shards interleaved, byte sizes given
+        n, s = 5000, 300
+        bucket = _mix_ids(n, 7919, 7)
+        ds = Dataset("a", {k: np.flatnonzero(bucket == k) for k in range(7)}, repeats=1)
+        sizes = 1000 + _mix_ids(s, 104729, 5000)
+        return [ShardMap(ds, _mix_ids(n, 104723, s), shard_bytes=sizes)], dict(dp=8, bs=4, window=3, policy="cyclic")
+    if name == "grouped-many-shards":  # buckets smaller than the shard count
+        ds, col = _grouped([40, 300, 7, 1200, 90, 2], 2000, 611)
+        return [ShardMap(ds, col, shard_bytes=np.full(2000, 10**6), grouped=True)], \
+            dict(dp=16, bs=2, window=8, policy="drop", oversubscribe=True)
+    if name == "grouped-few-shards":  # buckets much larger than the shard count
+        ds, col = _grouped([3000, 500, 1700, 60], 20, 7)
+        return [ShardMap(ds, col, grouped=True)], dict(dp=4, bs=8, window=2, policy="none")
+    if name == "grouped-gaps":  # shards without samples, zero-byte shards, grouped ids
+        ds, col = _grouped([800, 333, 41], 64, 13)
+        col = col * 3 % 190  # no longer sorted: planned from arrays, with gaps in the shard numbers
+        sizes = np.where(np.arange(190) % 4 == 0, 0, 777)
+        return [ShardMap(ds, col, shard_bytes=sizes)], dict(dp=5, bs=3, window=4, policy="cyclic")
+    if name == "two-datasets":
+        ga, cola = _grouped([900, 120, 45], 150, 31)
+        n = 2500
+        bucket = _mix_ids(n, 31337, 4)
+        b = Dataset("b", {k: np.flatnonzero(bucket == k) for k in range(4)}, repeats=2, weight=2.0)
+        return [ShardMap(ga, cola, grouped=True), ShardMap(b, _mix_ids(n, 8191, 77))], \
+            dict(dp=6, bs=4, window=5, policy="cyclic", oversubscribe=True)
+    if name == "one-rank":
+        ds, col = _grouped([700, 50], 30, 3)
+        return [ShardMap(ds, col, grouped=True)], dict(dp=1, bs=5, window=1, policy="drop")
+    raise KeyError(name)
+
+
+def _plan_digest(name: str) -> str:
+    import hashlib
+    raw, cfg = _golden_case(name)
+    dp = cfg.pop("dp")
+    bs = cfg.pop("bs")
+    h = hashlib.sha256()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DroppedBucketWarning)
+        for epoch in range(3):
+            for d in range(dp):
+                p = plan_epoch(raw, Topology(dp, d), seed=0x5EED + epoch, epoch=epoch, batch_size=bs,
+                               locality="shard", **cfg)
+                for arr in (p.samples, p.pad, p.offsets, p.batch_step):
+                    h.update(np.ascontiguousarray(arr).astype(np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+GOLDEN = {
+    "arrays": "4e461fac5376e852",
+    "grouped-many-shards": "1131e49bc0b0e729",
+    "grouped-few-shards": "6d3550038ad82606",
+    "grouped-gaps": "079976a83f7726d9",
+    "two-datasets": "1be51ec3eb5f23ae",
+    "one-rank": "1dbf9d50d611c0ad",
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_shard_plans_are_bitwise_the_ones_of_the_dense_tables(name: str) -> None:
+    assert _plan_digest(name) == GOLDEN[name]
+
+
+def _dense_reference(ids: Any, bk: Any, shard: np.ndarray, nshards: int) -> tuple[np.ndarray, np.ndarray]:
+    """(win_samples, every pool entry per window) from the dense per-shard tables, the
+    straightforward way: each bucket's rows sorted by shard, cumulated in visit order."""
+    from wds_pad.core.locality import _window_keys
+    from wds_pad.core.permute import permute
+    dealt = bk.dealt
+    arr = np.asarray(ids, dtype=np.int64)
+    of = shard[arr]
+    order = np.argsort(of, kind="stable")
+    sorted_ids = arr[order]
+    start = np.searchsorted(of[order], np.arange(nshards + 1), side="left")
+    counts_v = np.diff(start)[dealt.visit]
+    cum = np.concatenate([[0], np.cumsum(counts_v)])
+    win_samples = np.diff(cum[dealt.win_start])
+    out = []
+    for g in range(win_samples.size):
+        n_w = int(win_samples[g])
+        u = np.arange(n_w * bk.passes, dtype=np.int64)
+        if not u.size:
+            out.append(np.zeros(0, np.int64))
+            continue
+        gg = np.full(u.size, g, np.int64)
+        t = permute(u % n_w, np.full(u.size, n_w), _window_keys(bk.base_key, gg * bk.passes + u // n_w))
+        vpos = cum[dealt.win_start[g]] + t
+        i = np.searchsorted(cum, vpos, side="right") - 1
+        out.append(sorted_ids[start[dealt.visit[i]] + vpos - cum[i]])
+    return win_samples, np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+@st.composite
+def grouped_cases(draw: Any) -> dict[str, Any]:
+    """IdRange buckets with each bucket's rows in shard order (an index's layout)."""
+    from wds_pad import IdRange
+    shards = draw(st.integers(1, 200))
+    counts = draw(st.lists(st.integers(0, 300), min_size=1, max_size=5))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    spread = draw(st.integers(1, shards))  # a bucket's samples sit in a few shards, or in many
+    col = np.concatenate([np.sort(rng.integers(0, spread, c) * (shards // spread) % shards) for c in counts]
+                         ).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    ds = Dataset("g", {b: IdRange(int(starts[b]), int(starts[b + 1])) for b in range(len(counts))},
+                 repeats=draw(st.integers(0, 2)))
+    sizes = rng.integers(1, 10**6, shards) if draw(st.booleans()) else np.ones(shards, np.int64)
+    return dict(sm=ShardMap(ds, col, shard_bytes=sizes, grouped=True), shard=col, dp=draw(st.integers(1, 12)),
+                bs=draw(st.integers(1, 6)), seed=draw(st.integers(0, 2**64 - 1)), epoch=draw(st.integers(0, 3)),
+                window=draw(st.integers(1, 5)), policy=draw(st.sampled_from(["cyclic", "drop", "none"])),
+                oversubscribe=draw(st.booleans()), sizes=sizes)
+
+
+@PROPERTY
+@given(st.one_of(cases(), grouped_cases()), st.data())
+def test_window_pools_are_the_dense_tables_ones(c: dict[str, Any], data: Any) -> None:
+    d = data.draw(st.integers(0, c["dp"] - 1))
+    p = plan_epoch(c["sm"], Topology(c["dp"], d), seed=c["seed"], batch_size=c["bs"], epoch=c["epoch"],
+                   policy=c["policy"], oversubscribe=c["oversubscribe"], locality="shard", window=c["window"],
+                   warn=False)
+    nshards = int(p.buckets.local.dealt[0].visit.size)
+    for j, bk in enumerate(p.buckets.local.buckets):
+        win_samples, pool = _dense_reference(p.buckets.ids[j], bk, c["shard"], nshards)
+        assert np.array_equal(bk.win_samples, win_samples)
+        g = np.repeat(np.arange(win_samples.size, dtype=np.int64), win_samples * bk.passes)
+        u = np.arange(g.size, dtype=np.int64) - np.repeat(np.cumsum(win_samples * bk.passes) - win_samples * bk.passes,
+                                                          win_samples * bk.passes)
+        got = bk._pool_entries(g, u) if g.size else np.zeros(0, np.int64)
+        assert np.array_equal(got, pool)
