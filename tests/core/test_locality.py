@@ -299,3 +299,55 @@ def test_window_pools_are_the_dense_tables_ones(c: dict[str, Any], data: Any) ->
                                                           win_samples * bk.passes)
         got = bk._pool_entries(g, u) if g.size else np.zeros(0, np.int64)
         assert np.array_equal(got, pool)
+
+
+_SCALE = r"""
+import json
+import numpy as np
+from wds_pad import Dataset, IdRange, Topology, plan_epoch
+from wds_pad.core.locality import ShardMap
+
+def peak_kb():  # this process's own high-water mark (see tests/core/test_plan_scale.py)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+buckets, shards, per_bucket = 1000, 100_000, 10_000
+# each bucket's rows in shard order (an index's layout), spread over 10^4 of the 10^5 shards
+col = np.tile((np.arange(per_bucket, dtype=np.int64) * shards // per_bucket).astype(np.int32), buckets)
+ds = Dataset("d", {b: IdRange(b * per_bucket, (b + 1) * per_bucket) for b in range(buckets)})
+sm = ShardMap(ds, col, shard_bytes=np.full(shards, 10**8, np.int64), grouped=True)
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # restart VmHWM at the current RSS
+except OSError:
+    pass
+before = peak_kb()
+plan = plan_epoch(sm, Topology(64, 0), seed=7, batch_size=4, locality="shard", warn=False)
+first = [plan[i].samples.size for i in (0, len(plan) // 2, len(plan) - 1)]
+after = peak_kb()
+print(json.dumps({"extra_mb": (after - before) / 1024, "batches": len(plan), "first": first,
+                  "foreign": plan.buckets.local.foreign()}))
+"""
+
+
+@pytest.mark.slow
+def test_setting_up_a_shard_plan_costs_the_shards_that_hold_samples_not_buckets_x_shards() -> None:
+    """Rank 0 of dp 64 over 1,000 buckets x 100,000 shards (10^7 samples, each bucket in
+    10^4 shards). Dense per-shard tables (row starts, counts and cumulated counts per
+    shard, int64, per kept bucket) would need 24 B x 1,000 x 100,001 = 2.3 GiB; the sparse
+    ones need 12 B per (bucket, shard holding samples of it) = 10^7 pairs, 115 MiB, beside
+    the dense per-window tables (6 x 8 B x 12,500 windows x 1,000 buckets, 572 MiB) and
+    temporaries of one bucket at a time. Peak RSS over the setup, never wall time."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _SCALE], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=str(root)))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["batches"] == 1000 * -(-10_000 // (64 * 4)) and got["first"] == [4, 4, 4], got
+    dense_mb = 24 * 1000 * 100_001 / 2**20
+    assert got["extra_mb"] < dense_mb / 2, got  # measured: ~700 MB (was ~3,160 MB with dense tables)

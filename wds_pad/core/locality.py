@@ -30,10 +30,12 @@ times) and everything after it — padding, the split across ranks, the epoch sc
 is the code of ``none``: invariants 1-7 hold unchanged. Everything is integer numpy
 arithmetic on keys from :func:`~wds_pad.core.seed.derive_seed` (invariant 4).
 
-Cost: setting up an epoch is O(buckets x shards + steps) per rank (each bucket's
-per-shard counts: binary searches in an index's shard column, whose rows are grouped by
-bucket and then shard; a plain Dataset with a shard map sorts each bucket once,
-O(samples)); a batch costs O(batch size x log(shards)). The shard cache's schedule
+Cost: setting up an epoch is O(shards + buckets x (windows + dp) + steps) per rank plus,
+per bucket, O(min(its rows, shards x log(rows))) time and O(the shards holding its
+samples) memory: a bucket keeps only those shards, in visit order (found by a scan of its
+rows in an index's shard column, whose rows are grouped by bucket and then shard, or by a
+binary search per shard where the bucket is large; a plain Dataset with a shard map
+sorts each bucket once, O(samples)); a batch costs O(batch size x log(shards)). The shard cache's schedule
 (stream/stages.py ``shard_schedule``) costs O(the rank's share) per epoch.
 
 The planner needs each sample's shard: an Index (``shard`` column and shard table) or a
@@ -56,6 +58,7 @@ from .seed import derive_rng, derive_seed
 __all__ = ["Locality", "LocalityFigures", "ShardMap", "figures", "shard_map_of"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_SCAN_FACTOR = 4  # a bucket of up to 4 x shards rows finds its shards by one scan of its rows
 
 
 class Locality(str, Enum):
@@ -189,14 +192,52 @@ class _DealtDataset:
         # visit position where each global window starts (plus the end)
         starts = [self.rank_start[d] + window * np.arange(int(nwin[d]), dtype=np.int64) for d in range(dp)]
         self.win_start = np.concatenate(starts + [np.asarray([s], np.int64)]).astype(np.int64)
+        self.visit_pos = np.empty(s, np.int64)  # shard number -> its visit position
+        self.visit_pos[self.visit] = np.arange(s, dtype=np.int64)
+        self.rank_of = np.repeat(np.arange(dp, dtype=np.int64), nwin)  # rank of each global window
         self.layout = layout
+
+
+def _runs(of: np.ndarray, s: int, scan: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(shard, first row, rows) of each run of equal shard numbers in the sorted ``of``.
+
+    O(min(rows, shards x log rows)): a scan of the rows where they are few (or ``scan``:
+    already in memory), else a binary search per shard number (an index's memory-mapped
+    column is then read at O(shards) places, not in full).
+
+    Raises:
+        ConfigError: a shard number outside [0, s).
+    """
+    n = int(of.size)
+    if n and (int(of[0]) < 0 or int(of[-1]) >= s):
+        bad = int(of[0]) if int(of[0]) < 0 else int(of[-1])
+        raise ConfigError(f"a sample's shard number {bad} is outside the {s} shards of its map "
+                          f"(expected 0 <= shard < {s}): give shard_bytes for every shard number")
+    if scan or n <= _SCAN_FACTOR * s:
+        first = np.flatnonzero(np.r_[n > 0, of[1:] != of[:-1]]) if n else np.zeros(0, np.int64)
+        first = first.astype(np.int64)
+        shard = np.asarray(of[first], dtype=np.int64)
+    else:
+        start = np.searchsorted(of, np.arange(s + 1), side="left").astype(np.int64)
+        shard = np.flatnonzero(np.diff(start)).astype(np.int64)
+        first = start[shard]
+    counts = np.diff(np.append(first, n)).astype(np.int64)
+    return shard, first, counts
+
+
+def _narrow(a: np.ndarray, top: int) -> np.ndarray:
+    """``a`` (values in [0, top]) as int32 where it fits: the sparse tables are O(samples)."""
+    return a.astype(np.int32) if top < 2**31 - 1 else a.astype(np.int64)
 
 
 class _LocalBucket:
     """Kept bucket b's per-shard, per-window and per-rank counts (see the module doc).
 
     Built in two steps: the per-shard counts (``__init__``), then, once every bucket's
-    counts give the windows' step spans, the time tables (``align``).
+    counts give the windows' step spans, the time tables (``align``). The per-shard table
+    is sparse: only the shards holding samples of b, in visit order (``v_pos``, their
+    first row ``v_row`` in ``sorted_ids``, the samples before each ``v_cum``), so a bucket
+    costs O(its shards), not O(shards); the per-window and per-rank tables are dense.
     """
 
     def __init__(self, dealt: _DealtDataset, ids: Any, passes: int, m: int, length: int,
@@ -204,21 +245,22 @@ class _LocalBucket:
         sh, s = dealt.layout.shard, int(dealt.layout.shard_bytes.size)
         if isinstance(ids, IdRange) and dealt.layout.grouped:
             self.sorted_ids = ids
-            of = np.asarray(sh[ids.start:ids.stop])
-            self.start = np.searchsorted(of, np.arange(s + 1), side="left").astype(np.int64)
+            nz_shard, nz_start, nz_count = _runs(np.asarray(sh[ids.start:ids.stop]), s)
         else:
             arr = np.asarray(ids, dtype=np.int64)
             of = np.asarray(sh[arr])
-            if of.size and int(of.max()) >= s:
-                raise ConfigError(f"a sample's shard number {int(of.max())} is past the {s} shards of its map")
             order = np.argsort(of, kind="stable")
             self.sorted_ids = arr[order]
-            self.start = np.searchsorted(of[order], np.arange(s + 1), side="left").astype(np.int64)
-        self.counts_v = np.diff(self.start)[dealt.visit]   # samples per visit position
-        self.cum = np.zeros(s + 1, np.int64)              # samples before each visit position
-        np.cumsum(self.counts_v, out=self.cum[1:])
-        self.win_samples = np.diff(self.cum[dealt.win_start])
-        own = (self.cum[dealt.rank_start[1:]] - self.cum[dealt.rank_start[:-1]]) * passes
+            nz_shard, nz_start, nz_count = _runs(of[order], s, scan=True)
+        vis = dealt.visit_pos[nz_shard]
+        o = np.argsort(vis, kind="stable")
+        self.v_pos = _narrow(vis[o], s)                    # visit positions holding samples of b
+        self.v_row = _narrow(nz_start[o], self.sorted_ids.size)  # their first row in sorted_ids
+        self.v_cum = np.zeros(o.size + 1, np.int64)        # samples before each of them
+        np.cumsum(nz_count[o], out=self.v_cum[1:])
+        self.v_cum = _narrow(self.v_cum, self.sorted_ids.size)
+        self.win_cum = self._cum_at(dealt.win_start)       # samples before each global window
+        own = np.diff(self._cum_at(dealt.rank_start)) * passes
         real = min(m, length)
         d = np.arange(dp, dtype=np.int64)
         self.need = np.maximum(0, -(-(real - d) // dp))
@@ -231,14 +273,33 @@ class _LocalBucket:
         np.cumsum(self.deficit, out=self.deficit_cum[1:])
         self.passes, self.m, self.base_key, self.dealt, self.dp = passes, m, base_key, dealt, dp
 
+    def _cum_at(self, vpos: np.ndarray) -> np.ndarray:
+        """Samples of b at visit positions before each of ``vpos`` (int64)."""
+        return self.v_cum[np.searchsorted(self.v_pos, vpos, side="left")].astype(np.int64)
+
+    @property
+    def win_samples(self) -> np.ndarray:
+        """Samples of b in each global window's shards."""
+        return np.diff(self.win_cum)
+
+    @property
+    def pool(self) -> np.ndarray:
+        """Entries of b each global window's shards hold (every pass)."""
+        return self.win_samples * self.passes
+
+    @property
+    def rank_of(self) -> np.ndarray:
+        """The rank of each global window."""
+        return self.dealt.rank_of
+
     def align(self, win_step: np.ndarray, steps_b: np.ndarray, bs: int) -> None:
         """Time tables: window g's entries are the rank's entries of this bucket at the
         steps of g's span, taken from g's pool; a window's pool left over ("spill")
         fills the others' shortfalls, in order, and the rest is the rank's surplus."""
         dealt, dp = self.dealt, self.dp
-        gw = self.win_samples.size
-        rank_of = np.repeat(np.arange(dp, dtype=np.int64), np.diff(dealt.win_base))
-        pool = self.win_samples * self.passes
+        gw = self.win_cum.size - 1
+        rank_of = dealt.rank_of
+        pool = self.pool
         # own entries of rank d before step t: rank entries before t minus the foreign among them
         k = np.minimum(bs * np.searchsorted(steps_b, win_step[:gw], side="left"), self.need[rank_of])
         q_start = k - _floor_mul_div(k, self.deficit[rank_of], self.need[rank_of])
@@ -254,11 +315,8 @@ class _LocalBucket:
         use = np.minimum(pool, q)
         base = np.zeros(dp + 1, np.int64)
         np.cumsum(self.keep, out=base[1:])
-        self.rank_of = rank_of
         self.q_glob = q_start + base[rank_of]               # monotone over all windows
-        self.use, self.pool, self.q = use, pool, q
-        self.pool_cum = np.zeros(gw + 1, np.int64)
-        np.cumsum(pool, out=self.pool_cum[1:])
+        self.use, self.q = use, q
         dcum, scum = np.zeros(gw + 1, np.int64), np.zeros(gw + 1, np.int64)
         np.cumsum(q - use, out=dcum[1:])
         np.cumsum(pool - use, out=scum[1:])
@@ -269,13 +327,13 @@ class _LocalBucket:
 
     def _pool_entries(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
         """Sample ids of pool entries u of global windows g: pass-major, shuffled per pass."""
-        dealt = self.dealt
-        n_w = self.win_samples[g]
+        first = self.win_cum[g]
+        n_w = self.win_cum[g + 1] - first
         pass_idx = u // n_w
         t = permute(u % n_w, n_w, _window_keys(self.base_key, g * self.passes + pass_idx))
-        vpos = self.cum[dealt.win_start[g]] + t
-        i = np.searchsorted(self.cum, vpos, side="right") - 1
-        rows = self.start[dealt.visit[i]] + (vpos - self.cum[i])
+        vpos = first + t                                   # the entry's place among b's samples, visit order
+        i = np.searchsorted(self.v_cum, vpos, side="right") - 1
+        rows = self.v_row[i].astype(np.int64) + (vpos - self.v_cum[i].astype(np.int64))
         return np.asarray(self.sorted_ids[rows], dtype=np.int64)
 
     def own_entries(self, d: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -349,9 +407,11 @@ class LocalBuckets:
         for di, dealt in enumerate(self.dealt):
             mine = [bk for bk, kd in zip(self.buckets, self.kept_dataset) if kd == di]
             # a window's step span: its share of its rank's samples (every bucket), in steps
-            samples = sum((bk.win_samples for bk in mine), np.zeros(dealt.win_start.size - 1, np.int64))
+            samples = np.zeros(dealt.win_start.size - 1, np.int64)
+            for bk in mine:
+                samples += bk.win_samples
             gw = samples.size
-            rank_of = np.repeat(np.arange(dp, dtype=np.int64), np.diff(dealt.win_base))
+            rank_of = dealt.rank_of
             before = np.zeros(gw + 1, np.int64)
             np.cumsum(samples, out=before[1:])
             rank_total = before[dealt.win_base[1:]] - before[dealt.win_base[:-1]]
