@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ..core.locality import Locality
 from ..core.plan import Plan, plan_epoch
 from ..core.topology import Topology
 from ..errors import StateError, StateMismatchError, TopologyMismatchError
@@ -340,5 +341,16 @@ def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
             f"allow_elastic: the state was saved mid-epoch (epoch {epoch}, batch {index}) with padding "
             "policy 'none', where ranks have unequal batch counts, so one rank's position does not "
             "give the job's; resume on the saved layout, or from an epoch boundary")
+    if Locality(getattr(spec, "locality", "none")) is Locality.SHARD:
+        # a bucket's order is drawn from the shards dealt to the layout's ranks: the part
+        # consumed on the saved dp_size is no prefix of the order on this one
+        old = int(saved_topo["dp_size"])
+        raise TopologyMismatchError(
+            f"allow_elastic: the state was saved mid-epoch (epoch {epoch}, batch {index}) on dp_size "
+            f"{old} with locality='shard', where each bucket's order comes from the shards dealt to "
+            f"that layout's ranks, so the samples consumed on dp_size {old} are not a prefix of the "
+            f"order on dp_size {now.dp_size} and would be seen twice or never; resume on the saved "
+            f"layout (dp_size {old}), or from an epoch boundary (a state saved at the end of epoch "
+            f"{epoch}), or plan with locality='none'")
     segments = segments + ((int(saved_topo["dp_size"]), index),)
     return Resume(epoch, 0, elastic_view(_plan_on(spec, epoch), epoch, segments, spec.plan(epoch)))
