@@ -6,11 +6,17 @@ That a forked child makes its own filesystems is tested with the reader
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import fsspec
 import pytest
 
 from wds_pad.errors import ConfigError
 from wds_pad.io.fs import get_filesystem
 from wds_pad.io.ranges import RangeReader
+
+pytest_plugins = ["conftest_servers"]
 
 
 def test_filesystems_are_shared_per_protocol_and_options(shards: dict[str, bytes]) -> None:
@@ -30,3 +36,51 @@ def test_filesystems_are_shared_per_protocol_and_options(shards: dict[str, bytes
         shards["memory://wdsread/s1.tar"][10:15]
     with pytest.raises(ConfigError, match="nosuchproto"):
         get_filesystem("nosuchproto://x/y")
+
+
+# -- a forked child and the parent's sessions ---------------------------------------------
+
+def _parent_reads_after_child_collects(make: Any, path: str) -> bytes | None:
+    """Reads 100 bytes with a filesystem from ``make()`` (a pooled connection), forks a
+    child that drops and collects every filesystem it inherited (what a DataLoader worker
+    does when it makes its own), then reads again in the parent: the bytes, or None if
+    the read hung."""
+    import gc
+    import os
+    import threading
+
+    from wds_pad.io import fs as wds_fs
+
+    held = {"fs": make()}
+    first = held["fs"].cat_file(path, start=0, end=100)
+    pid = os.fork()
+    if pid == 0:  # the child: like a DataLoader worker making its own filesystems
+        code = 1
+        try:
+            held.clear()
+            wds_fs._FS_CACHE.clear()
+            fsspec.AbstractFileSystem.clear_instance_cache()
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    out: dict[str, bytes] = {}
+    fs = held["fs"]
+    reader = threading.Thread(target=lambda: out.update(data=fs.cat_file(path, start=0, end=100)), daemon=True)
+    reader.start()
+    reader.join(30)  # loopback: milliseconds; a hung connection waits for its whole timeout
+    assert first == out.get("data", first)
+    return out.get("data")
+
+
+def test_a_forked_child_collecting_inherited_http_filesystems_leaves_the_parents_connections_working(
+        nginx_server: Any, tmp_path: Path) -> None:
+    """aiohttp closes a collected connector, which unregisters its sockets from the epoll
+    set the child shares with the parent: the parent's next request on a pooled
+    connection then hung for its whole timeout (the bench's 60 s stalls)."""
+    (nginx_server.root_dir / "fork-http.bin").write_bytes(bytes(range(256)) * 64)
+    make = lambda: fsspec.filesystem("http", skip_instance_cache=True)  # noqa: E731
+    assert _parent_reads_after_child_collects(make, f"{nginx_server.url}/fork-http.bin") == bytes(range(100))
+

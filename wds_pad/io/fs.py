@@ -4,7 +4,10 @@ Invariants:
     * :func:`get_filesystem` returns the same instance for every URL of one protocol
       (chain) and options, so the shards of a bucket share one connection pool; after
       ``os.fork`` the child makes its own (an inherited async filesystem is bound to the
-      parent's dead IO thread).
+      parent's dead IO thread), and the finalizers fsspec registered to close the
+      parent's sessions are detached in the child: each would wait 0.1 s on the parent's
+      event loop, which does not run there (seen as a stall of most of a second when a
+      DataLoader worker's first collection freed a few inherited filesystems).
     * Options under a protocol name (``{"s3": {...}}``) reach that protocol only; those of
       protocols absent from the URL are dropped. The caller's options are never mutated
       (:func:`_copy_dicts`), and their credentials are registered for :func:`redact`.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +37,39 @@ _CACHE_WRAPPERS = frozenset({"simplecache", "filecache", "blockcache", "cached"}
 _FS_CACHE: dict[tuple[Any, ...], tuple[fsspec.AbstractFileSystem, str]] = {}
 _FS_PID = [os.getpid()]
 _FS_LOCK = threading.Lock()
+
+
+def _forget_parent_sessions() -> None:
+    """In a forked child: disown the parent's fsspec sessions (http, s3fs).
+
+    fsspec closes a session when its filesystem is collected (a ``weakref.finalize``
+    calling ``close_session``), and aiohttp closes a connector when it is collected. In a
+    forked child both are wrong: the sessions' event loop looks running but has no
+    thread there (``sync(..., timeout=0.1)`` waits out its timeout for each one), and
+    closing a connector unregisters its sockets from the event loop's epoll set, which
+    the child shares with the parent: the parent's next request on such a pooled
+    connection then waits for its whole timeout (seen as 60 s stalls after DataLoader
+    workers started, and as a first batch most of a second late in each worker). So the
+    finalizers are detached and the connectors marked closed without closing anything;
+    the child's copies of the sockets close with the process.
+    """
+    registry = getattr(weakref.finalize, "_registry", {})
+    for ref, info in list(registry.items()):
+        if getattr(getattr(info, "func", None), "__name__", "") != "close_session":
+            continue
+        ref.detach()
+        for obj in getattr(info, "args", ())[1:]:
+            for path in (("_connector",), ("_client", "_endpoint", "http_session", "_connector"),
+                         ("_client", "_endpoint", "http_session", "_session", "_connector")):
+                connector = obj
+                for name in path:
+                    connector = getattr(connector, name, None)
+                if connector is not None and hasattr(connector, "_closed"):
+                    connector._closed = True  # its __del__ then closes nothing
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_sessions)
 
 
 def _copy_dicts(value: Any) -> Any:
