@@ -206,3 +206,74 @@ def test_a_state_of_one_locality_is_refused_by_the_other(proxied: tuple[Any, Any
         dataset(index).load_state_dict(BucketedWebDataset(
             index, batch_size=4, topology=Topology(2, 0), seed=5, locality="shard", window=3,
             check_agreement=False).state_dict())
+
+
+def _counting_fetch(data: dict[str, bytes], calls: list[tuple[str, int, int]]) -> Any:
+    import concurrent.futures
+
+    def fetch(url: str, start: int, length: int) -> concurrent.futures.Future[bytes]:
+        calls.append((url, start, length))
+        f: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        f.set_result(data[url][start:start + length])
+        return f
+    return fetch
+
+
+def test_a_shard_is_compacted_to_its_late_ranges_after_hold_and_serves_them_without_a_get() -> None:
+    """After ``hold`` reads the shard's blocks are dropped and only the late ranges' bytes
+    are kept (the room goes to the next shards); late reads cost no GET; a read the
+    schedule did not foresee costs one ranged GET, never wrong bytes."""
+    data = {"s0": bytes(range(100)), "s1": bytes(range(100, 200))}
+    calls: list[tuple[str, int, int]] = []
+    late = ((10, 5), (60, 10), (10, 5))  # a repeated range is kept once
+    order = [PlannedShard("s0", 100, 5, frozenset({0}), "k", hold=2, late=late),
+             PlannedShard("s1", 100, 1, frozenset({0}), "k")]
+    cache = ShardCache(_counting_fetch(data, calls), iter([order]), block_bytes=40, cache_bytes=150)
+    assert cache.read("s0", 0, 4).result() == data["s0"][:4]
+    assert cache.read("s0", 30, 20).result() == data["s0"][30:50]
+    fetched = len(calls)
+    assert [c[0] for c in calls] == ["s0"] * 3  # s1 does not fit beside the whole of s0
+    assert cache.planned("s0")
+    assert cache.read("s0", 10, 5).result() == data["s0"][10:15]  # compacted: kept bytes
+    assert cache.compacted == 1
+    assert {c[0] for c in calls[fetched:]} == {"s1"}  # the room went to s1, fetched ahead
+    n = len(calls)
+    assert cache.read("s0", 60, 10).result() == data["s0"][60:70]
+    assert cache.read("s0", 10, 5).result() == data["s0"][10:15]
+    assert len(calls) == n  # late reads: no GET
+    assert not cache.planned("s0")  # all five served
+    assert cache.read("s1", 0, 100).result() == data["s1"]
+    assert cache.peak_bytes <= 150 + 100
+
+
+def test_a_late_range_the_schedule_did_not_keep_is_one_ranged_get() -> None:
+    data = {"s0": bytes(range(100))}
+    calls: list[tuple[str, int, int]] = []
+    order = [PlannedShard("s0", 100, 2, frozenset({0}), "k", hold=1, late=((10, 5),))]
+    cache = ShardCache(_counting_fetch(data, calls), iter([order]), block_bytes=100, cache_bytes=1000)
+    cache.read("s0", 0, 1).result()
+    assert cache.read("s0", 20, 3).result() == data["s0"][20:23]
+    assert calls[-1] == ("s0", 20, 3)
+
+
+def test_early_ranges_are_read_singly_while_the_cache_is_full() -> None:
+    """A range before its shard's window (``early``) fetches the shard early only while it
+    fits ``max_shards`` x the largest shard plus the one in use; otherwise it is one GET
+    and the shard is fetched when its window comes."""
+    data = {u: bytes([i]) * 100 for i, u in enumerate(("a", "b", "c"))}
+    calls: list[tuple[str, int, int]] = []
+    order = [PlannedShard("a", 100, 2, frozenset({0}), "k"),
+             PlannedShard("b", 100, 2, frozenset({0}), "k"),
+             PlannedShard("c", 100, 3, frozenset({0}), "k", early=1)]
+    cache = ShardCache(_counting_fetch(data, calls), iter([order]), block_bytes=100,
+                       cache_bytes=10**6, max_shards=1)
+    for u in ("a", "b"):
+        assert cache.planned(u)
+        cache.read(u, 0, 1).result()
+    assert not cache.planned("c")  # a and b held: c would pass 1 x 100 + the one in use
+    assert cache.early_singles == 1
+    for u in ("a", "b", "c", "c"):
+        assert cache.planned(u)
+        cache.read(u, 0, 1).result()
+    assert [c[0] for c in calls] == ["a", "b", "c"]  # c whole once, after its early range
+    assert not cache.planned("c")

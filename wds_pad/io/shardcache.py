@@ -48,8 +48,14 @@ class PlannedShard:
         users: the DataLoader workers (of this rank) that read from it this epoch.
         key: what names the shared file (the plan fingerprint, epoch and rank).
         skip: ranges of it this stream reads singly before the ``uses`` cached ones (uses
-            far outside its window's time, so the shard is not held long for them; the
-            ranges after the cached ones are read singly too).
+            far before its window's time, so the shard is not held long for them).
+        hold: memory mode: after this many of its cached ranges the shard is compacted to
+            the bytes of the ``late`` ranges still to come and its blocks are dropped;
+            None: held whole until its last range.
+        late: (start, length) of the cached ranges after the first ``hold``, in order.
+        early: how many of the first cached ranges come before the shard's window (the
+            plan's windows): when the shard is not fetched yet and fetching it would
+            pass the bound, such a range is read singly instead.
     """
 
     url: str
@@ -58,10 +64,13 @@ class PlannedShard:
     users: frozenset[int]
     key: str
     skip: int = 0
+    hold: int | None = None
+    late: tuple[tuple[int, int], ...] = ()
+    early: int = 0
 
 
 class _Entry:
-    __slots__ = ("shard", "blocks", "ready", "left", "path", "started", "skip")
+    __slots__ = ("shard", "blocks", "ready", "left", "path", "started", "skip", "served", "kept", "kept_bytes")
 
     def __init__(self, shard: PlannedShard) -> None:
         self.shard = shard
@@ -71,6 +80,10 @@ class _Entry:
         self.path = ""
         self.started = False
         self.skip = shard.skip
+        self.served = 0
+        # compacted (memory mode): the late ranges' bytes, once the blocks have arrived
+        self.kept: concurrent.futures.Future[dict[tuple[int, int], bytes]] | None = None
+        self.kept_bytes = 0
 
 
 class ShardCache:
@@ -83,8 +96,9 @@ class ShardCache:
         cache_bytes: bound on cached plus in-flight shard bytes.
         cache_dir: a local folder shared by the rank's workers, or None (memory).
         worker: this process's DataLoader worker id.
-        max_shards: at most this many shards held at once (fetched ahead or in use),
-            besides the one a read needs; None: only ``cache_bytes`` bounds them.
+        max_shards: at most this many of the epoch's largest shards' bytes held at once
+            (fetched ahead, in use, or compacted), besides the one a read needs; None:
+            only ``cache_bytes`` bounds them.
     """
 
     def __init__(self, fetch: Callable[[str, int, int], concurrent.futures.Future[bytes]],
@@ -105,6 +119,10 @@ class ShardCache:
         self._reads: concurrent.futures.ThreadPoolExecutor | None = None  # one thread: reads in order
         self._lock = threading.Lock()
         self._done = False
+        self._limit = cache_bytes   # bytes held at most besides the shard a read needs
+        self.compacted = 0          # shards compacted to their late ranges
+        self.early_singles = 0      # early ranges read singly (the cache was full)
+        self._largest = 0
         if cache_dir is not None:
             os.makedirs(cache_dir, exist_ok=True)
         self._take_epoch()
@@ -120,6 +138,10 @@ class ShardCache:
             self._order, self._next = [s for s in order if s.uses > 0], 0
             self._entries = {s.url: _Entry(s) for s in self._order}
             self._left = sum(s.uses for s in self._order)
+            self._limit = self.cache_bytes
+            self._largest = max((s.size for s in self._order), default=0)
+            if self.max_shards is not None:
+                self._limit = min(self._limit, self.max_shards * self._largest)
 
     def lists(self, url: str) -> bool:
         """Whether ``url`` is a shard of the current schedule (its ranges are never merged)."""
@@ -135,7 +157,17 @@ class ShardCache:
         if entry.skip > 0:
             entry.skip -= 1
             return False
-        return entry.left > 0
+        if entry.left <= 0:
+            return False
+        if (not entry.started and entry.served < entry.shard.early
+                and self._held + entry.shard.size > self._limit + self._largest):
+            # an early range while the cache is full: one ranged GET, not a shard held early
+            entry.served += 1
+            entry.left -= 1
+            self._left -= 1
+            self.early_singles += 1
+            return False
+        return True
 
     # -- fetching ------------------------------------------------------------------------
     def _start(self, entry: _Entry) -> None:
@@ -186,8 +218,7 @@ class ShardCache:
             if entry.started or entry.left == 0:
                 self._next += 1
                 continue
-            if self._held + entry.shard.size > self.cache_bytes or (
-                    self.max_shards is not None and self._count >= self.max_shards):
+            if self._held + entry.shard.size > self._limit:
                 return
             self._start(entry)
             self._next += 1
@@ -198,9 +229,16 @@ class ShardCache:
         ``ranges`` of its planned ranges; after its last one the shard is dropped."""
         entry = self._entries[url]
         self._ahead(entry)
+        if self.cache_dir is None and entry.kept is None and entry.shard.hold is not None \
+                and entry.served >= entry.shard.hold and entry.shard.late:
+            self._compact(entry)
+            self._ahead(entry)  # the room it freed goes to the next shards now
+        entry.served += ranges
         entry.left -= ranges
         self._left -= ranges
         last = entry.left <= 0
+        if entry.kept is not None:
+            return self._from_kept(entry, url, start, length, last)
         out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
         if self.cache_dir is None:
             bb = self.block_bytes
@@ -242,6 +280,57 @@ class ShardCache:
             self._reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wds_pad-shard-read")
         return self._reads.submit(from_disk)
 
+    def _compact(self, entry: _Entry) -> None:
+        """Keeps only the bytes of the shard's late ranges, and drops its blocks (once
+        they have arrived): the room goes to the shards fetched next."""
+        blocks, bb = entry.blocks, self.block_bytes
+        ranges = list(dict.fromkeys(entry.shard.late))
+        kept: concurrent.futures.Future[dict[tuple[int, int], bytes]] = concurrent.futures.Future()
+        entry.kept, entry.blocks = kept, []
+        entry.kept_bytes = sum(n for _, n in ranges)
+        self._held += entry.kept_bytes - entry.shard.size
+        self.compacted += 1
+
+        def done(_: Any) -> None:
+            if kept.done() or not all(b.done() for b in blocks):
+                return
+            try:
+                data = [b.result() for b in blocks]
+                table = {(st, n): _slice(data, bb, st, n) for st, n in ranges}
+            except BaseException as exc:  # noqa: BLE001 - handed to the reads
+                _settle(kept, exc=exc)
+                return
+            _settle(kept, table)
+        if not blocks:
+            kept.set_result({})
+        for b in blocks:
+            b.add_done_callback(done)
+
+    def _from_kept(self, entry: _Entry, url: str, start: int, length: int,
+                   last: bool) -> concurrent.futures.Future[bytes]:
+        """A late range of a compacted shard (a range it does not keep: one ranged GET)."""
+        kept = entry.kept
+        assert kept is not None
+        if last:
+            self._held -= entry.kept_bytes
+            self._count -= 1
+            entry.kept_bytes = 0
+        out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+
+        def done(_: Any) -> None:
+            try:
+                table = kept.result()
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader
+                _settle(out, exc=exc)
+                return
+            data = table.get((start, length))
+            if data is None:
+                self._get(url, start, length).add_done_callback(lambda f: _chain_into(f, out))
+                return
+            _settle(out, data)
+        kept.add_done_callback(done)
+        return out
+
     def _drop(self, entry: _Entry) -> None:
         self._held -= entry.shard.size
         self._count -= 1
@@ -273,3 +362,30 @@ class ShardCache:
                 pool.shutdown(wait=False, cancel_futures=True)
         self._pool = self._reads = None
 
+
+
+def _slice(blocks: list[bytes], bb: int, start: int, length: int) -> bytes:
+    """Bytes ``[start, start + length)`` of a shard held as blocks of ``bb`` bytes."""
+    first, end = start // bb, (start + length - 1) // bb if length else start // bb
+    lo = start - first * bb
+    if first == end:
+        return blocks[first][lo:lo + length]
+    return b"".join(blocks[first:end + 1])[lo:lo + length]
+
+
+def _settle(fut: concurrent.futures.Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """Sets a future's outcome unless it is already set (cancelled by the reader)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _chain_into(src: concurrent.futures.Future[bytes], dst: concurrent.futures.Future[bytes]) -> None:
+    try:
+        _settle(dst, src.result())
+    except BaseException as exc:  # noqa: BLE001 - handed to the reader
+        _settle(dst, exc=exc)

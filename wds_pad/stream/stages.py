@@ -34,6 +34,7 @@ from ..core.policy import MAX_EPOCH, Mode, PadTo, Policy, resolve_policy
 from ..core.seed import stable_digest
 from ..state.schema import fingerprint_of
 from ..core.topology import Topology
+from .batchread import BatchCache
 from .collate import run_collation
 
 __all__ = ["PlanSpec", "PlannedSource", "Position", "plan_batched", "shard_schedule"]
@@ -237,8 +238,9 @@ class PlannedSource:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         spec = self.spec
+        cache = BatchCache(self._worker()[1])  # batches computed a chunk at a time
         for plan, j in self.batches():
-            yield from batch_refs(spec, plan, j)
+            yield from batch_refs(spec, plan, j, cache.get(plan, j))
 
     def __call__(self) -> Iterator[dict[str, Any]]:
         return iter(self)
@@ -322,10 +324,9 @@ def shard_schedule(source: Any) -> Iterator[list[Any]]:
     while True:
         plan, walk = source.epoch_batches(epoch)
         local = plan.buckets.local
-        picks: dict[int, list[tuple[np.ndarray, int, int]]] = {}
+        picks: dict[int, list[tuple[np.ndarray, int, int, int]]] = {}
         at = 0  # position in the walk, over every dataset and worker
-        for k in range(first, len(walk)):
-            batch = plan[int(walk[k])]
+        for batch in _walked(plan, walk, first):
             picks.setdefault(plan.datasets.index(batch.dataset), []).append(
                 (batch.samples, counter % nw, at, batch.step))
             at += batch.samples.size
@@ -341,39 +342,68 @@ def shard_schedule(source: Any) -> Iterator[list[Any]]:
             shards = np.asarray(ix.shard[samples], dtype=np.int64)
             mine_shards = local.rank_shards(di)
             own = np.isin(shards, mine_shards)
-            shards, workers, where, steps = shards[own], workers[own], where[own], steps[own]
-            in_span = _in_window(shards, steps, mine_shards, plan.shard_window, local.window_of_step(di, steps))
+            shards, workers, where, steps, samples = (
+                shards[own], workers[own], where[own], steps[own], samples[own])
+            lag = _window_lag(shards, mine_shards, plan.shard_window, local.window_of_step(di, steps))
             infos, urls = ix.shards, ix.urls
+            offsets, lengths = ix.offset, ix.length
             for s in np.unique(shards).tolist():
                 sel = shards == s
                 mine = np.flatnonzero(sel & (workers == wid))  # this worker's uses, in order
-                held = mine[in_span[mine]]
-                if not held.size:
-                    continue
-                lo, hi = int(np.searchsorted(mine, held[0])), int(np.searchsorted(mine, held[-1])) + 1
-                users = np.unique(workers[sel & in_span]).tolist()
+                # uses two or more windows before the shard's own are read singly: along the
+                # walk the lag only grows, so they lead
+                lo = int(np.searchsorted(lag[mine], -1, side="left"))
+                held = mine[lo:]
+                if not held.size or lag[held[0]] > 0:
+                    continue  # none left, or only reads after its window (a resumed stream): singly
+                # compacted after its last use up to its window's end: later uses (a bucket
+                # whose steps ran short of the window's samples) come from the kept bytes
+                hold = int(np.searchsorted(lag[held], 0, side="right"))
+                # or as soon as what it still serves is a quarter of it: the next shards
+                # are fetched into the room while its window ends (no stall at the boundary)
+                tail = np.cumsum(np.asarray(lengths[samples[held]], np.int64)[::-1])[::-1]
+                size = int(infos[s].size)
+                hold = min(hold, int(np.searchsorted(-tail, -(size // 4), side="left")))
+                late = samples[held[hold:]]
+                users = np.unique(workers[sel & (lag >= -1)]).tolist()
                 out.append((int(where[held[0]]), PlannedShard(
-                    url=urls[s], size=int(infos[s].size), uses=hi - lo, users=frozenset(users),
-                    key=f"{fp}:{epoch}:{rank}", skip=lo)))
+                    url=urls[s], size=size, uses=int(held.size), users=frozenset(users),
+                    key=f"{fp}:{epoch}:{rank}", skip=lo, hold=hold,
+                    early=int(np.searchsorted(lag[held], 0, side="left")),
+                    late=tuple(zip(np.asarray(offsets[late], np.int64).tolist(),
+                                   np.asarray(lengths[late], np.int64).tolist())))))
         yield [p for _, p in sorted(out, key=lambda t: t[0])]
         if spec.mode is not Mode.STEPS:
             return
         epoch, first = epoch + 1, 0
 
 
-def _in_window(shards: np.ndarray, steps: np.ndarray, visit: np.ndarray, window: int,
-               step_window: np.ndarray) -> np.ndarray:
-    """For a rank's own-shard reads: is each read at a step of its shard's window?
+def _walked(plan: Plan, walk: Sequence[int], first: int) -> Iterator[Any]:
+    """The batches ``walk[first:]`` of ``plan``, computed in blocks of about 64K entries
+    when the walk is the whole plan (one permutation pass per block, not per batch)."""
+    if isinstance(walk, range) and walk.step == 1 and hasattr(plan, "batches"):
+        block = max(1, 65536 // max(plan.batch_size, 1))
+        for lo in range(walk.start + first, walk.stop, block):
+            yield from plan.batches(lo, min(lo + block, walk.stop))
+        return
+    for k in range(first, len(walk)):
+        yield plan[int(walk[k])]
+
+
+def _window_lag(shards: np.ndarray, visit: np.ndarray, window: int, step_window: np.ndarray) -> np.ndarray:
+    """For a rank's own-shard reads: how many windows after its shard's window each read's
+    step lies (negative: before it).
 
     The plan gives window w of the rank's visit order a span of steps, and takes a
     bucket's entries at those steps from w's shards, but for the few that the shards'
     bucket counts cannot match (a bucket with fewer batches than windows, or more
-    samples in w than steps for them): those are read singly, so a shard is held only
-    while its window's steps run, and with the next shards fetched ahead at most about
-    ``window + 2`` shards are held at once.
+    samples in w than steps for them). The reader holds a shard from its first use
+    (fetched ahead) up to its window's end, so a read one window early (lag -1) fetches
+    it early and reads from it; reads after its window (lag > 0) come from the few bytes
+    kept when it is dropped; reads two or more windows early are single ranged GETs.
     """
     if not shards.size:
-        return np.zeros(0, bool)
+        return np.zeros(0, np.int64)
     pos_in_visit = np.zeros(int(max(visit.max(initial=0), shards.max())) + 1, np.int64)
     pos_in_visit[visit] = np.arange(visit.size)
-    return pos_in_visit[shards] // window == step_window
+    return step_window - pos_in_visit[shards] // window
