@@ -196,7 +196,8 @@ def _print_locality(plan: Any, indexes: Sequence[Any], sources: Sequence[Any], t
         chosen = "" if name == plan.locality.value else " (the other choice)"
         out.write(f"locality {name}{chosen}: rank {topo.rank} reads {f.shards} shards whole "
                   f"(window {args.window}), {f.single} of {f.entries} samples by single reads "
-                  f"({100 * f.foreign_fraction:.1f}%), {f.distinct_per_batch:.1f} distinct shards per batch, "
+                  f"({100 * f.foreign_fraction:.1f}%; {f.foreign} foreign), "
+                  f"{f.distinct_per_batch:.1f} distinct shards per batch, "
                   f"{f.gets} GETs per epoch (blocks of {_nbytes(block)}), bytes read / used "
                   f"{f.bytes_read / max(f.bytes_used, 1):.2f}\n")
 

@@ -7,12 +7,17 @@ drawn so that a DP rank reads its samples from a few whole shards:
 1. each epoch, a dataset's shards are shuffled from (seed, epoch, dataset) and dealt to
    the DP ranks as contiguous runs of that order, balanced by bytes (each rank within one
    shard of ``total / dp_size``); the run is also the order in which the rank visits them;
-2. a rank's shards are cut into windows of ``window`` shards, and window w gets a span
-   of the epoch's global steps, its share of the rank's samples; the rank's entries of a
-   bucket at w's steps are that bucket's samples in w's shards ("pool": 1 + repeats
-   passes, each shuffled by one keyed permutation per window and pass). Where a pool is
-   larger than its steps ask for, the rest ("spill") fills, in order, the windows whose
-   pools are short; what spills beyond the rank's need is its surplus;
+2. a rank's shards are cut into windows of ``window`` shards. A window's "pool" of a
+   bucket is that bucket's samples in its shards (1 + repeats passes, each shuffled by
+   one keyed permutation per window and pass). A rank's own entries of the bucket are
+   its windows' pools one after another, in visit order (first in, first out): its
+   entry j is entry j of that sequence, and what is left past the rank's need is its
+   surplus. Window w also gets a span of the epoch's global steps, its share of the
+   rank's samples: the time the reader holds w's shards (stream/stages.py
+   ``shard_schedule``). A bucket whose steps run ahead of its samples there reads the
+   next window's pool early (the reader fetches that shard early, while it fits); one
+   that runs behind reads the previous window's pool late (from the bytes the reader
+   keeps of it). First in, first out keeps those lags as short as the counts allow;
 3. bucket b needs ``r_d`` real entries on rank d (the positions ``d + k * dp_size`` below
    the bucket's unpadded length, exactly as for ``none``) while the rank owns ``o_d``
    entries of it. A rank with ``o_d > r_d`` keeps its first ``r_d`` and gives the rest
@@ -30,7 +35,7 @@ times) and everything after it — padding, the split across ranks, the epoch sc
 is the code of ``none``: invariants 1-7 hold unchanged. Everything is integer numpy
 arithmetic on keys from :func:`~wds_pad.core.seed.derive_seed` (invariant 4).
 
-Cost: setting up an epoch is O(shards + buckets x (windows + dp) + steps) per rank plus,
+Cost: setting up an epoch is O(shards + buckets x (windows + dp)) per rank plus,
 per bucket, O(min(its rows, shards x log(rows))) time and O(the shards holding its
 samples) memory: a bucket keeps only those shards, in visit order (found by a scan of its
 rows in an index's shard column, whose rows are grouped by bucket and then shard, or by a
@@ -233,9 +238,7 @@ def _narrow(a: np.ndarray, top: int) -> np.ndarray:
 class _LocalBucket:
     """Kept bucket b's per-shard, per-window and per-rank counts (see the module doc).
 
-    Built in two steps: the per-shard counts (``__init__``), then, once every bucket's
-    counts give the windows' step spans, the time tables (``align``). The per-shard table
-    is sparse: only the shards holding samples of b, in visit order (``v_pos``, their
+    The per-shard table is sparse: only the shards holding samples of b, in visit order (``v_pos``, their
     first row ``v_row`` in ``sorted_ids``, the samples before each ``v_cum``), so a bucket
     costs O(its shards), not O(shards); the per-window and per-rank tables are dense.
     """
@@ -292,39 +295,6 @@ class _LocalBucket:
         """The rank of each global window."""
         return self.dealt.rank_of
 
-    def align(self, win_step: np.ndarray, steps_b: np.ndarray, bs: int) -> None:
-        """Time tables: window g's entries are the rank's entries of this bucket at the
-        steps of g's span, taken from g's pool; a window's pool left over ("spill")
-        fills the others' shortfalls, in order, and the rest is the rank's surplus."""
-        dealt, dp = self.dealt, self.dp
-        gw = self.win_cum.size - 1
-        rank_of = dealt.rank_of
-        pool = self.pool
-        # own entries of rank d before step t: rank entries before t minus the foreign among them
-        k = np.minimum(bs * np.searchsorted(steps_b, win_step[:gw], side="left"), self.need[rank_of])
-        q_start = k - _floor_mul_div(k, self.deficit[rank_of], self.need[rank_of])
-        first = dealt.win_base[:-1]
-        starts_of_rank = np.zeros(gw, bool)
-        starts_of_rank[first[first < gw]] = True
-        q_start = np.where(starts_of_rank, 0, q_start)
-        q_end = np.empty(gw, np.int64)
-        q_end[:-1] = q_start[1:]
-        last = np.flatnonzero(np.r_[starts_of_rank[1:], True])
-        q_end[last] = self.keep[rank_of[last]]
-        q = np.maximum(q_end - q_start, 0)
-        use = np.minimum(pool, q)
-        base = np.zeros(dp + 1, np.int64)
-        np.cumsum(self.keep, out=base[1:])
-        self.q_glob = q_start + base[rank_of]               # monotone over all windows
-        self.use, self.q = use, q
-        dcum, scum = np.zeros(gw + 1, np.int64), np.zeros(gw + 1, np.int64)
-        np.cumsum(q - use, out=dcum[1:])
-        np.cumsum(pool - use, out=scum[1:])
-        self.d_in = dcum[:-1] - dcum[first[rank_of]]     # deficits before g within its rank
-        self.d_tot = dcum[dealt.win_base[1:]] - dcum[dealt.win_base[:-1]]
-        self.s_glob = scum                                 # spill before g, over all windows
-        self.s_base = scum[dealt.win_base[:-1]]            # per rank
-
     def _pool_entries(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
         """Sample ids of pool entries u of global windows g: pass-major, shuffled per pass."""
         first = self.win_cum[g]
@@ -337,31 +307,12 @@ class _LocalBucket:
         return np.asarray(self.sorted_ids[rows], dtype=np.int64)
 
     def own_entries(self, d: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """Sample ids of rank d's own entries j (j >= keep[d]: its surplus, given away)."""
-        out = np.empty(j.size, np.int64)
-        kept = j < self.keep[d]
-        spill = np.where(kept, 0, self.d_tot[d] + j - self.keep[d])
-        if kept.any():
-            rank_base = np.zeros(self.dp + 1, np.int64)
-            np.cumsum(self.keep, out=rank_base[1:])
-            pos = rank_base[d[kept]] + j[kept]
-            g = np.searchsorted(self.q_glob, pos, side="right") - 1
-            i = pos - self.q_glob[g]
-            inside = i < self.use[g]
-            res = np.empty(g.size, np.int64)
-            if inside.any():
-                res[inside] = self._pool_entries(g[inside], i[inside])
-            sel = np.flatnonzero(kept)
-            out[sel] = res
-            outside = sel[~inside]
-            spill[outside] = self.d_in[g[~inside]] + i[~inside] - self.use[g[~inside]]
-            kept[outside] = False
-        rest = ~kept
-        if rest.any():
-            pos = self.s_base[d[rest]] + spill[rest]
-            g = np.searchsorted(self.s_glob, pos, side="right") - 1
-            out[rest] = self._pool_entries(g, self.use[g] + pos - self.s_glob[g])
-        return out
+        """Sample ids of rank d's own entries j (j >= keep[d]: its surplus, given away):
+        its windows' pools one after another, in visit order (first in, first out)."""
+        supply = self.win_cum.astype(np.int64) * self.passes   # pool entries before each window
+        pos = supply[self.dealt.win_base[d]] + j
+        g = np.searchsorted(supply, pos, side="right") - 1
+        return self._pool_entries(g, pos - supply[g])
 
     def rank_entries(self, d: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Sample ids of entries k of ranks d, k < need[d]: own ones with foreign spread in."""
@@ -399,9 +350,6 @@ class LocalBuckets:
             for di, key, ids, n, passes, length in kept]
         self.kept_dataset = [k[0] for k in kept]
         self.dp, self.d, self.window = dp, d, window
-        # each bucket's global steps, in order (its windows of the schedule)
-        order = np.argsort(schedule, kind="stable")
-        bounds = np.searchsorted(schedule[order], np.arange(len(kept) + 1))
         total = int(schedule.size)
         self.win_step: list[np.ndarray] = []
         for di, dealt in enumerate(self.dealt):
@@ -418,8 +366,6 @@ class LocalBuckets:
             in_rank = before[:-1] - before[dealt.win_base[:-1]][rank_of]
             step = np.where(rank_total[rank_of] > 0, in_rank * total // np.maximum(rank_total[rank_of], 1), 0)
             self.win_step.append(np.append(step, total).astype(np.int64))
-        for j, bk in enumerate(self.buckets):
-            bk.align(self.win_step[self.kept_dataset[j]], order[bounds[j]:bounds[j + 1]].astype(np.int64), batch_size)
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` of this rank."""
@@ -478,11 +424,12 @@ class LocalityFigures:
 
     shards: int              # shards read whole
     entries: int             # samples the rank yields (padded copies included)
-    single: int              # entries read by a single ranged GET (foreign, spilled, or all with none)
+    single: int              # entries read by a single ranged GET (foreign, 2+ windows early, or all with none)
     distinct_per_batch: float
     gets: int                # GETs per epoch: whole shards in blocks + single reads
     bytes_read: int
     bytes_used: int
+    foreign: int = 0         # of ``single``: samples of other ranks' shards (the rebalance)
 
     @property
     def foreign_fraction(self) -> float:
@@ -517,11 +464,12 @@ def figures(plan: Any, shard_of: Sequence[Any], lengths: Sequence[Any], shard_by
             continue
         mine = local.rank_shards(di)
         own = np.isin(sh, mine)
-        # an own shard's read at a step outside its window's span is read singly (spilled)
+        # an own shard's read two or more windows before its window is read singly (the
+        # reader holds a shard from one window early, and keeps bytes for later reads)
         where = np.zeros(int(max(mine.max(initial=0), sh.max(initial=0))) + 1, np.int64)
         where[mine] = np.arange(mine.size) // plan.shard_window
         steps = np.repeat(plan.batch_step, sizes)[sel]
-        own &= where[sh] == local.window_of_step(di, steps)
+        own &= local.window_of_step(di, steps) - where[sh] >= -1
         sb = np.asarray(shard_bytes[di], dtype=np.int64)[mine]
         shards += int(mine.size)
         single += int((~own).sum())
@@ -529,4 +477,5 @@ def figures(plan: Any, shard_of: Sequence[Any], lengths: Sequence[Any], shard_by
         read += int(sb.sum()) + int(ln[~own].sum())
     return LocalityFigures(shards=shards, entries=int(samples.size), single=single,
                            distinct_per_batch=distinct / max(len(plan), 1), gets=gets,
-                           bytes_read=read, bytes_used=used)
+                           bytes_read=read, bytes_used=used,
+                           foreign=local.foreign() if local is not None else 0)

@@ -156,6 +156,7 @@ class PlanSpec:
         if self.locality is not Locality.NONE:  # locality="none" keeps the fingerprints it always had
             fields["locality"] = self.locality.value
             fields["window"] = self.window
+            fields["shard_order"] = "fifo"  # a rank's windows first in, first out (core/locality.py)
         return fields
 
 
