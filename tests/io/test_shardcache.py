@@ -208,6 +208,22 @@ def test_a_state_of_one_locality_is_refused_by_the_other(proxied: tuple[Any, Any
             check_agreement=False).state_dict())
 
 
+
+def test_a_state_of_the_earlier_shard_order_is_refused_naming_the_field(proxied: tuple[Any, Any]) -> None:
+    """States saved before a rank's windows became first in, first out (no ``shard_order``
+    in the plan fields) would resume into another order: refused, naming the field."""
+    import copy
+
+    from wds_pad.state.schema import fingerprint_of
+
+    _, index = proxied
+    old = copy.deepcopy(dataset(index).state_dict())
+    for st in [old, *old["per_rank"].values()]:
+        del st["plan"]["shard_order"]
+        st["fingerprint"] = fingerprint_of(st["plan"])
+    with pytest.raises(StateMismatchError, match="plan.shard_order"):
+        dataset(index).load_state_dict(old)
+
 def _counting_fetch(data: dict[str, bytes], calls: list[tuple[str, int, int]]) -> Any:
     import concurrent.futures
 

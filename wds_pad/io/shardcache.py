@@ -70,7 +70,8 @@ class PlannedShard:
 
 
 class _Entry:
-    __slots__ = ("shard", "blocks", "ready", "left", "path", "started", "skip", "served", "kept", "kept_bytes")
+    __slots__ = ("shard", "blocks", "ready", "left", "path", "started", "skip", "served", "kept", "held",
+                 "compacted")
 
     def __init__(self, shard: PlannedShard) -> None:
         self.shard = shard
@@ -83,7 +84,8 @@ class _Entry:
         self.served = 0
         # compacted (memory mode): the late ranges' bytes, once the blocks have arrived
         self.kept: concurrent.futures.Future[dict[tuple[int, int], bytes]] | None = None
-        self.kept_bytes = 0
+        self.held = 0            # the bytes it counts in the bound: its size, then its late ranges'
+        self.compacted = False
 
 
 class ShardCache:
@@ -175,6 +177,7 @@ class ShardCache:
         entry.started = True
         self._count += 1
         self._held += size
+        entry.held = size
         self.peak_bytes = max(self.peak_bytes, self._held)
         if self.cache_dir is None:
             self.fetched_shards += 1
@@ -187,7 +190,10 @@ class ShardCache:
 
     def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="wds_pad-shard")
+            # a thread per shard fetched ahead: each mostly waits, on its GETs or on the lock of
+            # a shard another worker of the rank is fetching (the workers' orders are alike)
+            threads = 2 if self.max_shards is None else max(2, self.max_shards + 1)
+            self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wds_pad-shard")
         return self._pool
 
     def _ensure_file(self, entry: _Entry) -> None:
@@ -229,9 +235,16 @@ class ShardCache:
         ``ranges`` of its planned ranges; after its last one the shard is dropped."""
         entry = self._entries[url]
         self._ahead(entry)
-        if self.cache_dir is None and entry.kept is None and entry.shard.hold is not None \
+        if not entry.compacted and entry.shard.hold is not None \
                 and entry.served >= entry.shard.hold and entry.shard.late:
-            self._compact(entry)
+            # memory: keep its late ranges' bytes only; disk: the file stays for them (the
+            # bound counts those bytes only: what is held is disk, not memory)
+            late_bytes = sum(n for _, n in dict.fromkeys(entry.shard.late))
+            self._held += late_bytes - entry.held
+            entry.held, entry.compacted = late_bytes, True
+            self.compacted += 1
+            if self.cache_dir is None:
+                self._compact(entry)
             self._ahead(entry)  # the room it freed goes to the next shards now
         entry.served += ranges
         entry.left -= ranges
@@ -287,9 +300,6 @@ class ShardCache:
         ranges = list(dict.fromkeys(entry.shard.late))
         kept: concurrent.futures.Future[dict[tuple[int, int], bytes]] = concurrent.futures.Future()
         entry.kept, entry.blocks = kept, []
-        entry.kept_bytes = sum(n for _, n in ranges)
-        self._held += entry.kept_bytes - entry.shard.size
-        self.compacted += 1
 
         def done(_: Any) -> None:
             if kept.done() or not all(b.done() for b in blocks):
@@ -312,9 +322,7 @@ class ShardCache:
         kept = entry.kept
         assert kept is not None
         if last:
-            self._held -= entry.kept_bytes
-            self._count -= 1
-            entry.kept_bytes = 0
+            self._drop(entry)
         out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
 
         def done(_: Any) -> None:
@@ -332,7 +340,8 @@ class ShardCache:
         return out
 
     def _drop(self, entry: _Entry) -> None:
-        self._held -= entry.shard.size
+        self._held -= entry.held
+        entry.held = 0
         self._count -= 1
         if self.cache_dir is None:
             entry.blocks = []
