@@ -499,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
+    # SIGUSR1: print the requests seen so far (benchmarks count a run's GETs at the server)
+    signal.signal(signal.SIGUSR1, lambda *_: print(f"requests seen: {proxy.requests_seen}", flush=True))
     with proxy:
         print(f"faultproxy listening on {proxy.url} -> {args.upstream}", flush=True)
         done.wait()

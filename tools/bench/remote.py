@@ -19,7 +19,8 @@ process) adding a fixed latency (default 20 ms) to every request. Then times:
   against the same reader at 1 in flight (target: >= 4x at 16 in flight). Low settings
   stream only a prefix of the epoch (they are latency-bound; a prefix measures the rate).
 
-Every streamed sample is checked: the first 8 bytes of its ``bin`` member are its index.
+GETs are counted at the proxy (SIGUSR1 asks it for its count); beside them, what the plan
+predicts. Every streamed sample is checked: the first 8 bytes of its ``bin`` member are its index.
 Prints samples/s, MB/s, the ratio to webdataset, and CPU seconds per run of the proxy
 and of the client (this process plus its reaped children: curl, DataLoader workers). Target: planned random order >= 0.5x webdataset's sequential
 throughput at 20 ms. Usage::
@@ -84,6 +85,18 @@ class ProxyProcess:
     def cpu(self) -> float:
         return process_cpu(self.proc.pid)
 
+    def requests_seen(self) -> int:
+        """Requests the proxy has seen so far (asked with SIGUSR1, read from its stdout)."""
+        import signal
+
+        self.proc.send_signal(signal.SIGUSR1)
+        while True:
+            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            if line.startswith("requests seen: "):
+                return int(line.split(":")[1].split(",")[0])
+            if not line:
+                raise RuntimeError("the proxy exited")
+
     def stop(self) -> str:
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=10)
@@ -132,6 +145,13 @@ def run_download(index: Index, in_flight: int) -> tuple[int, int]:
     return len(index), nbytes
 
 
+def run_plan(index: Index, args: argparse.Namespace) -> Any:
+    """The shard-local plan the ``run_ours`` rows stream (rank 0 of 1, epoch 0)."""
+    ds = BucketedWebDataset(index, batch_size=args.batch_size, topology=Topology(world_size=1, rank=0), seed=0,
+                            pad="drop", locality="shard", window=args.window)
+    return ds.plan(0)
+
+
 def planned_gets(index: Index, plan: Any, block: int, workers: int) -> int:
     """GETs the plan says a rank makes: one per sample (none); with shard locality every
     shard a worker's schedule lists once, in blocks, and every other range singly."""
@@ -154,9 +174,10 @@ def planned_gets(index: Index, plan: Any, block: int, workers: int) -> int:
 
 
 def fresh_connections() -> None:
-    """Each run opens its own HTTP connections: a keep-alive connection pooled by an earlier
-    run (after DataLoader workers forked from this process) was seen to stall one large GET
-    for 60 s through the proxy, whichever contender came next."""
+    """Each run opens its own HTTP connections, so every contender pays its own connection
+    set-up. (This once also hid 60 s stalls: a DataLoader worker collecting the parent's
+    inherited sessions unregistered the parent's pooled sockets from their shared epoll
+    set; wds_pad.io.fs now disowns them in a forked child, tests/io/test_fs.py.)"""
     import fsspec
 
     from wds_pad.io import fs as wds_fs
@@ -168,16 +189,16 @@ def fresh_connections() -> None:
 def timed(proxy: ProxyProcess, repeat: int, fn: Callable[[], tuple[int, int]]) -> dict[str, Any]:
     """The fastest of ``repeat`` runs; client CPU: this process plus its reaped children
     (curl, DataLoader workers)."""
-    def run() -> tuple[int, int, float]:
+    def run() -> tuple[int, int, float, int]:
         fresh_connections()
-        before = proxy.cpu()
+        before, seen = proxy.cpu(), proxy.requests_seen()
         n, nbytes = fn()
-        return n, nbytes, proxy.cpu() - before
+        return n, nbytes, proxy.cpu() - before, proxy.requests_seen() - seen
 
     best = best_of(repeat, run, cpu=cpu_seconds)
-    n, nbytes, proxy_cpu = best.result
+    n, nbytes, proxy_cpu, gets = best.result
     return {"n": n, "wall": best.wall, "sps": n / best.wall, "mbps": nbytes / best.wall / 1e6,
-            "proxy_cpu": proxy_cpu, "our_cpu": best.cpu}
+            "proxy_cpu": proxy_cpu, "our_cpu": best.cpu, "gets": gets}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,36 +249,41 @@ def report(args: argparse.Namespace, proxy: ProxyProcess, urls: list[str], index
           f"batch_size {args.batch_size}, best of {args.repeat}\n")
     ref = timed(proxy, args.repeat, lambda: run_webdataset(urls))
     rows.append(("webdataset sequential (curl)", ref))
-    ref["gets"] = len(urls)
     block = ReadOptions().block_bytes
     def one(locality: str, in_flight: int, workers: int) -> tuple[str, dict[str, Any]]:
         r = timed(proxy, args.repeat, lambda: run_ours(index, in_flight, workers, None, args.batch_size,
                                                        locality, args.window))
-        r["gets"] = planned_gets(index, STATS["plan"], block, workers)
+        r["plan"] = planned_gets(index, STATS["plan"], block, workers)  # GETs at the proxy: r["gets"]
         if STATS["read"] is not None:
-            r["gets"] = STATS["read"].requests  # counted by the reader
             r["peak"] = STATS["read"].peak_cache_bytes
             if STATS["read"].timeouts or STATS["read"].retries:
                 print(f"  ({locality} {in_flight}/{workers}: {STATS['read'].timeouts} timeouts, "
                       f"{STATS['read'].retries} retries)")
         return f"wds_pad {locality:5} in-flight {in_flight:2d}, workers {workers}", r
 
-    # runs with DataLoader workers last: after workers forked from this process, large GETs
-    # on the main process's pooled connections were seen to stall for a whole timeout (60 s)
     for locality, in_flight in itertools.product(("none", "shard"), (32, 64)):
         rows.append(one(locality, in_flight, 0))
     limit = timed(proxy, args.repeat, lambda: run_download(index, 32))
-    limit["gets"] = len(index.shards)
     rows.append(("parallel download of the shards (limit)", limit))
     for locality, in_flight in itertools.product(("none", "shard"), (32, 64)):
         rows.append(one(locality, in_flight, 2))
-    cols = Columns("{:42} {:>7} {:>7} {:>10} {:>7} {:>6} {:>7} {:>11} {:>12}")
-    print(cols.header("contender", "samples", "wall s", "samples/s", "MB/s", "x wds", "GETs", "proxy cpu s",
+    cols = Columns("{:42} {:>7} {:>7} {:>10} {:>7} {:>6} {:>7} {:>6} {:>11} {:>12}")
+    print(cols.header("contender", "samples", "wall s", "samples/s", "MB/s", "x wds", "GETs", "plan", "proxy cpu s",
                       "client cpu s"))
     for name, r in rows:
         print(cols.line(name, r["n"], f"{r['wall']:.2f}", f"{r['sps']:.0f}", f"{r['mbps']:.1f}",
-                        f"{r['sps'] / ref['sps']:.2f}", r.get("gets", "-"), f"{r['proxy_cpu']:.2f}",
+                        f"{r['sps'] / ref['sps']:.2f}", r["gets"], r.get("plan", "-"), f"{r['proxy_cpu']:.2f}",
                         f"{r['our_cpu']:.2f}"))
+    print("GETs: counted at the proxy; plan: what the plan's schedule predicts (an early read the cache "
+          "had no room for is one GET more)")
+    plan = run_plan(index, args)
+    local = plan.buckets.local
+    blocks = sum(-(-index.shards[s].size // block) for s in local.rank_shards(0).tolist())
+    bound = 1.1 * blocks + local.foreign()
+    for name, r in rows:
+        if name.startswith("wds_pad shard"):
+            print(f"{name}: {r['gets']} GETs / (1.1 x {blocks} blocks + {local.foreign()} foreign) = "
+                  f"{r['gets'] / bound:.2f} (target <= 1)")
     by = dict(rows)
     largest = max(s.size for s in index.shards)
     for w in (0, 2):
