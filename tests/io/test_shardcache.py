@@ -293,3 +293,38 @@ def test_early_ranges_are_read_singly_while_the_cache_is_full() -> None:
         cache.read(u, 0, 1).result()
     assert [c[0] for c in calls] == ["a", "b", "c"]  # c whole once, after its early range
     assert not cache.planned("c")
+
+
+def test_files_a_crashed_run_left_in_the_cache_dir_are_removed_when_a_cache_opens_it(tmp_path: Path) -> None:
+    """Shard files are named after their owner process (the DataLoader's parent); those of
+    an owner that is gone, and partial downloads of a dead writer, are removed when a
+    cache opens the folder. Live owners' files and foreign files are left alone."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.getpid()
+    names = [f"{dead.pid}-ab.shard", f"{dead.pid}-ab.lock", f"{dead.pid}-ab.done",
+             f"{live}-cd.shard.{dead.pid}.part", f"{live}-cd.shard", f"{live}-cd.lock", "notes.txt"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    cache = ShardCache(_counting_fetch({}, []), iter([[]]), block_bytes=1, cache_bytes=1, cache_dir=str(tmp_path))
+    assert cache.swept == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{live}-cd.shard", f"{live}-cd.lock", "notes.txt"])
+
+
+def test_default_shard_folders_of_gone_parents_are_removed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from wds_pad.io.ranges import _sweep_dead_folders
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid in (dead.pid, os.getpid()):
+        (tmp_path / f"wds_pad-shards-{pid}").mkdir()
+        (tmp_path / f"wds_pad-shards-{pid}" / "1-ab.shard").write_bytes(b"x")
+    (tmp_path / "wds_pad-shards-x").mkdir()
+    _sweep_dead_folders(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"wds_pad-shards-{os.getpid()}", "wds_pad-shards-x"])

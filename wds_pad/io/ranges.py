@@ -325,13 +325,15 @@ class RangeReader:
         self._check_fork()
         opts = self.options
         cache_dir = opts.cache_dir
+        in_worker = _in_dataloader_worker()
         if cache_dir is None and worker[1] > 1:
             cache_dir = os.path.join(tempfile.gettempdir(), f"wds_pad-shards-{os.getppid()}")
+            _sweep_dead_folders(tempfile.gettempdir())
         if self._cache is not None:
             self._cache.close()
         self._cache = ShardCache(self._get_block, schedule, block_bytes=opts.block_bytes,
                                  cache_bytes=opts.cache_bytes, cache_dir=cache_dir, worker=worker[0],
-                                 max_shards=max_shards)
+                                 max_shards=max_shards, owner=os.getppid() if in_worker else os.getpid())
 
     @property
     def shard_cache(self) -> ShardCache | None:
@@ -497,3 +499,28 @@ class RangeReader:
                     req.future.cancel()
 
 
+
+
+def _in_dataloader_worker() -> bool:
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:  # pragma: no cover
+        return False
+    return get_worker_info() is not None
+
+
+def _sweep_dead_folders(tmp: str) -> None:
+    """Removes the default shard folders (``wds_pad-shards-<pid>`` in the temporary
+    directory) of parent processes that are gone: what a crashed run left behind."""
+    import shutil
+
+    from .shardcache import _alive
+
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len("wds_pad-shards-"):]
+        if name.startswith("wds_pad-shards-") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)

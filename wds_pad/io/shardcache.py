@@ -14,7 +14,7 @@ Invariants:
       blocks are fetched by the reader's own retried, timed, stale-checked GET;
     * memory mode (``cache_dir=None``): one stream holds at most ``cache_bytes`` of shards
       plus the one in use; nothing is shared between processes;
-    * disk mode (``cache_dir``): a shard is one file ``<digest>.shard`` written under an
+    * disk mode (``cache_dir``): a shard is one file ``<owner>-<digest>.shard`` written under an
       exclusive ``flock`` of ``<digest>.lock`` and renamed into place when complete, so
       the DataLoader workers of a rank (every process that plans the same epoch for the
       same DP rank) fetch it once; each user appends its worker id to ``<digest>.done``
@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-__all__ = ["PlannedShard", "ShardCache"]
+__all__ = ["PlannedShard", "ShardCache", "sweep_dead_owners"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,10 @@ class ShardCache:
         block_bytes: size of each GET of a shard.
         cache_bytes: bound on cached plus in-flight shard bytes.
         cache_dir: a local folder shared by the rank's workers, or None (memory).
+        owner: disk mode: the pid of the process whose workers share the files (the
+            DataLoader's parent; this process without workers). It prefixes their names,
+            so files a crashed run left behind are known by their dead owner and removed
+            when a cache opens the folder; a resumed run never reuses them.
         worker: this process's DataLoader worker id.
         max_shards: at most this many of the epoch's largest shards' bytes held at once
             (fetched ahead, in use, or compacted), besides the one a read needs; None:
@@ -105,7 +109,8 @@ class ShardCache:
 
     def __init__(self, fetch: Callable[[str, int, int], concurrent.futures.Future[bytes]],
                  schedule: Iterator[list[PlannedShard]], *, block_bytes: int, cache_bytes: int,
-                 cache_dir: str | None = None, worker: int = 0, max_shards: int | None = None) -> None:
+                 cache_dir: str | None = None, worker: int = 0, max_shards: int | None = None,
+                 owner: int | None = None) -> None:
         self._get, self._schedule = fetch, schedule
         self.block_bytes, self.cache_bytes = block_bytes, cache_bytes
         self.cache_dir, self.worker, self.max_shards = cache_dir, worker, max_shards
@@ -125,8 +130,11 @@ class ShardCache:
         self.compacted = 0          # shards compacted to their late ranges
         self.early_singles = 0      # early ranges read singly (the cache was full)
         self._largest = 0
+        self.owner = os.getpid() if owner is None else owner
+        self.swept = 0              # files of dead owners removed when the folder was opened
         if cache_dir is not None:
             os.makedirs(cache_dir, exist_ok=True)
+            self.swept = sweep_dead_owners(cache_dir)
         self._take_epoch()
 
     # -- the schedule --------------------------------------------------------------------
@@ -185,7 +193,7 @@ class ShardCache:
                             for off in range(0, size, self.block_bytes)]
             return
         name = hashlib.sha256(f"{entry.shard.key}\0{url}".encode()).hexdigest()[:32]
-        entry.path = os.path.join(self.cache_dir, name)
+        entry.path = os.path.join(self.cache_dir, f"{self.owner}-{name}")
         entry.ready = self._threads().submit(self._ensure_file, entry)
 
     def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -398,3 +406,41 @@ def _chain_into(src: concurrent.futures.Future[bytes], dst: concurrent.futures.F
         _settle(dst, src.result())
     except BaseException as exc:  # noqa: BLE001 - handed to the reader
         _settle(dst, exc=exc)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_dead_owners(folder: str) -> int:
+    """Removes the shard files in ``folder`` whose owner process is gone (a run that crashed
+    or was killed before its last planned reads deleted them), and partial downloads
+    (``.<pid>.part``) of dead writers; the number of files removed. Files of live owners,
+    and anything not named by this cache, are left alone."""
+    removed = 0
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        stem, _, suffix = name.rpartition(".")
+        if suffix == "part":
+            pid = stem.rpartition(".")[2]
+        elif suffix in ("shard", "lock", "done"):
+            pid = stem.partition("-")[0]
+        else:
+            continue
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
