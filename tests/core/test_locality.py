@@ -345,8 +345,8 @@ def test_setting_up_a_shard_plan_costs_the_shards_that_hold_samples_not_buckets_
     10^4 shards). Dense per-shard tables (row starts, counts and cumulated counts per
     shard, int64, per kept bucket) would need 24 B x 1,000 x 100,001 = 2.3 GiB; the sparse
     ones need 12 B per (bucket, shard holding samples of it) = 10^7 pairs, 115 MiB, beside
-    the dense per-window tables (6 x 8 B x 12,500 windows x 1,000 buckets, 572 MiB) and
-    temporaries of one bucket at a time. Peak RSS over the setup, never wall time."""
+    the per-window counts (8 B x 12,500 windows x 1,000 buckets, 95 MiB) and temporaries
+    of one bucket at a time. Peak RSS over the setup, never wall time."""
     import json
     import os
     import subprocess
@@ -359,4 +359,4 @@ def test_setting_up_a_shard_plan_costs_the_shards_that_hold_samples_not_buckets_
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["batches"] == 1000 * -(-10_000 // (64 * 4)) and got["first"] == [4, 4, 4], got
     dense_mb = 24 * 1000 * 100_001 / 2**20
-    assert got["extra_mb"] < dense_mb / 2, got  # measured: ~700 MB (was ~3,160 MB with dense tables)
+    assert got["extra_mb"] < dense_mb / 4, got  # measured: 222 MB (~3,160 MB with dense tables)
