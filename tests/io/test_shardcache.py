@@ -235,37 +235,34 @@ def _counting_fetch(data: dict[str, bytes], calls: list[tuple[str, int, int]]) -
     return fetch
 
 
-def test_a_shard_is_compacted_to_its_late_ranges_after_hold_and_serves_them_without_a_get() -> None:
-    """After ``hold`` reads the shard's blocks are dropped and only the late ranges' bytes
-    are kept (the room goes to the next shards); late reads cost no GET; a read the
-    schedule did not foresee costs one ranged GET, never wrong bytes."""
+def test_a_shard_is_kept_as_its_planned_ranges_each_freed_after_its_last_read() -> None:
+    """Memory mode: from its first read a shard counts (and is held) as the bytes of its
+    planned ranges only, its blocks dropped; each range is freed after its last planned
+    read, and the room goes at once to the shards fetched next. Reads cost no GET beyond
+    the blocks; a read the schedule did not foresee costs one ranged GET, never wrong bytes."""
     data = {"s0": bytes(range(100)), "s1": bytes(range(100, 200))}
     calls: list[tuple[str, int, int]] = []
-    late = ((10, 5), (60, 10), (10, 5))  # a repeated range is kept once
-    order = [PlannedShard("s0", 100, 5, frozenset({0}), "k", hold=2, late=late),
-             PlannedShard("s1", 100, 1, frozenset({0}), "k")]
+    ranges = ((0, 40), (30, 20), (10, 5), (60, 10), (10, 5))  # (10, 5) twice: kept once
+    order = [PlannedShard("s0", 100, 5, frozenset({0}), "k", ranges=ranges),
+             PlannedShard("s1", 100, 1, frozenset({0}), "k", ranges=((0, 100),))]
     cache = ShardCache(_counting_fetch(data, calls), iter([order]), block_bytes=40, cache_bytes=150)
-    assert cache.read("s0", 0, 4).result() == data["s0"][:4]
-    assert cache.read("s0", 30, 20).result() == data["s0"][30:50]
-    fetched = len(calls)
-    assert [c[0] for c in calls] == ["s0"] * 3  # s1 does not fit beside the whole of s0
     assert cache.planned("s0")
-    assert cache.read("s0", 10, 5).result() == data["s0"][10:15]  # compacted: kept bytes
-    assert cache.compacted == 1
-    assert {c[0] for c in calls[fetched:]} == {"s1"}  # the room went to s1, fetched ahead
-    n = len(calls)
-    assert cache.read("s0", 60, 10).result() == data["s0"][60:70]
-    assert cache.read("s0", 10, 5).result() == data["s0"][10:15]
-    assert len(calls) == n  # late reads: no GET
-    assert not cache.planned("s0")  # all five served
+    assert cache.read("s0", 0, 40).result() == data["s0"][:40]
+    # s0 now counts as its remaining ranges (35 bytes): s1 (100) fits the 150 and is fetched ahead
+    assert [c[0] for c in calls] == ["s0"] * 3 + ["s1"] * 3 and cache.compacted == 1
+    for st, n in ranges[1:]:
+        assert cache.planned("s0")
+        assert cache.read("s0", st, n).result() == data["s0"][st:st + n]
+    assert not cache.planned("s0")  # all five served, nothing of it held
+    assert len(calls) == 6  # no GET beyond the blocks
     assert cache.read("s1", 0, 100).result() == data["s1"]
     assert cache.peak_bytes <= 150 + 100
 
 
-def test_a_late_range_the_schedule_did_not_keep_is_one_ranged_get() -> None:
+def test_a_range_the_schedule_did_not_plan_is_one_ranged_get() -> None:
     data = {"s0": bytes(range(100))}
     calls: list[tuple[str, int, int]] = []
-    order = [PlannedShard("s0", 100, 2, frozenset({0}), "k", hold=1, late=((10, 5),))]
+    order = [PlannedShard("s0", 100, 2, frozenset({0}), "k", ranges=((0, 1), (10, 5)))]
     cache = ShardCache(_counting_fetch(data, calls), iter([order]), block_bytes=100, cache_bytes=1000)
     cache.read("s0", 0, 1).result()
     assert cache.read("s0", 20, 3).result() == data["s0"][20:23]

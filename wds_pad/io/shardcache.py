@@ -49,10 +49,13 @@ class PlannedShard:
         key: what names the shared file (the plan fingerprint, epoch and rank).
         skip: ranges of it this stream reads singly before the ``uses`` cached ones (uses
             far before its window's time, so the shard is not held long for them).
-        hold: memory mode: after this many of its cached ranges the shard is compacted to
-            the bytes of the ``late`` ranges still to come and its blocks are dropped;
-            None: held whole until its last range.
-        late: (start, length) of the cached ranges after the first ``hold``, in order.
+        hold: disk mode: after this many of its cached ranges the file is counted in the
+            bound as the bytes of its ranges still to come only; None: as a whole shard
+            until its last range.
+        ranges: (start, length) of its cached ranges, in order. In memory mode the shard
+            is then kept as these ranges' bytes only (sliced out when its blocks arrive,
+            the blocks dropped), each freed after its last planned read: the room goes to
+            the shards fetched next. Empty: held as blocks until its last range.
         early: how many of the first cached ranges come before the shard's window (the
             plan's windows): when the shard is not fetched yet and fetching it would
             pass the bound, such a range is read singly instead.
@@ -65,13 +68,18 @@ class PlannedShard:
     key: str
     skip: int = 0
     hold: int | None = None
-    late: tuple[tuple[int, int], ...] = ()
+    ranges: tuple[tuple[int, int], ...] = ()
     early: int = 0
+
+    @property
+    def late(self) -> tuple[tuple[int, int], ...]:
+        """The cached ranges after the first ``hold``."""
+        return self.ranges[self.hold:] if self.hold is not None else ()
 
 
 class _Entry:
     __slots__ = ("shard", "blocks", "ready", "left", "path", "started", "skip", "served", "kept", "held",
-                 "compacted")
+                 "compacted", "remaining")
 
     def __init__(self, shard: PlannedShard) -> None:
         self.shard = shard
@@ -84,8 +92,9 @@ class _Entry:
         self.served = 0
         # compacted (memory mode): the late ranges' bytes, once the blocks have arrived
         self.kept: concurrent.futures.Future[dict[tuple[int, int], bytes]] | None = None
-        self.held = 0            # the bytes it counts in the bound: its size, then its late ranges'
+        self.held = 0            # the bytes it counts in the bound: its size, then its ranges' still to come
         self.compacted = False
+        self.remaining: dict[tuple[int, int], int] = {}  # sliced: planned reads left per range
 
 
 class ShardCache:
@@ -243,23 +252,20 @@ class ShardCache:
         ``ranges`` of its planned ranges; after its last one the shard is dropped."""
         entry = self._entries[url]
         self._ahead(entry)
-        if not entry.compacted and entry.shard.hold is not None \
+        if self.cache_dir is None and entry.shard.ranges:
+            return self._read_sliced(entry, url, start, length, ranges)
+        if self.cache_dir is not None and not entry.compacted and entry.shard.hold is not None \
                 and entry.served >= entry.shard.hold and entry.shard.late:
-            # memory: keep its late ranges' bytes only; disk: the file stays for them (the
-            # bound counts those bytes only: what is held is disk, not memory)
+            # the file stays for its late ranges, but the bound counts only their bytes (disk)
             late_bytes = sum(n for _, n in dict.fromkeys(entry.shard.late))
             self._held += late_bytes - entry.held
             entry.held, entry.compacted = late_bytes, True
             self.compacted += 1
-            if self.cache_dir is None:
-                self._compact(entry)
             self._ahead(entry)  # the room it freed goes to the next shards now
         entry.served += ranges
         entry.left -= ranges
         self._left -= ranges
         last = entry.left <= 0
-        if entry.kept is not None:
-            return self._from_kept(entry, url, start, length, last)
         out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
         if self.cache_dir is None:
             bb = self.block_bytes
@@ -301,11 +307,41 @@ class ShardCache:
             self._reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wds_pad-shard-read")
         return self._reads.submit(from_disk)
 
-    def _compact(self, entry: _Entry) -> None:
-        """Keeps only the bytes of the shard's late ranges, and drops its blocks (once
-        they have arrived): the room goes to the shards fetched next."""
+    def _read_sliced(self, entry: _Entry, url: str, start: int, length: int,
+                     ranges: int) -> concurrent.futures.Future[bytes]:
+        """Memory mode with planned ranges: the shard is kept as its ranges' bytes, each
+        freed (from the bound too) after its last planned read."""
+        if entry.kept is None:  # its first read: from now on it counts as its ranges' bytes
+            entry.remaining = {}
+            for r in entry.shard.ranges:
+                entry.remaining[r] = entry.remaining.get(r, 0) + 1
+            kept_bytes = sum(n for _, n in entry.remaining)
+            self._held += kept_bytes - entry.held
+            entry.held = kept_bytes
+            self._compact(entry, list(entry.remaining))
+            self.compacted += 1
+        entry.served += ranges
+        entry.left -= ranges
+        self._left -= ranges
+        key = (start, length)
+        count = entry.remaining.get(key, 0)
+        freed = count == 1
+        if freed:
+            del entry.remaining[key]
+            entry.held -= length
+            self._held -= length
+        elif count:
+            entry.remaining[key] = count - 1
+        if entry.left <= 0:
+            self._drop(entry)
+        out = self._from_kept(url, entry.kept, start, length, pop=freed)  # type: ignore[arg-type]
+        self._ahead(entry)  # the room it freed goes to the next shards now
+        return out
+
+    def _compact(self, entry: _Entry, ranges: list[tuple[int, int]]) -> None:
+        """Keeps only the bytes of ``ranges`` of the shard, and drops its blocks (once
+        they have arrived)."""
         blocks, bb = entry.blocks, self.block_bytes
-        ranges = list(dict.fromkeys(entry.shard.late))
         kept: concurrent.futures.Future[dict[tuple[int, int], bytes]] = concurrent.futures.Future()
         entry.kept, entry.blocks = kept, []
 
@@ -324,13 +360,10 @@ class ShardCache:
         for b in blocks:
             b.add_done_callback(done)
 
-    def _from_kept(self, entry: _Entry, url: str, start: int, length: int,
-                   last: bool) -> concurrent.futures.Future[bytes]:
-        """A late range of a compacted shard (a range it does not keep: one ranged GET)."""
-        kept = entry.kept
-        assert kept is not None
-        if last:
-            self._drop(entry)
+    def _from_kept(self, url: str, kept: concurrent.futures.Future[dict[tuple[int, int], bytes]],
+                   start: int, length: int, pop: bool) -> concurrent.futures.Future[bytes]:
+        """A range of a sliced shard (``pop``: its last read; a range it does not keep:
+        one ranged GET)."""
         out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
 
         def done(_: Any) -> None:
@@ -339,7 +372,7 @@ class ShardCache:
             except BaseException as exc:  # noqa: BLE001 - handed to the reader
                 _settle(out, exc=exc)
                 return
-            data = table.get((start, length))
+            data = table.pop((start, length), None) if pop else table.get((start, length))
             if data is None:
                 self._get(url, start, length).add_done_callback(lambda f: _chain_into(f, out))
                 return

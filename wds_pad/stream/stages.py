@@ -365,14 +365,14 @@ def shard_schedule(source: Any) -> Iterator[list[Any]]:
                 tail = np.cumsum(np.asarray(lengths[samples[held]], np.int64)[::-1])[::-1]
                 size = int(infos[s].size)
                 hold = min(hold, int(np.searchsorted(-tail, -(size // 4), side="left")))
-                late = samples[held[hold:]]
+                uses = samples[held]
                 users = np.unique(workers[sel & (lag >= -1)]).tolist()
                 out.append((int(where[held[0]]), PlannedShard(
                     url=urls[s], size=size, uses=int(held.size), users=frozenset(users),
                     key=f"{fp}:{epoch}:{rank}", skip=lo, hold=hold,
                     early=int(np.searchsorted(lag[held], 0, side="left")),
-                    late=tuple(zip(np.asarray(offsets[late], np.int64).tolist(),
-                                   np.asarray(lengths[late], np.int64).tolist())))))
+                    ranges=tuple(zip(np.asarray(offsets[uses], np.int64).tolist(),
+                                     np.asarray(lengths[uses], np.int64).tolist())))))
         yield [p for _, p in sorted(out, key=lambda t: t[0])]
         if spec.mode is not Mode.STEPS:
             return
