@@ -49,13 +49,11 @@ class PlannedShard:
         key: what names the shared file (the plan fingerprint, epoch and rank).
         skip: ranges of it this stream reads singly before the ``uses`` cached ones (uses
             far before its window's time, so the shard is not held long for them).
-        hold: disk mode: after this many of its cached ranges the file is counted in the
-            bound as the bytes of its ranges still to come only; None: as a whole shard
-            until its last range.
-        ranges: (start, length) of its cached ranges, in order. In memory mode the shard
-            is then kept as these ranges' bytes only (sliced out when its blocks arrive,
-            the blocks dropped), each freed after its last planned read: the room goes to
-            the shards fetched next. Empty: held as blocks until its last range.
+        ranges: (start, length) of its cached ranges. From its first read the shard
+            counts in the bound as the bytes of these ranges still to be read, each freed
+            after its last planned read, so the room goes to the shards fetched next; in
+            memory mode it is held as just those bytes (sliced out when its blocks arrive,
+            the blocks dropped). Empty: held (and counted) whole until its last range.
         early: how many of the first cached ranges come before the shard's window (the
             plan's windows): when the shard is not fetched yet and fetching it would
             pass the bound, such a range is read singly instead.
@@ -67,14 +65,8 @@ class PlannedShard:
     users: frozenset[int]
     key: str
     skip: int = 0
-    hold: int | None = None
     ranges: tuple[tuple[int, int], ...] = ()
     early: int = 0
-
-    @property
-    def late(self) -> tuple[tuple[int, int], ...]:
-        """The cached ranges after the first ``hold``."""
-        return self.ranges[self.hold:] if self.hold is not None else ()
 
 
 class _Entry:
@@ -252,16 +244,8 @@ class ShardCache:
         ``ranges`` of its planned ranges; after its last one the shard is dropped."""
         entry = self._entries[url]
         self._ahead(entry)
-        if self.cache_dir is None and entry.shard.ranges:
-            return self._read_sliced(entry, url, start, length, ranges)
-        if self.cache_dir is not None and not entry.compacted and entry.shard.hold is not None \
-                and entry.served >= entry.shard.hold and entry.shard.late:
-            # the file stays for its late ranges, but the bound counts only their bytes (disk)
-            late_bytes = sum(n for _, n in dict.fromkeys(entry.shard.late))
-            self._held += late_bytes - entry.held
-            entry.held, entry.compacted = late_bytes, True
-            self.compacted += 1
-            self._ahead(entry)  # the room it freed goes to the next shards now
+        if entry.shard.ranges:
+            return self._read_ranged(entry, url, start, length, ranges)
         entry.served += ranges
         entry.left -= ranges
         self._left -= ranges
@@ -292,6 +276,13 @@ class ShardCache:
             for b in blocks:
                 b.add_done_callback(done)
             return out
+        if last:
+            self._drop(entry)
+        return self._from_disk(entry, start, length, last)
+
+    def _from_disk(self, entry: _Entry, start: int, length: int, last: bool) -> concurrent.futures.Future[bytes]:
+        """A range read from the shard's file once it is complete (``last``: this
+        worker's last read of it, after which it says so for the shared deletion)."""
         ready: concurrent.futures.Future[None] = entry.ready  # type: ignore[assignment]
 
         def from_disk() -> bytes:
@@ -301,24 +292,25 @@ class ShardCache:
             if last:
                 self._finish_on_disk(entry)
             return data
-        if last:
-            self._drop(entry)
         if self._reads is None:
             self._reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wds_pad-shard-read")
         return self._reads.submit(from_disk)
 
-    def _read_sliced(self, entry: _Entry, url: str, start: int, length: int,
+    def _read_ranged(self, entry: _Entry, url: str, start: int, length: int,
                      ranges: int) -> concurrent.futures.Future[bytes]:
-        """Memory mode with planned ranges: the shard is kept as its ranges' bytes, each
-        freed (from the bound too) after its last planned read."""
-        if entry.kept is None:  # its first read: from now on it counts as its ranges' bytes
-            entry.remaining = {}
+        """A shard with planned ranges: from its first read it counts in the bound as the
+        bytes of its ranges still to be read, each freed after its last planned read. In
+        memory it is held as just those bytes; on disk the file stays until its last range
+        (disk, not memory, so the bound counts what this worker still reads of it)."""
+        if not entry.compacted:  # its first read: from now on it counts as its ranges' bytes
+            entry.compacted = True
             for r in entry.shard.ranges:
                 entry.remaining[r] = entry.remaining.get(r, 0) + 1
             kept_bytes = sum(n for _, n in entry.remaining)
             self._held += kept_bytes - entry.held
             entry.held = kept_bytes
-            self._compact(entry, list(entry.remaining))
+            if self.cache_dir is None:
+                self._compact(entry, list(entry.remaining))
             self.compacted += 1
         entry.served += ranges
         entry.left -= ranges
@@ -332,9 +324,13 @@ class ShardCache:
             self._held -= length
         elif count:
             entry.remaining[key] = count - 1
-        if entry.left <= 0:
+        last = entry.left <= 0
+        if last:
             self._drop(entry)
-        out = self._from_kept(url, entry.kept, start, length, pop=freed)  # type: ignore[arg-type]
+        if self.cache_dir is None:
+            out = self._from_kept(url, entry.kept, start, length, pop=freed)  # type: ignore[arg-type]
+        else:
+            out = self._from_disk(entry, start, length, last)
         self._ahead(entry)  # the room it freed goes to the next shards now
         return out
 

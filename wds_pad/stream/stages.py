@@ -348,28 +348,21 @@ def shard_schedule(source: Any) -> Iterator[list[Any]]:
             lag = _window_lag(shards, mine_shards, plan.shard_window, local.window_of_step(di, steps))
             infos, urls = ix.shards, ix.urls
             offsets, lengths = ix.offset, ix.length
-            for s in np.unique(shards).tolist():
-                sel = shards == s
-                mine = np.flatnonzero(sel & (workers == wid))  # this worker's uses, in order
+            by_shard = np.argsort(shards, kind="stable")  # each shard's uses, in walk order
+            for grp in np.split(by_shard, np.flatnonzero(np.diff(shards[by_shard])) + 1) if shards.size else ():
+                s = int(shards[grp[0]])
+                mine = grp[workers[grp] == wid]  # this worker's uses, in order
                 # uses two or more windows before the shard's own are read singly: along the
                 # walk the lag only grows, so they lead
                 lo = int(np.searchsorted(lag[mine], -1, side="left"))
                 held = mine[lo:]
                 if not held.size or lag[held[0]] > 0:
                     continue  # none left, or only reads after its window (a resumed stream): singly
-                # compacted after its last use up to its window's end: later uses (a bucket
-                # whose steps ran short of the window's samples) come from the kept bytes
-                hold = int(np.searchsorted(lag[held], 0, side="right"))
-                # or as soon as what it still serves is a quarter of it: the next shards
-                # are fetched into the room while its window ends (no stall at the boundary)
-                tail = np.cumsum(np.asarray(lengths[samples[held]], np.int64)[::-1])[::-1]
-                size = int(infos[s].size)
-                hold = min(hold, int(np.searchsorted(-tail, -(size // 4), side="left")))
                 uses = samples[held]
-                users = np.unique(workers[sel & (lag >= -1)]).tolist()
+                users = np.unique(workers[grp[lag[grp] >= -1]]).tolist()
                 out.append((int(where[held[0]]), PlannedShard(
-                    url=urls[s], size=size, uses=int(held.size), users=frozenset(users),
-                    key=f"{fp}:{epoch}:{rank}", skip=lo, hold=hold,
+                    url=urls[s], size=int(infos[s].size), uses=int(held.size), users=frozenset(users),
+                    key=f"{fp}:{epoch}:{rank}", skip=lo,
                     early=int(np.searchsorted(lag[held], 0, side="left")),
                     ranges=tuple(zip(np.asarray(offsets[uses], np.int64).tolist(),
                                      np.asarray(lengths[uses], np.int64).tolist())))))
