@@ -514,7 +514,7 @@ def _sweep_dead_folders(tmp: str) -> None:
     directory) of parent processes that are gone: what a crashed run left behind."""
     import shutil
 
-    from .shardcache import _alive
+    from .atomic import _alive
 
     try:
         names = os.listdir(tmp)

@@ -34,6 +34,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from .atomic import _alive
+
 __all__ = ["PlannedShard", "ShardCache", "sweep_dead_owners"]
 
 
@@ -435,16 +437,6 @@ def _chain_into(src: concurrent.futures.Future[bytes], dst: concurrent.futures.F
         _settle(dst, src.result())
     except BaseException as exc:  # noqa: BLE001 - handed to the reader
         _settle(dst, exc=exc)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def sweep_dead_owners(folder: str) -> int:
