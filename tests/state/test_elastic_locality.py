@@ -127,3 +127,13 @@ def test_on_the_saved_layout_it_resumes_exactly(index: Index, allow_elastic: boo
     again = make_ds(index, 4, 2)
     again.load_state_dict(state, allow_elastic=allow_elastic)
     assert batch_keys(again) == remainder != []
+
+
+def test_without_allow_elastic_the_refusal_does_not_suggest_it_for_a_mid_epoch_shard_state(index: Index) -> None:
+    _, states = consume(index, 4, 2)
+    with pytest.raises(TopologyMismatchError, match="allow_elastic=True does not help") as err:
+        make_ds(index, 2, 0).load_state_dict(states[0])
+    assert "or pass allow_elastic=True" not in str(err.value)
+    _, boundary = consume(index, 4, 0)  # at the epoch's start the usual advice stands
+    with pytest.raises(TopologyMismatchError, match="or pass allow_elastic=True"):
+        make_ds(index, 2, 0).load_state_dict(boundary[0])

@@ -189,8 +189,13 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
         if topo_rows:
             layout_same = all(saved_topo.get(k) == now_topo[k] for k in ("dp_size", "cp_size", "world_size"))
             if not allow_elastic or layout_same:
+                mid_shard = ((state.get("plan") or {}).get("locality") == "shard"
+                             and 0 < int(state.get("index") or 0) < int(state.get("batches_in_epoch") or 0))
                 hint = ("load the state file saved by this rank (save_state_file / load_state_file "
                         "name it by rank)" if layout_same else
+                        "restart with the saved topology; allow_elastic=True does not help: a state saved "
+                        "mid-epoch with locality='shard' resumes only on its own layout (or from an epoch "
+                        "boundary, or plan with locality='none')" if mid_shard else
                         "restart with the saved topology, or pass allow_elastic=True to resume "
                         "on another data-parallel layout where the position maps exactly")
                 raise TopologyMismatchError(f"loader state is from another topology: {_table(topo_rows)}; {hint}")
