@@ -330,8 +330,10 @@ def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_err
             results.update(zip(group, task(group)))
     else:
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(task, group): group for group in groups}
-            try:
+            futures: dict[concurrent.futures.Future[list[ShardRows]], Sequence[str]] = {}
+            try:  # the submitting too: a signal while groups are submitted must cancel the rest
+                for group in groups:
+                    futures[pool.submit(task, group)] = group
                 for fut in concurrent.futures.as_completed(futures):
                     results.update(zip(futures[fut], fut.result()))
             except BaseException:  # a failed shard, Ctrl-C, SIGTERM: start no further group
