@@ -30,6 +30,8 @@ from .errors import (
     TopologyError,
     TopologyMismatchError,
     WdsPadError,
+    WorkerStartError,
+    WorkerStartWarning,
 )
 from . import _moved
 from .core.dataset import Dataset, IdRange
@@ -98,6 +100,8 @@ __all__ = sorted(
         "Topology",
         "TopologyError",
         "TopologyMismatchError",
+        "WorkerStartError",
+        "WorkerStartWarning",
         "WdsPadError",
         "derive_rng",
         "iter_steps",

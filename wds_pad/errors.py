@@ -25,6 +25,8 @@ __all__ = [
     "TopologyError",
     "TopologyMismatchError",
     "WdsPadError",
+    "WorkerStartError",
+    "WorkerStartWarning",
 ]
 
 
@@ -78,6 +80,14 @@ class StateMismatchError(StateError):
 
 class TopologyMismatchError(StateMismatchError):
     """A saved state belongs to another topology (world size, rank, dp or cp layout)."""
+
+
+class WorkerStartError(WdsPadError, RuntimeError):
+    """A DataLoader worker did not start (stuck in the fork) in every attempt."""
+
+
+class WorkerStartWarning(UserWarning):
+    """A DataLoader worker stuck in the fork was replaced (the plan continues exactly)."""
 
 
 class DroppedBucketWarning(UserWarning):

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping
 
-from torch.utils.data import DataLoader
-
-from .loaderargs import check_loader_args
+from .loaderargs import check_loader_args, check_start_timeout
 from ..errors import ConfigError, TopologyError
 from ..core.policy import Mode
 from .dataset import BucketedWebDataset
 from .stages import Position
+from .workers import START_TIMEOUT, worker_batches
 from ..state import epoch_length, make_state, restore
 from ..state.schema import PER_RANK
 
@@ -129,6 +128,8 @@ class Loader:
             Fabric's and accelerate's checkpointing do), so a checkpoint that one process
             writes for the whole job resumes every rank. Not needed with
             torch.distributed.checkpoint or per-rank state files.
+        worker_start_timeout: seconds a forked worker may take to start before it is taken
+            for stuck in the fork and replaced (see :mod:`wds_pad.stream.workers`).
         **kwargs: passed to torch's DataLoader (pin_memory, prefetch_factor,
             multiprocessing_context, timeout, ...). ``batch_size`` is always None
             (the dataset batches) and ``persistent_workers`` is not supported (workers
@@ -136,7 +137,7 @@ class Loader:
     """
 
     def __init__(self, dataset: BucketedWebDataset, num_workers: int = 0, *, gather_state: bool = False,
-                 **kwargs: Any) -> None:
+                 worker_start_timeout: float = START_TIMEOUT, **kwargs: Any) -> None:
         if not isinstance(dataset, BucketedWebDataset):
             raise ConfigError(f"Loader wraps a BucketedWebDataset, got {type(dataset).__name__}")
         check_loader_args("Loader", num_workers, kwargs, "the plan decides batches and order, "
@@ -148,6 +149,7 @@ class Loader:
         self.num_workers = num_workers
         self.kwargs = kwargs
         self.gather_state = bool(gather_state)
+        self.worker_start_timeout = check_start_timeout("Loader", worker_start_timeout)
         self._position = dataset._position
 
     @property
@@ -221,8 +223,9 @@ class Loader:
                 self._position = ds._position
                 yield batch
             return
-        loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.kwargs)
-        batches = iter(loader)  # starts the workers: each gets its copy of the pinned dataset
+        # starts the workers, each with its copy of the pinned dataset; one stuck in the fork is replaced
+        batches = worker_batches(ds, self.num_workers, self.kwargs, owner="Loader",
+                                 start_timeout=self.worker_start_timeout)
         _widen_pipe(batches)
         ds._pinned = False
         for batch in batches:

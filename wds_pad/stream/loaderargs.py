@@ -135,3 +135,14 @@ def _check_workers_args(owner: str, num_workers: int, kwargs: dict[str, Any]) ->
                 f"({', '.join(methods)}) or a multiprocessing context, got "
                 f"{type(context).__name__} {context!r}"
             )
+
+
+def check_start_timeout(owner: str, value: Any) -> float:
+    """``worker_start_timeout``: a finite number of seconds > 0."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
+        raise ConfigError(
+            f"{owner}: worker_start_timeout must be a finite number of seconds > 0 (how long a "
+            f"forked DataLoader worker may take to start), got {value!r}; e.g. worker_start_timeout=30"
+        )
+    return float(value)

@@ -29,12 +29,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
 
 from .collate import run_collation
-from .loaderargs import check_loader_args
+from .loaderargs import check_loader_args, check_start_timeout
+from .workers import START_TIMEOUT, worker_batches
 from ..errors import ConfigError, StaleShardError, StateError, StateMismatchError
 from ..index.format import Index, load_index
 from ..core.policy import check_epoch
@@ -359,16 +360,20 @@ class ShardLoader:
     Args:
         dataset: a ShardStream (with its stages).
         num_workers: DataLoader worker processes (0: iterate in the main process).
+        worker_start_timeout: seconds a forked worker may take to start before it is taken
+            for stuck in the fork and replaced (see :mod:`wds_pad.stream.workers`).
         **kwargs: passed to torch's DataLoader (pin_memory, prefetch_factor, ...);
             ``batch_size`` is None (batch with ``.batched()``), no ``persistent_workers``.
     """
 
-    def __init__(self, dataset: ShardStream, num_workers: int = 0, **kwargs: Any) -> None:
+    def __init__(self, dataset: ShardStream, num_workers: int = 0, *,
+                 worker_start_timeout: float = START_TIMEOUT, **kwargs: Any) -> None:
         if not isinstance(dataset, ShardStream):
             raise ConfigError(f"ShardLoader wraps a ShardStream, got {type(dataset).__name__}")
         check_loader_args("ShardLoader", num_workers, kwargs, "batch with .batched(), and "
                           "workers must restart at each saved position")
         self.dataset, self.num_workers, self.kwargs = dataset, num_workers, kwargs
+        self.worker_start_timeout = check_start_timeout("ShardLoader", worker_start_timeout)
 
     @property
     def epoch(self) -> int:
@@ -405,7 +410,8 @@ class ShardLoader:
         worker = copy.copy(ds)
         worker._tag, worker._rotation, worker._progress = True, progress.next_worker, progress
         positions = list(progress.positions or [Position()] * n)
-        for logical, pos, item in DataLoader(worker, batch_size=None, num_workers=n, **self.kwargs):
+        for logical, pos, item in worker_batches(worker, n, self.kwargs, owner="ShardLoader",
+                                                 start_timeout=self.worker_start_timeout):
             positions[logical] = Position(*(int(v) for v in pos))
             ds._progress = _Progress(tuple(positions), (int(logical) + 1) % n, False)
             yield item

@@ -1,0 +1,172 @@
+"""A DataLoader worker stuck in the fork is replaced; the plan continues exactly.
+
+The stuck worker is made the way CPython 3.11.9 makes it under DDP (gh-112275): the child
+never gets past the fork. Here an at-fork hook (registered once, armed per test) blocks the
+first N forked children before they run any of torch's worker code, so they never reach a
+``worker_init_fn``; the parent cannot tell the difference.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import wds_pad.stream.workers as workers
+from wds_pad import Topology, WorkerStartError, WorkerStartWarning
+from wds_pad.errors import ConfigError
+from wds_pad.index.format import Index
+from wds_pad.stream.loader import Loader
+from wds_pad.stream.shardstream import ShardLoader, ShardStream
+from wds_pad.stream.workers import start_method
+
+from data_helpers import batch_keys, image_index, make_dataset, plan_keys
+
+pytestmark = pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning")
+
+_ARMED: dict[str, object] = {"dir": None, "hangs": 0}
+
+
+def _hang_in_child() -> None:
+    """In a forked child: if armed and a hang is left, record this pid and never go on."""
+    folder = _ARMED["dir"]
+    if folder is None:
+        return
+    for n in range(int(_ARMED["hangs"])):  # type: ignore[arg-type]
+        try:
+            fd = os.open(os.path.join(str(folder), f"hung-{n}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        while True:
+            time.sleep(3600)
+
+
+os.register_at_fork(after_in_child=_hang_in_child)
+
+
+@pytest.fixture()
+def hang(tmp_path: Path) -> Iterator[object]:
+    """``hang(n)``: the next n forked children of this process get stuck; their pids are returned after."""
+    folder = tmp_path / "hung"
+    folder.mkdir()
+
+    def arm(n: int) -> Path:
+        _ARMED.update(dir=str(folder), hangs=n)
+        return folder
+
+    yield arm
+    _ARMED.update(dir=None, hangs=0)
+
+
+def _hung_pids(folder: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(folder.glob("hung-*")) if p.read_text()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has ended (its parent reaps it)
+        return f.read().split(") ")[1].startswith("Z")
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> Index:
+    return image_index(tmp_path_factory.mktemp("workers"), samples=64, shards=4, seed=5)
+
+
+needs_fork = pytest.mark.skipif(start_method(None) != "fork", reason="the watch is for forked workers")
+
+
+@needs_fork
+def test_a_worker_stuck_in_the_fork_is_replaced_and_the_plan_continues_exactly(index: Index, hang) -> None:
+    ds = make_dataset(index, quiet=True, seed=3, topology=Topology(2, 1), check_agreement=False)
+    expected = plan_keys(ds.plan(0), index)
+    loader = Loader(ds, num_workers=2, worker_start_timeout=1.0)
+    folder = hang(1)
+    with pytest.warns(WorkerStartWarning, match=r"Loader: DataLoader worker\(s\) \[0\].*did not start within 1 s"):
+        got = batch_keys(loader)
+    assert got == expected
+    assert loader.state_dict() == Loader(ds).state_dict()  # at the epoch's end, counted once
+    stuck = _hung_pids(folder)
+    assert len(stuck) == 1 and _gone(stuck[0])  # killed, not left holding the job's pipes
+
+
+@needs_fork
+def test_a_restored_position_survives_the_replacement(index: Index, hang) -> None:
+    ds = make_dataset(index, quiet=True, seed=3, topology=Topology(2, 0), check_agreement=False)
+    expected = plan_keys(ds.plan(0), index)
+    first = Loader(ds, num_workers=1)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    it.close()
+    state = first.state_dict()
+    resumed = Loader(make_dataset(index, quiet=True, seed=3, topology=Topology(2, 0), check_agreement=False),
+                     num_workers=1, worker_start_timeout=0.5)
+    resumed.load_state_dict(state)
+    hang(1)
+    with pytest.warns(WorkerStartWarning):
+        assert batch_keys(resumed) == expected[3:]
+
+
+@needs_fork
+def test_a_worker_stuck_in_every_attempt_is_one_clear_error(index: Index, hang, monkeypatch) -> None:
+    monkeypatch.setattr(workers, "ATTEMPTS", 2)
+    loader = Loader(make_dataset(index, quiet=True, seed=3, topology=Topology(1, 0), check_agreement=False),
+                    num_workers=1, worker_start_timeout=0.5)
+    folder = hang(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", WorkerStartWarning)
+        with pytest.raises(WorkerStartError, match=r"in 2 attempts.*worker_start_timeout=.*forkserver.*3\.11\.10"):
+            next(iter(loader))
+    stuck = _hung_pids(folder)
+    assert len(stuck) == 2 and all(_gone(p) for p in stuck)
+    assert loader.state_dict()["per_rank"] == Loader(loader.dataset).state_dict()["per_rank"]  # nothing counted
+
+
+@needs_fork
+def test_shardloader_replaces_a_stuck_worker_too(index: Index, hang) -> None:
+    def stream() -> ShardStream:
+        return ShardStream(index, topology=Topology(1, 0), seed=1)
+
+    expected = [s["__key__"] for s in ShardLoader(stream(), num_workers=2)]
+    hang(1)
+    with pytest.warns(WorkerStartWarning, match="ShardLoader"):
+        got = [s["__key__"] for s in ShardLoader(stream(), num_workers=2, worker_start_timeout=1.0)]
+    assert got == expected
+
+
+def test_the_users_worker_init_fn_still_runs_in_every_worker(index: Index, tmp_path: Path) -> None:
+    def init(worker_id: int) -> None:
+        (tmp_path / f"init-{worker_id}").write_text(str(os.getpid()))
+
+    ds = make_dataset(index, quiet=True, seed=3, topology=Topology(1, 0), check_agreement=False)
+    assert batch_keys(Loader(ds, num_workers=2, worker_init_fn=init)) == plan_keys(ds.plan(0), index)
+    assert sorted(p.name for p in tmp_path.glob("init-*")) == ["init-0", "init-1"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "10", True])
+def test_a_wrong_worker_start_timeout_is_refused(index: Index, bad: object) -> None:
+    ds = make_dataset(index, quiet=True, seed=3, topology=Topology(1, 0), check_agreement=False)
+    with pytest.raises(ConfigError, match="worker_start_timeout must be a finite number of seconds > 0"):
+        Loader(ds, num_workers=1, worker_start_timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="ShardLoader: worker_start_timeout"):
+        ShardLoader(ShardStream(index, topology=Topology(1, 0), seed=1), worker_start_timeout=bad)  # type: ignore[arg-type]
+
+
+def test_the_start_method_is_read_without_fixing_the_default() -> None:
+    import multiprocessing
+
+    before = multiprocessing.get_start_method(allow_none=True)
+    assert start_method(None) in multiprocessing.get_all_start_methods()
+    assert multiprocessing.get_start_method(allow_none=True) == before
+    assert start_method("spawn") == "spawn"
+    assert start_method(multiprocessing.get_context("forkserver")) == "forkserver"

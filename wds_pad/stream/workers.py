@@ -1,0 +1,128 @@
+"""DataLoader workers that are known to have started: a forked worker stuck in the fork is replaced.
+
+Invariants:
+- with the ``fork`` start method, every worker marks itself started (a flag in shared
+  memory, set by our ``worker_init_fn`` before the user's) and no batch is taken from the
+  workers before each one has, or has exited (the DataLoader then reports why);
+- a worker that has not started within ``start_timeout`` seconds is stuck inside the fork:
+  the attempt is shut down (the stuck process is killed, never left holding the job's
+  pipes), a :class:`WorkerStartWarning` names it, and the same DataLoader is made again,
+  from the same pinned dataset: no batch was handed out, so nothing is lost or repeated;
+- after ``ATTEMPTS`` attempts a :class:`WorkerStartError` says what to change;
+- ``spawn`` and ``forkserver`` workers are started from a process with one thread and
+  are not watched.
+
+Why: CPython 3.11.9 and older (gh-112275, fixed in 3.11.10 and 3.12) can deadlock a forked
+child when another thread holds the interpreter's thread-state lock at the moment of the
+fork, as torch's gloo threads do when they take the GIL around a collective's completion.
+The child then never runs a line of Python: under DDP (Lightning, Fabric) the epoch's
+first batch never came, about once in fifteen two-rank jobs here. Other C libraries
+(OpenBLAS, OpenMP) have fork deadlocks of their own; the watch covers them all.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import warnings
+from typing import Any, Callable, Iterator
+
+from torch.utils.data import DataLoader
+
+from ..errors import WorkerStartError, WorkerStartWarning
+
+__all__ = ["ATTEMPTS", "START_TIMEOUT", "worker_batches"]
+
+START_TIMEOUT = 10.0  # seconds for a forked worker to reach its worker_init_fn
+ATTEMPTS = 3
+_POLL = 0.005
+
+
+class _MarkStarted:
+    """``worker_init_fn``: set this worker's flag, then run the user's ``worker_init_fn``."""
+
+    def __init__(self, flags: Any, user: Callable[[int], Any] | None) -> None:
+        self.flags, self.user = flags, user
+
+    def __call__(self, worker_id: int) -> None:
+        self.flags[worker_id] = 1
+        if self.user is not None:
+            self.user(worker_id)
+
+
+def start_method(context: Any) -> str:
+    """The start method a DataLoader with ``multiprocessing_context=context`` uses, without
+    fixing the process's default (``multiprocessing.get_context()`` would)."""
+    if context is None:
+        return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    if isinstance(context, str):
+        return context
+    return context.get_start_method()
+
+
+def _wait_started(batches: Any, flags: Any, timeout: float) -> list[int]:
+    """The worker ids not started after ``timeout`` seconds (none: all started, or one exited)."""
+    workers = list(getattr(batches, "_workers", ()))
+    deadline = time.monotonic() + timeout
+    while True:
+        waiting = [i for i in range(len(flags)) if not flags[i]]
+        if not waiting or any(w.exitcode is not None for w in workers):
+            return []
+        if time.monotonic() >= deadline:
+            return waiting
+        time.sleep(_POLL)
+
+
+def _shut_down(batches: Any) -> None:
+    """Stop an attempt's workers; kill the ones that cannot stop (stuck before any Python)."""
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()  # unregisters the pids from torch's SIGCHLD check first, then joins
+    for w in getattr(batches, "_workers", ()):
+        if w.is_alive():
+            w.kill()
+            w.join(timeout=5)
+
+
+def worker_batches(dataset: Any, num_workers: int, kwargs: dict[str, Any], *, owner: str,
+                   start_timeout: float = START_TIMEOUT) -> Iterator[Any]:
+    """A DataLoader iterator over ``dataset`` whose workers have all started.
+
+    Args:
+        dataset: what the workers iterate (copied into each as it is now).
+        num_workers: at least 1.
+        kwargs: the other DataLoader keywords (``worker_init_fn`` is kept, run after ours).
+        owner: the loader's name, for the messages.
+        start_timeout: seconds a forked worker may take to start.
+
+    Returns:
+        The iterator (``iter(DataLoader(...))``), its workers started.
+
+    Raises:
+        WorkerStartError: a worker was stuck in the fork in each of ``ATTEMPTS`` attempts.
+    """
+    if start_method(kwargs.get("multiprocessing_context")) != "fork":
+        return iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, **kwargs))
+    fork = multiprocessing.get_context("fork")
+    stuck: list[int] = []
+    for attempt in range(1, ATTEMPTS + 1):
+        flags = fork.RawArray("b", num_workers)
+        given = dict(kwargs, worker_init_fn=_MarkStarted(flags, kwargs.get("worker_init_fn")))
+        batches = iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, **given))
+        stuck = _wait_started(batches, flags, start_timeout)
+        if not stuck:
+            return batches
+        pids = [getattr(batches, "_workers", [None] * num_workers)[i] for i in stuck]
+        _shut_down(batches)
+        if attempt < ATTEMPTS:
+            warnings.warn(WorkerStartWarning(
+                f"{owner}: DataLoader worker(s) {stuck} (pid {[getattr(p, 'pid', None) for p in pids]}) did not "
+                f"start within {start_timeout:g} s of the fork (stuck in it: on CPython 3.11.9 and older a "
+                "thread of the parent, such as a torch.distributed one, can leave a lock held in the child, "
+                f"gh-112275); the workers were stopped and started again (attempt {attempt + 1} of {ATTEMPTS}). "
+                "No batch was handed out, so the plan continues exactly"), stacklevel=3)
+    raise WorkerStartError(
+        f"{owner}: DataLoader worker(s) {stuck} did not start within {start_timeout:g} s of the fork in "
+        f"{ATTEMPTS} attempts. If the machine is overloaded, raise worker_start_timeout=; otherwise start "
+        "workers without fork: multiprocessing_context='forkserver' (the training script then needs an "
+        "`if __name__ == \"__main__\":` guard), or use CPython 3.11.10 or newer")
