@@ -52,7 +52,7 @@ except ImportError:  # run from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from wds_pad.errors import ConfigError, WdsPadError
-from wds_pad.index.format import ShardInfo, columns_parts
+from wds_pad.index.format import ShardInfo, columns_parts, plain_offsets
 from wds_pad.io.atomic import atomic_write
 
 __all__ = ["SyntheticIndex", "bucket_sizes", "main"]
@@ -201,6 +201,11 @@ class SyntheticIndex:
         for ch in self._chunks(k):
             yield ch[k]
 
+    def _member_offsets(self) -> Iterator[np.ndarray]:
+        """Payload offsets from each sample's first byte: plain headers, back to back."""
+        for sizes in self._members("member_size"):
+            yield plain_offsets(sizes, np.full(sizes.size // 3, 3, np.int64))
+
     def _member_start(self) -> Iterator[np.ndarray]:
         for lo in range(0, self.n + 1, self.chunk):
             yield np.arange(lo, min(lo + self.chunk, self.n + 1), dtype=np.int64) * 3
@@ -240,8 +245,10 @@ class SyntheticIndex:
         table: dict[str, Any] = {}
         if self.members:
             producers.update(member_start=self._member_start, member_ext=lambda: self._members("member_ext"),
-                             member_size=lambda: self._members("member_size"))
-            table = {"members": 3 * self.n, "max_member_size": int(self.size_table.max())}
+                             member_size=lambda: self._members("member_size"), member_offset=self._member_offsets)
+            # plain headers: the last member's payload starts after two padded payloads and three headers
+            most = 3 * 512 + 2 * int(((self.size_table + 511) & ~511).max())
+            table = {"members": 3 * self.n, "max_member_size": int(self.size_table.max()), "max_member_offset": most}
         excluded = {"samples": [], "shards": [], "count": 0}
         return columns_parts(self.name, self.shard_table(), self.keys, self.bucket_by, EXTS, excluded, producers,
                              samples=self.n, key_bytes=self.n * self.key_width, max_offset=self.max_offset,

@@ -1,5 +1,6 @@
-"""The index's member table (format v2 sections member_start/member_ext/member_size):
-recorded for plain samples by the scan, kept by --update and by merges, absent from
+"""The index's member table (format v2 sections member_start/member_ext/member_size/
+member_offset): recorded for every sample and header form by the scan, files from before
+member_offset still loading, kept by --update and by merges, absent from
 indexes that never had it."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import io
 import os
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,22 +43,66 @@ def _members(index, i: int) -> list[tuple[str, int]]:
     return [(index.exts[e], int(n)) for e, n in zip(index.arrays["member_ext"][lo:hi], index.arrays["member_size"][lo:hi])]
 
 
-def test_member_table_records_plain_samples(shards: list[str]) -> None:
+def test_member_table_records_every_sample_with_its_payload_offsets(shards: list[str]) -> None:
+    """Plain and pax samples alike: each member's extension, size and payload offset."""
     index = build_index(shards, None)
-    assert index.has_members
-    plain = 0
+    assert index.has_members and "member_offset" in index.arrays
+    ms = index.arrays["member_start"]
+    pax = 0
     for i in range(len(index)):
         url, off, ln = index.url(i), int(index.offset[i]), int(index.length[i])
         with open(url, "rb") as f:
             f.seek(off)
-            members = parse_sample(f.read(ln), url, off, index.key(i))
-        got = _members(index, i)
-        if len(index.key(i)) > 100:
-            assert got == []  # a pax header: streaming parses it
-        else:
-            plain += 1
-            assert got == [(e, len(v)) for e, v in members.items()]
-    assert plain == len(index) - 10
+            data = f.read(ln)
+        members = parse_sample(data, url, off, index.key(i))
+        assert _members(index, i) == [(e, len(v)) for e, v in members.items()]
+        lo, hi = int(ms[i]), int(ms[i + 1])
+        at = np.arange(lo, hi)
+        got = {index.exts[int(e)]: data[o : o + n] for e, o, n in
+               zip(index.arrays["member_ext"][at], index.member_offsets(at, np.array([hi - lo])),
+                   index.arrays["member_size"][at])}
+        assert got == members
+        pax += len(index.key(i)) > 100
+    assert pax == 10 and index.members_missing() == (0, "")
+
+
+def _legacy(index: Any) -> Any:
+    """``index`` as a file written before member_offset: pax samples record no members."""
+    ms = index.arrays["member_start"].astype(np.int64)
+    counts = np.diff(ms)
+    plain = np.array([len(index.key(i)) <= 100 for i in range(len(index))])
+    keep = np.repeat(plain, counts)
+    index.arrays["member_ext"] = index.arrays["member_ext"][keep]
+    index.arrays["member_size"] = index.arrays["member_size"][keep]
+    new_start = np.zeros(len(index) + 1, np.int64)
+    np.cumsum(np.where(plain, counts, 0), out=new_start[1:])
+    index.arrays["member_start"] = new_start.astype(index.arrays["member_start"].dtype)
+    del index.arrays["member_offset"]
+    index.digest = index._compute_digest()
+    return index
+
+
+def test_an_index_from_before_member_offset_loads_streams_and_update_rescans_its_pax_shards(
+        shards: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "old.wdsidx"
+    fresh = build_index(shards, None)
+    out.write_bytes(b"".join(bytes(p) for p in serialize(_legacy(build_index(shards, None)))))
+    old = load_index(str(out))
+    assert "member_offset" not in old.arrays and old.has_members
+    missing, why = old.members_missing()
+    assert missing == 10 and "wds-pad index --update" in why
+    # plain samples: their offsets follow from the sizes, exactly as a fresh scan records them
+    ms_old, ms_new = old.arrays["member_start"].astype(np.int64), fresh.arrays["member_start"].astype(np.int64)
+    for i in range(len(old)):
+        if ms_old[i + 1] > ms_old[i]:
+            at_old = np.arange(ms_old[i], ms_old[i + 1])
+            at_new = np.arange(ms_new[i], ms_new[i + 1])
+            np.testing.assert_array_equal(old.member_offsets(at_old, np.array([at_old.size])),
+                                          fresh.arrays["member_offset"][at_new])
+    updated = build_index(shards, None, update=str(out))  # the pax shard is rescanned, the others reused
+    assert updated.members_missing() == (0, "")
+    for k in fresh.numeric_sections():
+        np.testing.assert_array_equal(updated.arrays[k], fresh.arrays[k], err_msg=k)
 
 
 def test_member_table_round_trips_file_update_and_merge(shards: list[str], tmp_path: Path) -> None:

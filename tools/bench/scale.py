@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             keys = list(dict.fromkeys(k for _, t in tables for k in t if k != "total")) + ["total"]
             cols = Columns("{:<38}" + " {:>9}" * len(keys))
             short = {"bucket_offsets": "bkt_offs", "shards+excluded": "json", "key_offsets": "key_offs",
-                     "member_start": "mem_start", "member_ext": "mem_ext", "member_size": "mem_size"}
+                     "member_start": "mem_start", "member_ext": "mem_ext", "member_size": "mem_size", "member_offset": "mem_off"}
             print(cols.header("index", *[short.get(k, k) for k in keys]))
             for label, t in tables:
                 print(cols.line(label, *(f"{t[k]:.2f}" if k in t else "-" for k in keys)))

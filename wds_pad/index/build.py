@@ -116,7 +116,8 @@ def _shard_rows(url: str, size: int, stamp: str, scanned: ScanRows, fn: BucketFn
     rows = ShardRows(ShardInfo(url=url, size=size, stamp=stamp, samples=0))
     buckets = _bucket_keys(url, fn, scanned, on_error, rows, storage_options)
     rows.exts = scanned.exts
-    rows.member_count, rows.member_ext, rows.member_size = scanned.member_count, scanned.member_ext, scanned.member_size
+    rows.member_count, rows.member_ext = scanned.member_count, scanned.member_ext
+    rows.member_size, rows.member_offset = scanned.member_size, scanned.member_offset
     if None not in buckets:
         rows.offset, rows.length, rows.mask = scanned.offset, scanned.length, scanned.mask
         rows.keys, rows.buckets = scanned.keys, buckets
@@ -129,6 +130,7 @@ def _shard_rows(url: str, size: int, stamp: str, scanned: ScanRows, fn: BucketFn
             mkeep = np.repeat(keep, scanned.member_count)
             rows.member_count = scanned.member_count[keep]
             rows.member_ext, rows.member_size = scanned.member_ext[mkeep], scanned.member_size[mkeep]
+            rows.member_offset = scanned.member_offset[mkeep]  # type: ignore[index]
     error = None
     if scanned.fault is not None:  # samples before the fault are kept; --update rescans the shard
         error = redact(str(scanned.fault))
@@ -440,9 +442,12 @@ def _reusable(previous: Index, urls: Sequence[str], storage_options: Mapping[str
             ms = previous.arrays["member_start"]
             starts, ends = ms[ids].astype(np.int64), ms[ids + 1].astype(np.int64)
             rows.member_count = ends - starts
+            if not rows.member_count.all():
+                continue  # written before every header form was recorded: rescan it for the fast path
             at = np.repeat(starts - np.cumsum(rows.member_count) + rows.member_count, rows.member_count) \
                 + np.arange(int(rows.member_count.sum()), dtype=np.int64)
             rows.member_ext, rows.member_size = previous.arrays["member_ext"][at], previous.arrays["member_size"][at]
+            rows.member_offset = previous.member_offsets(at, rows.member_count)
         rows.excluded = [e for e in samples if e.get("url") == url]
         out[url] = rows
     return out

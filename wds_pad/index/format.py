@@ -21,11 +21,17 @@ Sections, in file order (what reads them):
 - ``key_offsets`` [samples + 1] (int32 or int64) and ``keys`` (UTF-8 bytes): sample keys;
 - optional, the member table (the streaming fast path; written by ``wds-pad index``):
   ``member_start`` [samples + 1] (int32/int64) into ``member_ext`` (uint8, an index into
-  the extension table) and ``member_size`` (int32/int64, payload bytes), each sample's
-  members in archive order. A sample whose members are not plain 512-byte headers each
-  followed by its payload (pax or GNU long names, metadata members, ustar prefixes)
-  records none: streaming parses its headers. An index without these sections (from
-  ``tools/make_index.py``, or converted from version 1) streams through that parse path;
+  the extension table), ``member_size`` (int32/int64, payload bytes) and
+  ``member_offset`` (int32/int64, the payload's offset from the sample's first byte),
+  each sample's members in archive order. Every header form the parser reads is
+  recorded: pax headers (per member or global), GNU long names and links, ustar
+  prefixes, metadata members skipped between members. A file written before
+  ``member_offset`` existed holds the other three sections and records members only
+  for plain samples (each one 512-byte header right before its payload): their offsets
+  follow from the sizes (:func:`plain_offsets`), and samples with no members there
+  stream through the parse path until ``wds-pad index --update`` rescans their shards.
+  An index without a member table (from ``tools/make_index.py`` without members, or
+  converted from version 1) streams through that parse path;
 - ``shards``, ``excluded``: JSON, for inspect, verify, update and the stale-shard check.
 
 Invariants:
@@ -67,7 +73,8 @@ VERIFY_LIMIT = 256 * 2**20
 ROW_ARRAYS = ("shard", "offset", "length", "exts")           # one value per sample
 ARRAYS = ("bucket_offsets", *ROW_ARRAYS, "key_offsets", "keys")  # the numeric sections, in file order
 JSON_SECTIONS = ("shards", "excluded")
-MEMBER_ARRAYS = ("member_start", "member_ext", "member_size")  # optional: the member table
+MEMBER_ARRAYS = ("member_start", "member_ext", "member_size", "member_offset")  # optional: the member table
+LEGACY_MEMBER_ARRAYS = MEMBER_ARRAYS[:3]  # files written before member_offset: plain samples only
 _V1_DTYPES = {"shard": np.int32, "offset": np.int64, "length": np.int64, "bucket": np.int32,
               "exts": np.uint64, "key_offsets": np.int64, "keys": np.uint8}
 CONVERT_HINT = "convert it in place with `wds-pad index --update -o {path}` (nothing is rescanned)"
@@ -111,9 +118,24 @@ def _mask_dtype(exts: int) -> np.dtype:
     raise IndexFormatError(f"{exts} member extensions; the index records at most 64")
 
 
-def member_dtypes(members: int, max_size: int) -> dict[str, np.dtype]:
-    """The dtypes of the member table's sections, from the member count and largest payload."""
-    return {"member_start": _signed(members), "member_ext": np.dtype(np.uint8), "member_size": _signed(max_size)}
+def member_dtypes(members: int, max_size: int, max_offset: int) -> dict[str, np.dtype]:
+    """The dtypes of the member table's sections, from the member count, the largest
+    payload and the largest payload offset within a sample."""
+    return {"member_start": _signed(members), "member_ext": np.dtype(np.uint8), "member_size": _signed(max_size),
+            "member_offset": _signed(max_offset)}
+
+
+def plain_offsets(sizes: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Payload offsets from each sample's first byte when its members are plain: one
+    512-byte header right before each payload, back to back (``sizes`` of the members,
+    ``counts`` per sample, samples back to back)."""
+    sizes = np.asarray(sizes, np.int64)
+    counts = np.asarray(counts, np.int64)
+    blocks = 512 + ((sizes + 511) & ~511)
+    ends = np.cumsum(blocks)
+    starts = ends - blocks  # header offsets from the first member's header
+    first = np.cumsum(counts) - counts
+    return starts - np.repeat(starts[first[counts > 0]], counts[counts > 0]) + 512
 
 
 def column_dtypes(shards: int, max_offset: int, max_length: int, key_bytes: int, exts: int) -> dict[str, np.dtype]:
@@ -156,10 +178,10 @@ class Index:
                 )
         if self.arrays["key_offsets"].size != n + 1:
             raise IndexFormatError(f"index {where!r} is damaged: key table size")
-        present = [k for k in MEMBER_ARRAYS if k in self.arrays]
-        if present and (len(present) != len(MEMBER_ARRAYS) or self.arrays["member_start"].size != n + 1
-                        or self.arrays["member_ext"].size != int(self.arrays["member_start"][-1])
-                        or self.arrays["member_size"].size != self.arrays["member_ext"].size):
+        present = tuple(k for k in MEMBER_ARRAYS if k in self.arrays)
+        if present and (present not in (MEMBER_ARRAYS, LEGACY_MEMBER_ARRAYS)
+                        or self.arrays["member_start"].size != n + 1
+                        or any(self.arrays[k].size != int(self.arrays["member_start"][-1]) for k in present[1:])):
             raise IndexFormatError(f"index {where!r} is damaged: member table sizes; rebuild it with `wds-pad index`")
         bo = self.arrays["bucket_offsets"]
         if bo.size != len(self.buckets) + 1 or int(bo[0]) != 0 or int(bo[-1]) != n:
@@ -266,7 +288,29 @@ class Index:
 
     def numeric_sections(self) -> tuple[str, ...]:
         """The numeric sections this index holds, in file order."""
-        return ARRAYS + (MEMBER_ARRAYS if self.has_members else ())
+        return ARRAYS + tuple(k for k in MEMBER_ARRAYS if k in self.arrays)
+
+    def member_offsets(self, at: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Payload offsets (from their sample's first byte) of the member rows ``at``:
+        whole samples' members, ``counts`` per sample, back to back (int64)."""
+        if "member_offset" in self.arrays:
+            return self.arrays["member_offset"][at].astype(np.int64)
+        return plain_offsets(self.arrays["member_size"][at], counts)  # a file from before member_offset
+
+    def members_missing(self) -> tuple[int, str]:
+        """How many samples have no member table (they stream through the parse path),
+        and why, as advice."""
+        n = len(self)
+        if not self.has_members:
+            return n, ("the index has no member table (converted from format version 1, or made by "
+                       "tools/make_index.py without members); rebuild it with `wds-pad index` to read "
+                       "every sample without parsing its headers")
+        missing = int(np.count_nonzero(np.diff(self.arrays["member_start"]) == 0)) if n else 0
+        if not missing:
+            return 0, ""
+        return missing, ("the index was written before every header form was recorded (those samples "
+                         "have pax, GNU long-name or ustar-prefix headers); `wds-pad index --update` "
+                         "rescans their shards")
 
     # -- digest --------------------------------------------------------------------------
     def _compute_digest(self) -> str:
@@ -380,9 +424,11 @@ def _grouped(shards: Sequence[ShardInfo], buckets: Sequence[Hashable], rows: Map
         np.cumsum(count, out=start[1:])
         new_start, ext = _gather_keys(start, np.asarray(rows["member_ext"], np.uint8), order)
         _, size = _gather_keys(start, np.asarray(rows["member_size"], np.int64), order)
-        mdt = member_dtypes(int(new_start[-1]), int(size.max()) if size.size else 0)
+        _, moff = _gather_keys(start, np.asarray(rows["member_offset"], np.int64), order)
+        mdt = member_dtypes(int(new_start[-1]), int(size.max()) if size.size else 0,
+                            int(moff.max()) if moff.size else 0)
         arrays.update(member_start=new_start.astype(mdt["member_start"]), member_ext=ext,
-                      member_size=size.astype(mdt["member_size"]))
+                      member_size=size.astype(mdt["member_size"]), member_offset=moff.astype(mdt["member_offset"]))
     return Index(shards=tuple(shards), buckets=tuple(buckets), arrays=arrays, bucket_by=dict(bucket_by),
                  exts=tuple(exts), excluded=dict(excluded or {}), name=name)
 
@@ -441,7 +487,8 @@ def serialize(index: Index) -> list[bytes | memoryview]:
 def columns_parts(name: str, shards: Sequence[ShardInfo], buckets: Sequence[Hashable], bucket_by: Mapping[str, Any],
                   exts: Sequence[str], excluded: Mapping[str, Any], columns: Mapping[str, Callable[[], Iterable[Any]]],
                   *, samples: int, key_bytes: int, max_offset: int, max_length: int,
-                  members: int | None = None, max_member_size: int = 0) -> Iterator[bytes | memoryview]:
+                  members: int | None = None, max_member_size: int = 0,
+                  max_member_offset: int = 0) -> Iterator[bytes | memoryview]:
     """The bytes of an index file whose numeric sections come from chunk producers.
 
     Nothing is held but one chunk at a time: each producer is called twice (once for the
@@ -464,6 +511,7 @@ def columns_parts(name: str, shards: Sequence[ShardInfo], buckets: Sequence[Hash
         members: with the member table (``columns`` then also has ``MEMBER_ARRAYS``), its
             total number of members; None: no member table.
         max_member_size: the largest ``member_size`` value.
+        max_member_offset: the largest ``member_offset`` value.
 
     Raises:
         IndexFormatError: a section missing from ``columns``, or a producer that gives
@@ -477,8 +525,8 @@ def columns_parts(name: str, shards: Sequence[ShardInfo], buckets: Sequence[Hash
     counts = {"bucket_offsets": len(buckets) + 1, "key_offsets": samples + 1, "keys": key_bytes,
               **{k: samples for k in ROW_ARRAYS}}
     if members is not None:
-        dt.update(member_dtypes(members, max_member_size))
-        counts.update(member_start=samples + 1, member_ext=members, member_size=members)
+        dt.update(member_dtypes(members, max_member_size, max_member_offset))
+        counts.update(member_start=samples + 1, member_ext=members, member_size=members, member_offset=members)
     blobs = {"shards": json.dumps([s.to_json() for s in shards], sort_keys=True).encode(),
              "excluded": json.dumps(dict(excluded), sort_keys=True).encode()}
     digest = _digest(buckets, exts, blobs, ((k, dt[k], columns[k]()) for k in names))
@@ -605,14 +653,22 @@ def _merged_members(parts: Sequence[Index], slices: Callable[[], Iterator[tuple[
         for j, p, lo, hi in slices():
             if p.has_members:
                 ms = p.arrays["member_start"]
-                v = p.arrays[k][int(ms[lo]) : int(ms[hi])]
+                a, b = int(ms[lo]), int(ms[hi])
+                if k == "member_offset" and k not in p.arrays:  # a part from before member_offset
+                    yield plain_offsets(p.arrays["member_size"][a:b], np.diff(ms[lo : hi + 1]))
+                    continue
+                v = p.arrays[k][a:b]
                 yield remaps[j].astype(np.uint8)[v] if k == "member_ext" else v
 
     producers.update(member_start=member_start, member_ext=lambda: member_column("member_ext"),
-                     member_size=lambda: member_column("member_size"))
+                     member_size=lambda: member_column("member_size"),
+                     member_offset=lambda: member_column("member_offset"))
+    with_members = [p for p in parts if p.has_members and p.arrays["member_size"].size]
     return {"members": sum(int(p.arrays["member_start"][-1]) for p in parts if p.has_members),
-            "max_member_size": max((int(p.arrays["member_size"].max()) for p in parts
-                                    if p.has_members and p.arrays["member_size"].size), default=0)}
+            "max_member_size": max((int(p.arrays["member_size"].max()) for p in with_members), default=0),
+            "max_member_offset": max((int(np.max(p.arrays["member_offset"] if "member_offset" in p.arrays else
+                                             plain_offsets(p.arrays["member_size"], np.diff(p.arrays["member_start"]))))
+                                      for p in with_members), default=0)}
 
 
 def _remap_bits(mask: np.ndarray, bit: np.ndarray) -> np.ndarray:

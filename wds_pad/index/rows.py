@@ -10,8 +10,9 @@ Invariants:
   ``on_error="skip"``, is left out, as is any later one that would);
 - at most 10,000 excluded samples are listed in the header; the count stays exact;
 - the member table (``member_count`` per sample, ``member_ext`` bits of the shard's own
-  ``exts``, ``member_size``) travels with the rows; a shard without one (None) records
-  no members for its samples, and streaming parses their headers.
+  ``exts``, ``member_size``, ``member_offset`` from the sample's first byte) travels
+  with the rows; a shard without one (None) records no members for its samples, and
+  streaming parses their headers.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ class ShardRows:
     excluded: list[dict[str, Any]] = field(default_factory=list)
     nbytes: int = 0
     fault: dict[str, Any] | None = None  # on_error="skip": why the shard (or its rest) was left out
-    member_count: np.ndarray | None = None  # members recorded per sample (0: not plain); None: none
+    member_count: np.ndarray | None = None  # members recorded per sample (0: none); None: no table
     member_ext: np.ndarray | None = None    # bit numbers of ``exts`` (uint8), samples back to back
     member_size: np.ndarray | None = None   # payload sizes
+    member_offset: np.ndarray | None = None  # payload offsets from the sample's first byte
 
 
 def unreadable(url: str, exc: Exception) -> ShardRows:
@@ -62,7 +64,7 @@ def assemble(parts: Sequence[ShardRows], bucket_by: Mapping[str, Any], skipped: 
     bucket_keys: list[Hashable] = []
     bucket_id: dict[Hashable, int] = {}
     shard_col, offset, length, bucket, masks, keys = [], [], [], [], [], []
-    mcount, mext, msize = [], [], []
+    mcount, mext, msize, moffset = [], [], [], []
     excluded_samples: list[dict[str, Any]] = []
     for si, p in enumerate(parts):
         n = len(p.keys)
@@ -86,13 +88,14 @@ def assemble(parts: Sequence[ShardRows], bucket_by: Mapping[str, Any], skipped: 
             to = np.asarray([bit.get(e, 0) for e in p.exts] or [0], np.uint8)
             mext.append(to[np.asarray(p.member_ext, np.intp)])
             msize.append(np.asarray(p.member_size, np.int64))
+            moffset.append(np.asarray(p.member_offset, np.int64))
         keys.extend(p.keys)
         excluded_samples.extend(p.excluded)
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
     rows = {"shard": cat(shard_col, np.int32), "offset": cat(offset, np.int64),
             "length": cat(length, np.int64), "bucket": cat(bucket, np.int64), "exts": cat(masks, np.uint64),
             "member_count": cat(mcount, np.int64), "member_ext": cat(mext, np.uint8),
-            "member_size": cat(msize, np.int64)}
+            "member_size": cat(msize, np.int64), "member_offset": cat(moffset, np.int64)}
     excluded = {"samples": excluded_samples, "shards": skipped,
                 "count": len(excluded_samples)}
     if len(excluded_samples) > 10_000:  # keep the header small; the count stays exact

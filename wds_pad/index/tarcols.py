@@ -63,6 +63,9 @@ class ScanRows:
         member_ext: Each recorded member's extension, a bit number of ``exts`` (uint8),
             samples back to back, members in archive order.
         member_size: Each recorded member's payload size (int64).
+        member_offset: Each recorded member's payload offset from its sample's first
+            byte (int64): whatever headers lie before it (pax, GNU long names, ustar
+            prefixes, skipped metadata members), the payload starts there.
     """
 
     url: str
@@ -76,6 +79,7 @@ class ScanRows:
     member_count: np.ndarray | None = None
     member_ext: np.ndarray | None = None
     member_size: np.ndarray | None = None
+    member_offset: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -122,9 +126,11 @@ class _Acc:
     mcount: list[np.ndarray] = field(default_factory=list)  # the member table, in chunks
     mext: list[np.ndarray] = field(default_factory=list)
     msize: list[np.ndarray] = field(default_factory=list)
+    moffset: list[np.ndarray] = field(default_factory=list)
     tail_mcount: list[int] = field(default_factory=list)
     tail_mext: list[int] = field(default_factory=list)
     tail_msize: list[int] = field(default_factory=list)
+    tail_moffset: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.data = {e: [] for e in sorted(self.want)}
@@ -145,21 +151,15 @@ class _Acc:
         for m in s.members:
             bits |= 1 << self.bit(m.ext)
         self.tail_mask.append(bits)
-        # the member table records a sample whose members are plain: each one 512-byte
-        # header right before its payload, back to back from the sample's first byte,
-        # its name the key and extension (no metadata or skipped entries in between)
-        at, plain = s.offset, True
-        for m in s.members:
-            if m.header_offset != at or m.data_offset != at + 512 or len(m.name.encode("utf-8", "surrogateescape")) > 100:
-                plain = False
-                break
-            at = m.data_offset + ((m.size + 511) & ~511)
-        if plain and at == s.offset + s.length:
-            self.tail_mcount.append(len(s.members))
-            self.tail_mext.extend(self.bit(m.ext) for m in s.members)
-            self.tail_msize.extend(m.size for m in s.members)
-        else:
-            self.tail_mcount.append(0)
+        # the member table records every sample: each member's payload offset from the
+        # sample's first byte, so any header layout before it (pax, GNU long names,
+        # ustar prefixes, skipped metadata members) is read without parsing
+        members = s.members
+        self.tail_mcount.append(len(members))
+        self.tail_mext.extend(self.bit(m.ext) for m in members)
+        self.tail_msize.extend(m.size for m in members)
+        base = s.offset
+        self.tail_moffset.extend(m.data_offset - base for m in members)
         self.keys.append(s.key)
         for e, col in self.data.items():
             col.append(s.data.get(e))
@@ -177,8 +177,9 @@ class _Acc:
             self.mcount.append(np.array(self.tail_mcount, np.int64))
             self.mext.append(np.array(self.tail_mext, np.uint8))
             self.msize.append(np.array(self.tail_msize, np.int64))
+            self.moffset.append(np.array(self.tail_moffset, np.int64))
             self.tail_offset, self.tail_length, self.tail_mask = [], [], []
-            self.tail_mcount, self.tail_mext, self.tail_msize = [], [], []
+            self.tail_mcount, self.tail_mext, self.tail_msize, self.tail_moffset = [], [], [], []
 
     def rows(self, url: str, fault: TarFormatError | None) -> ScanRows:
         if self.report is not None and self.samples > self.reported:
@@ -189,7 +190,7 @@ class _Acc:
         exts = sorted(self.bits, key=self.bits.__getitem__)
         return ScanRows(url, cat(self.offset, np.int64), cat(self.length, np.int64), self.keys, exts,
                         cat(self.mask, np.uint64), self.data, fault, cat(self.mcount, np.int64),
-                        cat(self.mext, np.uint8), cat(self.msize, np.int64))
+                        cat(self.mext, np.uint8), cat(self.msize, np.int64), cat(self.moffset, np.int64))
 
 
 def _popcount(x: np.ndarray) -> np.ndarray:
@@ -356,6 +357,7 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, hea
         bitno = np.asarray([acc.bit(e) if seen >> i & 1 else 0 for i, e in enumerate(exts)] or [0], np.uint8)
         acc.mext.append(bitno[ids[rows_m]])
         acc.msize.append(Sa[rows_m])
+        acc.moffset.append(Pa[rows_m] + 512 - np.repeat(offset, ends[lo_g:g_end] - first))
         acc.keys.extend(b"\0".join(K[first].view(f"S{W}").ravel().tolist()).decode("ascii")[1:].split("\0/"))
         base_i = int(seg_first[s])
         for e, col in acc.data.items():
