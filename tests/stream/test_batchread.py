@@ -17,6 +17,7 @@ import webdataset as wds
 
 from wds_pad import BucketedWebDataset, StaleShardError, Topology
 from wds_pad.index.build import build_index
+from wds_pad.index.format import MEMBER_ARRAYS
 from wds_pad.stream import batchread
 
 
@@ -102,7 +103,7 @@ def test_index_without_member_table_streams(tmp_path: Path, monkeypatch: pytest.
     urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "plain") for k in range(2)]
     index = build_index(urls, "aspect:width,height")
     with_members = list(_dataset(index))
-    for k in ("member_start", "member_ext", "member_size"):
+    for k in MEMBER_ARRAYS:
         index.arrays.pop(k)
     assert not index.has_members
     used = _counting(monkeypatch)

@@ -275,12 +275,15 @@ def _copy(index: Index, tmp_path: Path) -> Index:
 
 
 def _break_header(index: Index, i: int) -> None:
-    """Bit rot the file's size and mtime do not show: the first bytes of the sample's first
-    header (its name, which the fast path compares with the key; the checksum no longer
-    matches either, which the exact path reports)."""
+    """Bit rot the file's size and mtime do not show: the first bytes of the header right
+    before the sample's first payload (its name, which the fast path compares with the key,
+    after any PAX header; the checksum no longer matches either, which the exact path
+    reports)."""
     stat = os.stat(index.url(i))
+    first = int(index.arrays["member_start"][i])
+    head = int(index.member_offsets(np.array([first]), np.array([1]))[0]) - 512
     with open(index.url(i), "r+b") as f:
-        f.seek(int(index.offset[i]))
+        f.seek(int(index.offset[i]) + head)
         f.write(b"\xff\xfe")
     os.utime(index.url(i), ns=(stat.st_atime_ns, stat.st_mtime_ns))
 

@@ -114,6 +114,7 @@ class ReadStats:
     peak_requests_in_flight: int = 0
     shard_blocks: int = 0  # requests of whole-shard blocks (ShardCache)
     peak_cache_bytes: int = 0  # most shard bytes held (fetched ahead or in use) at once
+    exact_batches: int = 0  # batches whose tar headers were parsed: no member table for a sample, or it differed
 
     def as_dict(self) -> dict[str, int]:
         """Returns the counters as a plain dict."""

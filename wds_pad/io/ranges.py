@@ -68,7 +68,18 @@ __all__ = ["LocalReadAhead", "RangeReader", "ReadOptions", "ReadStats", "call_st
 
 logger = logging.getLogger(__name__)
 
-_MAX_OPEN_FDS = 256
+def _fd_budget() -> int:
+    """Shard descriptors a reader keeps open: a quarter of the soft limit, 256 to 4096."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 256
+    return 4096 if soft == resource.RLIM_INFINITY else max(256, min(4096, soft // 4))
+
+
+_MAX_OPEN_FDS = _fd_budget()
 
 
 class _Request:

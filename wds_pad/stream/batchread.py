@@ -1,40 +1,61 @@
 """Whole plan batches read from local shards through the index's member table.
 
 The fast path of ``BucketedWebDataset``: a batch's references, member offsets and sizes
-are computed in numpy from the index (no tar header is parsed, no reference dict is
-built), each sample is one ``os.pread`` (large ones: one per member, straight into the
-payload's bytes), and each sample dict is a copy of one per-batch template.
+are computed in numpy from the index for a chunk of plan batches at once (no tar header
+is parsed, no reference dict is built, and a batch of one sample pays no numpy fixed
+cost of its own), each sample is one ``os.pread`` (large ones: one per member, straight
+into the payload's bytes), and each sample dict is a copy of one per-batch template.
 
 Invariants:
 - a batch read here is exactly what the exact path (``fetch``: parse every header) gives
   for it: the same sample dicts, keys in the same order, members in archive order;
-- it reads only samples the member table records (plain 512-byte headers) of local
-  shards; for anything else (a sample without members, a remote shard, a short read, a
-  header that does not name the sample, any error) :meth:`BatchReader.read` returns
-  None and the caller reads the batch on the exact path, which raises or substitutes as
-  it always did;
-- identity check per sample: every member's header begins with ``key + "."`` (a
-  ``bytes.startswith`` at an offset, no copy); each shard is still checked against its
-  indexed size and change stamp once per stream, when first opened (``RangeReader``).
+- it reads every sample the member table records, whatever headers lie before its
+  payloads (the table holds each payload's offset from the sample's first byte), of
+  local shards; a batch with a sample the table does not record (an index from before
+  ``member_offset``, or without a table) or whose table does not cover its byte range,
+  a short read, or a header that does not name the sample is read on the exact path
+  instead, which raises or substitutes as it always did, and counted in
+  ``ReadStats.exact_batches``; an ``OSError`` or our own error is such a fallback too
+  (the exact path reports it where it happens), any other exception is a bug and
+  propagates;
+- identity check, per member, on the 512-byte header right before its payload (the
+  member's own ustar header, whichever extended headers precede it):
+  * plain ustar, PAX (per member or global; webdataset's TarWriter, ``tarfile``'s
+    default, ``tar --format=posix``) and GNU headers: the name field begins with
+    ``key + "."``; a name longer than the field (a PAX ``path`` record or a GNU
+    ``././@LongLink`` holds the whole name) is checked on the field's 100 bytes, the
+    whole name's first 100 bytes;
+  * a ustar prefix (a long name split in two fields): ``prefix + "/" + name`` begins
+    with ``key + "."`` (checked only when the first test fails);
+  * a non-ASCII name that ``tarfile`` wrote as PAX: its name field holds the name with
+    ``?`` for each character outside ASCII, and that is what is compared.
+  What it cannot see: the PAX or GNU long-name records themselves (not read: beyond 100
+  bytes a name is not compared), the header's size field and checksum, and payload
+  bytes. Each shard is still checked against its indexed size and change stamp once per
+  stream, when first opened (``RangeReader``): that is what catches a rewritten shard.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..core.plan import Batch
+from ..errors import WdsPadError
 from ..index.format import Index
 from ..io.ranges import RangeReader
 
-__all__ = ["BatchReader", "BIG_SAMPLE", "CHUNK"]
+__all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES"]
 
 # Samples at least this large are read one payload per pread (no copy out of a range buffer).
 BIG_SAMPLE = 256 * 1024
-CHUNK = 32  # plan batches computed together (Plan.batches)
+CHUNK = 32  # plan batches computed together (Plan.batches), at least
+CHUNK_SAMPLES = 4096  # ... and at least this many samples' worth (batch 1: 4096 batches)
+NAME = 100  # bytes of a ustar header's name field
 
 _TABLES: weakref.WeakKeyDictionary[Index, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 
@@ -49,8 +70,9 @@ def _tables(ix: Index) -> tuple[Any, ...]:
     return t
 
 
-def _keys_with_dot(ko: np.ndarray, table: np.ndarray, ids: np.ndarray) -> list[bytes]:
-    """``key + b"."`` of each sample id, gathered in one numpy pass."""
+def _key_lists(ko: np.ndarray, table: np.ndarray, ids: np.ndarray) -> tuple[list[str], list[bytes]]:
+    """Each sample id's ``__key__`` and its name token ``(key + ".")[:100]`` (bytes), in one
+    numpy pass."""
     a, b = ko[ids].astype(np.int64), ko[ids + 1].astype(np.int64)
     lens = b - a
     per = lens + 2  # key, ".", NUL
@@ -62,7 +84,45 @@ def _keys_with_dot(ko: np.ndarray, table: np.ndarray, ids: np.ndarray) -> list[b
         src = np.repeat(a - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
         dst = np.repeat(end - per - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
         out[dst] = table[src]
-    return out.tobytes().split(b"\0")[:-1]
+    raw = out.tobytes()
+    tokens = raw.split(b"\0")[:-1]
+    keys = raw.replace(b".\0", b"\0").decode("utf-8").split("\0")[:-1]
+    if int(lens.max()) >= NAME:  # names longer than the field: compare what it holds
+        tokens = [t[:NAME] for t in tokens]
+    return keys, tokens
+
+
+def _names_sample(data: bytes, h: int, key: str) -> bool:
+    """The rarer header forms of the identity check: a ustar prefix, or a name ``tarfile``
+    wrote with ``?`` for its non-ASCII characters (see the module doc)."""
+    name = data[h : h + NAME].split(b"\0", 1)[0]
+    prefix = data[h + 345 : h + 500].split(b"\0", 1)[0] if data[h + 257 : h + 262] == b"ustar" else b""
+    full = prefix + b"/" + name if prefix else name
+    truncated = not prefix and len(name) == NAME  # the whole name is in a PAX or GNU record
+    for token in ((key + ".").encode("utf-8"), (key + ".").encode("ascii", "replace")):
+        if full.startswith(token[:NAME] if truncated else token):
+            return True
+    return False
+
+
+@dataclass
+class _Work:
+    """One batch's member work, sliced out of its chunk's (see :meth:`BatchReader.prepare`)."""
+
+    exact: bool  # read it on the exact path
+    shards: list[int]
+    offsets: list[int]
+    lengths: list[int]
+    counts: list[int]
+    keys: list[str]
+    tokens: list[bytes]
+    heads: list[int]  # member header offsets in their sample
+    sizes: list[int]
+    exts: list[str]
+    nbytes: int
+
+
+_EXACT = _Work(True, [], [], [], [], [], [], [], [], [], 0)
 
 
 class BatchReader:
@@ -77,66 +137,109 @@ class BatchReader:
     def __init__(self, reader: RangeReader, names: tuple[str, ...], indexes: tuple[Index, ...]) -> None:
         self.reader = reader
         self.by_name = {n: ix for n, ix in zip(names, indexes)}
+        self._work: dict[tuple[int, int], _Work] = {}
 
-    def read(self, batch: Batch) -> list[dict[str, Any]] | None:
-        """The sample dicts of ``batch``, or None: read it on the exact path instead."""
-        try:
-            return self._read(batch)
-        except Exception:  # noqa: BLE001 - the exact path reads it again and says what is wrong
-            return None
+    def prepare(self, batches: list[Batch]) -> None:
+        """Compute the member work of ``batches`` (a chunk of one plan) together: what a
+        batch would pay alone in numpy's fixed costs is paid once for the chunk."""
+        by_ds: dict[str, list[Batch]] = {}
+        for b in batches:
+            by_ds.setdefault(b.dataset, []).append(b)
+        for name, group in by_ds.items():
+            ix = self.by_name[name]
+            if not ix.has_members:
+                self._work.update(((b.epoch, b.index), _EXACT) for b in group)
+                continue
+            self._prepare(ix, group)
 
-    def _read(self, batch: Batch) -> list[dict[str, Any]] | None:
-        ix = self.by_name[batch.dataset]
-        if not ix.has_members:
-            return None
+    def _prepare(self, ix: Index, group: list[Batch]) -> None:
         urls, shard, offset, length, ko, keys, ms, mext, msize, exts = _tables(ix)
-        ids = batch.samples
+        sizes_b = np.fromiter((b.samples.size for b in group), np.int64, len(group))
+        ids = np.concatenate([b.samples for b in group]) if len(group) > 1 else group[0].samples
         n = ids.size
         if not n:
-            return []
+            self._work.update(((b.epoch, b.index), _Work(False, *([] for _ in range(9)), 0))  # type: ignore[arg-type]
+                              for b in group)
+            return
+        ids = ids.astype(np.int64, copy=False)
         starts = ms[ids].astype(np.int64)
         counts = ms[ids + 1].astype(np.int64) - starts
-        if not counts.all():
-            return None  # a sample without recorded members: its headers must be parsed
         first = np.cumsum(counts) - counts
         total = int(counts.sum())
         at = np.repeat(starts - first, counts) + np.arange(total, dtype=np.int64)
         sizes = msize[at].astype(np.int64)
-        blocks = 512 + ((sizes + 511) & ~511)
-        ends = np.cumsum(blocks)
-        head = ends - blocks - np.repeat((ends - blocks)[first], counts)  # header offsets in the sample
+        moff = ix.member_offsets(at, counts)
         off, ln = offset[ids].astype(np.int64), length[ids].astype(np.int64)
-        if not np.array_equal(ends[first + counts - 1] - (ends - blocks)[first], ln):
-            return None  # the member table does not cover the range: let the parser decide
+        # a sample is covered when it records members and its last payload, padded, ends
+        # where its byte range does (what the scan measured): else the exact path decides
+        last = first + counts - 1
+        has = counts > 0
+        lastc = np.where(has, last, 0)
+        covered = has & (moff[lastc] + ((sizes[lastc] + 511) & ~511) == ln) if total else has
+        b_end = np.cumsum(sizes_b)
+        b_start = b_end - sizes_b
+        bad_c = np.concatenate([[0], np.cumsum(~covered)])
+        bad = bad_c[b_end] - bad_c[b_start]
+        keys_l, tokens = _key_lists(ko, keys, ids)
+        ext_names = list(map(exts.__getitem__, mext[at].tolist()))
+        shards_l, off_l, ln_l, cnt_l = shard[ids].tolist(), off.tolist(), ln.tolist(), counts.tolist()
+        heads_l, sizes_l = (moff - 512).tolist(), sizes.tolist()
+        mc = np.concatenate([[0], np.cumsum(counts)])
+        m_start, m_end = mc[b_start].tolist(), mc[b_end].tolist()
+        bc = np.concatenate([[0], np.cumsum(ln)])
+        nbytes = (bc[b_end] - bc[b_start]).tolist()
+        work = self._work
+        for b, lo, hi, mlo, mhi, nb, nbad in zip(group, b_start.tolist(), b_end.tolist(), m_start, m_end,
+                                                 nbytes, bad.tolist()):
+            if nbad:
+                work[(b.epoch, b.index)] = _EXACT
+                continue
+            work[(b.epoch, b.index)] = _Work(
+                False, shards_l[lo:hi], off_l[lo:hi], ln_l[lo:hi], cnt_l[lo:hi], keys_l[lo:hi],
+                tokens[lo:hi], heads_l[mlo:mhi], sizes_l[mlo:mhi], ext_names[mlo:mhi], nb if hi > lo else 0)
+
+    def read(self, batch: Batch) -> list[dict[str, Any]] | None:
+        """The sample dicts of ``batch``, or None: read it on the exact path instead (counted
+        in ``ReadStats.exact_batches``)."""
+        work = self._work.pop((batch.epoch, batch.index), None)
+        if work is None:  # not prepared with its chunk (a plan without chunks)
+            self.prepare([batch])
+            work = self._work.pop((batch.epoch, batch.index))
+        try:
+            out = None if work.exact else self._read(batch, work)
+        except (OSError, WdsPadError):  # the exact path reads it again and says what is wrong
+            out = None
+        if out is None:
+            self.reader.stats.exact_batches += 1
+        return out
+
+    def _read(self, batch: Batch, w: _Work) -> list[dict[str, Any]] | None:
+        n = len(w.keys)
+        if not n:
+            return []
         reader = self.reader
         reader._check_fork()
         fds, local_fd = reader._fds, reader.local_fd
-        shard_ids = shard[ids].tolist()
-        fd_of: dict[int, int] = {}
-        for s in set(shard_ids):
-            url = urls[s]
-            fd = fds.get(url)
-            if fd is None:
-                fd = local_fd(url)  # opens it: the stale-shard check, once per stream
-                if fd is None:
-                    return None  # not a local file: RangeReader's remote path
-            fd_of[s] = fd
-        kdots = _keys_with_dot(ko, keys, ids)
-        ext_names = list(map(exts.__getitem__, mext[at].tolist()))
-        heads, size_list = head.tolist(), sizes.tolist()
+        urls = self.by_name[batch.dataset].urls
         tmpl = {"__url__": None, "__key__": None, "__index__": None, "__bucket__": batch.bucket,
                 "__dataset__": batch.dataset, "__pad__": False, "__epoch__": batch.epoch,
                 "__step__": batch.step, "__batch__": batch.index}
+        heads, size_list, ext_names = w.heads, w.sizes, w.exts
         pread = os.pread
         out: list[dict[str, Any]] = []
         append = out.append
         m = 0
-        for s, o, nb, cnt, kd, i, p in zip(shard_ids, off.tolist(), ln.tolist(), counts.tolist(), kdots,
-                                            ids.tolist(), batch.pad.tolist()):
-            fd = fd_of[s]
+        for s, o, nb, cnt, key, tok, i, p in zip(w.shards, w.offsets, w.lengths, w.counts, w.keys, w.tokens,
+                                                  batch.samples.tolist(), batch.pad.tolist()):
+            url = urls[s]
+            fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
+            if fd is None:
+                fd = local_fd(url)  # opens it: the stale-shard check, once per stream
+                if fd is None:
+                    return None  # not a local file: RangeReader's remote path
             d = tmpl.copy()
-            d["__url__"] = urls[s]
-            d["__key__"] = kd[:-1].decode("utf-8")
+            d["__url__"] = url
+            d["__key__"] = key
             d["__index__"] = i
             d["__pad__"] = p
             if nb < BIG_SAMPLE:
@@ -145,7 +248,8 @@ class BatchReader:
                     return None
                 if cnt == 2:  # the common shape (a payload and its .json), unrolled
                     h, h2 = heads[m], heads[m + 1]
-                    if not (data.startswith(kd, h) and data.startswith(kd, h2)):
+                    if not (data.startswith(tok, h) or _names_sample(data, h, key)) or \
+                            not (data.startswith(tok, h2) or _names_sample(data, h2, key)):
                         return None
                     d[ext_names[m]] = data[h + 512 : h + 512 + size_list[m]]
                     d[ext_names[m + 1]] = data[h2 + 512 : h2 + 512 + size_list[m + 1]]
@@ -154,11 +258,13 @@ class BatchReader:
                     continue
                 for m in range(m, m + cnt):
                     h = heads[m]
-                    if not data.startswith(kd, h):
+                    if not (data.startswith(tok, h) or _names_sample(data, h, key)):
                         return None
                     d[ext_names[m]] = data[h + 512 : h + 512 + size_list[m]]
             else:  # each payload its own pread: no copy out of a sample buffer
-                if not pread(fd, 512, o).startswith(kd):
+                h = heads[m]
+                head = pread(fd, 512, o + h)
+                if not (head.startswith(tok) or _names_sample(head, 0, key)):
                     return None
                 for m in range(m, m + cnt):
                     size = size_list[m]
@@ -171,15 +277,23 @@ class BatchReader:
         st = reader.stats
         st.ranges += n
         st.requests += n
-        st.bytes += int(ln.sum())
+        st.bytes += w.nbytes
         return out
 
 
-class BatchCache:
-    """Plan batches computed a chunk at a time (``Plan.batches``), for one stream."""
+def chunk_batches(batch_size: int) -> int:
+    """How many plan batches to compute together: at least ``CHUNK``, and enough for
+    ``CHUNK_SAMPLES`` samples (a small batch pays numpy's fixed costs once per chunk)."""
+    return max(CHUNK, CHUNK_SAMPLES // max(1, int(batch_size)))
 
-    def __init__(self, step: int = 1) -> None:
+
+class BatchCache:
+    """Plan batches computed a chunk at a time (``Plan.batches``), for one stream; with a
+    ``reader``, each chunk's member work is prepared with it (:meth:`BatchReader.prepare`)."""
+
+    def __init__(self, step: int = 1, reader: BatchReader | None = None) -> None:
         self.step = step
+        self.reader = reader
         self._plan: Any = None
         self._batches: dict[int, Batch] = {}
 
@@ -189,5 +303,9 @@ class BatchCache:
             if chunked is None:  # a plan without chunked evaluation: one batch at a time
                 return plan[j]  # type: ignore[no-any-return]
             self._plan = plan
-            self._batches = {b.index: b for b in chunked(j, j + CHUNK * self.step, self.step)}
+            got = chunked(j, j + chunk_batches(getattr(plan, "batch_size", 1)) * self.step, self.step)
+            self._batches = {b.index: b for b in got}
+            if self.reader is not None:
+                self.reader._work.clear()  # a plan's other chunk, or another plan: never read now
+                self.reader.prepare(got)
         return self._batches.pop(j)

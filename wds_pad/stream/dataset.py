@@ -314,7 +314,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         spec, stages, collate = self.spec, self.stages, self.collation_fn
         info = get_worker_info()
         fast = BatchReader(fetcher.reader, spec.names, spec.indexes)
-        cache = BatchCache(1 if info is None else info.num_workers)
+        cache = BatchCache(1 if info is None else info.num_workers, fast)
         for plan, j in source.batches():
             batch = cache.get(plan, j)
             samples = fast.read(batch)
