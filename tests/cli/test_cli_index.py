@@ -695,3 +695,23 @@ def test_python_m_wds_pad_runs_the_cli() -> None:
     proc = subprocess.run([sys.executable, "-m", "wds_pad", "index", "--help"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and "--distributed" in proc.stdout and "--part-shards" in proc.stdout
+
+
+def test_inspect_says_how_many_samples_lack_a_member_table_and_why(built, tmp_path, capsys) -> None:
+    from wds_pad.index.format import MEMBER_ARRAYS, serialize
+
+    code, out, _ = run(capsys, "inspect", built)
+    assert code == 0 and "member table: every sample" in out
+    assert json.loads(run(capsys, "inspect", built, "--json")[1])["without_member_table"] == {"samples": 0, "why": ""}
+    bare = load_index(built)
+    for k in MEMBER_ARRAYS:
+        bare.arrays.pop(k)
+    bare.digest = bare._compute_digest()
+    path = tmp_path / "bare.wdsidx"
+    path.write_bytes(b"".join(bytes(p) for p in serialize(bare)))
+    code, out, _ = run(capsys, "inspect", str(path))
+    assert code == 0
+    assert "member table: 48 of 48 samples have none and stream through the exact path" in out
+    assert "rebuild it with `wds-pad index`" in out
+    got = json.loads(run(capsys, "inspect", str(path), "--json")[1])["without_member_table"]
+    assert got["samples"] == 48 and "wds-pad index" in got["why"]

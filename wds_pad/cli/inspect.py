@@ -88,6 +88,8 @@ def _summary(index: Any, pad: dict[Hashable, Any] | None) -> dict[str, Any]:
         "skipped_shards": list(index.excluded.get("shards", [])),
         "excluded_samples": list(index.excluded.get("samples", [])),
     }
+    missing, why = index.members_missing()
+    record["without_member_table"] = {"samples": missing, "why": why}
     if pad is not None:
         record["padding"] = {_json_key(k): {"padded_length": s.padded_length, "padded_copies": s.padded_copies,
                                             "truncated": s.truncated, "dropped": s.dropped, "steps": s.steps}
@@ -181,4 +183,10 @@ def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Na
     out.write(f"\nshards: {len(index.shards)}, {_nbytes(nbytes)}, samples per shard "
               f"min {min(per_shard, default=0)} / max {max(per_shard, default=0)}, "
               f"{len(skipped)} with errors\n")
+    missing, why = index.members_missing()
+    if missing:  # the fallback is never silent: those samples' headers are parsed on every read
+        out.write(f"member table: {missing} of {total} samples have none and stream through the "
+                  f"exact path (every tar header parsed): {why}\n")
+    else:
+        out.write("member table: every sample (streaming reads payloads without parsing tar headers)\n")
     _report_excluded(index, out)
