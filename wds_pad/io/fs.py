@@ -122,8 +122,11 @@ def get_filesystem(url: str, storage_options: Mapping[str, Any] | None = None,
         raise ConfigError(f"a shard URL must be a non-empty str, got {redact(repr(url))}")
     options = _copy_dicts(storage_options or {})
     _register_secrets(options)
-    known = set(fsspec.available_protocols()) | set(fsspec.registry)
     bits = url.split("::")
+    # the protocol names, only when a bit or an option could be one (a plain local path
+    # with no options, the common case, skips building the set: 0.1 ms a shard)
+    plain = all("://" in bit or bit.startswith("/") for bit in bits) and not options
+    known = set() if plain else set(fsspec.available_protocols()) | set(fsspec.registry)
     protocols = [_protocol_of(bit, known) for bit in bits]
     for proto in [k for k, v in options.items() if k in known and isinstance(v, Mapping)]:
         if proto not in protocols:

@@ -220,7 +220,7 @@ class BatchReader:
         reader = self.reader
         reader._check_fork()
         fds, local_fd = reader._fds, reader.local_fd
-        urls = self.by_name[batch.dataset].urls
+        urls = _tables(self.by_name[batch.dataset])[0]
         tmpl = {"__url__": None, "__key__": None, "__index__": None, "__bucket__": batch.bucket,
                 "__dataset__": batch.dataset, "__pad__": False, "__epoch__": batch.epoch,
                 "__step__": batch.step, "__batch__": batch.index}
