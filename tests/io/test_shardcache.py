@@ -185,6 +185,33 @@ def test_two_workers_fetch_each_shard_once_per_rank(proxied: tuple[Any, Any], tm
         assert not [p for p in folder.iterdir() if p.suffix in (".shard", ".part")]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cached_shard_bytes_are_sliced_through_the_member_table_no_header_parsed(
+        proxied: tuple[Any, Any], reference: dict[str, Any], shard_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        workers: int) -> None:
+    """The shards are written as webdataset's TarWriter writes them (a PAX header per
+    member): every sample is sliced out of the cached shard bytes where the member table
+    says, in the main process and in forked DataLoader workers (which inherit the patch)."""
+    from wds_pad.stream import fetch as fetch_mod
+
+    proxy, index = proxied
+    assert index.members_missing()[0] == 0
+    with open(shard_dir / "train-000000.tar", "rb") as f:
+        assert f.read(512)[156:157] == b"x"  # a PAX extended header first: a real producer's shard
+
+    def no_parse(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("a tar header was parsed on the member-table path")
+
+    monkeypatch.setattr(fetch_mod, "parse_sample", no_parse)
+    monkeypatch.setattr(fetch_mod, "parse_sample_at", no_parse)
+    ds = dataset(index)
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)) if workers else list(ds)
+    assert batch_keys(batches) == plan_keys(ds.plan(0), index)
+    assert_same_bytes(batches, reference)
+    if not workers:
+        assert ds.read_stats.exact_samples == ds.read_stats.exact_batches == 0
+
+
 def test_s3_streams_whole_shards(moto_server: MotoServer, shard_dir: Path, reference: dict[str, Any]) -> None:
     bucket = upload_files(moto_server, "wds-pad-shardcache", [shard_dir / f"train-{i:06d}.tar" for i in range(SHARDS)])
     index = build_index(f"s3://{bucket}/train-{{000000..{SHARDS - 1:06d}}}.tar", BUCKET_BY,

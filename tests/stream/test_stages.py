@@ -232,18 +232,28 @@ def test_raw_datapipeline_pickles(index: Index) -> None:
 
 
 def _corrupt_copy(index: Index, tmp_path: Path, victim: int) -> Index:
-    """Copy the shards, rebuild the index, then break ``victim``'s header checksum in place."""
+    """Copy the shards, rebuild the index, then break ``victim``'s first member header in
+    place: its name, which the member-table path compares with the key (after any PAX
+    header), and so its checksum, which the exact path checks."""
     src = Path(index.urls[0]).parent
     dst = tmp_path / "copy"
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.wdsidx"))
     copy = build_index(sorted(glob.glob(str(dst / "*.tar"))), "aspect:width,height",
                        output=str(dst / "index.wdsidx"))
-    stat = os.stat(copy.url(victim))
-    with open(copy.url(victim), "r+b") as f:  # same size, broken header: "changed shard"
-        f.seek(int(copy.offset[victim]) + 148)
-        f.write(b"9999999\0")
-    os.utime(copy.url(victim), ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: mtime kept
+    _break_member_header(copy, victim)
     return copy
+
+
+def _break_member_header(copy: Index, victim: int) -> None:
+    """Bit rot in ``victim``'s first member header (size and mtime kept): its name, which
+    the member-table path compares with the key, and so its checksum."""
+    stat = os.stat(copy.url(victim))
+    first = int(copy.arrays["member_start"][victim])
+    head = int(copy.member_offsets(np.array([first]), np.array([1]))[0]) - 512
+    with open(copy.url(victim), "r+b") as f:  # same size, broken header: "changed shard"
+        f.seek(int(copy.offset[victim]) + head)
+        f.write(b"\xff\xfe")
+    os.utime(copy.url(victim), ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: mtime kept
 
 
 def test_substitute_is_deterministic_and_from_the_same_bucket(index: Index, tmp_path: Path) -> None:
@@ -391,11 +401,7 @@ def _broken_mixed(mixed: Index, tmp_path: Path, victim: int) -> Index:
     shutil.copytree(Path(mixed.urls[0]).parent, dst, ignore=shutil.ignore_patterns("*.wdsidx"))
     copy = build_index(sorted(glob.glob(str(dst / "*.tar"))), "aspect:width,height",
                        output=str(dst / "index.wdsidx"))
-    stat = os.stat(copy.url(victim))
-    with open(copy.url(victim), "r+b") as f:  # same size, broken header: "changed shard"
-        f.seek(int(copy.offset[victim]) + 148)
-        f.write(b"7777777\0")
-    os.utime(copy.url(victim), ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: mtime kept
+    _break_member_header(copy, victim)
     return copy
 
 

@@ -239,7 +239,11 @@ class Index:
 
     @property
     def urls(self) -> tuple[str, ...]:
-        return tuple(s.url for s in self.shards)
+        shards = self.shards
+        cached = self.__dict__.get("_urls")
+        if cached is None or cached[0] is not shards:  # built once per shard table (hot paths read it per batch)
+            cached = self.__dict__["_urls"] = (shards, tuple(s.url for s in shards))
+        return cached[1]
 
     def key(self, i: int) -> str:
         """The webdataset ``__key__`` of sample ``i``."""

@@ -115,6 +115,7 @@ class ReadStats:
     shard_blocks: int = 0  # requests of whole-shard blocks (ShardCache)
     peak_cache_bytes: int = 0  # most shard bytes held (fetched ahead or in use) at once
     exact_batches: int = 0  # batches whose tar headers were parsed: no member table for a sample, or it differed
+    exact_samples: int = 0  # samples read that way
 
     def as_dict(self) -> dict[str, int]:
         """Returns the counters as a plain dict."""

@@ -49,7 +49,8 @@ from ..errors import WdsPadError
 from ..index.format import Index
 from ..io.ranges import RangeReader
 
-__all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES"]
+__all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES", "member_refs", "names_sample",
+           "slice_sample"]
 
 # Samples at least this large are read one payload per pread (no copy out of a range buffer).
 BIG_SAMPLE = 256 * 1024
@@ -92,7 +93,7 @@ def _key_lists(ko: np.ndarray, table: np.ndarray, ids: np.ndarray) -> tuple[list
     return keys, tokens
 
 
-def _names_sample(data: bytes, h: int, key: str) -> bool:
+def names_sample(data: bytes, h: int, key: str) -> bool:
     """The rarer header forms of the identity check: a ustar prefix, or a name ``tarfile``
     wrote with ``?`` for its non-ASCII characters (see the module doc)."""
     name = data[h : h + NAME].split(b"\0", 1)[0]
@@ -129,13 +130,14 @@ class BatchReader:
     """Reads plan batches of local shards through the member table (see the module doc).
 
     Args:
-        reader: the stream's RangeReader (its descriptors, shard check and stats).
+        reader: the stream's RangeReader (its descriptors, shard check and stats); None for
+            a reader that only prepares member work (:meth:`take`, :func:`member_refs`).
         names: the dataset names of the PlanSpec, parallel to ``indexes``.
         indexes: the PlanSpec's indexes.
     """
 
-    def __init__(self, reader: RangeReader, names: tuple[str, ...], indexes: tuple[Index, ...]) -> None:
-        self.reader = reader
+    def __init__(self, reader: RangeReader | None, names: tuple[str, ...], indexes: tuple[Index, ...]) -> None:
+        self.reader = reader  # type: ignore[assignment]
         self.by_name = {n: ix for n, ix in zip(names, indexes)}
         self._work: dict[tuple[int, int], _Work] = {}
 
@@ -198,19 +200,27 @@ class BatchReader:
                 False, shards_l[lo:hi], off_l[lo:hi], ln_l[lo:hi], cnt_l[lo:hi], keys_l[lo:hi],
                 tokens[lo:hi], heads_l[mlo:mhi], sizes_l[mlo:mhi], ext_names[mlo:mhi], nb if hi > lo else 0)
 
-    def read(self, batch: Batch) -> list[dict[str, Any]] | None:
-        """The sample dicts of ``batch``, or None: read it on the exact path instead (counted
-        in ``ReadStats.exact_batches``)."""
+    def take(self, batch: Batch) -> _Work | None:
+        """The prepared member work of ``batch`` (prepared now if its chunk was not), or
+        None: it has a sample the member table does not cover."""
         work = self._work.pop((batch.epoch, batch.index), None)
         if work is None:  # not prepared with its chunk (a plan without chunks)
             self.prepare([batch])
             work = self._work.pop((batch.epoch, batch.index))
+        return None if work.exact else work
+
+    def read(self, batch: Batch) -> list[dict[str, Any]] | None:
+        """The sample dicts of ``batch``, or None: read it on the exact path instead (counted
+        in ``ReadStats.exact_batches``)."""
+        work = self.take(batch)
         try:
-            out = None if work.exact else self._read(batch, work)
+            out = None if work is None else self._read(batch, work)
         except (OSError, WdsPadError):  # the exact path reads it again and says what is wrong
             out = None
         if out is None:
-            self.reader.stats.exact_batches += 1
+            st = self.reader.stats
+            st.exact_batches += 1
+            st.exact_samples += batch.samples.size
         return out
 
     def _read(self, batch: Batch, w: _Work) -> list[dict[str, Any]] | None:
@@ -248,8 +258,8 @@ class BatchReader:
                     return None
                 if cnt == 2:  # the common shape (a payload and its .json), unrolled
                     h, h2 = heads[m], heads[m + 1]
-                    if not (data.startswith(tok, h) or _names_sample(data, h, key)) or \
-                            not (data.startswith(tok, h2) or _names_sample(data, h2, key)):
+                    if not (data.startswith(tok, h) or names_sample(data, h, key)) or \
+                            not (data.startswith(tok, h2) or names_sample(data, h2, key)):
                         return None
                     d[ext_names[m]] = data[h + 512 : h + 512 + size_list[m]]
                     d[ext_names[m + 1]] = data[h2 + 512 : h2 + 512 + size_list[m + 1]]
@@ -258,13 +268,13 @@ class BatchReader:
                     continue
                 for m in range(m, m + cnt):
                     h = heads[m]
-                    if not (data.startswith(tok, h) or _names_sample(data, h, key)):
+                    if not (data.startswith(tok, h) or names_sample(data, h, key)):
                         return None
                     d[ext_names[m]] = data[h + 512 : h + 512 + size_list[m]]
             else:  # each payload its own pread: no copy out of a sample buffer
                 h = heads[m]
                 head = pread(fd, 512, o + h)
-                if not (head.startswith(tok) or _names_sample(head, 0, key)):
+                if not (head.startswith(tok) or names_sample(head, 0, key)):
                     return None
                 for m in range(m, m + cnt):
                     size = size_list[m]
@@ -279,6 +289,31 @@ class BatchReader:
         st.requests += n
         st.bytes += w.nbytes
         return out
+
+
+def member_refs(work: _Work) -> list[tuple[bytes, list[str], list[int], list[int]]]:
+    """Per sample of a prepared batch, what slicing its bytes takes: its name token, its
+    members' extensions, header offsets (in the sample) and payload sizes (the
+    ``__members__`` of a reference, see ``fetch``)."""
+    out = []
+    m = 0
+    exts, heads, sizes = work.exts, work.heads, work.sizes
+    for tok, cnt in zip(work.tokens, work.counts):
+        out.append((tok, exts[m : m + cnt], heads[m : m + cnt], sizes[m : m + cnt]))
+        m += cnt
+    return out
+
+
+def slice_sample(data: bytes, key: str, members: tuple[bytes, list[str], list[int], list[int]]) -> dict[str, bytes] | None:
+    """``{ext: payload}`` of one sample's bytes through its member table entry, or None
+    when a header does not name the sample (the caller parses it on the exact path)."""
+    tok, exts, heads, sizes = members
+    out = {}
+    for e, h, n in zip(exts, heads, sizes):
+        if not (data.startswith(tok, h) or names_sample(data, h, key)) or h + 512 + n > len(data):
+            return None
+        out[e] = data[h + 512 : h + 512 + n]
+    return out
 
 
 def chunk_batches(batch_size: int) -> int:

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -34,6 +35,7 @@ from ..index.format import Index
 from ..io.ranges import LocalReadAhead, RangeReader, ReadOptions
 from ..core.seed import derive_rng
 from ..index.tarscan import parse_sample, parse_sample_at
+from .batchread import names_sample, slice_sample
 from .stages import PlanSpec
 
 __all__ = ["Counters", "fetch"]
@@ -104,6 +106,7 @@ class _Fetch:
         self.counters = counters if counters is not None else Counters()
         self._reader: RangeReader | None = None
         self._local: dict[str, bool] = {}
+        self._exact_batch: tuple[Any, Any] = (None, None)  # the last batch counted in exact_batches
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_reader": None, "_local": {}}
@@ -148,8 +151,11 @@ class _Fetch:
 
     def _expand_big(self, ahead: LocalReadAhead, refs: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         items = ((ref["__url__"], ref["__offset__"], ref["__length__"], ref) for ref in refs)
-        for ref, sample, error in ahead.run(items, _expand_at):
+        for ref, got, error in ahead.run(items, _expand_at):
             if error is None:
+                sample, parsed = got
+                if parsed:
+                    self._count_exact(ref)
                 yield sample
             elif isinstance(error, WdsPadError):
                 yield self._substitute(ref, error)
@@ -189,9 +195,22 @@ class _Fetch:
                 del pending[:position]
                 position = 0
             try:
-                yield expand(ref, data)
+                sample, parsed = _expand(ref, data)
             except WdsPadError as exc:
                 yield self._substitute(ref, exc)
+                continue
+            if parsed:
+                self._count_exact(ref)
+            yield sample
+
+    def _count_exact(self, ref: Mapping[str, Any]) -> None:
+        """A sample whose tar headers were parsed: counted, and its batch once."""
+        st = self.reader.stats
+        st.exact_samples += 1
+        batch = (ref.get("__epoch__"), ref.get("__batch__"))
+        if batch != self._exact_batch:
+            self._exact_batch = batch
+            st.exact_batches += 1
 
     def _substitute(self, ref: dict[str, Any], exc: BaseException) -> dict[str, Any]:
         message = (f"sample {ref['__key__']!r} of {ref['__url__']!r} at byte offset "
@@ -203,11 +222,27 @@ class _Fetch:
         return substitute(self.spec, self.reader, ref, self.counters, message)
 
 
-def _expand_at(fd: int, url: str, offset: int, length: int, ref: dict[str, Any]) -> dict[str, Any]:
-    """``expand`` reading straight from the shard (on a read-ahead thread, or inline)."""
-    members = parse_sample_at(fd, url, offset, length, ref["__key__"])
-    sample = dict(ref)
+def _expand_at(fd: int, url: str, offset: int, length: int,
+               ref: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``expand`` reading straight from the shard (on a read-ahead thread, or inline):
+    each payload its own pread, found through the member table when the reference has
+    it. Returns the sample and whether its headers were parsed (the exact path)."""
+    key = ref["__key__"]
+    table = ref.get("__members__")
+    if table is not None:
+        tok, exts, heads, sizes = table
+        if heads and names_sample(os.pread(fd, 512, offset + heads[0]), 0, key):
+            members = {e: os.pread(fd, n, offset + h + 512) for e, h, n in zip(exts, heads, sizes)}
+            if all(len(v) == n for v, n in zip(members.values(), sizes)):
+                return _sample(ref, members), False
+    return _sample(ref, parse_sample_at(fd, url, offset, length, key)), True
+
+
+def _sample(ref: Mapping[str, Any], members: Mapping[str, bytes]) -> dict[str, Any]:
+    """The sample dict of a reference and its payloads (the reference's own keys dropped)."""
+    sample = dict(ref)  # a C-level copy: cheaper per sample than filtering in Python
     del sample["__offset__"], sample["__length__"]
+    sample.pop("__members__", None)
     sample.update(members)
     return sample
 
@@ -220,12 +255,22 @@ def _chain_ranges(rest: list[dict[str, Any]], refs: Iterator[dict[str, Any]],
 
 
 def expand(ref: Mapping[str, Any], data: bytes) -> dict[str, Any]:
-    """A webdataset sample dict from a reference and its bytes (StaleShardError if they differ)."""
-    members = parse_sample(data, ref["__url__"], ref["__offset__"], ref["__key__"])
-    sample = dict(ref)  # a C-level copy: cheaper per sample than filtering in Python
-    del sample["__offset__"], sample["__length__"]
-    sample.update(members)
-    return sample
+    """A webdataset sample dict from a reference and its bytes (StaleShardError if they differ).
+
+    With ``__members__`` (the reference's member table entry) the payloads are sliced out
+    of ``data`` where the table says, each header checked to name the sample
+    (batchread.py); without it, or when a header does not, every tar header is parsed.
+    """
+    return _expand(ref, data)[0]
+
+
+def _expand(ref: Mapping[str, Any], data: bytes) -> tuple[dict[str, Any], bool]:
+    """:func:`expand`, and whether the headers were parsed (the exact path)."""
+    table = ref.get("__members__")
+    members = None if table is None else slice_sample(data, ref["__key__"], table)
+    if members is not None:
+        return _sample(ref, members), False
+    return _sample(ref, parse_sample(data, ref["__url__"], ref["__offset__"], ref["__key__"])), True
 
 
 def substitute(spec: PlanSpec, reader: RangeReader, ref: dict[str, Any], counters: Counters,
@@ -251,6 +296,7 @@ def substitute(spec: PlanSpec, reader: RangeReader, ref: dict[str, Any], counter
             continue
         alt = dict(ref, __url__=ix.url(i), __key__=ix.key(i), __offset__=int(ix.offset[i]),
                    __length__=int(ix.length[i]), __index__=i)
+        alt.pop("__members__", None)  # the failed sample's: the stand-in's headers are parsed
         try:
             sample = expand(alt, reader.read(alt["__url__"], alt["__offset__"], alt["__length__"]))
         except WdsPadError as exc:

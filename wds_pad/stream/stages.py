@@ -34,7 +34,7 @@ from ..core.policy import MAX_EPOCH, Mode, PadTo, Policy, resolve_policy
 from ..core.seed import stable_digest
 from ..state.schema import fingerprint_of
 from ..core.topology import Topology
-from .batchread import BatchCache
+from .batchread import BatchCache, BatchReader, member_refs
 from .collate import run_collation
 
 __all__ = ["PlanSpec", "PlannedSource", "Position", "plan_batched", "shard_schedule"]
@@ -239,29 +239,41 @@ class PlannedSource:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         spec = self.spec
-        cache = BatchCache(self._worker()[1])  # batches computed a chunk at a time
+        # batches computed a chunk at a time, with their member work (what fetch needs to
+        # slice each sample's bytes without parsing its tar headers)
+        members = BatchReader(None, spec.names, spec.indexes)
+        cache = BatchCache(self._worker()[1], members)
         for plan, j in self.batches():
-            yield from batch_refs(spec, plan, j, cache.get(plan, j))
+            batch = cache.get(plan, j)
+            work = members.take(batch)
+            yield from batch_refs(spec, plan, j, batch, None if work is None else member_refs(work))
 
     def __call__(self) -> Iterator[dict[str, Any]]:
         return iter(self)
 
 
-def batch_refs(spec: PlanSpec, plan: Plan, j: int, batch: Any = None) -> list[dict[str, Any]]:
-    """The sample references of batch ``j`` of ``plan`` (``batch``: ``plan[j]``, if known)."""
+def batch_refs(spec: PlanSpec, plan: Plan, j: int, batch: Any = None,
+               members: list[Any] | None = None) -> list[dict[str, Any]]:
+    """The sample references of batch ``j`` of ``plan`` (``batch``: ``plan[j]``, if known);
+    with ``members`` (batchread.member_refs), each reference carries its sample's under
+    ``__members__``, and ``fetch`` slices its bytes without parsing tar headers."""
     batch = plan[j] if batch is None else batch
     ds = plan.datasets.index(batch.dataset)
     ix = spec.indexes[ds]
     ids = batch.samples
     shards, offsets, lengths = ix.shard[ids], ix.offset[ids], ix.length[ids]
     urls = ix.urls
-    return [
+    refs = [
         {"__url__": urls[s], "__key__": k, "__offset__": o, "__length__": n,
          "__index__": i, "__bucket__": batch.bucket, "__dataset__": batch.dataset, "__pad__": p,
          "__epoch__": batch.epoch, "__step__": batch.step, "__batch__": j}
         for i, k, s, o, n, p in zip(ids.tolist(), _keys(ix, ids), shards.tolist(), offsets.tolist(),
                                     lengths.tolist(), batch.pad.tolist())
     ]
+    if members is not None:
+        for ref, m in zip(refs, members):
+            ref["__members__"] = m
+    return refs
 
 
 def _keys(ix: Index, ids: np.ndarray) -> list[str]:
