@@ -84,8 +84,10 @@ def test_fast_path_equals_exact_path(shards: list[str], tmp_path: Path, monkeypa
     index = build_index(shards, "aspect:width,height", output=str(tmp_path / "i.wdsidx"))
     assert index.has_members
     used = _counting(monkeypatch)
-    fast = list(_dataset(str(tmp_path / "i.wdsidx")))
-    assert any(used)  # the plain samples went the fast way
+    ds = _dataset(str(tmp_path / "i.wdsidx"))
+    fast = list(ds)
+    assert all(used)  # every header form (pax, GNU long names, metadata members) goes the fast way
+    assert ds.read_stats.exact_batches == ds.read_stats.exact_samples == 0
     monkeypatch.undo()
     _exact(monkeypatch)
     exact = list(_dataset(str(tmp_path / "i.wdsidx")))
@@ -109,6 +111,84 @@ def test_index_without_member_table_streams(tmp_path: Path, monkeypatch: pytest.
     used = _counting(monkeypatch)
     assert _as_plain(list(_dataset(index))) == _as_plain(with_members)
     assert not any(used)
+
+
+def test_exact_path_batches_are_counted_in_read_stats(tmp_path: Path) -> None:
+    urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "plain") for k in range(2)]
+    index = build_index(urls, "aspect:width,height")
+    for k in MEMBER_ARRAYS:
+        index.arrays.pop(k)
+    ds = _dataset(index)
+    batches = list(ds)
+    assert ds.read_stats.exact_batches == len(batches) and ds.read_stats.exact_samples == len(index)
+
+
+def test_a_bug_on_the_fast_path_is_not_taken_for_a_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "plain") for k in range(2)]
+    index = build_index(urls, "aspect:width,height")
+
+    def broken(self: Any, batch: Any, work: Any) -> Any:
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(batchread.BatchReader, "_read", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        list(_dataset(index))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_member_work_is_prepared_once_per_chunk_of_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            batch_size: int) -> None:
+    """A batch of one sample pays no numpy work of its own: the member work of a chunk of
+    plan batches (at least CHUNK_SAMPLES samples' worth) is computed together."""
+    urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "mixed") for k in range(3)]
+    index = build_index(urls, "aspect:width,height")
+    monkeypatch.setattr(batchread, "CHUNK_SAMPLES", 40)
+    monkeypatch.setattr(batchread, "CHUNK", 2)
+    calls: list[int] = []
+    real = batchread.BatchReader._prepare
+
+    def prepare(self: Any, ix: Any, group: list[Any]) -> None:
+        calls.append(len(group))
+        real(self, ix, group)
+
+    monkeypatch.setattr(batchread.BatchReader, "_prepare", prepare)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = BucketedWebDataset(index, batch_size=batch_size, seed=3, topology=Topology(world_size=1, rank=0),
+                                check_agreement=False)
+    got = list(ds)
+    chunk = batchread.chunk_batches(batch_size)
+    assert chunk == max(2, 40 // batch_size)
+    assert len(calls) == -(-len(got) // chunk) and sum(calls) == len(got)
+    assert ds.read_stats.exact_batches == 0
+    assert [[s["__key__"] for s in b] for b in got] == [[index.key(int(i)) for i in b.samples] for b in ds.plan()]
+
+
+@pytest.mark.parametrize("form", ["ustar-prefix", "pax-non-ascii", "pax-long", "gnu-long"])
+def test_identity_check_accepts_each_header_form_and_refuses_another_name(tmp_path: Path, form: str) -> None:
+    """The header before each payload names the sample in each form's own way; a header
+    naming another sample sends the batch to the exact path, which raises."""
+    fmt = {"ustar-prefix": tarfile.USTAR_FORMAT, "gnu-long": tarfile.GNU_FORMAT}.get(form, tarfile.PAX_FORMAT)
+    path = tmp_path / "s.tar"
+    keys = []
+    with tarfile.open(path, "w", format=fmt) as tf:
+        for i in range(12):
+            key = {"ustar-prefix": "dir.v1/" + "p" * 90 + f"/k{i:03d}", "pax-non-ascii": f"caf\u00e9-{i:03d}",
+                   "pax-long": "l" * 130 + f"{i:03d}", "gnu-long": "g" * 130 + f"{i:03d}"}[form]
+            keys.append(key)
+            _add(tf, f"{key}.bin", os.urandom(50 + i))
+            _add(tf, f"{key}.json", json.dumps({"width": 4, "height": 3}).encode())
+    index = build_index([str(path)], "aspect:width,height")
+    ds = BucketedWebDataset(index, batch_size=4, seed=3, topology=Topology(world_size=1, rank=0),
+                            check_agreement=False)
+    assert sorted(s["__key__"] for b in ds for s in b) == sorted(keys)
+    assert ds.read_stats.exact_batches == 0
+    data = path.read_bytes()[int(index.offset[0]):]
+    head = int(index.member_offsets(np.array([int(index.arrays["member_start"][0])]), np.array([1]))[0]) - 512
+    assert batchread.names_sample(data, head, index.key(0))
+    # another name: refused (beyond a name field's 100 bytes a long name is not compared)
+    assert not batchread.names_sample(data, head, "z" + index.key(0)[1:])
+    assert batchread.names_sample(data, head, index.key(0)[:-1] + "x") == (form in ("pax-long", "gnu-long"))
 
 
 def test_stale_shard_raises_on_fast_path(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ Invariants:
   local shards; a batch with a sample the table does not record (an index from before
   ``member_offset``, or without a table) or whose table does not cover its byte range,
   a short read, or a header that does not name the sample is read on the exact path
-  instead, which raises or substitutes as it always did, and counted in
-  ``ReadStats.exact_batches``; an ``OSError`` or our own error is such a fallback too
+  instead, which raises or substitutes as it always did, and counts it in
+  ``ReadStats.exact_batches`` / ``exact_samples``; an ``OSError`` or our own error is such a fallback too
   (the exact path reports it where it happens), any other exception is a bug and
   propagates;
 - identity check, per member, on the 512-byte header right before its payload (the
@@ -210,18 +210,13 @@ class BatchReader:
         return None if work.exact else work
 
     def read(self, batch: Batch) -> list[dict[str, Any]] | None:
-        """The sample dicts of ``batch``, or None: read it on the exact path instead (counted
-        in ``ReadStats.exact_batches``)."""
+        """The sample dicts of ``batch``, or None: read it on the exact path instead (``fetch``
+        counts it in ``ReadStats.exact_batches`` and ``exact_samples``)."""
         work = self.take(batch)
         try:
-            out = None if work is None else self._read(batch, work)
+            return None if work is None else self._read(batch, work)
         except (OSError, WdsPadError):  # the exact path reads it again and says what is wrong
-            out = None
-        if out is None:
-            st = self.reader.stats
-            st.exact_batches += 1
-            st.exact_samples += batch.samples.size
-        return out
+            return None
 
     def _read(self, batch: Batch, w: _Work) -> list[dict[str, Any]] | None:
         n = len(w.keys)
