@@ -153,6 +153,9 @@ class RangeRequestHandler(http.server.SimpleHTTPRequestHandler):
 
 class _RangeServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default listen backlog (5) drops connection attempts when a stream
+    # opens many at once; the kernel retries them after 1 s, a timeout's length in tests
+    request_queue_size = 128
     requests_served = 0
     _lock = threading.Lock()
 

@@ -18,6 +18,7 @@ and s3fs retries S3's ``SlowDown`` code by itself, so raw S3 faults use status 5
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import logging
@@ -316,69 +317,108 @@ def test_s3_403_with_many_reads_in_flight_is_one_error_and_nothing_on_stderr(
 
 
 # A stalled request never answers (it hangs until the reader gives up), so the stall is
-# always far longer than the timeout; the timeout itself is long enough that no request
-# that is *not* stalled runs into it on a busy machine (a loopback GET takes milliseconds).
-# What is asserted is behaviour, counted by the proxy and the reader, never elapsed time
-# beyond the lower bound a timeout implies.
+# always far longer than the timeout. The timeout (1 s) is one for every request of a
+# stream, and a request that is *not* stalled can reach it too: without nginx the HTTP
+# upstream is the Python fallback server, whose listen backlog is socketserver's 5, so a
+# burst of new connections loses a SYN and waits the kernel's 1 s retransmit; a busy
+# machine makes that likelier, nginx or not. So what is asserted is about the stalled
+# range alone: how often the proxy saw it, and the timeouts the reader logged for it
+# (every retry is logged with the range and its cause); an unstalled request that timed
+# out was retried like any other, and the stream's bytes show nothing was lost. Few
+# requests are in flight (STALL_IN_FLIGHT): the connections a stream opens fit that
+# backlog, requests still wait behind the stalled one in the read-ahead, and its retry
+# runs alone. Elapsed time is asserted only as the lower bound a timeout implies.
 SETTINGS = [pytest.param(1.0, 0, id="timeout1-retries0"), pytest.param(1.0, 2, id="timeout1-retries2")]
 ONCE = [pytest.param(1.0, 1, id="timeout1-retries1"), pytest.param(1.0, 3, id="timeout1-retries3")]
+STALL_IN_FLIGHT = 4
+
+
+def _timeouts_of(caplog: pytest.LogCaptureFixture, index: Index, i: int) -> int:
+    """Retries the reader logged for sample ``i``'s range after a timeout of it."""
+    where = f"at byte offset {int(index.offset[i])} of {index.url(i)!r}"
+    return sum(1 for r in caplog.records if r.name.startswith("wds_pad")
+               and "retrying" in (m := r.getMessage()) and where in m and "TimeoutError" in m)
 
 
 @pytest.mark.parametrize(("timeout", "retries"), ONCE)
 @pytest.mark.parametrize("mode", [StallMode.REQUEST, StallMode.BODY])
 def test_http_stall_once_times_out_and_the_retry_finishes(http_index: Index, http_proxy: FaultProxy,
                                                           http_clean: list[Any], timeout: float,
-                                                          retries: int, mode: StallMode) -> None:
-    options = ReadOptions(timeout=timeout, retries=retries, max_merged_bytes=0, **FAST)
+                                                          retries: int, mode: StallMode,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="wds_pad")
+    options = ReadOptions(timeout=timeout, retries=retries, max_merged_bytes=0,
+                          max_in_flight=STALL_IN_FLIGHT, **FAST)
     ds = _ds(http_index, read_options=options)
-    only = _only(http_index, _first_planned(http_index, ds))
+    i = _first_planned(http_index, ds)
+    only = _only(http_index, i)
     http_proxy.stall_next(1, mode=mode, match=only)  # the first attempt stalls, the retry does not
     assert _digest(ds) == http_clean
     assert http_proxy.faults_injected == {"stall": 1}
-    # the stalled attempt was cut by the timeout and retried once; the retry finished
-    assert _gets(http_proxy, only) == 2
+    # the stalled attempt was cut by the timeout and retried; the retry finished: every
+    # GET of the range but the last timed out (2 and 1 unless a busy machine made the
+    # retry itself time out), and the last one answered
+    timeouts = _timeouts_of(caplog, http_index, i)
+    assert timeouts >= 1 and _gets(http_proxy, only) == timeouts + 1
     stats = ds.read_stats
-    assert stats is not None and stats.timeouts == 1 and stats.retries == 1, stats
+    assert stats is not None and stats.timeouts >= timeouts and stats.retries >= timeouts, stats
 
 
 @pytest.mark.parametrize(("timeout", "retries"), SETTINGS)
 def test_http_always_stalled_range_fails_with_read_error_in_bounded_time(
-        http_index: Index, http_proxy: FaultProxy, timeout: float, retries: int) -> None:
-    options = ReadOptions(timeout=timeout, retries=retries, max_merged_bytes=0, **FAST)
+        http_index: Index, http_proxy: FaultProxy, timeout: float, retries: int,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="wds_pad")
+    options = ReadOptions(timeout=timeout, retries=retries, max_merged_bytes=0,
+                          max_in_flight=STALL_IN_FLIGHT, **FAST)
     ds = _ds(http_index, read_options=options)
     i = _first_planned(http_index, ds)
     only = _only(http_index, i)
     http_proxy.add_rule(Rule(Fault.STALL, remaining=None, match=only))
     t0 = time.perf_counter()
-    with pytest.raises(ReadError, match=rf"after {retries + 1} attempts.*{timeout} s") as info:
+    with pytest.raises(ReadError, match=rf"after {retries + 1} attempts.*TimeoutError.*{timeout} s") as info:
         list(ds)
     # every attempt waited its whole timeout (a lower bound: a busy machine only adds to
     # it); "never a hang" is the module's pytest timeout, the attempts are counted
     assert time.perf_counter() - t0 >= (retries + 1) * timeout
     assert http_index.url(i) in str(info.value)
+    assert f"byte offset {int(http_index.offset[i])} " in str(info.value)
     assert _gets(http_proxy, only) == retries + 1
+    # each attempt but the last timed out and was retried; the last one is the error
+    assert _timeouts_of(caplog, http_index, i) == retries
     stats = ds.read_stats
-    assert stats is not None and stats.timeouts == retries + 1 and stats.retries == retries, stats
+    assert stats is not None and stats.timeouts >= retries + 1 and stats.retries >= retries, stats
 
 
 def test_s3_stall_times_out_then_retry_or_read_error(s3_index: Index, s3_options: dict[str, Any],
-                                                     s3_proxy: FaultProxy, s3_clean: list[Any]) -> None:
-    # moto answers in milliseconds, still far below a 1 s timeout on a busy machine
-    options = ReadOptions(timeout=1.0, retries=1, max_merged_bytes=0, **FAST)
+                                                     s3_proxy: FaultProxy, s3_clean: list[Any],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="wds_pad")
+    # moto is a Python server, slower than nginx under load: retries to spare for a slow
+    # answer, here; the always-stalled part below has one retry
+    options = ReadOptions(timeout=1.0, retries=3, max_merged_bytes=0,
+                          max_in_flight=STALL_IN_FLIGHT, **FAST)
     ds = _ds(s3_index, storage_options=s3_options, read_options=options)
-    only = _only(s3_index, _first_planned(s3_index, ds))
+    i = _first_planned(s3_index, ds)
+    only = _only(s3_index, i)
     s3_proxy.stall_next(1, match=only)
     assert _digest(ds) == s3_clean
-    assert _gets(s3_proxy, only) == 2
-    assert ds.read_stats is not None and ds.read_stats.timeouts == 1
+    timeouts = _timeouts_of(caplog, s3_index, i)  # as over HTTP: all but the last GET timed out
+    assert timeouts >= 1 and _gets(s3_proxy, only) == timeouts + 1
+    assert ds.read_stats is not None and ds.read_stats.timeouts >= timeouts
     s3_proxy.reset_counters()
+    caplog.clear()
+    ds = _ds(s3_index, storage_options=s3_options,
+             read_options=dataclasses.replace(options, retries=1))
     s3_proxy.add_rule(Rule(Fault.STALL, remaining=None, match=only))
     t0 = time.perf_counter()
-    with pytest.raises(ReadError, match="after 2 attempts"):
+    with pytest.raises(ReadError, match=r"after 2 attempts.*TimeoutError") as info:
         list(ds)
     assert time.perf_counter() - t0 >= 2 * 1.0  # both attempts waited their timeout
+    assert s3_index.url(i) in str(info.value)
     assert _gets(s3_proxy, only) == 2
-    assert ds.read_stats.timeouts == 2 and ds.read_stats.retries == 1
+    assert _timeouts_of(caplog, s3_index, i) == 1  # the first, retried; the second is the error
+    assert ds.read_stats.timeouts >= 2 and ds.read_stats.retries >= 1
 
 
 # ---------------------------------------------------------------- credentials
