@@ -5,11 +5,16 @@ Examples::
 
     python tools/make_shards.py images /tmp/wds-demo --samples 300 --shards 6
     python tools/make_shards.py blobs /tmp/wds-bench --samples 10000 --sample-bytes 10000 --shards 10
+    python tools/make_shards.py blobs /tmp/wds-ustar --producer tarfile-ustar
 
 ``images``: small real PNG/JPEG images in aspect-ratio buckets of skewed sizes, each with
 a ``.json`` holding width/height/label. ``blobs``: random ``.bin`` payloads of about
 ``--sample-bytes`` with a ``.json`` holding width/height. Output is deterministic for a
-given ``--seed``. Prints one shard path per line, then a summary line on stderr.
+given ``--seed``. ``--producer`` picks what writes the tar bytes, as real datasets are
+made: ``webdataset`` (default: ``wds.TarWriter``, a pax header per member),
+``wds-shardwriter``, ``tarfile-pax``/``-gnu``/``-ustar`` (Python's tarfile),
+``gnutar-posix``/``-gnu``/``-ustar`` (the GNU ``tar`` binary); ``tarfile-ustar`` gives
+plain 512-byte ustar headers. Prints one shard path per line, then a summary line on stderr.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-bytes", type=int, default=10_000, help="blobs: mean payload bytes (10000)")
     parser.add_argument("--formats", default="png,jpg", help="images: comma-separated png,jpg,webp (png,jpg)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (0)")
+    parser.add_argument("--producer", choices=_synth.PRODUCERS, default="webdataset",
+                        help="what writes the tar bytes (webdataset)")
     return parser
 
 
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 shards=6 if args.shards is None else args.shards,
                 seed=args.seed,
                 formats=tuple(f.strip() for f in args.formats.split(",")),
+                producer=args.producer,
             )
         else:
             paths = _synth.make_blob_shards(
@@ -64,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 sample_bytes=args.sample_bytes,
                 shards=10 if args.shards is None else args.shards,
                 seed=args.seed,
+                producer=args.producer,
             )
     except (WdsPadError, OSError) as exc:
         print(f"make_shards: error: {exc}", file=sys.stderr)
@@ -72,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
     size = sum(Path(p).stat().st_size for p in paths)
     print(
-        f"make_shards: wrote {len(paths)} {args.kind} shards, {size / 1e6:.1f} MB, "
+        f"make_shards: wrote {len(paths)} {args.kind} shards ({args.producer}), {size / 1e6:.1f} MB, "
         f"in {time.perf_counter() - start:.2f} s",
         file=sys.stderr,
     )

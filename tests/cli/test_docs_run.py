@@ -343,10 +343,13 @@ def _param(doc: str, i: int, block: Block) -> Any:
 
 @pytest.fixture(scope="session")
 def demo_shards(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """The shards of ``python tools/make_shards.py images DIR --samples 300 --shards 6``."""
+    """The shards of ``python tools/make_shards.py images DIR --samples 300 --shards 6``,
+    written as plain ustar (``--producer tarfile-ustar``): the docs show their sizes and
+    byte offsets as they were before webdataset's pax headers became the default."""
     out = tmp_path_factory.mktemp("doc-shards")
     subprocess.run([sys.executable, str(ROOT / "tools/make_shards.py"), "images", str(out),
-                    "--samples", "300", "--shards", "6"], check=True, capture_output=True)
+                    "--samples", "300", "--shards", "6", "--producer", "tarfile-ustar"],
+                   check=True, capture_output=True)
     return sorted(out.glob("shard-*.tar"))
 
 

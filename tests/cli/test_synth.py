@@ -158,3 +158,36 @@ def test_make_shards_tool_blobs_and_errors(tmp_path: Path, capsys: pytest.Captur
 
     assert tool.main(["images", str(tmp_path / "bad"), "--samples", "2", "--shards", "5"]) == 2
     assert "every shard needs at least one sample" in capsys.readouterr().err
+
+
+def _samples(paths: list[str]) -> list[dict]:
+    return [{k: v for k, v in s.items() if k == "__key__" or not k.startswith("__")} for s in read_back(paths)]
+
+
+def test_image_shards_same_samples_whatever_the_producer(tmp_path: Path) -> None:
+    written = {p: make_image_shards(tmp_path / p, samples=24, shards=3, seed=4, producer=p)
+               for p in ("webdataset", "tarfile-ustar", "tarfile-gnu")}
+    reference = _samples(written["webdataset"])
+    assert len(reference) == 24
+    for producer, paths in written.items():
+        assert [Path(p).name for p in paths] == [f"shard-{i:06d}.tar" for i in range(3)]
+        assert _samples(paths) == reference, producer
+    assert Path(written["webdataset"][0]).read_bytes() != Path(written["tarfile-ustar"][0]).read_bytes()
+    with pytest.raises(ConfigError, match="unknown producer 'pax'"):
+        make_image_shards(tmp_path / "bad", samples=4, shards=1, producer="pax")
+
+
+def test_make_shards_tool_producer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tool = load_tool()
+    argv = ["blobs", str(tmp_path / "u"), "--samples", "20", "--shards", "2", "--sample-bytes", "100"]
+    assert tool.main([*argv, "--producer", "tarfile-ustar"]) == 0
+    out = capsys.readouterr()
+    paths = out.out.split()
+    assert "(tarfile-ustar)" in out.err
+    first = Path(paths[0]).read_bytes()
+    assert first[156:157] == b"0" and first[257:265] == b"ustar\x0000"  # a plain ustar header first
+    assert tool.main([*argv[:1], str(tmp_path / "w"), *argv[2:]]) == 0  # default: webdataset's TarWriter
+    assert Path(capsys.readouterr().out.split()[0]).read_bytes()[156:157] == b"x"  # a pax header first
+    with pytest.raises(SystemExit):
+        tool.main([*argv, "--producer", "zip"])
+    assert "invalid choice: 'zip'" in capsys.readouterr().err

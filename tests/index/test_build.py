@@ -356,12 +356,13 @@ def test_corrupt_header_checksum(tmp_path, shards) -> None:
 
 def test_truncated_archive(tmp_path, shards) -> None:
     data = open(shards[2], "rb").read()
-    offs = offsets_of(shards[2])
-    last = max(offs.values())
+    with tarfile.open(shards[2]) as tf:
+        member = max(tf.getmembers(), key=lambda m: m.offset)  # the last one
+    payload = member.offset_data  # after its headers, whichever the producer wrote (pax, ustar)
     bad = str(tmp_path / "truncated.tar")
-    open(bad, "wb").write(data[: last + 512 + 5])  # header of the last member, 5 bytes of payload
-    name = max(offs, key=offs.get)
-    with pytest.raises(TarFormatError, match=rf"{bad}: truncated.*at byte offset {last + 512}.*{name}"):
+    open(bad, "wb").write(data[: payload + 5])  # headers of the last member, 5 bytes of payload
+    name = member.name
+    with pytest.raises(TarFormatError, match=rf"{bad}: truncated.*at byte offset {payload}.*{name}"):
         build_index([bad])
     idx = build_index([bad], on_error="skip")
     n = len(wds_samples([shards[2]]))

@@ -1,14 +1,21 @@
-"""Synthetic WebDataset shards for tests, the CLI demo and benchmarks.
+"""Synthetic WebDataset shards for tests, the CLI demo and benchmarks, written the way
+real producers write them.
 
 Invariants:
     * Deterministic: the same arguments give byte-identical shards (fixed tar mtime,
-      sample order, pixels and payloads all derive from ``seed``).
+      owner and mode; sample order, pixels and payloads all derive from ``seed``).
     * Bucket sizes follow ``skew`` exactly (largest-remainder rounding), not by chance,
       so a test can assert the counts.
     * Shards have uneven lengths, each at least one sample; keys are unique across
       shards (the global sample index, zero-padded).
     * Each shard appears atomically: written to a temporary name in ``out_dir``, then
       renamed, so a reader never sees a half-written shard.
+    * A *producer* (:data:`PRODUCERS`) picks the program that writes the tar bytes and so
+      the header forms a reader meets; the samples are the same whichever writes them.
+      ``webdataset`` (the default) is what ``wds.TarWriter`` writes: a pax header before
+      every member. ``tarfile-ustar`` gives plain 512-byte ustar headers: byte for byte
+      the shards of versions before producers existed. ``make_*_shards`` write every
+      sample's members in extension order (as ``wds.TarWriter`` does), whatever the producer.
     * Local directories only; this module is private (``tools/make_shards.py`` is its CLI).
 """
 
@@ -17,22 +24,22 @@ from __future__ import annotations
 import io
 import json
 import os
-import tarfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from wds_pad.errors import ConfigError
 
-__all__ = ["DEFAULT_RATIOS", "DEFAULT_SKEW", "make_blob_shards", "make_image_shards"]
+from .producers import PRODUCERS, available_producers, check_producer, write_samples
+
+__all__ = ["DEFAULT_RATIOS", "DEFAULT_SKEW", "PRODUCERS", "available_producers", "make_blob_shards",
+           "make_image_shards", "write_samples"]
 
 #: (width, height) ratios of the synthetic buckets, largest bucket first.
 DEFAULT_RATIOS: tuple[tuple[int, int], ...] = ((1, 1), (4, 3), (3, 4), (16, 9), (9, 16))
 #: Share of the samples in each ratio's bucket.
 DEFAULT_SKEW: tuple[float, ...] = (0.55, 0.25, 0.12, 0.06, 0.02)
-_MTIME = 1_700_000_000.0  # fixed tar mtime: reproducible bytes
 
 
 def _split_counts(total: int, weights: Sequence[float]) -> list[int]:
@@ -77,33 +84,19 @@ def _layout(
 
 
 def _write_shards(
-    out_dir: str | os.PathLike[str], lengths: Sequence[int], sample_at: Callable[[int], dict[str, Any]]
+    out_dir: str | os.PathLike[str], lengths: Sequence[int], sample_at: Callable[[int], dict[str, Any]],
+    producer: str,
 ) -> list[str]:
     """Write ``len(lengths)`` shards with consecutive samples; return their paths."""
-    import webdataset as wds  # heavy import only when shards are written
+    check_producer(producer)  # before any sample is made
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths: list[str] = []
-    index = 0
-    for shard, length in enumerate(lengths):
-        final = out / f"shard-{shard:06d}.tar"
-        tmp = out / f".{final.name}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb") as fh:
-                writer = wds.TarWriter(fh, encoder=False, mtime=_MTIME, user="wds_pad", group="wds_pad")
-                # webdataset 1.0 drops its `format` argument; plain ustar headers are half
-                # the cost of the pax default and every tar reader understands them.
-                writer.tarstream.format = tarfile.USTAR_FORMAT
-                for _ in range(length):
-                    writer.write(sample_at(index))
-                    index += 1
-                writer.close()
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
-        paths.append(str(final))
-    return paths
+    def sorted_at(i: int) -> dict[str, Any]:  # members in extension order, as wds.TarWriter writes them
+        sample = sample_at(i)
+        return {"__key__": sample.pop("__key__"), **dict(sorted(sample.items()))}
+
+    starts = np.cumsum([0, *lengths[:-1]])
+    return write_samples(out_dir, [map(sorted_at, range(int(a), int(a) + n)) for a, n in zip(starts, lengths)],
+                         producer)
 
 
 def _image_bytes(width: int, height: int, fmt: str, rng: np.random.Generator) -> bytes:
@@ -129,6 +122,7 @@ def make_image_shards(
     ratios: Sequence[tuple[int, int]] = DEFAULT_RATIOS,
     skew: Sequence[float] = DEFAULT_SKEW,
     formats: Sequence[str] = ("png", "jpg"),
+    producer: str = "webdataset",
 ) -> list[str]:
     """Write small real images in aspect-ratio buckets of skewed sizes.
 
@@ -147,12 +141,14 @@ def make_image_shards(
         ratios: (width, height) of each bucket.
         skew: Share of the samples in each bucket, same length as ``ratios``.
         formats: Image formats to draw from: ``png``, ``jpg``, ``jpeg``, ``webp``.
+        producer: What writes the tar bytes, one of :data:`PRODUCERS` (see
+            :func:`write_samples`); ``tarfile-ustar`` gives plain ustar headers.
 
     Returns:
         The shard paths, in order.
 
     Raises:
-        ConfigError: An argument is out of range.
+        ConfigError: An argument is out of range, or an unknown or unavailable producer.
     """
     _check_layout(samples, shards, ratios, skew)
     formats = tuple(formats)
@@ -177,7 +173,7 @@ def make_image_shards(
         return {"__key__": f"{i:06d}", fmt: _image_bytes(width, height, fmt, pixel_rng),
                 "json": json.dumps(meta, sort_keys=True).encode()}
 
-    return _write_shards(out_dir, lengths, sample_at)
+    return _write_shards(out_dir, lengths, sample_at, producer)
 
 
 def make_blob_shards(
@@ -187,6 +183,7 @@ def make_blob_shards(
     sample_bytes: int,
     shards: int,
     seed: int = 0,
+    producer: str = "webdataset",
 ) -> list[str]:
     """Write benchmark shards of random ``.bin`` payloads with aspect metadata.
 
@@ -205,12 +202,14 @@ def make_blob_shards(
         sample_bytes: Mean payload size in bytes (>= 16).
         shards: Number of shards (uneven lengths, at least one sample each).
         seed: Seed of every random choice.
+        producer: What writes the tar bytes, one of :data:`PRODUCERS` (see
+            :func:`write_samples`); ``tarfile-ustar`` gives plain ustar headers.
 
     Returns:
         The shard paths, in order.
 
     Raises:
-        ConfigError: An argument is out of range.
+        ConfigError: An argument is out of range, or an unknown or unavailable producer.
     """
     _check_layout(samples, shards, DEFAULT_RATIOS, DEFAULT_SKEW)
     if isinstance(sample_bytes, bool) or not isinstance(sample_bytes, int) or sample_bytes < 16:
@@ -229,5 +228,5 @@ def make_blob_shards(
         meta = {"width": 64 * rw, "height": 64 * rh, "ratio": f"{rw}:{rh}", "index": i, "nbytes": size}
         return {"__key__": f"{i:08d}", "bin": payload, "json": json.dumps(meta, sort_keys=True).encode()}
 
-    return _write_shards(out_dir, lengths, sample_at)
+    return _write_shards(out_dir, lengths, sample_at, producer)
 

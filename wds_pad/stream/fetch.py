@@ -28,7 +28,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-import numpy as np
 
 from ..errors import WdsPadError
 from ..index.format import Index
