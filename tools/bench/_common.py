@@ -60,21 +60,39 @@ def add_dir(p: argparse.ArgumentParser, help: str | None = None) -> None:  # noq
     p.add_argument("--dir", default=None, help=help)
 
 
-def add_sizes(p: argparse.ArgumentParser) -> None:
-    """``--dir``, ``--small``, ``--large``, ``--repeat``: the two sample sizes (~10 KB, ~500 KB)
-    of the benchmarks over local shards."""
+def add_producer(p: argparse.ArgumentParser, default: str = "webdataset") -> None:
+    """``--producer NAME``: what writes the synthetic shards' tar bytes (``wds_pad.cli.synth.PRODUCERS``).
+
+    ``webdataset`` (the default) is what ``wds.TarWriter`` writes, a pax header before
+    every member, as most real WebDataset shards are; ``tarfile-ustar`` gives plain
+    ustar headers.
+    """
+    from wds_pad.cli.synth import PRODUCERS
+
+    p.add_argument("--producer", default=default, choices=PRODUCERS,
+                   help=f"what writes the shards' tar bytes (default: {default}, wds.TarWriter's "
+                        "pax headers; tarfile-ustar: plain ustar headers)")
+
+
+def add_sizes(p: argparse.ArgumentParser, producer: str = "webdataset") -> None:
+    """``--dir``, ``--small``, ``--large``, ``--repeat``, ``--producer``: the two sample sizes
+    (~10 KB, ~500 KB) of the benchmarks over local shards, and what writes the shards
+    (``producer``: the default of ``--producer``)."""
     add_dir(p, help="where to write the shards (default: a temp dir, removed after)")
     p.add_argument("--small", type=int, default=20_000, help="samples of ~10 KB")
     p.add_argument("--large", type=int, default=1_000, help="samples of ~500 KB")
     add_repeat(p, 3)
+    add_producer(p, producer)
 
 
-def case_shards(root: str, label: str, samples: int, sample_bytes: int, shards: int) -> list[str]:
-    """``make_blob_shards`` output for one case (``"10 KB"``), in ``root/10KB``; their paths."""
+def case_shards(root: str, label: str, samples: int, sample_bytes: int, shards: int,
+                producer: str = "webdataset") -> list[str]:
+    """``make_blob_shards`` output for one case (``"10 KB"``) written by ``producer``, in
+    ``root/10KB-<producer>``; their paths."""
     from wds_pad.cli.synth import make_blob_shards
 
-    return make_blob_shards(os.path.join(root, label.replace(" ", "")), samples=samples,
-                            sample_bytes=sample_bytes, shards=shards)
+    return make_blob_shards(os.path.join(root, f"{label.replace(' ', '')}-{producer}"), samples=samples,
+                            sample_bytes=sample_bytes, shards=shards, producer=producer)
 
 
 # -- clocks and timers ----------------------------------------------------------------

@@ -1,12 +1,17 @@
 """Benchmark: planned (random-order) streaming vs webdataset's sequential read and litData, in one run.
 
 Generates local shards with ``make_blob_shards`` (small ~10 KB samples: 32 shards, batch
-64; large ~500 KB samples), indexes them with aspect buckets, warms the page cache, then
-times every contender in turn (round robin, best of ``--repeat``):
+64; large ~500 KB samples), written by ``--producer`` (default ``webdataset``: what
+``wds.TarWriter`` writes, a pax header before every member, as most real shards are)
+and, beside them, by ``--also-producer`` (default ``tarfile-ustar``: plain ustar
+headers; ``none`` skips it). It indexes them with aspect buckets, warms the page cache,
+then times every contender in turn (round robin, best of ``--repeat``), the contenders of
+both shard kinds in the same round robin:
 
 * ``wds_pad direct``  ``BucketedWebDataset`` iterated in the main process (no decode):
   the plan's random order through the index's member table, one ``os.pread`` per sample
   (per payload for large samples), a webdataset sample dict each;
+* ``wds_pad batch 1``  the same with ``batch_size=1``: one sample per batch;
 * ``wds_pad exact path``  the same batches with the member table ignored: every sample's
   tar headers parsed again (the path of indexes without a member table, and what every
   sample took before it);
@@ -25,11 +30,17 @@ times every contender in turn (round robin, best of ``--repeat``):
 * ``raw read 8 MiB``  reading the shard files sequentially with 8 MiB reads into one
   reused buffer: the bandwidth of the page cache.
 
+On the ``--also-producer`` shards only the fast path's contenders (``wds_pad direct``,
+``wds_pad batch 1``) and their peers (``webdataset``, the bare pread loop) run.
 Prints samples/s, MB/s, wall and CPU microseconds per sample (the process, its threads
-and its finished worker processes) and ratios, then the goals of issue 15. The machine
-should be otherwise idle (the run says how busy other processes kept it). Usage::
+and its finished worker processes) and ratios against the peers on the same shards
+(litData: its own format, converted from the ``--producer`` shards), then the goals of
+issue 21 on the ``--producer`` shards, met or missed, and the ratios docs/streaming.md
+cites (issue 15; measured there on ``tarfile-ustar`` shards). The machine should be
+otherwise idle (the run says how busy other processes kept it). Usage::
 
-    python tools/bench/stream.py [--dir DIR] [--small 64000] [--large 1000] [--repeat 3] [--peer litdata]
+    python tools/bench/stream.py [--dir DIR] [--small 64000] [--large 1000] [--repeat 3]
+                                 [--producer webdataset] [--also-producer tarfile-ustar] [--peer litdata]
 """
 
 from __future__ import annotations
@@ -50,7 +61,6 @@ from wds_pad.stream.loader import Loader
 from wds_pad.errors import DroppedBucketWarning
 from wds_pad.index.format import Index
 from wds_pad.index.build import build_index
-from wds_pad.io.options import ReadOptions
 from wds_pad.stream import batchread
 from wds_pad.stream.fetch import fetch
 from wds_pad.stream.stages import PlannedSource, plan_batched
@@ -155,80 +165,146 @@ def raw_read(urls: list[str]) -> int:
 
 
 # -- driver -------------------------------------------------------------------------------
-def run_case(label: str, urls: list[str], index: Index, batch_size: int, repeat: int,
-             rows: list[list[str]], litdata_dir: str | None) -> dict[str, float]:
-    raw_read(urls)  # warm the page cache
-    total_file = sum(os.path.getsize(u) for u in urls)
+USTAR = "tarfile-ustar"
+# contenders that run on the --also-producer shards too: the fast path and its peers
+BOTH_KINDS = ("wds_pad direct", "wds_pad batch 1", "webdataset")
 
-    def dataset(**read: Any) -> BucketedWebDataset:
-        return BucketedWebDataset(index, batch_size=batch_size, topology=Topology(world_size=1, rank=0),
-                                  seed=0, check_agreement=False,
-                                  read_options=ReadOptions(**read) if read else None)
 
-    ds = dataset()
-    plan = ds.plan()
-    ids = np.concatenate([b.samples for b in plan])
-    planned, planned_bytes = int(ids.size), int(index.length[ids].sum())
-    contenders: dict[str, tuple[Any, int, int]] = {
-        "wds_pad direct": (lambda: ours_direct(ds), planned, planned_bytes),
-        "wds_pad exact path": (lambda: ours_exact(ds), planned, planned_bytes),
-        "wds_pad Loader(2)": (lambda: ours_loader(ds, 2), planned, planned_bytes),
-        "wds_pad stages, checked": (lambda: ours_stages(ds, True), planned, planned_bytes),
-        "wds_pad stages, unchecked": (lambda: ours_stages(ds, False), planned, planned_bytes),
-        "webdataset": (lambda: webdataset_iter(urls), len(index), total_file),
-        "webdataset WebLoader(2)": (lambda: webdataset_loader(urls, batch_size, 2), len(index), total_file),
-        "raw read 8 MiB": (lambda: raw_read(urls), total_file, total_file),
-    }
-    if litdata_dir is not None:
-        for shuffle in (False, True):
-            for workers in (0, 2):
-                name = f"litdata {'shuffled' if shuffle else 'in order'}, {workers or 'no'} workers"
-                contenders[name] = ((lambda s=shuffle, w=workers: litdata_stream(litdata_dir, s, w, batch_size)),
-                                    len(index), total_file)
-    expected = {name: c[1] for name, c in contenders.items()}
+def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: int, repeat: int,
+             rows: list[list[str]], litdata_dir: str | None) -> dict[str, dict[str, dict[str, float]]]:
+    """Times one sample size on every shard kind (the first is the main one) in one round
+    robin; returns ``{kind: {"rate" | "bw" | "cpu": {contender: value}}}``."""
+    main = next(iter(kinds))
 
-    def check(name: str, got: int) -> None:
-        if got != expected[name]:
-            raise SystemExit(f"{label}/{name}: counted {got}, expected {expected[name]}")
+    def dataset(index: Index, batch: int) -> BucketedWebDataset:
+        return BucketedWebDataset(index, batch_size=batch, topology=Topology(world_size=1, rank=0),
+                                  seed=0, check_agreement=False)
 
-    best = round_robin({name: c[0] for name, c in contenders.items()}, repeat,
+    contenders: dict[str, tuple[Any, int, int]] = {}  # "kind|name" -> (fn, samples, bytes)
+    ids_of: dict[str, np.ndarray] = {}
+    for kind, (urls, index) in kinds.items():
+        raw_read(urls)  # warm the page cache
+        total_file = sum(os.path.getsize(u) for u in urls)
+        ds, ds1 = dataset(index, batch_size), dataset(index, 1)
+        ids = ids_of[kind] = np.concatenate([b.samples for b in ds.plan()])
+        ids1 = np.concatenate([b.samples for b in ds1.plan()])
+        planned, planned_bytes = int(ids.size), int(index.length[ids].sum())
+        mine: dict[str, tuple[Any, int, int]] = {
+            "wds_pad direct": (lambda ds=ds: ours_direct(ds), planned, planned_bytes),
+            "wds_pad batch 1": (lambda ds1=ds1: ours_direct(ds1), int(ids1.size), int(index.length[ids1].sum())),
+            "wds_pad exact path": (lambda ds=ds: ours_exact(ds), planned, planned_bytes),
+            "wds_pad Loader(2)": (lambda ds=ds: ours_loader(ds, 2), planned, planned_bytes),
+            "wds_pad stages, checked": (lambda ds=ds: ours_stages(ds, True), planned, planned_bytes),
+            "wds_pad stages, unchecked": (lambda ds=ds: ours_stages(ds, False), planned, planned_bytes),
+            "webdataset": (lambda urls=urls: webdataset_iter(urls), len(index), total_file),
+            "webdataset WebLoader(2)": (lambda urls=urls: webdataset_loader(urls, batch_size, 2), len(index),
+                                        total_file),
+            "raw read 8 MiB": (lambda urls=urls: raw_read(urls), total_file, total_file),
+        }
+        if litdata_dir is not None and kind == main:
+            for shuffle in (False, True):
+                for workers in (0, 2):
+                    name = f"litdata {'shuffled' if shuffle else 'in order'}, {workers or 'no'} workers"
+                    mine[name] = ((lambda s=shuffle, w=workers: litdata_stream(litdata_dir, s, w, batch_size)),
+                                  len(index), total_file)
+        for name, c in mine.items():
+            if kind == main or name in BOTH_KINDS:
+                contenders[f"{kind}|{name}"] = c
+    expected = {key: c[1] for key, c in contenders.items()}
+
+    def check(key: str, got: int) -> None:
+        if got != expected[key]:
+            raise SystemExit(f"{label}/{key}: counted {got}, expected {expected[key]}")
+
+    best = round_robin({key: c[0] for key, c in contenders.items()}, repeat,
                        timer=lambda fn: once(fn, cpu_seconds), check=check)
-    rate: dict[str, float] = {}   # samples/s
-    bw: dict[str, float] = {}     # MB/s
-    cpu: dict[str, float] = {}    # CPU us per sample
-    for name, (_, expect, nbytes) in contenders.items():
-        count = expect if name != "raw read 8 MiB" else len(index)
-        rate[name], bw[name], cpu[name] = count / best[name].wall, nbytes / best[name].wall / 1e6, best[name].cpu / count * 1e6
-    pread_secs, pread_cpu = min(bare_pread(index, ids, batch_size) for _ in range(repeat))
-    rate["bare pread loop"], bw["bare pread loop"] = planned / pread_secs, planned_bytes / pread_secs / 1e6
-    cpu["bare pread loop"] = pread_cpu / planned * 1e6
-    for name in rate:
-        vs_wds = f"{rate[name] / rate['webdataset']:.2f}x"
-        vs_pread = f"{bw[name] / bw['bare pread loop']:.2f}x"
-        rows.append([label, name, f"{rate[name]:,.0f}", f"{bw[name]:,.0f}", f"{1e6 / rate[name]:.1f}",
-                     f"{cpu[name]:.1f}", vs_wds, vs_pread])
-    return {"rate": rate, "bw": bw, "cpu": cpu}  # type: ignore[dict-item]
+    out: dict[str, dict[str, dict[str, float]]] = {k: {"rate": {}, "bw": {}, "cpu": {}} for k in kinds}
+    for key, (_, expect, nbytes) in contenders.items():
+        kind, name = key.split("|", 1)
+        r = out[kind]
+        count = expect if name != "raw read 8 MiB" else len(kinds[kind][1])
+        r["rate"][name], r["bw"][name] = count / best[key].wall, nbytes / best[key].wall / 1e6
+        r["cpu"][name] = best[key].cpu / count * 1e6
+    for kind, (_, index) in kinds.items():  # outside the round robin: descriptors opened untimed
+        ids, r = ids_of[kind], out[kind]
+        pread_secs, pread_cpu = min(bare_pread(index, ids, batch_size) for _ in range(repeat))
+        r["rate"]["bare pread loop"] = ids.size / pread_secs
+        r["bw"]["bare pread loop"] = int(index.length[ids].sum()) / pread_secs / 1e6
+        r["cpu"]["bare pread loop"] = pread_cpu / ids.size * 1e6
+    lit = out[main]["rate"].get("litdata in order, no workers")
+    for kind, r in out.items():
+        rate, bw, cpu = r["rate"], r["bw"], r["cpu"]
+        for name in rate:
+            row = [label, kind, name, f"{rate[name]:,.0f}", f"{bw[name]:,.0f}", f"{1e6 / rate[name]:.1f}",
+                   f"{cpu[name]:.1f}", f"{rate[name] / rate['webdataset']:.2f}x",
+                   f"{bw[name] / bw['bare pread loop']:.2f}x"]
+            rows.append(row + ([f"{rate[name] / lit:.2f}x"] if lit else []))
+    return out
 
 
-def _shards(root: str, label: str, n: int, size: int, shards: int) -> tuple[list[str], Index]:
-    urls = case_shards(root, label, n, size, shards)
+def _shards(root: str, label: str, n: int, size: int, shards: int, producer: str) -> tuple[list[str], Index]:
+    urls = case_shards(root, label, n, size, shards, producer=producer)
     index = build_index(urls, "aspect:width,height", output=os.path.join(os.path.dirname(urls[0]), "index.wdsidx"))
     return urls, index
 
 
 def _goal(text: str, value: float, target: float) -> tuple[str, bool]:
     ok = value >= target
-    return f"  {'ok  ' if ok else 'MISS'} {text}: {value:.2f}x (goal >= {target}x)", ok
+    return f"  {'met   ' if ok else 'MISSED'} {text}: {value:.2f}x (goal >= {target}x)", ok
+
+
+def goals(results: dict[str, dict[str, dict[str, dict[str, float]]]], main: str) -> list[tuple[str, bool]]:
+    """Issue 21's goals of the local fast path, on the ``main`` shards (ustar: on those)."""
+    small, large = results["10 KB"][main], results["500 KB"][main]
+    rate = small["rate"]
+    lines = [_goal("10 KB, batch 64, one process vs the bare pread loop",
+                   rate["wds_pad direct"] / rate["bare pread loop"], 0.45)]
+    if "litdata in order, no workers" in rate:
+        lines.append(_goal("10 KB, batch 64, one process vs litData in order, one process",
+                           rate["wds_pad direct"] / rate["litdata in order, no workers"], 1.0))
+    lines.append(_goal("10 KB, batch 1 vs webdataset sequential",
+                       rate["wds_pad batch 1"] / rate["webdataset"], 3.0))
+    ustar = results["10 KB"].get(USTAR)
+    if ustar is not None and main != USTAR:
+        lines.append(_goal(f"10 KB, batch 1 vs webdataset sequential, both on {USTAR} shards",
+                           ustar["rate"]["wds_pad batch 1"] / ustar["rate"]["webdataset"], 2.0))
+    lines.append(_goal("500 KB, one process vs the bare pread loop (MB/s)",
+                       large["bw"]["wds_pad direct"] / large["bw"]["bare pread loop"], 0.9))
+    return lines
+
+
+def cited(results: dict[str, dict[str, dict[str, dict[str, float]]]], kind: str) -> list[str]:
+    """The ratios docs/streaming.md cites (the goals of issue 15), on the ``kind`` shards."""
+    small, large = results["10 KB"][kind]["rate"], results["500 KB"][kind]["bw"]
+    out = [f"  10 KB, one process vs webdataset sequential: {small['wds_pad direct'] / small['webdataset']:.2f}x",
+           f"  10 KB, one process vs the bare pread loop: {small['wds_pad direct'] / small['bare pread loop']:.2f}x"]
+    if "wds_pad Loader(2)" in small:
+        out.append(f"  10 KB, Loader(2) vs wds.WebLoader(2): "
+                   f"{small['wds_pad Loader(2)'] / small['webdataset WebLoader(2)']:.2f}x")
+    if "litdata in order, no workers" in small:
+        out += [f"  10 KB, one process vs litData in order, one process: "
+                f"{small['wds_pad direct'] / small['litdata in order, no workers']:.2f}x",
+                f"  10 KB, Loader(2) vs litData in order, 2 workers: "
+                f"{small['wds_pad Loader(2)'] / small['litdata in order, 2 workers']:.2f}x"]
+    out.append(f"  500 KB, one process vs the bare pread loop (MB/s): "
+               f"{large['wds_pad direct'] / large['bare pread loop']:.2f}x")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    from wds_pad.cli.synth import PRODUCERS
+
     ap = parser(__doc__)
     add_sizes(ap)
     ap.set_defaults(small=64_000)
+    ap.add_argument("--also-producer", default=USTAR, choices=[*PRODUCERS, "none"],
+                    help=f"also measure the fast path and its peers on shards written by this producer "
+                         f"(default: {USTAR}; none: only --producer's)")
     ap.add_argument("--peer", action="append", default=[], choices=["litdata"],
                     help="also measure this peer (litdata: pip install litdata, see docs/streaming.md)")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore", DroppedBucketWarning)
+    producers = [args.producer] + [p for p in (args.also_producer,) if p not in ("none", args.producer)]
     cases = [("10 KB", args.small, 10_000, 32, 64), ("500 KB", args.large, 500_000, 8, 8)]
     rows: list[list[str]] = []
     results: dict[str, Any] = {}
@@ -236,35 +312,35 @@ def main(argv: list[str] | None = None) -> int:
     busy0, ours0, t0 = machine_busy(), cpu_seconds(), time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for label, n, size, shards, batch in cases:
-            urls, index = _shards(tmp, label, n, size, shards)
+            kinds = {p: _shards(tmp, label, n, size, shards, p) for p in producers}
             lit = None
             if "litdata" in args.peer:
                 lit = os.path.join(tmp, label.replace(" ", "") + "-litdata")
-                converts[label] = litdata_convert(urls, lit)
-            results[label] = run_case(f"{label} x {n}", urls, index, batch, args.repeat, rows, lit)
+                converts[label] = litdata_convert(kinds[args.producer][0], lit)
+            results[label] = run_case(f"{label} x {n}", kinds, batch, args.repeat, rows, lit)
     busy1, ours1, wall = machine_busy(), cpu_seconds(), time.perf_counter() - t0
-    print(table(["case", "contender", "samples/s", "MB/s", "us/sample", "cpu us/sample",
-                 "vs webdataset", "vs bare pread"], rows, align="llrrrrrr"))
-    print("(cpu us/sample: CPU time of the process, its threads and its exited worker processes)")
+    print(table(["case", "shards", "contender", "samples/s", "MB/s", "us/sample", "cpu us/sample",
+                 "vs webdataset", "vs bare pread"] + (["vs litdata"] if converts else []),
+                rows, align="lllrrrrrr" + ("r" if converts else "")))
+    print("(shards: the producer that wrote them; vs webdataset, vs bare pread: against that peer on the "
+          "same shards, samples/s and MB/s;")
+    if converts:
+        print(" vs litdata: against litData in order, one process, samples/s, in its own format converted "
+              f"from the {args.producer} shards;")
+    print(" cpu us/sample: CPU time of the process, its threads and its exited worker processes)")
     for label, secs in converts.items():
         print(f"litdata.optimize converted the {label} samples in {secs:.1f} s (not in the rates above)")
     print()
-    small, large = results["10 KB"]["rate"], results["500 KB"]
-    lines = [_goal("10 KB, one process vs webdataset sequential", small["wds_pad direct"] / small["webdataset"], 6.0),
-             _goal("10 KB, one process vs the bare pread loop", small["wds_pad direct"] / small["bare pread loop"], 0.35),
-             _goal("10 KB, Loader(2) vs wds.WebLoader(2)",
-                   small["wds_pad Loader(2)"] / small["webdataset WebLoader(2)"], 4.0),
-             _goal("500 KB, one process vs the bare pread loop (MB/s)",
-                   large["bw"]["wds_pad direct"] / large["bw"]["bare pread loop"], 0.9)]
-    if "litdata in order, no workers" in small:
-        lines += [_goal("10 KB, one process vs litdata in order, one process",
-                        small["wds_pad direct"] / small["litdata in order, no workers"], 1.0),
-                  _goal("10 KB, Loader(2) vs litdata in order, 2 workers",
-                        small["wds_pad Loader(2)"] / small["litdata in order, 2 workers"], 1.0)]
-    print("goals (issue 15):")
+    lines = goals(results, args.producer)
+    print(f"goals (issue 21), on {args.producer} shards:")
     for text, _ in lines:
         print(text)
     print("all goals met" if all(ok for _, ok in lines) else "SOME GOALS MISSED")
+    print("  (the goals over HTTP, locality='shard' at 20 ms: tools/bench/remote.py)")
+    for kind in producers:
+        print(f"\nratios docs/streaming.md cites (issue 15; measured there on {USTAR} shards, which "
+              f"--producer {USTAR} reruns in full), on {kind} shards:")
+        print("\n".join(cited(results, kind)))
     if busy0 is not None and busy1 is not None:
         others = max(0.0, (busy1 - busy0) - (ours1 - ours0))
         print(f"other processes kept {others / wall:.0%} of a core busy during the run"
