@@ -99,6 +99,18 @@ def test_an_index_from_before_member_offset_loads_streams_and_update_rescans_its
             at_new = np.arange(ms_new[i], ms_new[i + 1])
             np.testing.assert_array_equal(old.member_offsets(at_old, np.array([at_old.size])),
                                           fresh.arrays["member_offset"][at_new])
+    # it streams: plain samples through the member table, the others parsed (and counted)
+    from wds_pad import BucketedWebDataset, Topology
+
+    def stream(index: Any) -> tuple[list[list[tuple[str, Any]]], Any]:
+        ds = BucketedWebDataset(index, batch_size=1, seed=3, topology=Topology(world_size=1, rank=0),
+                                check_agreement=False)
+        return [sorted((k, v) for k, v in s.items()) for b in ds for s in b], ds.read_stats
+
+    got, stats = stream(old)
+    want, fresh_stats = stream(fresh)
+    assert got == want and fresh_stats.exact_samples == 0
+    assert stats.exact_samples == stats.exact_batches == 10
     updated = build_index(shards, None, update=str(out))  # the pax shard is rescanned, the others reused
     assert updated.members_missing() == (0, "")
     for k in fresh.numeric_sections():
