@@ -198,10 +198,15 @@ class Plan:
 
         samples, pad = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
         out = []
-        for i, st, at, size in zip(idx.tolist(), steps.tolist(), before.tolist(), sizes.tolist()):
-            ds, key = self.bucket_table[int(self.schedule[st])]
-            out.append(Batch(self.epoch, st, i, self.datasets[ds], key, samples[at : at + size],
-                             pad[at : at + size]))
+        table, names, epoch = self.bucket_table, self.datasets, self.epoch
+        new = object.__new__  # the fields are computed here: skip the frozen __init__'s setattr per field
+        for i, st, t, at, size in zip(idx.tolist(), steps.tolist(), self.schedule[steps].tolist(), before.tolist(),
+                                      sizes.tolist()):
+            ds, key = table[t]
+            b = new(Batch)
+            b.__dict__.update(epoch=epoch, step=st, index=i, dataset=names[ds], bucket=key,
+                              samples=samples[at : at + size], pad=pad[at : at + size])
+            out.append(b)
         return out
 
     def _all(self) -> tuple[np.ndarray, np.ndarray]:

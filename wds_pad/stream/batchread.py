@@ -107,23 +107,27 @@ def names_sample(data: bytes, h: int, key: str) -> bool:
 
 
 @dataclass
-class _Work:
-    """One batch's member work, sliced out of its chunk's (see :meth:`BatchReader.prepare`)."""
+class _Chunk:
+    """The member work of a chunk of plan batches, per sample and per member, as lists
+    (see :meth:`BatchReader.prepare`); a batch's work is its slices of them."""
 
-    exact: bool  # read it on the exact path
-    shards: list[int]
+    urls: list[str]
     offsets: list[int]
     lengths: list[int]
     counts: list[int]
     keys: list[str]
     tokens: list[bytes]
+    ids: list[int]
+    pads: list[bool]
     heads: list[int]  # member header offsets in their sample
     sizes: list[int]
     exts: list[str]
-    nbytes: int
 
 
-_EXACT = _Work(True, [], [], [], [], [], [], [], [], [], 0)
+#: One batch's work: its chunk, its samples [lo, hi) and members [mlo, mhi) there, and its
+#: bytes; ``_EXACT`` for a batch the exact path reads.
+_Work = tuple[_Chunk, int, int, int, int, int]
+_EXACT: Any = ()
 
 
 class BatchReader:
@@ -160,8 +164,8 @@ class BatchReader:
         ids = np.concatenate([b.samples for b in group]) if len(group) > 1 else group[0].samples
         n = ids.size
         if not n:
-            self._work.update(((b.epoch, b.index), _Work(False, *([] for _ in range(9)), 0))  # type: ignore[arg-type]
-                              for b in group)
+            empty = _Chunk(*([] for _ in range(11)))  # type: ignore[arg-type]
+            self._work.update(((b.epoch, b.index), (empty, 0, 0, 0, 0, 0)) for b in group)
             return
         ids = ids.astype(np.int64, copy=False)
         starts = ms[ids].astype(np.int64)
@@ -183,22 +187,15 @@ class BatchReader:
         bad_c = np.concatenate([[0], np.cumsum(~covered)])
         bad = bad_c[b_end] - bad_c[b_start]
         keys_l, tokens = _key_lists(ko, keys, ids)
-        ext_names = list(map(exts.__getitem__, mext[at].tolist()))
-        shards_l, off_l, ln_l, cnt_l = shard[ids].tolist(), off.tolist(), ln.tolist(), counts.tolist()
-        heads_l, sizes_l = (moff - 512).tolist(), sizes.tolist()
+        chunk = _Chunk(list(map(urls.__getitem__, shard[ids].tolist())), off.tolist(), ln.tolist(), counts.tolist(),
+                       keys_l, tokens, ids.tolist(), np.concatenate([b.pad for b in group]).tolist(),
+                       (moff - 512).tolist(), sizes.tolist(), list(map(exts.__getitem__, mext[at].tolist())))
         mc = np.concatenate([[0], np.cumsum(counts)])
-        m_start, m_end = mc[b_start].tolist(), mc[b_end].tolist()
         bc = np.concatenate([[0], np.cumsum(ln)])
-        nbytes = (bc[b_end] - bc[b_start]).tolist()
         work = self._work
-        for b, lo, hi, mlo, mhi, nb, nbad in zip(group, b_start.tolist(), b_end.tolist(), m_start, m_end,
-                                                 nbytes, bad.tolist()):
-            if nbad:
-                work[(b.epoch, b.index)] = _EXACT
-                continue
-            work[(b.epoch, b.index)] = _Work(
-                False, shards_l[lo:hi], off_l[lo:hi], ln_l[lo:hi], cnt_l[lo:hi], keys_l[lo:hi],
-                tokens[lo:hi], heads_l[mlo:mhi], sizes_l[mlo:mhi], ext_names[mlo:mhi], nb if hi > lo else 0)
+        for b, lo, hi, mlo, mhi, nb, nbad in zip(group, b_start.tolist(), b_end.tolist(), mc[b_start].tolist(),
+                                                 mc[b_end].tolist(), (bc[b_end] - bc[b_start]).tolist(), bad.tolist()):
+            work[(b.epoch, b.index)] = _EXACT if nbad else (chunk, lo, hi, mlo, mhi, nb)
 
     def take(self, batch: Batch) -> _Work | None:
         """The prepared member work of ``batch`` (prepared now if its chunk was not), or
@@ -207,7 +204,7 @@ class BatchReader:
         if work is None:  # not prepared with its chunk (a plan without chunks)
             self.prepare([batch])
             work = self._work.pop((batch.epoch, batch.index))
-        return None if work.exact else work
+        return None if work is _EXACT else work
 
     def read(self, batch: Batch) -> list[dict[str, Any]] | None:
         """The sample dicts of ``batch``, or None: read it on the exact path instead (``fetch``
@@ -219,24 +216,23 @@ class BatchReader:
             return None
 
     def _read(self, batch: Batch, w: _Work) -> list[dict[str, Any]] | None:
-        n = len(w.keys)
-        if not n:
+        c, lo, hi, mlo, mhi, nbytes = w
+        if hi == lo:
             return []
         reader = self.reader
         reader._check_fork()
         fds, local_fd = reader._fds, reader.local_fd
-        urls = _tables(self.by_name[batch.dataset])[0]
         tmpl = {"__url__": None, "__key__": None, "__index__": None, "__bucket__": batch.bucket,
                 "__dataset__": batch.dataset, "__pad__": False, "__epoch__": batch.epoch,
                 "__step__": batch.step, "__batch__": batch.index}
-        heads, size_list, ext_names = w.heads, w.sizes, w.exts
+        heads, size_list, ext_names = c.heads[mlo:mhi], c.sizes[mlo:mhi], c.exts[mlo:mhi]
         pread = os.pread
         out: list[dict[str, Any]] = []
         append = out.append
         m = 0
-        for s, o, nb, cnt, key, tok, i, p in zip(w.shards, w.offsets, w.lengths, w.counts, w.keys, w.tokens,
-                                                  batch.samples.tolist(), batch.pad.tolist()):
-            url = urls[s]
+        for url, o, nb, cnt, key, tok, i, p in zip(c.urls[lo:hi], c.offsets[lo:hi], c.lengths[lo:hi],
+                                                    c.counts[lo:hi], c.keys[lo:hi], c.tokens[lo:hi],
+                                                    c.ids[lo:hi], c.pads[lo:hi]):
             fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
             if fd is None:
                 fd = local_fd(url)  # opens it: the stale-shard check, once per stream
@@ -280,9 +276,9 @@ class BatchReader:
             m += 1
             append(d)
         st = reader.stats
-        st.ranges += n
-        st.requests += n
-        st.bytes += w.nbytes
+        st.ranges += hi - lo
+        st.requests += hi - lo
+        st.bytes += nbytes
         return out
 
 
@@ -290,10 +286,10 @@ def member_refs(work: _Work) -> list[tuple[bytes, list[str], list[int], list[int
     """Per sample of a prepared batch, what slicing its bytes takes: its name token, its
     members' extensions, header offsets (in the sample) and payload sizes (the
     ``__members__`` of a reference, see ``fetch``)."""
+    c, lo, hi, m, _, _ = work
     out = []
-    m = 0
-    exts, heads, sizes = work.exts, work.heads, work.sizes
-    for tok, cnt in zip(work.tokens, work.counts):
+    exts, heads, sizes = c.exts, c.heads, c.sizes
+    for tok, cnt in zip(c.tokens[lo:hi], c.counts[lo:hi]):
         out.append((tok, exts[m : m + cnt], heads[m : m + cnt], sizes[m : m + cnt]))
         m += cnt
     return out

@@ -362,7 +362,9 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         view = self._view
         k = int(np.searchsorted(view.keep, j)) if view is not None and view.epoch == epoch else j
         info = get_worker_info()
-        if info is None:
+        if info is None and view is None and self.spec.mode is Mode.EPOCHS:  # the common case, per batch: one Position
+            self._position = Position(epoch, min(k + 1, len(self.spec.plan(epoch))))
+        elif info is None:
             self._position = self._forward(Position(epoch, k), 1)
         else:  # this worker's next batch is num_workers further on
             self._position = self._forward(Position(epoch, k), info.num_workers)
