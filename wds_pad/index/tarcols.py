@@ -4,9 +4,10 @@ batch header checks in numpy that turn kept headers into rows.
 :func:`_settle_many` takes the 512-byte headers the lean loops of :mod:`.tarrows` kept
 (unchecked, back to back, for one shard or several) and checks them all at once --
 checksum, plain regular-file type, no ustar prefix, a terminated size field, a name
-webdataset groups without special rules -- then derives keys, extensions and sample
-boundaries with array operations and picks the wanted members' payloads into
-:class:`_Acc`.
+webdataset groups without special rules; and the pax headers the loops folded into
+members (their payloads already checked there): checksum, typeflag ``x``, size field --
+then derives keys, extensions and sample boundaries with array operations and picks the
+wanted members' payloads into :class:`_Acc`.
 
 Invariants:
     * It accepts only headers the general parser (:mod:`.tarread`) reads the same way;
@@ -219,18 +220,27 @@ class _Segment:
 
 
 def _settle(acc: _Acc, H: list[bytes] | bytearray, P: array, head: int | None,
-            payload: Callable[[list[int], list[int]], list[bytes]], final: bool = False) -> tuple[int, bool]:
+            payload: Callable[[list[int], list[int]], list[bytes]], final: bool = False,
+            S: array | None = None, X: bytearray | None = None, XI: array | None = None) -> tuple[int, bool]:
     """:func:`_settle_many` for one shard; returns ``(done, stop)``."""
     seg = _Segment(acc, len(P), payload, final)
-    _settle_many([seg], H, P, head)
+    _settle_many([seg], H, P, head, S, X, XI)
     return seg.done, seg.stop
 
 
-def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, head: int | None) -> None:
+def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, head: int | None,
+                 S: array | None = None, X: bytearray | None = None, XI: array | None = None) -> None:
     """Check the pending headers ``H`` (at offsets ``P``) of one or
     more shards (``segs``, back to back) and add each shard's complete samples to its
     ``acc``. Checking the headers of many small shards at once costs about what one
     shard costs: numpy's fixed cost per operation is paid once.
+
+    ``S`` holds each member's first byte where a header came before its own (a pax
+    header the lean loop folded in): a sample starting with that member starts there
+    (``None``: ``P``); the caller hands over at ``S[done]``. ``X`` holds those pax headers,
+    back to back, and ``XI`` their members' rows (ascending; rows past ``H``: a pax header
+    whose member is still to come): a member whose pax header fails its checks needs the
+    general parser.
 
     Every test is an array operation over all headers (the rare spellings first over the
     whole batch); comparisons of keys are done on 8-byte words. A shard's last sample is
@@ -239,6 +249,13 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, hea
     A = np.frombuffer(H if isinstance(H, bytearray) else b"".join(H), np.uint8).reshape(-1, 512)
     m = len(A)
     ok = _headers_ok(A)
+    xi = np.frombuffer(XI, np.int64) if XI else None
+    if xi is not None:
+        XA = np.frombuffer(X, np.uint8).reshape(-1, 512)  # type: ignore[arg-type]
+        if xi[-1] >= m:  # a member still to come
+            XA, xi = XA[xi < m], xi[xi < m]
+        if xi.size:
+            ok[xi] &= _pax_headers_ok(XA)
     # The names, short in practice: N holds "/" + the first W - 1 bytes + 16 zero bytes
     # (so a 16-byte window at any extension start stays inside the row); W (a multiple
     # of 8) grows until every name's NUL is inside. The leading "/" makes "after the
@@ -301,7 +318,12 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, hea
         if len(exts) == 64:
             if len(segs) > 1:  # shards checked together: each on its own (each may fit)
                 for seg, lo_s, hi_s in zip(segs, seg_first.tolist(), seg_end.tolist()):
-                    _settle_many([seg], bytearray(A[lo_s:hi_s].tobytes()), P[lo_s:hi_s], head)
+                    x_s, x_h = None, None  # the shard's own pax headers
+                    if xi is not None:
+                        cut_x = slice(*np.searchsorted(xi, [lo_s, hi_s]).tolist())
+                        x_s, x_h = array("q", (xi[cut_x] - lo_s).tolist()), bytearray(XA[cut_x].tobytes())
+                    _settle_many([seg], bytearray(A[lo_s:hi_s].tobytes()), P[lo_s:hi_s], head,
+                                 None if S is None else S[lo_s:hi_s], x_h, x_s)
                 return
             new_ext = E[j].tobytes().rstrip(b"\0").decode("ascii")
             raise too_many_exts(segs[0].acc.url, [*segs[0].acc.bits, *exts, new_ext])
@@ -320,6 +342,7 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, hea
     emit = members > 0
     ends = np.append(starts[1:], m)
     Pa = np.frombuffer(P, np.int64, m)
+    Ss = Pa if S is None else np.frombuffer(S, np.int64, m)
     Sa = (A[:, 124:135].astype(np.int64) - 48) @ _POW8_11  # payload sizes (eleven digits: checked)
     for s, seg in enumerate(segs):
         lo_g, hi_g = (int(x) for x in np.searchsorted(group_seg, [s, s + 1]))
@@ -342,7 +365,7 @@ def _settle_many(segs: list[_Segment], H: list[bytes] | bytearray, P: array, hea
         g_end = lo_g + g
         first = starts[lo_g:g_end]
         last = ends[lo_g:g_end] - 1
-        offset = Pa[first]
+        offset = Ss[first]  # a pax header before the first member included
         acc = seg.acc
         if acc.tail_offset:
             acc.flush()
@@ -394,6 +417,18 @@ def _remap(group_bits: np.ndarray, local: list[int]) -> np.ndarray:
 
 def _headers_ok(A: np.ndarray) -> np.ndarray:
     """Which 512-byte headers the lean path may read as plain ustar regular files."""
+    kind = A[:, 156]
+    return _sum_and_size_ok(A) & ((kind == 48) | (kind == 0)) & (A[:, 345] == 0)
+
+
+def _pax_headers_ok(A: np.ndarray) -> np.ndarray:
+    """Which 512-byte pax headers (typeflag ``x``) the general parser reads with the
+    checks the lean path makes (its name and prefix it ignores)."""
+    return _sum_and_size_ok(A) & (A[:, 156] == 120)
+
+
+def _sum_and_size_ok(A: np.ndarray) -> np.ndarray:
+    """Headers with a checksum and a size field the general parser's quick path reads."""
     # The checksum field as one little-endian word: six octal digits, then two bytes that
     # are NUL or space ("%06o\0 " from tarfile and GNU tar). tarfile's rarer spellings,
     # and headers whose stored sum is the signed-char one, go to the general parser.
@@ -407,7 +442,5 @@ def _headers_ok(A: np.ndarray) -> np.ndarray:
     # an all-ASCII batch sums below 2**16 a header: half the width, half the time
     wide = np.uint16 if A.max() < 128 else np.uint32
     total = np.add.reduce(A, axis=1, dtype=wide).astype(np.int64) - field_sum + 256
-    kind = A[:, 156]
     digits = A[:, 124:135]  # the size: eleven octal digits (int() would take rarer spellings too)
-    return (form & (stored == total) & ((kind == 48) | (kind == 0)) & (A[:, 345] == 0)
-            & ((A[:, 135] & 0xDF) == 0) & ((digits & 0xF8) == 0x30).all(1))
+    return form & (stored == total) & ((A[:, 135] & 0xDF) == 0) & ((digits & 0xF8) == 0x30).all(1)
