@@ -17,6 +17,8 @@ Invariants:
 
 from __future__ import annotations
 
+import io
+
 import os
 import shutil
 import warnings
@@ -100,3 +102,22 @@ def plan_keys(plan: Iterable[Any], index: Index) -> list[list[str]]:
 def batch_keys(batches: Iterable[list[dict[str, Any]]]) -> list[list[str]]:
     """The ``__key__`` of each streamed sample, batch by batch."""
     return [[s["__key__"] for s in b] for b in batches]
+
+
+class NonSeekable(io.RawIOBase):
+    """A streaming body: no seek, and short reads of at most ``step`` bytes."""
+
+    def __init__(self, data: bytes, step: int = 1 << 20) -> None:
+        self._f, self._step = io.BytesIO(data), step
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readinto(self, b) -> int:  # type: ignore[no-untyped-def]
+        n = min(len(b), self._step)
+        chunk = self._f.read(n)
+        b[: len(chunk)] = chunk
+        return len(chunk)

@@ -25,26 +25,9 @@ from wds_pad.index.tarscan import Member, ScannedSample, parse_sample, scan_tar,
 WDS_META = ("__key__", "__url__", "__local_path__")
 
 
+from data_helpers import NonSeekable  # noqa: E402
+
 # ---------------------------------------------------------------- helpers
-
-
-class NonSeekable(io.RawIOBase):
-    """A streaming body: no seek, and short reads of at most ``step`` bytes."""
-
-    def __init__(self, data: bytes, step: int = 1 << 20) -> None:
-        self._f, self._step = io.BytesIO(data), step
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def readinto(self, b) -> int:  # type: ignore[no-untyped-def]
-        n = min(len(b), self._step)
-        chunk = self._f.read(n)
-        b[: len(chunk)] = chunk
-        return len(chunk)
 
 
 class CountingFile(io.RawIOBase):

@@ -28,25 +28,9 @@ from wds_pad.index.tarcols import ScanRows, _Acc
 from wds_pad.index.tarrows import scan_many, scan_rows
 from wds_pad.index.tarscan import scan_tar
 
+from data_helpers import NonSeekable  # noqa: E402
+
 # ---------------------------------------------------------------- helpers
-
-
-class NonSeekable(io.RawIOBase):
-    """A streaming body: no seek, short reads of at most ``step`` bytes."""
-
-    def __init__(self, data: bytes, step: int = 1 << 20) -> None:
-        self._f, self._step = io.BytesIO(data), step
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def readinto(self, b) -> int:  # type: ignore[no-untyped-def]
-        chunk = self._f.read(min(len(b), self._step))
-        b[: len(chunk)] = chunk
-        return len(chunk)
 
 
 def _open(path: Path, seekable: bool, step: int):  # type: ignore[no-untyped-def]
