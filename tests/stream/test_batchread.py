@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import tarfile
 import warnings
 from pathlib import Path
@@ -278,3 +279,64 @@ def test_large_local_samples_need_no_read_ahead_threads(tmp_path: Path, monkeypa
     before = threading.active_count()
     assert sum(len(b) for b in _dataset(index, read_options=ReadOptions(local_threads=2))) == len(index)
     assert threading.active_count() == before
+
+
+# -- the fast path on shards as every real producer writes them (tests/conftest.py) ----------
+def _corpus_index(corpus: Any, tmp_path: Path) -> Any:
+    """A private copy of the corpus's shards (tests here damage them) and its index."""
+    import shutil
+
+    urls = []
+    for url in corpus.urls:
+        urls.append(str(tmp_path / Path(url).name))
+        shutil.copy2(url, urls[-1])
+    return build_index(urls, "aspect:width,height", output=str(tmp_path / "c.wdsidx"))
+
+
+def _corpus_ds(index: Any, **kw: Any) -> BucketedWebDataset:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return BucketedWebDataset(index, batch_size=4, seed=3, topology=Topology(world_size=1, rank=0),
+                                  check_agreement=False, **kw)
+
+
+def test_every_producer_fast_path_equals_exact_path_inline_and_in_workers(
+        producer_corpus: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from wds_pad import Loader
+
+    index = _corpus_index(producer_corpus, tmp_path)
+    ds = _corpus_ds(index)
+    fast = list(ds)
+    assert ds.read_stats.exact_batches == 0 and len(fast) == len(ds)
+    workers = list(Loader(_corpus_ds(index), num_workers=2))
+    assert _as_plain(workers) == _as_plain(fast)
+    _exact(monkeypatch)
+    assert _as_plain(list(_corpus_ds(index))) == _as_plain(fast)
+
+
+def test_every_producer_damaged_member_header_raises_or_is_substituted(producer_corpus: Any, tmp_path: Path) -> None:
+    """Bit rot in the header before a sample's first payload (size and mtime kept): the
+    fast path refuses the batch and the exact path names the sample, or substitutes it."""
+    index = _corpus_index(producer_corpus, tmp_path)
+    victim = int(_corpus_ds(index).plan()[2].samples[0])
+    url = index.url(victim)
+    head = int(index.member_offsets(np.array([int(index.arrays["member_start"][victim])]), np.array([1]))[0]) - 512
+    st = os.stat(url)
+    with open(url, "r+b") as f:
+        f.seek(int(index.offset[victim]) + head)
+        f.write(b"\xff\xfe")
+    os.utime(url, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(StaleShardError, match=re.escape(repr(index.key(victim)))):
+        list(_corpus_ds(index))
+    ds = _corpus_ds(index, handler=lambda exc: True)
+    hits = sum(int((b.samples == victim).sum()) for b in ds.plan())  # with its padded copies
+    batches = list(ds)
+    assert ds.counters.substituted == hits >= 1 and ds.read_stats.exact_batches >= 1
+    assert [s["__substitute_for__"] for b in batches for s in b if "__substitute_for__" in s] == [index.key(victim)] * hits
+
+
+def test_every_producer_rewritten_shard_raises_on_the_fast_path(producer_corpus: Any, tmp_path: Path) -> None:
+    index = _corpus_index(producer_corpus, tmp_path)
+    os.utime(index.urls[1], (1, 1))
+    with pytest.raises(StaleShardError, match="changed since it was indexed"):
+        list(_corpus_ds(index))
