@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
@@ -269,7 +268,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
     def agree(self) -> None:
         """Run the cross-rank agreement check for the current epoch (once per epoch)."""
         if self.check_agreement and self.epoch not in self._agreed:
-            check_agreement(self.spec, self._position, self.group)
+            check_agreement(self.spec, self._position, self.group, view=self._view)
             self._agreed.add(self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
@@ -358,9 +357,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
 
     def _advance(self, done: tuple[int, int]) -> Position:
         """Record that plan batch ``done = (epoch, j)`` was yielded."""
-        epoch, j = done
-        view = self._view
-        k = int(np.searchsorted(view.keep, j)) if view is not None and view.epoch == epoch else j
+        epoch, k = done  # the view's batches are its plan's, indexed from 0
         info = get_worker_info()
         if info is None:
             self._position = self._forward(Position(epoch, k), 1)
@@ -425,8 +422,9 @@ def apply_stages(stages: Sequence[Callable[[Any], Any]], sample: Any) -> Any:
 class _ViewSource(PlannedSource):
     """PlannedSource over the elastic view of a resumed epoch (the plan itself otherwise).
 
-    ``start.index`` counts batches of the view; the yielded ``__batch__`` stays the index
-    in this rank's plan. Worker w of N takes view batches k with (k - start) mod N == w.
+    In a resumed epoch the plan is the view's (what is left of the epoch on this layout),
+    ``start.index`` and ``__batch__`` count its batches. Worker w of N takes batches k with
+    (k - start) mod N == w.
     """
 
     def __init__(self, spec: PlanSpec, start: Position, worker: tuple[int, int] | None,
@@ -435,9 +433,7 @@ class _ViewSource(PlannedSource):
         self.view = view
 
     def epoch_batches(self, epoch: int) -> tuple[Any, Sequence[int]]:
-        plan = self.spec.plan(epoch)
-        if self.view is not None and self.view.epoch == epoch:
-            return plan, self.view.keep
+        plan = self.view.plan if self.view is not None and self.view.epoch == epoch else self.spec.plan(epoch)
         return plan, range(len(plan))
 
 
