@@ -123,6 +123,17 @@ class _Level:
         return d * self.length[b] // self.dp + k
 
 
+def _taken(lv: _Level, seg: Segment, epoch: int) -> np.ndarray:
+    """Steps of each bucket of ``lv`` that a lockstep segment consumed."""
+    if seg.dp_size != lv.dp:
+        raise StateError(f"an elastic segment says dp_size {seg.dp_size} where its layout had {lv.dp}")
+    if seg.steps > lv.schedule.size:  # type: ignore[operator]
+        raise StateMismatchError(
+            f"loader state position {seg.steps} is past the end of epoch {epoch} on dp_size {lv.dp} "
+            f"({lv.schedule.size} steps); the state does not belong to this plan")
+    return np.bincount(lv.schedule[:seg.steps].astype(np.int64), minlength=lv.tab.size)
+
+
 def _consumed(lv: _Level, seg: Segment, bs: int, epoch: int) -> np.ndarray:
     """Entries each rank of ``lv`` consumed per bucket (shape (buckets, dp))."""
     if seg.dp_size != lv.dp:
@@ -131,12 +142,7 @@ def _consumed(lv: _Level, seg: Segment, bs: int, epoch: int) -> np.ndarray:
     counts = lv.counts(ranks)
     nb = lv.tab.size
     if seg.steps is not None:
-        if seg.steps > lv.schedule.size:
-            raise StateMismatchError(
-                f"loader state position {seg.steps} is past the end of epoch {epoch} on dp_size {lv.dp} "
-                f"({lv.schedule.size} steps); the state does not belong to this plan")
-        taken = np.bincount(lv.schedule[:seg.steps].astype(np.int64), minlength=nb)
-        return np.minimum(taken[:, None] * bs, counts)
+        return np.minimum(_taken(lv, seg, epoch)[:, None] * bs, counts)
     # per-rank positions: a rank lacks the batch of a bucket's window w when w * bs >= its
     # count; ranks differ only there (the optional steps), so each position maps to a step
     # in O(those steps), not by walking the rank's plan
@@ -165,16 +171,18 @@ def _consumed(lv: _Level, seg: Segment, bs: int, epoch: int) -> np.ndarray:
     return np.minimum(taken * bs, counts)
 
 
-def _next_level(lv: _Level, e: np.ndarray, one_run: bool, dp: int, deal: str, bs: int, unit: int,
+def _next_level(lv: _Level, seg: Segment, epoch: int, one_run: bool, dp: int, deal: str, bs: int, unit: int,
                 pad: bool) -> tuple[_Level, list[int]]:
-    """The level left by ``lv`` after its ranks consumed ``e`` (per bucket, per rank)."""
+    """The level left by ``lv`` after segment ``seg`` of its ranks."""
     nb = lv.tab.size
     if one_run:  # locality none in lockstep: the consumed part of each bucket is a prefix
-        first = np.minimum(e.sum(axis=1), lv.real)
+        # (its first taken * dp * bs positions): O(buckets), not O(buckets x dp)
+        first = np.minimum(_taken(lv, seg, epoch) * (lv.dp * bs), lv.real)
         bucket = np.arange(nb, dtype=np.int64)
         start, size = first, lv.real - first
         stride = np.ones(nb, np.int64)
     else:
+        e = _consumed(lv, seg, bs, epoch)
         ranks = np.arange(lv.dp, dtype=np.int64)
         reals = lv.reals(ranks)
         size = np.maximum(reals - e, 0).ravel()
@@ -309,11 +317,10 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     pad = pol is not Policy.NONE
     for j, seg in enumerate(segments):
         lv = levels[-1]
-        e = _consumed(lv, seg, bs, epoch)
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
         unit = dp * bs if pad_to is PadTo.BATCH else dp
         one_run = seg.steps is not None and deal == RR and lv.deal == RR
-        nxt, steps = _next_level(lv, e, one_run, dp, deal, bs, unit, pad)
+        nxt, steps = _next_level(lv, seg, epoch, one_run, dp, deal, bs, unit, pad)
         table = [base.bucket_table[int(t)] for t in nxt.tab]
         nxt.schedule, nxt.window = _schedule(dss, table, steps, seed, epoch)
         levels.append(nxt)
