@@ -48,7 +48,7 @@ TOPOLOGY_FIELDS = ("world_size", "rank", "dp_size", "dp_rank", "cp_size", "cp_ra
 KINDS = ("bucketed", "shards")
 MODES = ("epochs", "steps")
 #: Plan fields that describe the data-parallel layout: they differ, by design, on an
-#: elastic resume (allow_elastic=True), which then checks the position maps exactly.
+#: elastic resume (allow_elastic=True), which then plans the rest of the epoch on the new layout.
 LAYOUT_FIELDS = ("dp_size", "pad_unit")
 #: Largest batch index or batch count a state may hold (far beyond any real epoch).
 MAX_INDEX = 2**53

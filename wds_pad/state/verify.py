@@ -138,8 +138,8 @@ def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, finger
         topology: the current topology.
         fingerprint: the current plan fingerprint (``fingerprint_of(plan_fields)``).
         plan_fields: the current fingerprint's ingredients (to name what differs).
-        allow_elastic: accept another data-parallel layout (the caller then checks
-            that the saved position maps exactly onto the new one).
+        allow_elastic: accept another data-parallel layout (the caller then plans
+            the rest of the epoch on the new one, core/remainder.py).
         legacy_fingerprint: the current plan's fingerprint as version 1 computed it
             (None: version-1 states are refused).
 
@@ -286,7 +286,7 @@ def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
     Args:
         spec: the current PlanSpec.
         state: a saved state.
-        allow_elastic: accept another DP layout where the position maps exactly.
+        allow_elastic: accept another DP layout and resume the rest of the epoch on it.
         worker: ``(id, num_workers)`` when called inside a DataLoader worker.
         kind: the loader kind.
 

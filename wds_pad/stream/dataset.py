@@ -250,8 +250,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
 
         Args:
             state: a dict returned by ``state_dict()`` (of this dataset or its Loader).
-            allow_elastic: resume on another number of DP ranks if the saved position
-                maps exactly onto the new layout (docs/resume.md, "Elastic resume").
+            allow_elastic: resume on another number of DP ranks: the rest of the saved
+                epoch, planned on this layout (docs/resume.md, "Elastic resume").
 
         Raises:
             StateError, TopologyMismatchError, StateMismatchError: the state is refused;
