@@ -152,11 +152,11 @@ def _consumed(lv: _Level, seg: Segment, bs: int, epoch: int) -> np.ndarray:
     win = lv.window.astype(np.int64)
     opt = np.flatnonzero((win >= lo[sched]) & (win < hi[sched])) if sched.size else np.zeros(0, np.int64)
     pos = np.asarray(seg.positions, dtype=np.int64)
+    lacks = win[opt][:, None] >= have[sched[opt]]  # (optional steps, ranks): no batch there
     reach = pos.copy()  # the step after each rank's last consumed batch
-    for o in opt.tolist():
-        lacks = win[o] >= have[sched[o]]
-        reach += lacks & (o < reach)
-    total = sched.size - np.asarray([(win[opt] >= have[sched[opt], d]).sum() for d in range(lv.dp)], np.int64)
+    for o, row in zip(opt.tolist(), lacks):  # ascending: each lacking step before it pushes it on
+        reach += row & (o < reach)
+    total = sched.size - lacks.sum(axis=0)
     over = np.flatnonzero(pos > total)
     if over.size:
         d = int(over[0])
