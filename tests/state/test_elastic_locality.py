@@ -83,7 +83,7 @@ def test_it_composes_4_to_3_to_2(index: Index) -> None:
         it = iter(ds)
         consumed += [next(it) for _ in range(2)]
         states3.append(ds.state_dict())
-        assert states3[-1]["elastic"]["segments"] == [[4, 3]]
+        assert [s[:2] for s in states3[-1]["elastic"]["segments"]] == [[4, 3]]
     rest = []
     for r in range(2):
         ds = make_ds(index, 2, r)

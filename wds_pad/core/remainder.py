@@ -62,11 +62,14 @@ class Segment:
         dp_size: DP ranks of that layout.
         steps: batches every rank took (lockstep policies), or None.
         positions: batches each DP rank took, indexed by dp_rank (policy ``none``), or None.
+        fingerprint: the fingerprint of the remainder this segment left (as planned on the
+            next layout), as saved; "" if not known. Not part of the remainder's digest.
     """
 
     dp_size: int
     steps: int | None = None
     positions: tuple[int, ...] | None = None
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.positions is None):
@@ -76,7 +79,9 @@ class Segment:
                              "per-rank positions; it needs one per DP rank")
 
     def to_json(self) -> list[Any]:
-        return [self.dp_size, self.steps if self.positions is None else list(self.positions)]
+        """``[dp_size, steps or [index per dp_rank]]``, plus the fingerprint when known."""
+        out: list[Any] = [self.dp_size, self.steps if self.positions is None else list(self.positions)]
+        return out + [self.fingerprint] if self.fingerprint else out
 
 
 @dataclass(frozen=True, eq=False)
@@ -275,7 +280,7 @@ class _RemainderBuckets:
 
 def _digest(segments: Sequence[Segment], top: _Level, table: Sequence[tuple[int, Hashable]]) -> str:
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr(("wds_pad.remainder", 1, [s.to_json() for s in segments], top.dp, top.deal,
+    h.update(repr(("wds_pad.remainder", 1, [s.to_json()[:2] for s in segments], top.dp, top.deal,
                    [(int(di), repr(key)) for di, key in table])).encode())
     for a in (top.real, top.length, top.schedule):
         h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())

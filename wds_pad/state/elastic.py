@@ -11,14 +11,14 @@ Invariants:
   view's real entries over every current DP rank is the epoch, each entry once;
   a refusal (a position past its layout's end, a malformed segment) names the field;
 - the view's fingerprint (a digest of the segments and the remainder's buckets and
-  schedule, equal on every rank) is saved with the segments; a saved one that differs
-  from the recomputed one is refused;
+  schedule, equal on every rank) is saved as the last segment's third field; a saved one
+  that differs from the recomputed one is refused;
 - pure: no I/O; a view pickles without its plan (recomputed where it is used).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -71,7 +71,11 @@ class ElasticView:
         return np.arange(len(self.plan), dtype=np.int64)
 
     def to_json(self) -> dict[str, Any]:
-        return {"segments": [s.to_json() for s in self.segments], "fingerprint": self.fingerprint}
+        """``{"segments": [[dp_size, steps, fingerprint], ...]}``: the last segment carries this
+        view's fingerprint (a field inside ``segments``, so the state's keys are the same with
+        or without a view, as torch.distributed.checkpoint's load template needs)."""
+        *earlier, last = self.segments
+        return {"segments": [s.to_json() for s in earlier] + [replace(last, fingerprint=self.fingerprint).to_json()]}
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_cached"}

@@ -7,8 +7,8 @@ A state is small, JSON-safe and versioned (docs/resume.md describes every field)
      "topology": {"world_size": 8, "rank": 5, "dp_size": 4, "dp_rank": 2,
                   "cp_size": 2, "cp_rank": 1},
      "fingerprint": "<hex>", "plan": {<the fingerprint's ingredients>},
-     "elastic": {"segments": [[8, 120]],     # non-empty only in an epoch resumed on another
-                 "fingerprint": "<hex>"},    # layout: the earlier layouts and the remainder's digest
+     "elastic": {"segments": [[8, 120, "<hex>"]]}  # non-empty only in an epoch resumed on another
+                                                   # layout: earlier layouts, how far, the rest's digest
      "worker": {"id": 1, "num_workers": 2},  # only in a DataLoader worker's own state
      "per_rank": {"rank5": {<this same state, without per_rank>}}}
 
@@ -155,30 +155,37 @@ def check_schema(state: Any) -> dict[str, Any]:
 def elastic_segments(state: Mapping[str, Any]) -> tuple[Segment, ...]:
     """The layouts that consumed the saved epoch before the one that saved it, in order:
     ``[dp_size, steps]`` (lockstep) or ``[dp_size, [batch index of each dp_rank]]``
-    (policy none)."""
+    (policy none), each followed by the fingerprint of the remainder it left (states saved
+    before it was recorded have none)."""
     elastic = state.get("elastic")
     if elastic is None:
         return ()
     segments = elastic.get("segments") if isinstance(elastic, Mapping) else None
-    fp = elastic.get("fingerprint", "") if isinstance(elastic, Mapping) else None
 
     def ok(s: Any) -> bool:
-        if not (isinstance(s, (list, tuple)) and len(s) == 2 and _is_count(s[0], 1)):
+        if not (isinstance(s, (list, tuple)) and len(s) in (2, 3) and _is_count(s[0], 1)):
+            return False
+        if len(s) == 3 and not isinstance(s[2], str):
             return False
         if isinstance(s[1], list):
             return len(s[1]) == s[0] and all(_is_count(i) and i <= MAX_INDEX for i in s[1])
         return _is_count(s[1]) and s[1] <= MAX_INDEX
-    if not isinstance(segments, list) or not all(ok(s) for s in segments) or not isinstance(fp, str):
+    if not isinstance(segments, list) or not all(ok(s) for s in segments):
         raise StateError(f"loader state field 'elastic' must be {{'segments': [[dp_size, steps or "
-                         f"[index per dp_rank]], ...], 'fingerprint': str}}, got {elastic!r}")
-    return tuple(Segment(int(d), steps=int(x)) if not isinstance(x, list)
-                 else Segment(int(d), positions=tuple(int(i) for i in x)) for d, x in segments)
+                         f"[index per dp_rank], fingerprint], ...]}}, got {elastic!r}")
+    return tuple(
+        (Segment(int(s[0]), steps=int(s[1])) if not isinstance(s[1], list)
+         else Segment(int(s[0]), positions=tuple(int(i) for i in s[1])))
+        if len(s) == 2 else
+        (Segment(int(s[0]), steps=int(s[1]), fingerprint=s[2]) if not isinstance(s[1], list)
+         else Segment(int(s[0]), positions=tuple(int(i) for i in s[1]), fingerprint=s[2]))
+        for s in segments)
 
 
 def elastic_fingerprint(state: Mapping[str, Any]) -> str:
-    """The saved remainder's fingerprint ("" in states saved before it was recorded)."""
-    elastic = state.get("elastic")
-    return str(elastic.get("fingerprint", "")) if isinstance(elastic, Mapping) else ""
+    """The saved remainder's fingerprint: the last segment's ("" if none is recorded)."""
+    segments = elastic_segments(state)
+    return segments[-1].fingerprint if segments else ""
 
 
 def _flatten(value: Any, prefix: str) -> dict[str, Any]:

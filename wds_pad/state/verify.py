@@ -271,8 +271,7 @@ def make_state(spec: Any, epoch: int, index: int, *, kind: str = "bucketed",
         "plan": spec.fingerprint_fields(),
         # always present, so the key structure is fixed (torch.distributed.checkpoint loads
         # into the current state_dict() as a template and drops keys the template lacks)
-        "elastic": (view.to_json() if view is not None and view.epoch == epoch
-                    else {"segments": [], "fingerprint": ""}),
+        "elastic": view.to_json() if view is not None and view.epoch == epoch else {"segments": []},
     }
     if worker is not None:
         state["worker"] = {"id": worker[0], "num_workers": worker[1]}
@@ -354,15 +353,16 @@ def _view(spec: Any, epoch: int, segments: tuple[Segment, ...], state: Mapping[s
     saved = elastic_fingerprint(state)
     if not saved:
         raise StateMismatchError(
-            "loader state field 'elastic' holds segments but no fingerprint: it was saved inside an epoch "
+            "loader state field 'elastic.segments' holds no fingerprint: it was saved inside an epoch "
             "resumed elastically by an earlier wds_pad, whose remainder was planned differently; resume "
             "from the epoch's end (or start) or with the wds_pad that saved it")
     at = spec if now_dp is None else _on_layout(spec, now_dp)
     view = elastic_view(at, epoch, segments)
     if view.fingerprint != saved:
         raise StateMismatchError(
-            f"loader state field elastic.fingerprint: saved {saved!r}, now {view.fingerprint!r}: the rest of "
-            f"epoch {epoch} after the layouts {[s.to_json() for s in segments]} is planned differently "
+            f"loader state field elastic.segments[-1][2] (the fingerprint): saved {saved!r}, now "
+            f"{view.fingerprint!r}: the rest of epoch {epoch} after the layouts "
+            f"{[s.to_json()[:2] for s in segments]} is planned differently "
             "here (the state was edited, or saved by another wds_pad); resume from an epoch boundary")
     return view
 
