@@ -126,3 +126,35 @@ def test_without_allow_elastic_the_refusal_suggests_it_for_a_mid_epoch_shard_sta
     with pytest.raises(TopologyMismatchError, match="or pass allow_elastic=True") as err:
         make_ds(index, 2, 0).load_state_dict(states[0])
     assert "topology.world_size: saved 4, now 2" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory: pytest.TempPathFactory) -> Index:
+    """8 shards of skewed aspect buckets, as in the issue."""
+    return image_index(tmp_path_factory.mktemp("eight"), samples=120, shards=8, seed=22)
+
+
+@pytest.mark.parametrize("locality", ["none", "shard"])
+@pytest.mark.parametrize("old,steps,new", [(4, 3, 2), (4, 5, 3), (2, 7, 4), (3, 4, 1)])
+def test_the_issues_eight_mid_epoch_changes_resume_exactly(eight: Index, old: int, steps: int, new: int,
+                                                           locality: str) -> None:
+    """Batch 2, cyclic padding: 4->2 after 3 steps, 4->3 after 5, 2->4 after 7, 3->1 after 4."""
+    kw = {"batch_size": 2, "pad": "cyclic", "locality": locality}
+    olds = [make_ds(eight, old, r, **kw) for r in range(old)]
+    assert 0 < steps < len(olds[0].plan(0))
+    epoch = real_keys(b for ds in olds for b in ds)
+    consumed, states = [], []
+    for r in range(old):
+        ds = make_ds(eight, old, r, **kw)
+        it = iter(ds)
+        consumed += [next(it) for _ in range(steps)]
+        states.append(ds.state_dict())
+    rest, lengths = [], set()
+    for r in range(new):
+        ds = make_ds(eight, new, r, **kw)
+        ds.load_state_dict(states[r * old // new], allow_elastic=True)
+        mine = list(ds)
+        lengths.add(len(mine))
+        rest += mine
+    assert len(lengths) == 1
+    assert real_keys(consumed) + real_keys(rest) == epoch
