@@ -15,8 +15,8 @@ What it shows (see docs/distributed.md):
   ``OUT/ckpt/latest`` names the newest checkpoint that *every* rank finished;
 - started again with the same ``--out`` it resumes from that checkpoint at the exact
   sample; on another number of processes the loader refuses the checkpoint with a
-  topology error, unless ``--allow-elastic`` and the saved position maps exactly onto the
-  new layout (an epoch boundary always does; mid-epoch where docs/resume.md says it does);
+  topology error, unless ``--allow-elastic``: then it resumes the rest of the epoch on the
+  new layout, every sample not yet trained on exactly once (docs/resume.md);
 - each rank appends every batch it trains on (sample keys, pad flags) to
   ``OUT/samples-rankNNNNN.jsonl`` so a test can audit exactly what was seen;
 - it refuses to start (exit 3, before it writes anything) while another run holds
@@ -172,8 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--samples", type=int, default=240, help="images to generate if --data is empty")
     p.add_argument("--allow-elastic", action="store_true",
-                   help="resume on another number of processes where the saved position maps exactly "
-                        "(always at an epoch boundary, mid-epoch where docs/resume.md says)")
+                   help="resume on another number of processes: the rest of the epoch, every sample "
+                        "not yet trained on exactly once (docs/resume.md)")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (stands in for a bigger model)")
     return p.parse_args(argv)
 

@@ -386,7 +386,42 @@ def _agreement(params: dict[str, Any]) -> dict[str, Any]:
     return cases
 
 
-SCENARIOS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"stream": _stream, "agreement": _agreement}
+def _elastic_phase(params: dict[str, Any]) -> dict[str, Any]:
+    """One job of an elastic run: resume (``resume_from``: the old job's state files, new
+    rank r loading old rank ``r * old_world // world``'s) with allow_elastic=True, log every
+    batch to ``log/rank<r>.jsonl``; with ``save_at``, save the state after that many batches,
+    mark it, and train on slowly until the parent kills the job."""
+    import torch.distributed as dist
+
+    from wds_pad import BucketedWebDataset, Loader, load_state_file, save_state_file
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ds = BucketedWebDataset(params["index"], batch_size=params["batch_size"], seed=params["seed"],
+                            oversubscribe=True, locality=params.get("locality", "none"))
+    loader = Loader(ds)
+    if params.get("resume_from"):
+        old = params["old_world"]
+        loader.load_state_dict(load_state_file(params["resume_from"], rank * old // world), allow_elastic=True)
+    log_dir, save_at = Path(params["log"]), params.get("save_at")
+    n = 0
+    with open(log_dir / f"rank{rank}.jsonl", "w") as log:
+        for batch in loader:
+            n += 1
+            log.write(json.dumps({"step": int(batch[0]["__step__"]), "bucket": batch[0]["__bucket__"],
+                                  "keys": [s["__key__"] for s in batch],
+                                  "pad": [bool(s["__pad__"]) for s in batch]}) + "\n")
+            log.flush()
+            if n == save_at:
+                save_state_file(loader.state_dict(), params["state_dir"], rank)
+                dist.barrier()
+                (log_dir / f"saved{rank}").touch()
+            elif save_at and n > save_at:
+                time.sleep(0.5)  # training on, until the parent kills the job
+    return {"batches": n, "state": loader.state_dict()}
+
+
+SCENARIOS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "stream": _stream, "agreement": _agreement, "elastic_phase": _elastic_phase}
 
 
 def _worker(argv: Sequence[str]) -> None:

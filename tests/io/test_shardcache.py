@@ -352,3 +352,60 @@ def test_default_shard_folders_of_gone_parents_are_removed(tmp_path: Path) -> No
     (tmp_path / "wds_pad-shards-x").mkdir()
     _sweep_dead_folders(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"wds_pad-shards-{os.getpid()}", "wds_pad-shards-x"])
+
+
+@pytest.mark.parametrize("old,new", [(4, 2), (2, 3)])
+def test_an_elastic_resume_reads_about_one_fetch_per_shard_still_needed(
+        proxied: tuple[Any, Any], reference: dict[str, Any], old: int, new: int) -> None:
+    """GETs before (the rest of the epoch on the saved layout) and after (resumed on
+    another layout): the remainder is dealt by old ranks' shards, so the new ranks fetch
+    the shards still needed whole, each about once, and few samples singly."""
+    import numpy as np
+
+    from wds_pad.stream.dataset import _ViewSource
+
+    proxy, index = proxied
+    olds = [dataset(index, dp=old, rank=r) for r in range(old)]
+    k = len(olds[0].plan(0)) // 2
+    states, rest_keys = [], []
+    for ds in olds:
+        plan = ds.plan(0)
+        states.append(ds.state_dict() | {"index": k})  # the position after k batches (lockstep)
+        rest_keys += [index.key(int(i)) for j in range(k, len(plan)) for i, p in
+                      zip(plan[j].samples, plan[j].pad) if not p]
+    before = 0
+    for r, st in enumerate(states):  # the rest of the epoch on the saved layout
+        proxy.reset_counters()
+        again = dataset(index, dp=old, rank=r)
+        again.load_state_dict(st)
+        list(again)
+        before += proxy.requests_seen
+    needed = {int(index.shard[i]) for r in range(old) for j in range(k, len(olds[r].plan(0)))
+              for i in olds[r].plan(0)[j].samples}
+    after = blocks = single = 0
+    got: list[str] = []
+    for r in range(new):
+        proxy.reset_counters()
+        ds = dataset(index, dp=new, rank=r)
+        ds.load_state_dict(states[r * old // new], allow_elastic=True)
+        batches = list(ds)
+        assert_same_bytes(batches, reference)
+        got += [s["__key__"] for b in batches for s in b if not s["__pad__"]]
+        after += proxy.requests_seen
+        src = _ViewSource(ds.spec, Position(0, 0), (0, 1), ds._view)
+        sched = next(shard_schedule(src))
+        entries = int(ds._view.plan.samples.size)
+        blocks += sum(-(-p.size // BLOCK) for p in sched)
+        single += entries - sum(p.uses for p in sched)
+        assert proxy.requests_seen == ds.read_stats.requests
+    assert sorted(got) == sorted(rest_keys)  # every sample not yet trained, once
+    assert after == blocks + single
+    # each shard still needed is fetched whole about once: twice where a new rank's share
+    # of a bucket starts inside an old rank's window (4 -> 2: 44 blocks for 32; 2 -> 3: 62)
+    assert blocks <= 2 * blocks_of(index, needed)
+    samples = len(rest_keys)
+    assert single <= max(2, samples // 20)  # padded copies and the odd sample: single GETs
+    assert after <= 1.5 * before  # 4 -> 2: 58 GETs before, 45 after; 2 -> 3: 49 before, 63 after
+    assert after < samples  # locality="none": one GET per sample
+    print(f"elastic {old}->{new}: GETs before {before}, after {after} (blocks {blocks}, single {single}); "
+          f"shards still needed {len(needed)} = {blocks_of(index, needed)} blocks; samples left {samples}")

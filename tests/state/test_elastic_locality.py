@@ -1,12 +1,10 @@
 """Elastic resume (``load_state_dict(state, allow_elastic=True)``) with locality="shard".
 
-An elastic resume is exact because a bucket's padded global order is the same on every
-DP layout, so what the job consumed of it is a prefix (state/elastic.py). With
-locality="shard" that order depends on the layout: the shards are dealt to the DP ranks,
-and a rank's entries come from its own shards, so the prefix consumed on dp_size 4 is
-other samples than the same prefix on dp_size 2. Mid-epoch, such a state is refused
-before anything is restored, naming the fix; at an epoch boundary it maps onto any
-layout, and on the saved layout it resumes exactly, as with locality="none".
+With locality="shard" a bucket's order depends on the layout (the shards are dealt to
+the DP ranks), so what the old layout consumed is no prefix of the new layout's order.
+core/remainder.py plans what is left instead: each old rank's remaining entries, dealt
+to the new ranks in blocks (so a new rank reads a few old ranks' remaining shards).
+Mid-epoch, every sample not yet trained on is resumed exactly once, on any layout.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import pytest
 from wds_pad.core.topology import Topology
 from wds_pad.errors import TopologyMismatchError
 from wds_pad.index.format import Index
-from wds_pad.state.elastic import elastic_view
 from wds_pad.stream.dataset import BucketedWebDataset
 
 from data_helpers import image_index, make_dataset
@@ -56,48 +53,43 @@ def batch_keys(batches: Any) -> list[tuple[tuple[str, bool], ...]]:
     return [tuple((s["__key__"], bool(s["__pad__"])) for s in b) for b in batches]
 
 
+def real_keys(batches: Any) -> Counter[str]:
+    return Counter(s["__key__"] for b in batches for s in b if not s["__pad__"])
+
+
 @pytest.mark.parametrize("old,new", [(4, 2), (2, 4), (4, 1), (3, 2)])
-def test_mid_epoch_elastic_resume_is_refused_before_anything_is_restored(index: Index, old: int, new: int) -> None:
-    _, states = consume(index, old, 2)
-    ds = make_ds(index, new, 0)
-    before = ds.state_dict()
-    with pytest.raises(TopologyMismatchError, match=(
-            rf"saved mid-epoch \(epoch 0, batch 2\) on dp_size {old} with locality='shard'.*seen twice or "
-            rf"never; resume on the saved layout \(dp_size {old}\), or from an epoch boundary.*locality='none'")):
+def test_mid_epoch_elastic_resume_is_exact(index: Index, old: int, new: int) -> None:
+    batches, states = consume(index, old, 2)
+    epoch = real_keys(b for r in range(old) for b in make_ds(index, old, r))
+    rest, lengths = [], set()
+    for r in range(new):
+        ds = make_ds(index, new, r)
+        ds.load_state_dict(states[r * old // new], allow_elastic=True)
+        mine = list(ds)
+        assert len(mine) == len(ds) == ds.state_dict()["batches_in_epoch"]
+        lengths.add(len(mine))
+        rest += mine
+    assert len(lengths) == 1, "every new rank gets the same batch count"
+    assert real_keys(batches) + real_keys(rest) == epoch, "every sample of the epoch exactly once"
+
+
+def test_it_composes_4_to_3_to_2(index: Index) -> None:
+    consumed, states = consume(index, 4, 3)
+    epoch = real_keys(b for r in range(4) for b in make_ds(index, 4, r))
+    states3 = []
+    for r in range(3):
+        ds = make_ds(index, 3, r)
         ds.load_state_dict(states[0], allow_elastic=True)
-    assert ds.state_dict() == before
-    assert batch_keys(ds) == batch_keys(make_ds(index, new, 0))  # nothing was restored
-
-
-def test_accepting_it_would_see_samples_twice_or_never(index: Index) -> None:
-    """Why it is refused: the old layout's consumed batches plus what the prefix rule of
-    state/elastic.py would keep on the new layout are not the new layout's epoch."""
-    old_plans = [make_ds(index, 4, r).plan(0) for r in range(4)]
-    steps = len(old_plans[0]) // 2
-    consumed = Counter(int(x) for p in old_plans for i in range(steps) for x in p[i].samples)
-    rest: Counter[int] = Counter()
+        it = iter(ds)
+        consumed += [next(it) for _ in range(2)]
+        states3.append(ds.state_dict())
+        assert [s[:2] for s in states3[-1]["elastic"]["segments"]] == [[4, 3]]
+    rest = []
     for r in range(2):
         ds = make_ds(index, 2, r)
-        view = elastic_view(lambda dp: make_ds(index, dp, 0).plan(0), 0, [(4, steps)], ds.plan(0))
-        rest.update(int(x) for i in view.keep.tolist() for x in ds.plan(0)[i].samples)
-    whole = Counter(int(x) for r in range(2) for b in make_ds(index, 2, r).plan(0) for x in b.samples)
-    assert sum((consumed + rest).values()) == sum(whole.values())  # the batch counts do map
-    assert consumed + rest != whole  # the samples do not
-    assert locality_none_maps(index, steps)
-
-
-def locality_none_maps(index: Index, steps: int) -> bool:
-    """The same position with locality='none' maps exactly (the prefix rule holds there)."""
-    olds = [make_ds(index, 4, r, locality="none") for r in range(4)]
-    consumed = Counter(int(x) for ds in olds for i in range(steps) for x in ds.plan(0)[i].samples)
-    rest: Counter[int] = Counter()
-    for r in range(2):
-        ds = make_ds(index, 2, r, locality="none")
-        view = elastic_view(lambda dp: make_ds(index, dp, 0, locality="none").plan(0), 0, [(4, steps)], ds.plan(0))
-        rest.update(int(x) for i in view.keep.tolist() for x in ds.plan(0)[i].samples)
-    whole = Counter(int(x) for r in range(2) for b in make_ds(index, 2, r, locality="none").plan(0)
-                    for x in b.samples)
-    return consumed + rest == whole
+        ds.load_state_dict(states3[r], allow_elastic=True)
+        rest += list(ds)
+    assert real_keys(consumed) + real_keys(rest) == epoch
 
 
 def test_epoch_boundaries_map_onto_any_layout(index: Index) -> None:
@@ -129,11 +121,40 @@ def test_on_the_saved_layout_it_resumes_exactly(index: Index, allow_elastic: boo
     assert batch_keys(again) == remainder != []
 
 
-def test_without_allow_elastic_the_refusal_does_not_suggest_it_for_a_mid_epoch_shard_state(index: Index) -> None:
+def test_without_allow_elastic_the_refusal_suggests_it_for_a_mid_epoch_shard_state(index: Index) -> None:
     _, states = consume(index, 4, 2)
-    with pytest.raises(TopologyMismatchError, match="allow_elastic=True does not help") as err:
+    with pytest.raises(TopologyMismatchError, match="or pass allow_elastic=True") as err:
         make_ds(index, 2, 0).load_state_dict(states[0])
-    assert "or pass allow_elastic=True" not in str(err.value)
-    _, boundary = consume(index, 4, 0)  # at the epoch's start the usual advice stands
-    with pytest.raises(TopologyMismatchError, match="or pass allow_elastic=True"):
-        make_ds(index, 2, 0).load_state_dict(boundary[0])
+    assert "topology.world_size: saved 4, now 2" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory: pytest.TempPathFactory) -> Index:
+    """8 shards of skewed aspect buckets, as in the issue."""
+    return image_index(tmp_path_factory.mktemp("eight"), samples=120, shards=8, seed=22)
+
+
+@pytest.mark.parametrize("locality", ["none", "shard"])
+@pytest.mark.parametrize("old,steps,new", [(4, 3, 2), (4, 5, 3), (2, 7, 4), (3, 4, 1)])
+def test_the_issues_eight_mid_epoch_changes_resume_exactly(eight: Index, old: int, steps: int, new: int,
+                                                           locality: str) -> None:
+    """Batch 2, cyclic padding: 4->2 after 3 steps, 4->3 after 5, 2->4 after 7, 3->1 after 4."""
+    kw = {"batch_size": 2, "pad": "cyclic", "locality": locality}
+    olds = [make_ds(eight, old, r, **kw) for r in range(old)]
+    assert 0 < steps < len(olds[0].plan(0))
+    epoch = real_keys(b for ds in olds for b in ds)
+    consumed, states = [], []
+    for r in range(old):
+        ds = make_ds(eight, old, r, **kw)
+        it = iter(ds)
+        consumed += [next(it) for _ in range(steps)]
+        states.append(ds.state_dict())
+    rest, lengths = [], set()
+    for r in range(new):
+        ds = make_ds(eight, new, r, **kw)
+        ds.load_state_dict(states[r * old // new], allow_elastic=True)
+        mine = list(ds)
+        lengths.add(len(mine))
+        rest += mine
+    assert len(lengths) == 1
+    assert real_keys(consumed) + real_keys(rest) == epoch

@@ -26,7 +26,7 @@ from wds_pad.io import ranges as read_mod
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
-from wds_pad.errors import TopologyMismatchError
+from wds_pad.errors import StateMismatchError, TopologyMismatchError
 from wds_pad.index.format import Index, load_index
 from wds_pad.index.build import build_index
 from wds_pad.state import load_state_file, state_path
@@ -230,13 +230,19 @@ def _rank_streams(index: Index, world: int, **kw: Any) -> list[BucketedWebDatase
 
 
 def _keys(batches: Any) -> list[str]:
-    return sorted(s["__key__"] for b in batches for s in b)
+    """The real (not padded) sample keys of ``batches``, sorted."""
+    return sorted(s["__key__"] for b in batches for s in b if not s["__pad__"])
 
 
-@pytest.mark.parametrize("old,new", [(4, 2), (4, 1), (2, 1)])
-def test_elastic_mid_epoch_resume_completes_the_new_layouts_epoch(index: Index, old: int, new: int) -> None:
+def _epoch(index: Index, world: int, **kw: Any) -> list[str]:
+    return _keys(b for ds in _rank_streams(index, world, **kw) for b in ds)
+
+
+@pytest.mark.parametrize("old,new,frac", [(4, 2, 0.5), (4, 1, 0.5), (2, 1, 0.5), (2, 4, 0.3), (3, 4, 0.7)])
+def test_elastic_mid_epoch_resume_trains_every_sample_exactly_once(index: Index, old: int, new: int,
+                                                                   frac: float) -> None:
     olds = _rank_streams(index, old)
-    steps = len(olds[0].plan(0)) // 2
+    steps = max(1, round(len(olds[0].plan(0)) * frac))
     consumed: list[Any] = []
     states = []
     for ds in olds:
@@ -251,8 +257,7 @@ def test_elastic_mid_epoch_resume_completes_the_new_layouts_epoch(index: Index, 
         rest += mine
         assert len(ds) == len(mine)
     assert len(lengths) == 1, "DP ranks must get equally many batches after an elastic resume"
-    whole = [b for ds in _rank_streams(index, new) for b in ds]
-    assert sorted(_keys(consumed) + _keys(rest)) == _keys(whole)
+    assert sorted(_keys(consumed) + _keys(rest)) == _epoch(index, old)
 
 
 def test_elastic_state_resumes_again_on_the_same_and_on_a_third_layout(index: Index) -> None:
@@ -270,7 +275,8 @@ def test_elastic_state_resumes_again_on_the_same_and_on_a_third_layout(index: In
         it = iter(ds)
         consumed += [next(it) for _ in range(2)]
         states2.append(json.loads(json.dumps(ds.state_dict())))
-        assert states2[-1]["elastic"]["segments"] == [[4, 3]]
+        (seg,) = states2[-1]["elastic"]["segments"]
+        assert seg[:2] == [4, 3] and len(seg[2]) == 32  # layout, steps, fingerprint of the rest
     # same layout: continues exactly
     again = make_ds(index, topology=Topology(2, 1))
     again.load_state_dict(states2[1])
@@ -281,32 +287,74 @@ def test_elastic_state_resumes_again_on_the_same_and_on_a_third_layout(index: In
     one = make_ds(index, topology=Topology(1, 0))
     one.load_state_dict(states2[0], allow_elastic=True)
     rest = list(one)
-    assert sorted(_keys(consumed) + _keys(rest)) == _keys(make_ds(index, topology=Topology(1, 0)))
+    segs = one.state_dict()["elastic"]["segments"]
+    assert segs[0] == seg and segs[1][:2] == [2, 2] and segs[1][2] != seg[2]
+    assert sorted(_keys(consumed) + _keys(rest)) == _epoch(index, 4)
+    # later epochs plan normally
+    one.set_epoch(1)
+    assert [batch_key(b) for b in one] == [batch_key(b) for b in _with_epoch(make_ds(index, topology=Topology(1, 0)), 1)]
 
 
-def test_elastic_refuses_a_position_that_does_not_map(index: Index) -> None:
+def _with_epoch(ds: BucketedWebDataset, epoch: int) -> BucketedWebDataset:
+    ds.set_epoch(epoch)
+    return ds
+
+
+def test_an_edited_elastic_fingerprint_or_an_old_elastic_state_is_refused(index: Index) -> None:
     ds = make_ds(index, topology=Topology(2, 0))
     it = iter(ds)
-    next(it)  # one step on 2 ranks: 8 samples of a bucket; a step on 4 ranks is 16
-    state = ds.state_dict()
-    four = make_ds(index, topology=Topology(4, 0))
-    before = four.state_dict()
-    with pytest.raises(TopologyMismatchError, match=r"not a multiple of one global step on dp_size 4"):
-        four.load_state_dict(state, allow_elastic=True)
-    assert four.state_dict() == before
-    with pytest.raises(TopologyMismatchError, match="topology.world_size: saved 2, now 4"):
-        four.load_state_dict(state)
-
-
-def test_elastic_refuses_mid_epoch_with_policy_none_but_accepts_boundaries(index: Index) -> None:
-    ds = make_ds(index, topology=Topology(2, 0), pad="none")
-    it = iter(ds)
     next(it)
-    with pytest.raises(TopologyMismatchError, match="policy 'none'"):
-        make_ds(index, topology=Topology(1, 0), pad="none").load_state_dict(ds.state_dict(), allow_elastic=True)
-    list(it)  # finish the epoch: a boundary maps onto any layout
-    one = make_ds(index, topology=Topology(1, 0), pad="none")
+    one = make_ds(index, topology=Topology(1, 0))
     one.load_state_dict(ds.state_dict(), allow_elastic=True)
+    state = one.state_dict()
+    (seg,) = state["elastic"]["segments"]
+    edited = {**state, "elastic": {"segments": [seg[:2] + ["0" * 32]]}}
+    fresh = make_ds(index, topology=Topology(1, 0))
+    before = fresh.state_dict()
+    with pytest.raises(StateMismatchError, match=r"elastic.segments\[-1\]\[2\] \(the fingerprint\): saved '0000"):
+        fresh.load_state_dict(edited)
+    old_style = {**state, "elastic": {"segments": [seg[:2]]}}  # as an earlier wds_pad saved it
+    with pytest.raises(StateMismatchError, match="'elastic.segments' holds no fingerprint"):
+        fresh.load_state_dict(old_style)
+    assert fresh.state_dict() == before
+
+
+def test_elastic_growing_after_one_step_is_exact(index: Index) -> None:
+    ds = make_ds(index, topology=Topology(2, 0))
+    it = iter(ds)
+    consumed = [next(it)]  # one step on 2 ranks: 8 samples of a bucket; a step on 4 ranks is 16
+    consumed += [next(iter(make_ds(index, topology=Topology(2, 1))))]
+    state = ds.state_dict()
+    rest = []
+    for r in range(4):
+        four = make_ds(index, topology=Topology(4, r))
+        four.load_state_dict(state, allow_elastic=True)
+        rest += list(four)
+    assert sorted(_keys(consumed) + _keys(rest)) == _epoch(index, 2)
+    with pytest.raises(TopologyMismatchError, match="topology.world_size: saved 2, now 4"):
+        make_ds(index, topology=Topology(4, 0)).load_state_dict(state)
+
+
+def test_elastic_with_policy_none_uses_every_ranks_entry_or_names_the_missing_ones(index: Index) -> None:
+    olds = _rank_streams(index, 2, pad="none")
+    its = [iter(ds) for ds in olds]
+    consumed = [next(its[0]), next(its[0]), next(its[0]), next(its[1])]  # ranks at 3 and 1
+    states = [ds.state_dict() for ds in olds]
+    one = make_ds(index, topology=Topology(1, 0), pad="none")
+    before = one.state_dict()
+    with pytest.raises(TopologyMismatchError, match=r"no entry of dp_rank 1 of the saved dp_size 2 under 'per_rank'"):
+        one.load_state_dict(states[0], allow_elastic=True)
+    assert one.state_dict() == before
+    merged = {**states[0], "per_rank": {**states[0]["per_rank"], **states[1]["per_rank"]}}
+    one.load_state_dict(merged, allow_elastic=True)
+    rest = list(one)
+    assert sorted(_keys(consumed) + _keys(rest)) == _epoch(index, 2, pad="none")
+    for it in its:
+        list(it)  # finish the epoch: a boundary maps onto any layout
+    done = [ds.state_dict() for ds in olds]
+    merged = {**done[0], "per_rank": {**done[0]["per_rank"], **done[1]["per_rank"]}}
+    one = make_ds(index, topology=Topology(1, 0), pad="none")
+    one.load_state_dict(merged, allow_elastic=True)
     assert list(one) == []  # the saved epoch is finished
     one.set_epoch(1)
     assert len(list(one)) == len(one.plan(1)) > 0
@@ -322,7 +370,7 @@ def test_elastic_through_loader_with_workers(index: Index) -> None:
     loader.load_state_dict(state, allow_elastic=True)
     rest = list(loader)
     assert loader.state_dict()["index"] == len(rest) == loader.state_dict()["batches_in_epoch"]
-    assert sorted(_keys(consumed) + _keys(rest)) == _keys(make_ds(index, topology=Topology(1, 0)))
+    assert sorted(_keys(consumed) + _keys(rest)) == _epoch(index, 2)
 
 
 # ------------------------------------------------------------------ interop
@@ -350,7 +398,7 @@ def test_state_round_trips_through_torch_distributed_checkpoint(index: Index, tm
         fresh = make()
         dcp.load({"loader": fresh}, checkpoint_id=str(tmp_path / "ckpt"))
     assert fresh.state_dict() == saved
-    assert saved["elastic"]["segments"] == [[2, 1]]
+    assert [s[:2] for s in saved["elastic"]["segments"]] == [[2, 1]]
     rest = [batch_key(b) for b in fresh]
     elastic_ref = make()
     elastic_ref.load_state_dict(old.state_dict(), allow_elastic=True)

@@ -25,6 +25,7 @@ from wds_pad.errors import StateError, StateMismatchError, TopologyMismatchError
 from wds_pad.index.format import Index, load_index
 from wds_pad.index.build import build_index
 from wds_pad.core.plan import plan_epoch
+from wds_pad.core.remainder import Segment
 from wds_pad.state import elastic_view, load_state_file, save_state_file, state_path
 from wds_pad.core.topology import Topology
 
@@ -175,63 +176,24 @@ def test_state_files_are_per_rank_atomic_and_verified(indexes: tuple[Index, Inde
 
 
 # ------------------------------------------------------------------ elastic views (pure)
-
-BUCKETS = st.lists(st.integers(0, 60), min_size=1, max_size=5)
-
-
-def _plan(buckets: list[int], dp: int, bs: int, policy: str, pad_to: str, epoch: int = 0) -> Any:
-    ids = np.arange(sum(buckets))
-    bounds = np.cumsum([0] + buckets)
-    data = {f"b{i}": ids[bounds[i]:bounds[i + 1]] for i in range(len(buckets))}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return plan_epoch(data, Topology(dp, 0), seed=1, epoch=epoch, batch_size=bs, policy=policy, pad_to=pad_to)
+# (the remainder's properties over random layouts: tests/core/test_remainder.py)
 
 
-@settings(max_examples=150, deadline=None)
-@given(buckets=BUCKETS, old=st.integers(1, 4), new=st.integers(1, 4), bs=st.integers(1, 3),
-       policy=st.sampled_from(["cyclic", "drop"]), pad_to=st.sampled_from(["batch", "rank"]),
-       frac=st.floats(0, 1))
-def test_elastic_view_is_exact_or_refused(buckets: list[int], old: int, new: int, bs: int, policy: str,
-                                          pad_to: str, frac: float) -> None:
-    """Consumed global steps on `old` + the view on `new` (over all new ranks) == the new epoch."""
-    def plan_for(dp: int, rank: int = 0) -> Any:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ids = np.arange(sum(buckets))
-            bounds = np.cumsum([0] + buckets)
-            data = {f"b{i}": ids[bounds[i]:bounds[i + 1]] for i in range(len(buckets))}
-            return plan_epoch(data, Topology(dp, rank), seed=1, batch_size=bs, policy=policy, pad_to=pad_to)
+def test_elastic_view_round_trips_and_refuses_a_position_past_the_end(indexes: tuple[Index, Index]) -> None:
+    import pickle
 
-    olds = [plan_for(old, r) for r in range(old)]
-    steps = round(frac * len(olds[0]))
-    consumed = sorted(int(i) for p in olds for b in list(p)[:steps] for i in b.samples)
-    news = [plan_for(new, r) for r in range(new)]
-    try:
-        views = [elastic_view(plan_for, 0, [(old, steps)], p) for p in news]
-    except TopologyMismatchError as exc:
-        assert "does not map exactly" in str(exc)
-        assert steps > 0 and old != new
-        event("refused")
-        return
-    event("mapped mid-epoch onto another layout" if old != new and 0 < steps < len(olds[0]) else "other")
-    assert len({v.keep.size for v in views}) == 1  # ranks stay in lockstep
-    rest = sorted(int(i) for p, v in zip(news, views) for j in v.keep for i in p[int(j)].samples)
-    whole = sorted(int(i) for p in news for b in p for i in b.samples)
-    assert sorted(consumed + rest) == whole
-    if old == new:
-        assert all(v.keep.tolist() == list(range(steps, len(p))) for p, v in zip(news, views))
-
-
-def test_elastic_view_keeps_the_new_schedule_order() -> None:
-    def plan_for(dp: int) -> Any:
-        return _plan([40, 24, 8], dp, 2, "cyclic", "batch")
-
-    view = elastic_view(plan_for, 0, [(4, 3)], plan_for(2))
-    assert view.keep.tolist() == sorted(view.keep.tolist())
-    assert view.to_json() == {"segments": [[4, 3]]}
+    a, _ = indexes
+    spec = make(a, topology=Topology(2, 1)).spec
+    view = elastic_view(spec, 0, [Segment(4, steps=3)])
+    assert view.to_json() == {"segments": [[4, 3, view.fingerprint]]}
+    assert view.keep.tolist() == list(range(len(view.plan)))
+    back = pickle.loads(pickle.dumps(view))  # into DataLoader workers: without its plan
+    assert "_cached" not in back.__dict__ and back.fingerprint == view.fingerprint
+    assert [b.samples.tolist() for b in back.plan] == [b.samples.tolist() for b in view.plan]
+    assert {elastic_view(make(a, topology=Topology(2, r)).spec, 0, [Segment(4, steps=3)]).fingerprint
+            for r in range(2)} == {view.fingerprint}
     with pytest.raises(StateMismatchError, match="past the end of epoch 0"):
-        elastic_view(plan_for, 0, [(4, 10_000)], plan_for(2))
+        elastic_view(spec, 0, [Segment(4, steps=10_000)])
 
 
 # ---------------------------------------------------------------- the layout is in the fingerprint

@@ -20,7 +20,8 @@ imports, minus the RSS then; resident pages of the memory-mapped index count). F
   the index mapping, summed: each shared page counted once);
 - ``huge``: ``--huge`` samples (10^9) at ``--huge-world`` ranks (10^5): the set-up and
   first batch of one rank from bucket counts alone (a Dataset of ``IdRange`` buckets:
-  all the planner reads of an index), and load + plan + first batch over the largest
+  all the planner reads of an index), the same for the rest of an epoch resumed after a
+  third of it on 3/4 and on 3/2 of the ranks (``plan_remainder``, docs/resume.md), and load + plan + first batch over the largest
   real index file generated here (``--real``);
 - ``bytes``: bytes per sample on disk per section (``Index.bytes_per_sample()``) of the
   synthetic index, of the version-1 file of the same samples and of an index built
@@ -118,6 +119,31 @@ def case_ranges(samples: int, buckets: int, world: int, rank: int, batch: int) -
         t0 = time.perf_counter()
         ds = Dataset("huge", {k: IdRange(bounds[b], bounds[b + 1]) for b, k in enumerate(keys)})
         plan = plan_epoch(ds, Topology(world, rank), seed=SEED, batch_size=batch, warn=False)
+        t1 = time.perf_counter()
+        first = plan[0]
+        t2 = time.perf_counter()
+    return {"plan_s": t1 - t0, "batch_s": t2 - t1, "wall_s": t2 - t0, "extra_mb": mem.extra_mb, "method": mem.method,
+            "batches": len(plan), "first": int(first.samples.size)}
+
+
+def case_elastic(samples: int, buckets: int, world: int, rank: int, batch: int, shrink: int) -> dict[str, Any]:
+    """The rest of an epoch resumed mid-epoch on ``world * shrink // 4`` ranks after a
+    third of it on ``world``: ``plan_remainder`` + its first batch, from bucket counts."""
+    from make_index import _bucket_keys, bucket_sizes
+
+    from wds_pad import Dataset, IdRange, Topology, plan_epoch
+    from wds_pad.core.remainder import Segment, plan_remainder
+
+    sizes = bucket_sizes(samples, buckets)
+    keys = _bucket_keys(buckets, "aspect")[0]
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    ds = Dataset("huge", {k: IdRange(bounds[b], bounds[b + 1]) for b, k in enumerate(keys)})
+    steps = len(plan_epoch(ds, Topology(world, 0), seed=SEED, batch_size=batch, warn=False)) // 3
+    new = max(1, world * shrink // 4)
+    with PeakRss() as mem:
+        t0 = time.perf_counter()
+        plan = plan_remainder(ds, Topology(new, min(rank, new - 1)), [Segment(world, steps=steps)], seed=SEED,
+                              epoch=0, batch_size=batch, policy="cyclic").plan
         t1 = time.perf_counter()
         first = plan[0]
         t2 = time.perf_counter()
@@ -329,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(case_sampler(*map(int, rest))))
         elif kind == "ranges":
             print(json.dumps(case_ranges(*map(int, rest))))
+        elif kind == "elastic":
+            print(json.dumps(case_elastic(*map(int, rest))))
         elif kind == "node":
             case_node(None if rest[0] == "-" else rest[0], rest[1], *map(int, rest[2:5]), *rest[5:])
         return 0
@@ -461,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
                      args.repeat, work, _env(None))
             print(cols.line("bucket counts alone (Dataset of IdRange)", f"{args.huge:.0e}", "-", _fmt(r, "plan_s", ".3f"),
                             _fmt(r, "wall_s", ".3f"), _fmt(r, "extra_mb", ".1f"), r.get("batches", r.get("error"))))
+            for shrink, label in ((3, "elastic: rest of epoch on 3/4 of the ranks"), (6, "elastic: ... on 3/2 of them")):
+                r = best(_child("elastic", args.huge, args.buckets, args.huge_world, hrank, args.batch_size, shrink),
+                         args.repeat, work, _env(None))
+                print(cols.line(label, f"{args.huge:.0e}", "-", _fmt(r, "plan_s", ".3f"), _fmt(r, "wall_s", ".3f"),
+                                _fmt(r, "extra_mb", ".1f"), r.get("batches", r.get("error"))))
             real = synthetic(args.real, max(1, args.real * args.shards // args.samples))
             for world in (args.huge_world, args.world):
                 rr = best(_child("rank", "-", real, world, world // 2 + 7, args.batch_size), args.repeat, work, _env(None))

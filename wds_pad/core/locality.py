@@ -369,11 +369,14 @@ class LocalBuckets:
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` of this rank."""
-        if not k.size:
+        return self.at(b, self.d + self.dp * np.asarray(k, np.int64))
+
+    def at(self, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``."""
+        if not pos.size:
             return np.zeros(0, np.int64), np.zeros(0, bool)
-        pos = self.d + self.dp * k
-        samples = np.empty(k.size, np.int64)
-        pad = np.empty(k.size, bool)
+        samples = np.empty(pos.size, np.int64)
+        pad = np.empty(pos.size, bool)
         for j in np.unique(b).tolist():
             sel = np.flatnonzero(b == j)
             bk = self.buckets[j]

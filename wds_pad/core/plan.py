@@ -256,6 +256,26 @@ class _Buckets:
         self.counts = np.asarray([max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
 
 
+def _rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.ndarray, window: np.ndarray,
+                  bs: int) -> tuple[np.ndarray, np.ndarray]:
+    """(batch_step, offsets) of a rank with ``counts`` entries per kept bucket: its batch for
+    global step s is its entries [k*bs, (k+1)*bs) of bucket schedule[s], k = window[s]."""
+    step_dtype = np.int32 if schedule.size < 2**31 else np.int64
+    if np.array_equal(counts, np.asarray(bucket_steps, dtype=np.int64) * bs):
+        # every bucket fills whole global steps (cyclic, drop, or lengths that happen to
+        # divide): this rank has a full batch at every step; nothing per step to compute
+        batch_step = np.arange(schedule.size, dtype=step_dtype)
+        offsets = np.arange(schedule.size + 1, dtype=np.int64) * bs
+    else:
+        starts_in_bucket = window.astype(np.int64) * bs
+        sizes = np.clip(counts[schedule] - starts_in_bucket, 0, bs) if schedule.size else np.zeros(0, np.int64)
+        has = sizes > 0
+        batch_step = np.flatnonzero(has).astype(step_dtype)
+        offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
+        np.cumsum(sizes[has], out=offsets[1:])
+    return batch_step, offsets
+
+
 def _within_memory(compute: Any, entries: int, what: str) -> tuple[np.ndarray, np.ndarray]:
     """``compute()``, with a MemoryError (below the planner's limit, but more than this
     machine holds) turned into a ConfigError that says what to lower."""
@@ -275,14 +295,23 @@ def _entries(bk: _Buckets, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np
         return bk.local.entries(b, k)
     if not k.size:
         return np.zeros(0, np.int64), np.zeros(0, bool)
-    pos = bk.d + bk.dp * k
+    return _at(bk, b, bk.d + bk.dp * k)
+
+
+def _at(bk: _Buckets, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
+    the rank (the elastic remainder of an epoch reads the whole layout's order)."""
+    if bk.local is not None:
+        return bk.local.at(b, pos)
+    if not pos.size:
+        return np.zeros(0, np.int64), np.zeros(0, bool)
     m_e = bk.m[b]
     n_e = bk.n[b]
     q = pos % m_e
     pass_idx = q // n_e
     keys = bk.key_rows[bk.first_row[b] + pass_idx].T
     perm = permute(q % n_e, n_e, keys)
-    samples = np.empty(k.size, dtype=np.int64)
+    samples = np.empty(pos.size, dtype=np.int64)
     if np.all(b == b[0]):  # one batch: one bucket
         samples[:] = bk.ids[int(b[0])][perm]
     else:
@@ -440,20 +469,7 @@ def plan_epoch(
     schedule, window = _schedule(dss, table, bucket_steps, seed, epoch)
     if locality is Locality.SHARD:  # the order inside each bucket; the schedule is the same
         buckets.local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window, schedule, bs)
-    # This rank's batch for global step s: its entries [k*bs, (k+1)*bs) of bucket schedule[s].
-    step_dtype = np.int32 if schedule.size < 2**31 else np.int64
-    if np.array_equal(counts, np.asarray(bucket_steps, dtype=np.int64) * bs):
-        # every bucket fills whole global steps (cyclic, drop, or lengths that happen to
-        # divide): this rank has a full batch at every step; nothing per step to compute
-        batch_step = np.arange(schedule.size, dtype=step_dtype)
-        offsets = np.arange(schedule.size + 1, dtype=np.int64) * bs
-    else:
-        starts_in_bucket = window.astype(np.int64) * bs
-        sizes = np.clip(counts[schedule] - starts_in_bucket, 0, bs) if schedule.size else np.zeros(0, np.int64)
-        has = sizes > 0
-        batch_step = np.flatnonzero(has).astype(step_dtype)
-        offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
-        np.cumsum(sizes[has], out=offsets[1:])
+    batch_step, offsets = _rank_batches(counts, bucket_steps, schedule, window, bs)
     return Plan(
         epoch=epoch, topology=topology, batch_size=bs, policy=policy, mode=mode, pad_to=pad_to,
         oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss),

@@ -7,7 +7,8 @@ A state is small, JSON-safe and versioned (docs/resume.md describes every field)
      "topology": {"world_size": 8, "rank": 5, "dp_size": 4, "dp_rank": 2,
                   "cp_size": 2, "cp_rank": 1},
      "fingerprint": "<hex>", "plan": {<the fingerprint's ingredients>},
-     "elastic": {"segments": [[8, 120]]}     # only in an epoch resumed on another layout
+     "elastic": {"segments": [[8, 120, "<hex>"]]}  # non-empty only in an epoch resumed on another
+                                                   # layout: earlier layouts, how far, the rest's digest
      "worker": {"id": 1, "num_workers": 2},  # only in a DataLoader worker's own state
      "per_rank": {"rank5": {<this same state, without per_rank>}}}
 
@@ -32,10 +33,11 @@ import json
 from typing import Any, Mapping
 
 from ..core.policy import MAX_EPOCH
+from ..core.remainder import Segment
 from ..errors import StateError
 
 __all__ = ["MAX_INDEX", "PER_RANK", "READABLE_VERSIONS", "STATE_FORMAT", "STATE_VERSION", "check_schema",
-           "elastic_segments", "fingerprint_of", "keyed_by_rank", "rank_key"]
+           "elastic_fingerprint", "elastic_segments", "fingerprint_of", "keyed_by_rank", "rank_key"]
 
 STATE_FORMAT = "wds_pad.state"
 STATE_VERSION = 2
@@ -46,7 +48,7 @@ TOPOLOGY_FIELDS = ("world_size", "rank", "dp_size", "dp_rank", "cp_size", "cp_ra
 KINDS = ("bucketed", "shards")
 MODES = ("epochs", "steps")
 #: Plan fields that describe the data-parallel layout: they differ, by design, on an
-#: elastic resume (allow_elastic=True), which then checks the position maps exactly.
+#: elastic resume (allow_elastic=True), which then plans the rest of the epoch on the new layout.
 LAYOUT_FIELDS = ("dp_size", "pad_unit")
 #: Largest batch index or batch count a state may hold (far beyond any real epoch).
 MAX_INDEX = 2**53
@@ -150,18 +152,40 @@ def check_schema(state: Any) -> dict[str, Any]:
     return dict(state)
 
 
-def elastic_segments(state: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:
-    """The ``(dp_size, steps)`` layouts that consumed the saved epoch before this one."""
+def elastic_segments(state: Mapping[str, Any]) -> tuple[Segment, ...]:
+    """The layouts that consumed the saved epoch before the one that saved it, in order:
+    ``[dp_size, steps]`` (lockstep) or ``[dp_size, [batch index of each dp_rank]]``
+    (policy none), each followed by the fingerprint of the remainder it left (states saved
+    before it was recorded have none)."""
     elastic = state.get("elastic")
     if elastic is None:
         return ()
     segments = elastic.get("segments") if isinstance(elastic, Mapping) else None
-    if not isinstance(segments, list) or not all(
-            isinstance(s, (list, tuple)) and len(s) == 2 and _is_count(s[0], 1) and _is_count(s[1])
-            for s in segments):
-        raise StateError(f"loader state field 'elastic' must be {{'segments': [[dp_size, steps], ...]}}, "
-                         f"got {elastic!r}")
-    return tuple((int(d), int(s)) for d, s in segments)
+
+    def ok(s: Any) -> bool:
+        if not (isinstance(s, (list, tuple)) and len(s) in (2, 3) and _is_count(s[0], 1)):
+            return False
+        if len(s) == 3 and not isinstance(s[2], str):
+            return False
+        if isinstance(s[1], list):
+            return len(s[1]) == s[0] and all(_is_count(i) and i <= MAX_INDEX for i in s[1])
+        return _is_count(s[1]) and s[1] <= MAX_INDEX
+    if not isinstance(segments, list) or not all(ok(s) for s in segments):
+        raise StateError(f"loader state field 'elastic' must be {{'segments': [[dp_size, steps or "
+                         f"[index per dp_rank], fingerprint], ...]}}, got {elastic!r}")
+    return tuple(
+        (Segment(int(s[0]), steps=int(s[1])) if not isinstance(s[1], list)
+         else Segment(int(s[0]), positions=tuple(int(i) for i in s[1])))
+        if len(s) == 2 else
+        (Segment(int(s[0]), steps=int(s[1]), fingerprint=s[2]) if not isinstance(s[1], list)
+         else Segment(int(s[0]), positions=tuple(int(i) for i in s[1]), fingerprint=s[2]))
+        for s in segments)
+
+
+def elastic_fingerprint(state: Mapping[str, Any]) -> str:
+    """The saved remainder's fingerprint: the last segment's ("" if none is recorded)."""
+    segments = elastic_segments(state)
+    return segments[-1].fingerprint if segments else ""
 
 
 def _flatten(value: Any, prefix: str) -> dict[str, Any]:

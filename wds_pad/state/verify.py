@@ -8,9 +8,11 @@ Invariants:
   longer matches its fingerprint;
 - a distributed run refuses a state without topology; a version-1 state (whose
   fingerprint did not cover the layout) is only accepted with its topology block;
-- an elastic resume is exact or refused: :func:`elastic_view` removes from the new
-  layout's epoch exactly the windows the earlier layouts consumed, and refuses (naming
-  the bucket) when a consumed prefix is not a whole number of the new global steps;
+- an elastic resume is exact or refused: :func:`elastic_view` plans what the earlier
+  layouts left of the epoch (core/remainder.py), every entry not yet trained on exactly
+  once; with policy none it needs every old DP rank's position (``per_rank``) and
+  refuses naming the dp_ranks whose entries are missing; a saved remainder fingerprint
+  that differs from the recomputed one is refused;
 - a state that holds this rank's entry under ``per_rank`` while its top level is another
   rank's (what torch.distributed.checkpoint's deduplication gives back) resumes from that
   entry; an entry whose layout or plan is not the top level's (a load template left in
@@ -22,15 +24,14 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from ..core.locality import Locality
-from ..core.plan import Plan, plan_epoch
 from ..core.topology import Topology
 from ..errors import StateError, StateMismatchError, TopologyMismatchError
-from .elastic import ElasticView, elastic_view
+from .elastic import ElasticView, Segment, elastic_view
 from .schema import (
     LAYOUT_FIELDS,
+    MAX_INDEX,
     PER_RANK,
     STATE_FORMAT,
     STATE_VERSION,
@@ -38,6 +39,7 @@ from .schema import (
     _flatten,
     _table,
     check_schema,
+    elastic_fingerprint,
     elastic_segments,
     fingerprint_of,
     keyed_by_rank,
@@ -117,8 +119,8 @@ def _own_entry(state: dict[str, Any], topology: Topology) -> tuple[dict[str, Any
         f" With torch.distributed.checkpoint, the DCP key '<your key>.{PER_RANK}.{key}' is missing "
         "because the checkpoint was saved on another topology: restart with the saved topology, or load "
         "with dcp.load(..., planner=DefaultLoadPlanner(allow_partial_load=True)) into a state_dict() "
-        "and pass it to load_state_dict(state, allow_elastic=True) to resume where the position maps "
-        "exactly.")
+        "and pass it to load_state_dict(state, allow_elastic=True) to resume the rest of the epoch "
+        "on this layout.")
 
 
 def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, fingerprint: str,
@@ -136,8 +138,8 @@ def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, finger
         topology: the current topology.
         fingerprint: the current plan fingerprint (``fingerprint_of(plan_fields)``).
         plan_fields: the current fingerprint's ingredients (to name what differs).
-        allow_elastic: accept another data-parallel layout (the caller then checks
-            that the saved position maps exactly onto the new one).
+        allow_elastic: accept another data-parallel layout (the caller then plans
+            the rest of the epoch on the new one, core/remainder.py).
         legacy_fingerprint: the current plan's fingerprint as version 1 computed it
             (None: version-1 states are refused).
 
@@ -189,15 +191,10 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
         if topo_rows:
             layout_same = all(saved_topo.get(k) == now_topo[k] for k in ("dp_size", "cp_size", "world_size"))
             if not allow_elastic or layout_same:
-                mid_shard = ((state.get("plan") or {}).get("locality") == "shard"
-                             and 0 < int(state.get("index") or 0) < int(state.get("batches_in_epoch") or 0))
                 hint = ("load the state file saved by this rank (save_state_file / load_state_file "
                         "name it by rank)" if layout_same else
-                        "restart with the saved topology; allow_elastic=True does not help: a state saved "
-                        "mid-epoch with locality='shard' resumes only on its own layout (or from an epoch "
-                        "boundary, or plan with locality='none')" if mid_shard else
                         "restart with the saved topology, or pass allow_elastic=True to resume "
-                        "on another data-parallel layout where the position maps exactly")
+                        "the rest of the epoch on this data-parallel layout")
                 raise TopologyMismatchError(f"loader state is from another topology: {_table(topo_rows)}; {hint}")
     saved_plan = state.get("plan") or {}
     if version >= 2:
@@ -228,8 +225,8 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
         if layout_rows and not allow_elastic and not other_rows and not rows:
             raise TopologyMismatchError(
                 f"loader state was saved on another data-parallel layout: {_table(layout_rows)}; "
-                "restart with the saved topology, or pass allow_elastic=True to resume on another "
-                "data-parallel layout where the position maps exactly")
+                "restart with the saved topology, or pass allow_elastic=True to resume the rest of "
+                "the epoch on this data-parallel layout")
         rows.extend(other_rows + ([] if allow_elastic else layout_rows))
         if not diff:
             rows.append(("fingerprint", state["fingerprint"], now_fp))
@@ -255,7 +252,7 @@ class Resume:
 
 def epoch_length(spec: Any, epoch: int, view: ElasticView | None) -> int:
     """Batches of ``epoch`` on this rank, in the elastic view if it covers that epoch."""
-    return int(view.keep.size) if view is not None and view.epoch == epoch else len(spec.plan(epoch))
+    return len(view.plan) if view is not None and view.epoch == epoch else len(spec.plan(epoch))
 
 
 def make_state(spec: Any, epoch: int, index: int, *, kind: str = "bucketed",
@@ -281,17 +278,6 @@ def make_state(spec: Any, epoch: int, index: int, *, kind: str = "bucketed",
     return keyed_by_rank(state, spec.topology.rank)
 
 
-def _plan_on(spec: Any, epoch: int) -> Callable[[int], Plan]:
-    datasets = spec.datasets()
-
-    def plan_for(dp_size: int) -> Plan:
-        return plan_epoch(datasets, Topology(world_size=dp_size, rank=0), seed=spec.seed, epoch=epoch,
-                          batch_size=spec.batch_size, policy=spec.policy, mode=spec.mode,
-                          oversubscribe=spec.oversubscribe, pad_to=spec.pad_to, warn=False,
-                          locality=getattr(spec, "locality", "none"), window=getattr(spec, "window", 8))
-    return plan_for
-
-
 def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
             worker: tuple[int, int] | None = None, kind: str = "bucketed") -> Resume:
     """Verify ``state`` against ``spec`` (a PlanSpec) and say where to resume; pure.
@@ -299,13 +285,14 @@ def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
     Args:
         spec: the current PlanSpec.
         state: a saved state.
-        allow_elastic: accept another DP layout where the position maps exactly.
+        allow_elastic: accept another DP layout and resume the rest of the epoch on it.
         worker: ``(id, num_workers)`` when called inside a DataLoader worker.
         kind: the loader kind.
 
     Raises:
         StateError, StateMismatchError, TopologyMismatchError: refused, with the reason.
     """
+    raw = state
     state = verify_state(state, kind=kind, mode=spec.mode.value, topology=spec.topology,
                          fingerprint=spec.fingerprint(), plan_fields=spec.fingerprint_fields(),
                          allow_elastic=allow_elastic, legacy_fingerprint=spec.legacy_fingerprint())
@@ -324,7 +311,7 @@ def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
         saved_topo = {**now.to_dict(), "dp_size": state["plan"]["dp_size"], "dp_rank": 0}
     lockstep = spec.resolved_policy.value != "none"  # every DP rank has a batch at every step
     if saved_topo["dp_size"] == now.dp_size and (lockstep or saved_topo["dp_rank"] == now.dp_rank):
-        view = elastic_view(_plan_on(spec, epoch), epoch, segments, spec.plan(epoch)) if segments else None
+        view = _view(spec, epoch, segments, state) if segments else None
         n = epoch_length(spec, epoch, view)
         if index > n:
             raise StateMismatchError(f"loader state position {index} is past the end of epoch {epoch} "
@@ -335,27 +322,85 @@ def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
     if saved_w is not None:
         raise TopologyMismatchError("allow_elastic: a DataLoader worker's own state cannot be remapped "
                                     "onto another layout; save and load the Loader's state_dict()")
-    if saved_n is not None and index >= saved_n:  # the epoch was finished
-        if spec.mode.value == "epochs":
-            return Resume(epoch, len(spec.plan(epoch)))
-        return Resume(epoch + 1, 0)
-    if index == 0 and not segments:
-        return Resume(epoch, 0)
-    if not lockstep:
+    old = int(saved_topo["dp_size"])
+    if lockstep:
+        if saved_n is not None and index >= saved_n:  # the epoch was finished
+            return _finished(spec, epoch)
+        if index == 0 and not segments:
+            return Resume(epoch, 0)
+        segment = Segment(old, steps=index)
+    else:
+        positions = _positions(raw, state, old, epoch)
+        if all(p >= n for p, n in positions.values()):
+            return _finished(spec, epoch)
+        if not any(p for p, _ in positions.values()) and not segments:
+            return Resume(epoch, 0)
+        segment = Segment(old, positions=tuple(positions[d][0] for d in range(old)))
+    if segments:
+        _view(spec, epoch, segments, state, now_dp=old)  # the saved remainder is the one planned here
+    return Resume(epoch, 0, elastic_view(spec, epoch, segments + (segment,)))
+
+
+def _finished(spec: Any, epoch: int) -> Resume:
+    if spec.mode.value == "epochs":
+        return Resume(epoch, len(spec.plan(epoch)))
+    return Resume(epoch + 1, 0)
+
+
+def _view(spec: Any, epoch: int, segments: tuple[Segment, ...], state: Mapping[str, Any],
+          now_dp: int | None = None) -> ElasticView:
+    """The view the state was saved in, checked against its saved fingerprint."""
+    saved = elastic_fingerprint(state)
+    if not saved:
+        raise StateMismatchError(
+            "loader state field 'elastic.segments' holds no fingerprint: it was saved inside an epoch "
+            "resumed elastically by an earlier wds_pad, whose remainder was planned differently; resume "
+            "from the epoch's end (or start) or with the wds_pad that saved it")
+    at = spec if now_dp is None else _on_layout(spec, now_dp)
+    view = elastic_view(at, epoch, segments)
+    if view.fingerprint != saved:
+        raise StateMismatchError(
+            f"loader state field elastic.segments[-1][2] (the fingerprint): saved {saved!r}, now "
+            f"{view.fingerprint!r}: the rest of epoch {epoch} after the layouts "
+            f"{[s.to_json()[:2] for s in segments]} is planned differently "
+            "here (the state was edited, or saved by another wds_pad); resume from an epoch boundary")
+    return view
+
+
+class _on_layout:  # noqa: N801 - a spec seen on another DP layout (rank 0 of it)
+    def __init__(self, spec: Any, dp: int) -> None:
+        self._spec, self.topology = spec, Topology(world_size=dp, rank=0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._spec, name)
+
+
+def _positions(raw: Mapping[str, Any], state: Mapping[str, Any], dp: int, epoch: int) -> dict[int, tuple[int, int]]:
+    """(index, batches_in_epoch) of every dp_rank of the saved layout, from the state's
+    ``per_rank`` entries (policy none: ranks' positions differ).
+
+    Raises:
+        TopologyMismatchError: naming the dp_ranks with no entry, and how to save them.
+    """
+    found: dict[int, tuple[int, int]] = {}
+    per = raw.get(PER_RANK) if isinstance(raw, Mapping) else None
+    candidates = [state] + (list(per.values()) if isinstance(per, Mapping) else [])
+    for entry in candidates:
+        topo = entry.get("topology") if isinstance(entry, Mapping) else None
+        if (not isinstance(topo, Mapping) or not _same_job(entry, state) or entry.get("epoch") != epoch
+                or entry.get("elastic") != state.get("elastic")):
+            continue
+        d = topo.get("dp_rank")
+        if isinstance(d, int) and 0 <= d < dp and d not in found:
+            n = entry.get("batches_in_epoch")
+            found[d] = (int(entry["index"]), int(n) if isinstance(n, int) else MAX_INDEX)
+    missing = [d for d in range(dp) if d not in found]
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
         raise TopologyMismatchError(
-            f"allow_elastic: the state was saved mid-epoch (epoch {epoch}, batch {index}) with padding "
-            "policy 'none', where ranks have unequal batch counts, so one rank's position does not "
-            "give the job's; resume on the saved layout, or from an epoch boundary")
-    if Locality(getattr(spec, "locality", "none")) is Locality.SHARD:
-        # a bucket's order is drawn from the shards dealt to the layout's ranks: the part
-        # consumed on the saved dp_size is no prefix of the order on this one
-        old = int(saved_topo["dp_size"])
-        raise TopologyMismatchError(
-            f"allow_elastic: the state was saved mid-epoch (epoch {epoch}, batch {index}) on dp_size "
-            f"{old} with locality='shard', where each bucket's order comes from the shards dealt to "
-            f"that layout's ranks, so the samples consumed on dp_size {old} are not a prefix of the "
-            f"order on dp_size {now.dp_size} and would be seen twice or never; resume on the saved "
-            f"layout (dp_size {old}), or from an epoch boundary (a state saved at the end of epoch "
-            f"{epoch}), or plan with locality='none'")
-    segments = segments + ((int(saved_topo["dp_size"]), index),)
-    return Resume(epoch, 0, elastic_view(_plan_on(spec, epoch), epoch, segments, spec.plan(epoch)))
+            f"allow_elastic: the state was saved mid-epoch (epoch {epoch}) with padding policy 'none', "
+            f"where each DP rank is at its own position, and it holds no entry of dp_rank {shown} of the "
+            f"saved dp_size {dp} under {PER_RANK!r}; pass a state with every rank's entry (Loader(..., "
+            "gather_state=True), or merge the ranks' states' per_rank entries), resume on the saved "
+            "layout, or from an epoch boundary")
+    return found

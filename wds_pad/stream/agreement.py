@@ -3,7 +3,8 @@
 Invariants:
 - one small collective (``all_gather_object`` of a few fields) per call, over the job's
   group; a no-op without an initialised process group or with one rank;
-- ranks compare the plan fingerprint, the epoch, its batch count and the mode; on any
+- ranks compare the plan fingerprint, the epoch, its batch count and the mode (and, in an
+  epoch resumed on another layout, the remainder's fingerprint); on any
   difference every rank raises the same StateMismatchError, naming the ranks and each
   differing leaf field of the plan (``datasets[0].index_digest``), before any batch;
 - it never creates, changes or destroys a process group.
@@ -20,8 +21,9 @@ from .stages import PlanSpec, Position
 __all__ = ["check_agreement"]
 
 
-def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> None:
-    """All ranks compare plan fingerprint, epoch and batch count (one all_gather).
+def check_agreement(spec: PlanSpec, position: Position, group: Any = None, view: Any = None) -> None:
+    """All ranks compare plan fingerprint, epoch and batch count (one all_gather), and in an
+    epoch resumed on another layout (``view``, an ElasticView) the remainder's fingerprint.
 
     Raises:
         StateMismatchError: on every rank, naming the ranks and fields that differ.
@@ -30,15 +32,18 @@ def check_agreement(spec: PlanSpec, position: Position, group: Any = None) -> No
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
+    resumed = view is not None and view.epoch == position.epoch
     mine = {"rank": spec.topology.rank, "fingerprint": spec.fingerprint(),
-            "epoch": position.epoch, "batches": len(spec.plan(position.epoch)),
-            "mode": spec.mode.value, "plan": spec.fingerprint_fields()}
+            "epoch": position.epoch,
+            "batches": len(view.plan) if resumed else len(spec.plan(position.epoch)),
+            "mode": spec.mode.value, "plan": spec.fingerprint_fields(),
+            "elastic": view.fingerprint if resumed else ""}
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     ref = gathered[0]
     bad = []
     for other in gathered[1:]:
-        fields = [k for k in ("fingerprint", "epoch", "batches", "mode") if other[k] != ref[k]]
+        fields = [k for k in ("fingerprint", "epoch", "batches", "mode", "elastic") if other.get(k) != ref.get(k)]
         if fields:
             detail = ", ".join(f"{k}: rank {ref['rank']} {ref[k]!r} vs rank {other['rank']} {other[k]!r}"
                                for k in fields if k != "fingerprint")

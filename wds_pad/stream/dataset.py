@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
@@ -251,8 +250,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
 
         Args:
             state: a dict returned by ``state_dict()`` (of this dataset or its Loader).
-            allow_elastic: resume on another number of DP ranks if the saved position
-                maps exactly onto the new layout (docs/resume.md, "Elastic resume").
+            allow_elastic: resume on another number of DP ranks: the rest of the saved
+                epoch, planned on this layout (docs/resume.md, "Elastic resume").
 
         Raises:
             StateError, TopologyMismatchError, StateMismatchError: the state is refused;
@@ -269,7 +268,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
     def agree(self) -> None:
         """Run the cross-rank agreement check for the current epoch (once per epoch)."""
         if self.check_agreement and self.epoch not in self._agreed:
-            check_agreement(self.spec, self._position, self.group)
+            check_agreement(self.spec, self._position, self.group, view=self._view)
             self._agreed.add(self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
@@ -358,9 +357,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
 
     def _advance(self, done: tuple[int, int]) -> Position:
         """Record that plan batch ``done = (epoch, j)`` was yielded."""
-        epoch, j = done
-        view = self._view
-        k = int(np.searchsorted(view.keep, j)) if view is not None and view.epoch == epoch else j
+        epoch, k = done  # the view's batches are its plan's, indexed from 0
         info = get_worker_info()
         if info is None and view is None and self.spec.mode is Mode.EPOCHS:  # the common case, per batch: one Position
             self._position = Position(epoch, min(k + 1, len(self.spec.plan(epoch))))
@@ -427,8 +424,9 @@ def apply_stages(stages: Sequence[Callable[[Any], Any]], sample: Any) -> Any:
 class _ViewSource(PlannedSource):
     """PlannedSource over the elastic view of a resumed epoch (the plan itself otherwise).
 
-    ``start.index`` counts batches of the view; the yielded ``__batch__`` stays the index
-    in this rank's plan. Worker w of N takes view batches k with (k - start) mod N == w.
+    In a resumed epoch the plan is the view's (what is left of the epoch on this layout),
+    ``start.index`` and ``__batch__`` count its batches. Worker w of N takes batches k with
+    (k - start) mod N == w.
     """
 
     def __init__(self, spec: PlanSpec, start: Position, worker: tuple[int, int] | None,
@@ -437,9 +435,7 @@ class _ViewSource(PlannedSource):
         self.view = view
 
     def epoch_batches(self, epoch: int) -> tuple[Any, Sequence[int]]:
-        plan = self.spec.plan(epoch)
-        if self.view is not None and self.view.epoch == epoch:
-            return plan, self.view.keep
+        plan = self.view.plan if self.view is not None and self.view.epoch == epoch else self.spec.plan(epoch)
         return plan, range(len(plan))
 
 
