@@ -359,8 +359,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         """Record that plan batch ``done = (epoch, j)`` was yielded."""
         epoch, k = done  # the view's batches are its plan's, indexed from 0
         info = get_worker_info()
-        if info is None and view is None and self.spec.mode is Mode.EPOCHS:  # the common case, per batch: one Position
-            self._position = Position(epoch, min(k + 1, len(self.spec.plan(epoch))))
+        if info is None and self.spec.mode is Mode.EPOCHS:  # the common case, per batch: one Position
+            self._position = Position(epoch, min(k + 1, epoch_length(self.spec, epoch, self._view)))
         elif info is None:
             self._position = self._forward(Position(epoch, k), 1)
         else:  # this worker's next batch is num_workers further on
