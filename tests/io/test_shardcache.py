@@ -365,7 +365,12 @@ def test_an_elastic_resume_reads_about_one_fetch_per_shard_still_needed(
     from wds_pad.stream.dataset import _ViewSource
 
     proxy, index = proxied
-    olds = [dataset(index, dp=old, rank=r) for r in range(old)]
+    whole = 1 << 20  # a shard is one GET (the test counts shard fetches and single reads, not blocks)
+
+    def whole_shards(index: Any, dp: int, rank: int) -> BucketedWebDataset:
+        return dataset(index, dp=dp, rank=rank, read_options=ReadOptions(block_bytes=whole, max_in_flight=8))
+
+    olds = [whole_shards(index, dp=old, rank=r) for r in range(old)]
     k = len(olds[0].plan(0)) // 2
     states, rest_keys = [], []
     for ds in olds:
@@ -376,7 +381,7 @@ def test_an_elastic_resume_reads_about_one_fetch_per_shard_still_needed(
     before = 0
     for r, st in enumerate(states):  # the rest of the epoch on the saved layout
         proxy.reset_counters()
-        again = dataset(index, dp=old, rank=r)
+        again = whole_shards(index, dp=old, rank=r)
         again.load_state_dict(st)
         list(again)
         before += proxy.requests_seen
@@ -386,7 +391,7 @@ def test_an_elastic_resume_reads_about_one_fetch_per_shard_still_needed(
     got: list[str] = []
     for r in range(new):
         proxy.reset_counters()
-        ds = dataset(index, dp=new, rank=r)
+        ds = whole_shards(index, dp=new, rank=r)
         ds.load_state_dict(states[r * old // new], allow_elastic=True)
         batches = list(ds)
         assert_same_bytes(batches, reference)
@@ -395,17 +400,17 @@ def test_an_elastic_resume_reads_about_one_fetch_per_shard_still_needed(
         src = _ViewSource(ds.spec, Position(0, 0), (0, 1), ds._view)
         sched = next(shard_schedule(src))
         entries = int(ds._view.plan.samples.size)
-        blocks += sum(-(-p.size // BLOCK) for p in sched)
+        blocks += sum(-(-p.size // whole) for p in sched)
         single += entries - sum(p.uses for p in sched)
         assert proxy.requests_seen == ds.read_stats.requests
     assert sorted(got) == sorted(rest_keys)  # every sample not yet trained, once
     assert after == blocks + single
     # each shard still needed is fetched whole about once: twice where a new rank's share
-    # of a bucket starts inside an old rank's window (4 -> 2: 44 blocks for 32; 2 -> 3: 62)
-    assert blocks <= 2 * blocks_of(index, needed)
+    # of a bucket starts inside an old rank's window
+    assert blocks <= 2 * len(needed)
     samples = len(rest_keys)
     assert single <= max(2, samples // 20)  # padded copies and the odd sample: single GETs
-    assert after <= 1.5 * before  # 4 -> 2: 58 GETs before, 45 after; 2 -> 3: 49 before, 63 after
+    assert after <= 1.5 * before
     assert after < samples  # locality="none": one GET per sample
     print(f"elastic {old}->{new}: GETs before {before}, after {after} (blocks {blocks}, single {single}); "
-          f"shards still needed {len(needed)} = {blocks_of(index, needed)} blocks; samples left {samples}")
+          f"shards still needed {len(needed)}; samples left {samples}")
