@@ -1,7 +1,8 @@
 """The package layout: imports run downward only, and core stays pure.
 
-cli -> stream -> state -> index -> io -> core -> errors: a module may import its own
-package and any package to its right, never one to its left (docs/architecture.md).
+cli -> stream -> state -> index -> tar -> {io, core} -> errors: a module may import its
+own package and any package to its right, never one to its left; ``io`` and ``core``
+stand side by side, and neither imports the other (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "wds_pad"
-ORDER = ["cli", "stream", "state", "index", "io", "core", "errors"]
+ORDER = ["cli", "stream", "state", "index", "tar", "io", "core", "errors"]
+#: packages that stand side by side in ORDER: neither may import the other
+PEERS = [frozenset({"io", "core"})]
 
 
 def _layer(module: str) -> str | None:
@@ -58,6 +61,8 @@ def test_imports_run_downward_only(path: Path) -> None:
         theirs = _layer(target)
         if theirs is None or theirs == mine:
             continue
+        assert frozenset({mine, theirs}) not in PEERS, (
+            f"{path.relative_to(ROOT)}:{line} imports {target} ({theirs} and {mine} are peers: neither imports the other)")
         assert ORDER.index(theirs) > ORDER.index(mine), (
             f"{path.relative_to(ROOT)}:{line} imports {target} ({theirs} stands above {mine})")
 
@@ -119,3 +124,4 @@ def test_old_module_paths_still_import_with_a_warning() -> None:
         from wds_pad.plan import plan_epoch as old  # type: ignore[import-not-found]
     from wds_pad import plan_epoch
     assert old is plan_epoch
+

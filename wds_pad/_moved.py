@@ -1,9 +1,15 @@
-"""Old module paths (``wds_pad.plan``, ``wds_pad.dataset``, ...) keep importing.
+"""Old module paths (``wds_pad.plan``, ``wds_pad.index.tarscan``, ...) keep importing.
 
-Before the stage packages, every module sat directly under ``wds_pad``. Scripts that
-import from those paths get the module at its new place, under its old name too, with a
-DeprecationWarning that names the new path; a module that was split offers the names of
-all its parts. Public names are best imported from ``wds_pad`` itself.
+Before the stage packages, every module sat directly under ``wds_pad``; later, modules
+moved between and within the packages (the tar layer out of ``index``, for one). Scripts
+that import from those paths get the module at its new place, under its old name too,
+with a DeprecationWarning that names the new path; a module that was split offers the
+names of all its parts. Public names are best imported from ``wds_pad`` itself.
+
+Invariants:
+    * An old path (a key of ``MOVED``, dotted below ``wds_pad``) imports only when no
+      module or package stands there now: the finder is asked last, after the real ones.
+    * An old path that was not split is the new module itself (the same object).
 """
 
 from __future__ import annotations
@@ -16,15 +22,17 @@ import warnings
 from types import ModuleType
 from typing import Any, Sequence
 
-#: old module (under wds_pad) -> its new place
+#: old module (its path under wds_pad, dotted) -> its new place
 MOVED = {
     "topology": "core.topology", "seed": "core.seed", "_permute": "core.permute", "plan": "core.plan",
-    "indexer": "index.build", "tarscan": "index.tarscan", "_tarrows": "index.tarrows",
+    "indexer": "index.build", "tarscan": "tar.scan", "_tarrows": "tar.lean",
     "buckets": "index.buckets", "_imagesize": "index.imagesize", "_progress": "index.progress",
     "read": "io.ranges", "_urls": "io.urls", "_atomic": "io.atomic",
     "stages": "stream.stages", "dataset": "stream.dataset", "shards": "stream.shards",
     "shardstream": "stream.shardstream", "_loaderargs": "stream.loaderargs",
     "_elastic": "state.elastic", "_cli_index": "cli.index", "_demo": "cli.demo", "_synth": "cli.synth",
+    "index.tarentry": "tar.headers", "index.tarread": "tar.members", "index.tarscan": "tar.scan",
+    "index.tarrows": "tar.lean", "index.tarcols": "tar.columns",
 }
 
 #: old module -> the further modules that took part of its names when it was split; the
@@ -63,11 +71,11 @@ class _Alias(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        package, _, name = fullname.rpartition(".")
-        if package != "wds_pad" or name not in MOVED:
+        root, _, old = fullname.partition(".")  # "wds_pad.index.tarscan" -> "index.tarscan"
+        if root != "wds_pad" or old not in MOVED:
             return None
-        parts = [f"wds_pad.{p}" for p in SPLIT.get(name, ())]
-        return importlib.util.spec_from_loader(fullname, _Alias(f"wds_pad.{MOVED[name]}", parts))
+        parts = [f"wds_pad.{p}" for p in SPLIT.get(old, ())]
+        return importlib.util.spec_from_loader(fullname, _Alias(f"wds_pad.{MOVED[old]}", parts))
 
 
 if not any(isinstance(f, _Finder) for f in sys.meta_path):

@@ -18,7 +18,7 @@ import wds_pad.index.build as indexer_mod
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.cli.app import main
 from wds_pad.index.format import load_index, serialize
-from wds_pad.index.tarscan import parse_sample
+from wds_pad.tar.scan import parse_sample
 
 
 @pytest.fixture()
@@ -146,7 +146,7 @@ def test_index_bad_shard_fails_or_is_skipped(tmp_path, shards, capsys, caplog, c
     code, stdout, stderr = run(capsys, "index", shards[0], bad, "-o", str(out), "--no-progress",
                                "--on-error", "skip")
     assert code == 0 and stderr == ""
-    assert not [r for r in caplog.records if r.name == "wds_pad.index.tarscan"]  # the report says it once
+    assert not [r for r in caplog.records if r.name == "wds_pad.tar.scan"]  # the report says it once
     assert "skipped 1 shard (on error: skip):" in stdout and f"  {bad}: " in stdout and fragment in stdout
     index = load_index(str(out))
     assert index.excluded["shards"][0]["url"] == bad and index.shards[1].error is not None

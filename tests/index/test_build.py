@@ -21,7 +21,7 @@ from wds_pad.errors import BucketError, ConfigError, ShardError, TarFormatError
 from wds_pad.index.format import load_index
 from wds_pad.index.build import build_index, expand_urls
 from wds_pad.index.verify import verify_index  # a built index verifies clean
-from wds_pad.index.tarscan import parse_sample
+from wds_pad.tar.scan import parse_sample
 
 pytest_plugins = ["conftest_servers"]
 

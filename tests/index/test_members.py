@@ -16,7 +16,7 @@ import pytest
 
 from wds_pad.index.build import build_index
 from wds_pad.index.format import MEMBER_ARRAYS, load_index, merged_parts, serialize
-from wds_pad.index.tarscan import parse_sample
+from wds_pad.tar.scan import parse_sample
 
 
 def _shard(path: Path, start: int, count: int, odd: bool) -> str:

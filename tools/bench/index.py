@@ -52,7 +52,7 @@ from _common import add_sizes, case_shards, parser, round_robin, steady, table
 
 from wds_pad.index.buckets import AspectBuckets
 from wds_pad.index.build import build_index
-from wds_pad.index.tarrows import scan_rows
+from wds_pad.tar.lean import scan_rows
 
 _RATIOS = AspectBuckets()  # the same quantisation for every contender
 

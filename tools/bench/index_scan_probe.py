@@ -1,4 +1,4 @@
-"""Probe: wds_pad.index.tarscan.scan_tar against a tarfile-based scan of the same shards.
+"""Probe: wds_pad.tar.scan.scan_tar against a tarfile-based scan of the same shards.
 
 Generates two shards with webdataset's TarWriter (1000 samples of ~10 KB: random
 ``.jpg`` bytes plus a small ``.json``; 200 samples of ~500 KB), then times, interleaved
@@ -30,7 +30,7 @@ import webdataset as wds
 from _common import add_repeat, parser, round_robin
 from webdataset.tariterators import base_plus_ext
 
-from wds_pad.index.tarscan import parse_sample, scan_tar
+from wds_pad.tar.scan import parse_sample, scan_tar
 
 SHARDS = {"10KB": (1000, 10_000), "500KB": (200, 500_000)}
 

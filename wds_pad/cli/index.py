@@ -133,7 +133,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     distributed = args.distributed or _under_torchrun()
     if distributed:
         return _run_distributed(args, urls, fn, previous)
-    scan_log = logging.getLogger("wds_pad.index.tarscan")
+    scan_log = logging.getLogger("wds_pad.tar.scan")
     level = scan_log.level
     if args.on_error == "skip":  # the report below lists every skipped shard once
         scan_log.setLevel(logging.ERROR)

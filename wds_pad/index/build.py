@@ -37,8 +37,8 @@ from .output import check_output, write_index
 from .progress import Progress
 from .rows import ShardRows, assemble, fit_exts, unreadable
 from .shardfile import directory_error, open_for_scan, shard_info, stat_shard
-from .tarrows import ScanRows, scan_many
-from .tarscan import parse_sample
+from ..tar.lean import ScanRows, scan_many
+from ..tar.scan import parse_sample
 
 __all__ = ["bucket_fn_of", "build_index", "expand_urls", "scan_shard", "shard_info"]
 

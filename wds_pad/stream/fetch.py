@@ -33,7 +33,7 @@ from ..errors import WdsPadError
 from ..index.format import Index
 from ..io.ranges import LocalReadAhead, RangeReader, ReadOptions
 from ..core.seed import derive_rng
-from ..index.tarscan import parse_sample, parse_sample_at
+from ..tar.scan import parse_sample, parse_sample_at
 from .batchread import names_sample, slice_sample
 from .stages import PlanSpec
 

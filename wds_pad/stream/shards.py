@@ -36,7 +36,7 @@ from ..io.ranges import RangeReader, ReadOptions
 from ..io.redact import redact
 from ..core.seed import derive_rng, shared_seed
 from ..io.urls import canonical_url, expand_urls
-from ..index.tarscan import parse_sample
+from ..tar.scan import parse_sample
 from ..core.topology import Topology
 
 __all__ = ["Equalize", "SplitByNode", "WorkerPlan", "assign_shards", "equalize", "split_by_node",

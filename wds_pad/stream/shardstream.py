@@ -47,7 +47,7 @@ from .live import OpenIterators, refuse_resplitting
 from .shards import WorkerPlan, local_path, shard_counts, worker_plan
 from ..state import STATE_FORMAT, STATE_VERSION, fingerprint_of, verify_state
 from ..state.schema import keyed_by_rank
-from ..index.tarscan import scan_tar
+from ..tar.scan import scan_tar
 from ..core.topology import Topology
 
 __all__ = ["Position", "ShardLoader", "ShardStream"]

@@ -27,9 +27,9 @@ import zlib
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
-from wds_pad.errors import ConfigError
+from ..errors import ConfigError
 
-from .tarentry import _BLOCK, _ENC, _FIELDS, _WINDOW, _cut, _entry, _fault, _Reader
+from .headers import _BLOCK, _ENC, _FIELDS, _WINDOW, _cut, _entry, _fault, _Reader
 
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _SKIP_META_RE = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta

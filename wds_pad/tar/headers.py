@@ -32,7 +32,7 @@ import sys
 import zlib
 from typing import BinaryIO
 
-from wds_pad.errors import ShardError, TarFormatError
+from ..errors import ShardError, TarFormatError
 
 _BLOCK = 512
 _CHUNK = 1 << 20  # stream mode read size

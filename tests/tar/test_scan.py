@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext
 
-from wds_pad.index import tarentry, tarread
+from wds_pad.tar import headers as tarentry, members as tarread
 from wds_pad.errors import ConfigError, StaleShardError, TarFormatError
-from wds_pad.index.tarrows import ScanRows, scan_rows
-from wds_pad.index.tarscan import Member, ScannedSample, parse_sample, scan_tar, split_key
+from wds_pad.tar.lean import ScanRows, scan_rows
+from wds_pad.tar.scan import Member, ScannedSample, parse_sample, scan_tar, split_key
 
 WDS_META = ("__key__", "__url__", "__local_path__")
 
@@ -523,7 +523,7 @@ def test_parse_sample_at_reads_large_payloads_without_a_range_buffer(tmp_path):
     import webdataset as wds
 
     from wds_pad.errors import StaleShardError
-    from wds_pad.index.tarscan import parse_sample_at
+    from wds_pad.tar.scan import parse_sample_at
 
     path = tmp_path / "big.tar"
     rng = __import__("random").Random(3)
@@ -638,7 +638,7 @@ def test_property_scan_rows_equals_scan_tar(tmp_path, monkeypatch, entries, fmt,
                                              chunk, step, head, skip):
     """On valid, damaged and truncated archives, with any batch and chunk size, the lean
     columnar scan gives scan_tar's samples, or raises its exact error, in both modes."""
-    from wds_pad.index import tarrows as _tarrows
+    from wds_pad.tar import lean as _tarrows
 
     monkeypatch.setattr(_tarrows, "_BATCH", batch)
     monkeypatch.setattr(_tarrows, "_CHUNK", chunk)
@@ -733,7 +733,7 @@ def _member_bytes(name: bytes, payload: bytes, **kw) -> bytes:  # type: ignore[n
 @pytest.mark.parametrize("seekable", [True, False])
 def test_lean_scan_leaves_every_odd_header_to_the_general_parser(tmp_path, monkeypatch, odd, seekable):
     """One odd member amid plain ones: scan_rows gives scan_tar's rows or its exact error."""
-    from wds_pad.index import tarrows as _tarrows
+    from wds_pad.tar import lean as _tarrows
 
     monkeypatch.setattr(_tarrows, "_BATCH", 2)
     monkeypatch.setattr(_tarrows, "_CHUNK", 1024)
@@ -758,8 +758,8 @@ def test_lean_scan_leaves_every_odd_header_to_the_general_parser(tmp_path, monke
 def test_property_scan_many_checks_shards_together(tmp_path, monkeypatch, archives, batch, waiting, skip, want):
     """Shards whose last headers are checked in one batch: each shard's rows equal
     scan_tar's for that shard alone (or the first failing shard raises its error)."""
-    from wds_pad.index import tarrows as _tarrows
-    from wds_pad.index.tarrows import scan_many
+    from wds_pad.tar import lean as _tarrows
+    from wds_pad.tar.lean import scan_many
 
     monkeypatch.setattr(_tarrows, "_BATCH", batch)
     monkeypatch.setattr(_tarrows, "_MAX_WAITING", waiting)
@@ -805,7 +805,7 @@ def test_property_scan_many_checks_shards_together(tmp_path, monkeypatch, archiv
 def test_scan_many_keeps_samples_and_errors_per_shard(tmp_path):
     """A key that ends one shard and starts the next is two samples; when several shards
     fail, the first one's error is raised, as shard-by-shard scanning would."""
-    from wds_pad.index.tarrows import scan_many
+    from wds_pad.tar.lean import scan_many
 
     def shard(name: str, members: list[tuple[bytes, bytes, dict]]) -> Path:
         path = tmp_path / name
@@ -856,8 +856,8 @@ def test_scan_many_reports_progress_as_it_goes(tmp_path, monkeypatch, seekable):
     """A large shard reports its samples batch by batch (a progress bar moves during
     it); the reports add up to the samples returned, up to a fault met by the general
     parser."""
-    from wds_pad.index import tarrows as _tarrows
-    from wds_pad.index.tarrows import scan_many
+    from wds_pad.tar import lean as _tarrows
+    from wds_pad.tar.lean import scan_many
 
     monkeypatch.setattr(_tarrows, "_BATCH", 64)
     monkeypatch.setattr(_tarrows, "_CHUNK", 16 * 1024)
@@ -877,7 +877,7 @@ def test_scan_many_reports_progress_as_it_goes(tmp_path, monkeypatch, seekable):
 def test_lean_scan_takes_over_again_after_an_odd_member(tmp_path, monkeypatch):
     """A directory entry first, one long name in the middle: the general parser reads a
     sample at each, and the lean path the rest (in seek mode); the rows stay scan_tar's."""
-    from wds_pad.index import tarrows as _tarrows
+    from wds_pad.tar import lean as _tarrows
 
     entries = [("d", None)] + [(f"d/s{i:03d}.{e}", b"%d" % i * 50) for i in range(100) for e in ("jpg", "json")]
     entries[101] = ("d/" + "x" * 120 + ".jpg", b"long")
@@ -898,7 +898,7 @@ def test_lean_scan_takes_over_again_after_an_odd_member(tmp_path, monkeypatch):
 def test_lean_scan_gives_up_on_shards_of_odd_members(tmp_path, monkeypatch):
     """Every sample with a long name: after a few short turns the general parser keeps
     the shard (no numpy check per sample)."""
-    from wds_pad.index import tarrows as _tarrows
+    from wds_pad.tar import lean as _tarrows
 
     entries = [(f"{'x' * 110}{i:03d}.{e}", b"%d" % i) for i in range(60) for e in ("jpg", "json")]
     path = write_tar(tmp_path / "long.tar", entries)
@@ -982,7 +982,7 @@ def test_property_truncation_reported_alike_in_seek_and_stream_mode(tmp_path, mo
                                                                    chunk, want):
     """A shard cut at any byte: seek and stream mode, general and lean scanner, report the
     same fault at the same offset -- where the file ends, or the start of the cut header."""
-    from wds_pad.index import tarrows as _tarrows
+    from wds_pad.tar import lean as _tarrows
 
     monkeypatch.setattr(_tarrows, "_CHUNK", chunk)
     names = [(kind, f"{base}.{ext}" if ext or kind != "file" else base, size) for kind, base, ext, size in entries]

@@ -48,9 +48,9 @@ from typing import Any, BinaryIO, Callable, Collection, Sequence
 import numpy as np
 
 from ..errors import ShardError, TarFormatError
-from .tarcols import _POW8_11, ScanRows, _Acc, _Segment, _settle, _settle_many
-from .tarentry import _Reader
-from .tarread import OnError, _options, _samples
+from .columns import _POW8_11, ScanRows, _Acc, _Segment, _settle, _settle_many
+from .headers import _Reader
+from .members import OnError, _options, _samples
 
 __all__ = ["ScanRows", "scan_many", "scan_rows"]
 

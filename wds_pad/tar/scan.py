@@ -24,10 +24,10 @@ import logging
 from collections.abc import Collection, Iterator
 from typing import BinaryIO
 
-from wds_pad.errors import StaleShardError, TarFormatError
+from ..errors import StaleShardError, TarFormatError
 
-from .tarentry import _HINT, _entry, _Reader
-from .tarread import _KEY_RE, Member, OnError, ScannedSample, _is_meta, _options, _samples, split_key
+from .headers import _HINT, _entry, _Reader
+from .members import _KEY_RE, Member, OnError, ScannedSample, _is_meta, _options, _samples, split_key
 
 __all__ = ["Member", "OnError", "ScannedSample", "parse_sample", "parse_sample_at", "scan_tar", "split_key"]
 

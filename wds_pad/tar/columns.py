@@ -30,7 +30,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..errors import ShardError, TarFormatError
-from .tarread import ScannedSample
+from .members import ScannedSample
 
 _MAX_EXT = 16  # longer extensions go to the general parser
 _IDX8 = np.arange(104, dtype=np.uint8)  # name columns

@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad.errors import TarFormatError
-from wds_pad.index import tarrows
-from wds_pad.index.tarcols import ScanRows, _Acc
-from wds_pad.index.tarrows import scan_many, scan_rows
-from wds_pad.index.tarscan import scan_tar
+from wds_pad.tar import lean as tarrows
+from wds_pad.tar.columns import ScanRows, _Acc
+from wds_pad.tar.lean import scan_many, scan_rows
+from wds_pad.tar.scan import scan_tar
 
 from data_helpers import NonSeekable  # noqa: E402
 
