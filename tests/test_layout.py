@@ -125,3 +125,25 @@ def test_old_module_paths_still_import_with_a_warning() -> None:
     from wds_pad import plan_epoch
     assert old is plan_epoch
 
+
+@pytest.mark.parametrize(("old", "new", "name"), [
+    ("wds_pad.index.tarscan", "wds_pad.tar.scan", "scan_tar"),
+    ("wds_pad.index.tarrows", "wds_pad.tar.lean", "scan_rows"),
+    ("wds_pad.index.tarcols", "wds_pad.tar.columns", "ScanRows"),
+    ("wds_pad.index.tarentry", "wds_pad.tar.headers", "read_entry"),
+    ("wds_pad.index.tarread", "wds_pad.tar.members", "ScannedSample"),
+    ("wds_pad.tarscan", "wds_pad.tar.scan", "parse_sample"),
+    ("wds_pad._tarrows", "wds_pad.tar.lean", "scan_many"),
+])
+def test_old_dotted_paths_import_the_same_objects_with_a_warning(old: str, new: str, name: str) -> None:
+    code = (f"import warnings, importlib; warnings.simplefilter('error')\n"
+            f"import wds_pad, {new} as new\n"
+            f"try:\n    importlib.import_module({old!r})\nexcept DeprecationWarning as w: print(w)\n"
+            f"warnings.simplefilter('ignore')\n"
+            f"old = importlib.import_module({old!r})\n"
+            f"print(getattr(old, {name!r}) is getattr(new, {name!r}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    warning, same = done.stdout.strip().splitlines()
+    assert warning.startswith(f"{old} moved to {new}"), warning
+    assert same == "True"

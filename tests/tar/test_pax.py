@@ -1,4 +1,4 @@
-"""The indexer's lean path (wds_pad.index.tarrows / tarcols) on per-member pax headers.
+"""The indexer's lean path (wds_pad.tar.lean / leanstream / settle) on per-member pax headers.
 
 Real shards carry a pax header before every member (webdataset's TarWriter: a float
 ``mtime``; ``tar --format=posix``: ``mtime``/``atime``/``ctime``). The lean path folds
@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad.errors import TarFormatError
-from wds_pad.tar import lean as tarrows
-from wds_pad.tar.columns import ScanRows, _Acc
+from wds_pad.tar import lean, leanstream
+from wds_pad.tar.columns import Accumulator, ScanRows
 from wds_pad.tar.lean import scan_many, scan_rows
 from wds_pad.tar.scan import scan_tar
 
@@ -41,7 +41,7 @@ def general_rows(path: Path, *, seekable: bool = True, step: int = 1 << 20,  # t
                  **kw) -> ScanRows | Exception:
     """The rows the general parser alone gives (scan_tar's samples into the lean path's
     accumulator), or the error it raises."""
-    acc = _Acc(frozenset(kw.get("want", ())), url=str(path))
+    acc = Accumulator(frozenset(kw.get("want", ())), url=str(path))
     fault = None
     with _open(path, seekable, step) as f:
         gen = scan_tar(f, str(path), seekable=seekable, **kw)
@@ -98,14 +98,14 @@ def check(path: Path, *, steps: tuple[int, ...] = (1 << 20,), **kw) -> ScanRows:
 def general_count(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Keys of the samples the general parser reads for scan_rows (its per-member step)."""
     seen: list[str] = []
-    real = tarrows._samples
+    real = lean.read_samples
 
     def counting(*a, **kw):  # type: ignore[no-untyped-def]
         for s in real(*a, **kw):
             seen.append(s.key)
             yield s
 
-    monkeypatch.setattr(tarrows, "_samples", counting)
+    monkeypatch.setattr(lean, "read_samples", counting)
     return seen
 
 
@@ -315,8 +315,8 @@ def test_records_that_matter_go_to_the_general_parser(tmp_path: Path, monkeypatc
     header before or after it, a checksum or field its checks refuse), or odd ones it
     may: the rows (or the error) are the general parser's, in both modes, with any batch
     size; the general parser reads the sample of a header the lean path may not fold."""
-    monkeypatch.setattr(tarrows, "_BATCH", batch)
-    monkeypatch.setattr(tarrows, "_CHUNK", 2048)
+    monkeypatch.setattr(lean, "_BATCH", batch)
+    monkeypatch.setattr(leanstream, "_CHUNK", 2048)
     path = _shard(tmp_path, ODD_PAX[case])
     want = general_rows(path, want=("json", "jpg"))
     check(path, want=("json", "jpg"), steps=(7, 513, 1 << 20))
@@ -431,9 +431,9 @@ def test_property_pax_mixes_lean_equals_general(tmp_path, monkeypatch, shards, c
     global, two in a row, malformed), optionally cut anywhere: per shard, scan_rows and
     scan_many give the general parser's rows (every column) or its exact error, in seek
     and stream mode, with any batch, read and buffer size."""
-    monkeypatch.setattr(tarrows, "_BATCH", batch)
-    monkeypatch.setattr(tarrows, "_CHUNK", chunk)
-    monkeypatch.setattr(tarrows, "_MAX_WAITING", waiting)
+    monkeypatch.setattr(lean, "_BATCH", batch)
+    monkeypatch.setattr(leanstream, "_CHUNK", chunk)
+    monkeypatch.setattr(lean, "_MAX_WAITING", waiting)
     kw = {"want": want, "head_bytes": head, "on_error": "skip" if skip else "raise"}
     paths = []
     for n, (members, where) in enumerate(shards):
@@ -482,8 +482,8 @@ def test_two_pax_headers_last_on_a_stream_buffer(tmp_path: Path, monkeypatch: py
                                                  cut: int | None, chunk: int) -> None:
     """Two pax headers in a row where a stream buffer's run of headers ends: neither is
     folded there (the member after them is not on the run)."""
-    monkeypatch.setattr(tarrows, "_BATCH", 1)
-    monkeypatch.setattr(tarrows, "_CHUNK", chunk)
+    monkeypatch.setattr(lean, "_BATCH", 1)
+    monkeypatch.setattr(leanstream, "_CHUNK", chunk)
     blob = _archive([("a", "jpg", 513, 3, "x"), ("a", "json", 1, 3, "xx"), ("b", "jpg", 5, 3, "x")])
     path = tmp_path / "xx.tar"
     path.write_bytes(blob if cut is None else blob[:cut])

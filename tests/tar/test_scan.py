@@ -1,5 +1,6 @@
-"""Tests for the tar readers: wds_pad.index.tarscan (header parsing, webdataset grouping, faults,
-parse_sample; the rules live in tarentry and tarread) and the lean path of tarrows / tarcols."""
+"""Tests for the tar readers: wds_pad.tar.scan (header parsing, webdataset grouping, faults,
+parse_sample; the rules live in tar.headers and tar.members) and the lean path of tar.lean /
+tar.leanstream / tar.settle."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext
 
-from wds_pad.tar import headers as tarentry, members as tarread
 from wds_pad.errors import ConfigError, StaleShardError, TarFormatError
-from wds_pad.tar.lean import ScanRows, scan_rows
+from wds_pad.tar import headers as tar_headers
+from wds_pad.tar import lean as tar_lean
+from wds_pad.tar import leanstream as tar_leanstream
+from wds_pad.tar import members as tar_members
+from wds_pad.tar.columns import ScanRows
+from wds_pad.tar.lean import scan_rows
 from wds_pad.tar.scan import Member, ScannedSample, parse_sample, scan_tar, split_key
 
 WDS_META = ("__key__", "__url__", "__local_path__")
@@ -117,7 +122,7 @@ def check_shard(path: Path) -> list[ScannedSample]:
     with tarfile.open(path, "r:") as tf:
         for ti in tf:
             prefix, _ = base_plus_ext(ti.name)
-            if ti.isreg() and prefix in kept and not tarread._is_meta(ti.name):
+            if ti.isreg() and prefix in kept and not tar_members.is_meta(ti.name):
                 expected.append((ti.name, ti.offset, ti.offset_data, ti.size))
     got = [(m.name, m.header_offset, m.data_offset, m.size) for s in seek for m in s.members]
     assert got == expected
@@ -428,7 +433,7 @@ def test_seek_mode_reads_only_wanted_heads(tmp_path: Path) -> None:
 def test_stream_mode_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_tar(tmp_path / "c.tar", [(f"k{i}.{e}", os.urandom(i * 97 % 1500)) for i in range(30) for e in "xyz"])
     ref = scan_path(path, want=("x", "y", "z"))
-    monkeypatch.setattr(tarentry, "_CHUNK", 700)  # headers and payloads straddle reads
+    monkeypatch.setattr(tar_headers, "_CHUNK", 700)  # headers and payloads straddle reads
     for step in (1, 333, 4096):
         got = list(scan_tar(NonSeekable(path.read_bytes(), step), "c", want=("x", "y", "z")))
         assert got == ref
@@ -494,7 +499,7 @@ def test_property_writer_roundtrip(tmp_path: Path, samples: list, head: int | No
 
 
 def test_member_records() -> None:
-    m = tarread._member("a.jpg", "jpg", 0, 512, 3)
+    m = tar_members._member("a.jpg", "jpg", 0, 512, 3)
     assert m == Member("a.jpg", "jpg", 0, 512, 3) and hash(m) == hash(Member("a.jpg", "jpg", 0, 512, 3))
     with pytest.raises(AttributeError):
         m.size = 4  # type: ignore[misc]
@@ -638,10 +643,9 @@ def test_property_scan_rows_equals_scan_tar(tmp_path, monkeypatch, entries, fmt,
                                              chunk, step, head, skip):
     """On valid, damaged and truncated archives, with any batch and chunk size, the lean
     columnar scan gives scan_tar's samples, or raises its exact error, in both modes."""
-    from wds_pad.tar import lean as _tarrows
 
-    monkeypatch.setattr(_tarrows, "_BATCH", batch)
-    monkeypatch.setattr(_tarrows, "_CHUNK", chunk)
+    monkeypatch.setattr(tar_lean, "_BATCH", batch)
+    monkeypatch.setattr(tar_leanstream, "_CHUNK", chunk)
     names = [(kind, f"{base}.{ext}" if ext or kind != "file" else base, size) for kind, base, ext, size in entries]
     blob = _entries_tar(names, fmt)
     if how != "none":
@@ -733,10 +737,9 @@ def _member_bytes(name: bytes, payload: bytes, **kw) -> bytes:  # type: ignore[n
 @pytest.mark.parametrize("seekable", [True, False])
 def test_lean_scan_leaves_every_odd_header_to_the_general_parser(tmp_path, monkeypatch, odd, seekable):
     """One odd member amid plain ones: scan_rows gives scan_tar's rows or its exact error."""
-    from wds_pad.tar import lean as _tarrows
 
-    monkeypatch.setattr(_tarrows, "_BATCH", 2)
-    monkeypatch.setattr(_tarrows, "_CHUNK", 1024)
+    monkeypatch.setattr(tar_lean, "_BATCH", 2)
+    monkeypatch.setattr(tar_leanstream, "_CHUNK", 1024)
     blob = b"".join(_member_bytes(b"s%d.%s" % (i, e), b"%d" % i * 300) for i in (0, 1) for e in (b"jpg", b"json"))
     blob += b"".join(_member_bytes(name, payload, **kw) for name, payload, kw in odd)
     blob += b"".join(_member_bytes(b"s%d.%s" % (i, e), b"%d" % i * 30) for i in (3, 4, 5) for e in (b"jpg", b"json"))
@@ -758,11 +761,10 @@ def test_lean_scan_leaves_every_odd_header_to_the_general_parser(tmp_path, monke
 def test_property_scan_many_checks_shards_together(tmp_path, monkeypatch, archives, batch, waiting, skip, want):
     """Shards whose last headers are checked in one batch: each shard's rows equal
     scan_tar's for that shard alone (or the first failing shard raises its error)."""
-    from wds_pad.tar import lean as _tarrows
     from wds_pad.tar.lean import scan_many
 
-    monkeypatch.setattr(_tarrows, "_BATCH", batch)
-    monkeypatch.setattr(_tarrows, "_MAX_WAITING", waiting)
+    monkeypatch.setattr(tar_lean, "_BATCH", batch)
+    monkeypatch.setattr(tar_lean, "_MAX_WAITING", waiting)
     paths = []
     for n, (entries, how, where, value) in enumerate(archives):
         names = [(kind, f"{base}.{ext}" if ext or kind != "file" else base, size) for kind, base, ext, size in entries]
@@ -856,12 +858,11 @@ def test_scan_many_reports_progress_as_it_goes(tmp_path, monkeypatch, seekable):
     """A large shard reports its samples batch by batch (a progress bar moves during
     it); the reports add up to the samples returned, up to a fault met by the general
     parser."""
-    from wds_pad.tar import lean as _tarrows
     from wds_pad.tar.lean import scan_many
 
-    monkeypatch.setattr(_tarrows, "_BATCH", 64)
-    monkeypatch.setattr(_tarrows, "_CHUNK", 16 * 1024)
-    monkeypatch.setattr(_tarrows, "_PROBE", 16 * 1024)
+    monkeypatch.setattr(tar_lean, "_BATCH", 64)
+    monkeypatch.setattr(tar_leanstream, "_CHUNK", 16 * 1024)
+    monkeypatch.setattr(tar_leanstream, "_PROBE", 16 * 1024)
     members = [(b"s%04d.%s" % (i, e), b"p" * 100, {}) for i in range(600) for e in (b"jpg", b"json")]
     members.insert(900, (b"s0450.jpg", b"dup", {}))  # a repeated suffix: the general parser from there
     path = tmp_path / "big.tar"
@@ -877,20 +878,19 @@ def test_scan_many_reports_progress_as_it_goes(tmp_path, monkeypatch, seekable):
 def test_lean_scan_takes_over_again_after_an_odd_member(tmp_path, monkeypatch):
     """A directory entry first, one long name in the middle: the general parser reads a
     sample at each, and the lean path the rest (in seek mode); the rows stay scan_tar's."""
-    from wds_pad.tar import lean as _tarrows
 
     entries = [("d", None)] + [(f"d/s{i:03d}.{e}", b"%d" % i * 50) for i in range(100) for e in ("jpg", "json")]
     entries[101] = ("d/" + "x" * 120 + ".jpg", b"long")
     path = write_tar(tmp_path / "dir.tar", entries)
     general: list[str] = []
-    real = _tarrows._samples
+    real = tar_lean.read_samples
 
     def counting(*a, **kw):  # noqa: ANN002, ANN003, ANN202
         for s in real(*a, **kw):
             general.append(s.key)
             yield s
 
-    monkeypatch.setattr(_tarrows, "_samples", counting)
+    monkeypatch.setattr(tar_lean, "read_samples", counting)
     samples = scan_path(path, want=("json",))  # compares scan_rows with scan_tar
     assert len(samples) == 101 and len(general) <= 4, general
 
@@ -898,15 +898,14 @@ def test_lean_scan_takes_over_again_after_an_odd_member(tmp_path, monkeypatch):
 def test_lean_scan_gives_up_on_shards_of_odd_members(tmp_path, monkeypatch):
     """Every sample with a long name: after a few short turns the general parser keeps
     the shard (no numpy check per sample)."""
-    from wds_pad.tar import lean as _tarrows
 
     entries = [(f"{'x' * 110}{i:03d}.{e}", b"%d" % i) for i in range(60) for e in ("jpg", "json")]
     path = write_tar(tmp_path / "long.tar", entries)
     turns: list[int] = []
-    real = _tarrows._lean_seek
-    monkeypatch.setattr(_tarrows, "_lean_seek", lambda *a, **kw: turns.append(1) or real(*a, **kw))
+    real = tar_lean._lean_seek
+    monkeypatch.setattr(tar_lean, "_lean_seek", lambda *a, **kw: turns.append(1) or real(*a, **kw))
     assert len(scan_path(path)) == 60  # compares scan_rows with scan_tar
-    assert len(turns) == 1 + _tarrows._REENTER
+    assert len(turns) == 1 + tar_lean._REENTER
 
 
 # ---------------------------------------------------------------- messages name the right member (issue 11)
@@ -982,9 +981,8 @@ def test_property_truncation_reported_alike_in_seek_and_stream_mode(tmp_path, mo
                                                                    chunk, want):
     """A shard cut at any byte: seek and stream mode, general and lean scanner, report the
     same fault at the same offset -- where the file ends, or the start of the cut header."""
-    from wds_pad.tar import lean as _tarrows
 
-    monkeypatch.setattr(_tarrows, "_CHUNK", chunk)
+    monkeypatch.setattr(tar_leanstream, "_CHUNK", chunk)
     names = [(kind, f"{base}.{ext}" if ext or kind != "file" else base, size) for kind, base, ext, size in entries]
     full = _entries_tar(names, fmt)
     blob = full[: cut % (len(full) + 1)]

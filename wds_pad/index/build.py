@@ -31,14 +31,15 @@ from ..errors import BucketError, ConfigError, ShardError
 from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..io.urls import expand_urls
+from ..tar.columns import ScanRows
+from ..tar.lean import scan_many
+from ..tar.scan import parse_sample
 from .buckets import BucketFn, SingleBucket, wrap_callable
 from .format import Index, ShardInfo, load_index
 from .output import check_output, write_index
 from .progress import Progress
 from .rows import ShardRows, assemble, fit_exts, unreadable
 from .shardfile import directory_error, open_for_scan, shard_info, stat_shard
-from ..tar.lean import ScanRows, scan_many
-from ..tar.scan import parse_sample
 
 __all__ = ["bucket_fn_of", "build_index", "expand_urls", "scan_shard", "shard_info"]
 

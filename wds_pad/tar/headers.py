@@ -1,10 +1,11 @@
 """Bytes of a tar shard, read entry by entry with ``tarfile``'s rules, and its fault messages.
 
-The layer under both tar drivers (:mod:`.tarscan`, the general parser, and
-:mod:`.tarrows`, the indexer's lean path): :class:`_Reader` serves a shard's bytes at
-absolute offsets from a read-ahead buffer, :func:`_entry` reads the archive entry at an
-offset (its extension headers folded in), and the ``_fault`` family builds every
-:class:`TarFormatError` either driver raises.
+The layer under both tar drivers (:mod:`.scan`, the general parser, and :mod:`.lean`,
+the indexer's lean path): :class:`Reader` serves a shard's bytes at absolute offsets
+from a read-ahead buffer, :func:`read_entry` reads the archive entry at an offset (its
+extension headers folded in), and :func:`fault` / :func:`truncated` build every
+:class:`TarFormatError` either driver raises. The header constants (``BLOCK``,
+``FIELDS``, ``ENC``, ``HINT``, ...) are the package's vocabulary.
 
 Invariants:
     * Header semantics follow ``tarfile``: ustar prefix, GNU ``L``/``K`` long names,
@@ -15,7 +16,7 @@ Invariants:
       contiguous byte range.
     * An entry's first offset is its first header block (long-name and pax blocks
       included); its next offset is the 512-padded end of its payload.
-    * ``_Reader.at(off, n)`` is short only at end of file, in seek mode (``pread`` or
+    * ``Reader.at(off, n)`` is short only at end of file, in seek mode (``pread`` or
       ``seek``/``read``) and stream mode (forward reads in 1 MiB chunks) alike, so both
       modes read the same entries and raise the same faults at the same offsets.
     * Every fault names the URL, the byte offset and, when readable, the member (or the
@@ -34,24 +35,24 @@ from typing import BinaryIO
 
 from ..errors import ShardError, TarFormatError
 
-_BLOCK = 512
+BLOCK = 512
 _CHUNK = 1 << 20  # stream mode read size
-_WINDOW = 4096  # seek mode read size: a header plus a small payload (json) in one read
-_ENC = sys.getfilesystemencoding()  # what tarfile (and so webdataset) decodes names with
+WINDOW = 4096  # seek mode read size: a header plus a small payload (json) in one read
+ENC = sys.getfilesystemencoding()  # what tarfile (and so webdataset) decodes names with
 _PAX_RE = re.compile(rb"(\d+) ([^=]+)=")  # tarfile's pax record pattern
 _PAX_KEYS = re.compile(rb"path=|size=|sparse")  # pax records that matter here (others: mtime, ...)
 _REGULAR = frozenset((b"0", b"\0", b"7"))  # tarfile REGULAR_TYPES minus sparse "S"
 _NO_PAYLOAD = frozenset((b"1", b"2", b"3", b"4", b"5", b"6"))  # links, devices, dirs, fifos
 # name, size, chksum, typeflag, first byte of the ustar prefix
-_FIELDS = struct.Struct("100s24x12s12x8sc188xB")
+FIELDS = struct.Struct("100s24x12s12x8sc188xB")
 _EXTENSION = frozenset((b"L", b"K", b"x", b"X", b"g"))  # headers that describe the next one
-_HINT = "re-create the shard, or index with on_error='skip' to keep the samples before the fault"
+HINT = "re-create the shard, or index with on_error='skip' to keep the samples before the fault"
 _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
 
 
 def _nts(b: bytes) -> str:
     p = b.find(b"\0")
-    return (b if p < 0 else b[:p]).decode(_ENC, "surrogateescape")
+    return (b if p < 0 else b[:p]).decode(ENC, "surrogateescape")
 
 
 def _num(b: bytes) -> int:
@@ -78,14 +79,14 @@ def _checksum_ok(hdr: bytes, total: int) -> bool:
     return stored == unsigned - 256 * high  # tarfile also accepts a signed-char sum
 
 
-def _not_a_tar(r: _Reader, head: bytes, why: str) -> TarFormatError:
+def _not_a_tar(r: Reader, head: bytes, why: str) -> TarFormatError:
     for magic, comp in _COMPRESSED:
         if head.startswith(magic):
-            return _fault(r.url, 0, f"{comp}-compressed shard (byte ranges need an uncompressed tar)")
-    return _fault(r.url, 0, f"not a tar archive ({why})")
+            return fault(r.url, 0, f"{comp}-compressed shard (byte ranges need an uncompressed tar)")
+    return fault(r.url, 0, f"not a tar archive ({why})")
 
 
-def _checked(r: _Reader, pos: int, hdr: bytes, total: int, name: str | None, prev: _Entry | None) -> int:
+def _checked(r: Reader, pos: int, hdr: bytes, total: int, name: str | None, prev: Entry | None) -> int:
     """Verify a header by tarfile's rules; return its size or raise TarFormatError.
 
     ``name`` is the member's name from a long-name or pax header before it, if any;
@@ -112,17 +113,17 @@ def _pax(buf: bytes) -> dict[str, str]:
         if length == 0:
             raise ValueError("pax record of length 0")
         value = buf[m.end(2) + 1 : m.start(1) + length - 1]
-        out[m.group(2).decode("utf-8", "surrogateescape")] = value.decode(_ENC, "surrogateescape")
+        out[m.group(2).decode("utf-8", "surrogateescape")] = value.decode(ENC, "surrogateescape")
         pos += length
     return out
 
 
-def _fault(url: str, offset: int, what: str, *, name: str | None = None, key: str | None = None,
+def fault(url: str, offset: int, what: str, *, name: str | None = None, key: str | None = None,
            after: str | None = None) -> TarFormatError:
     where = "".join((f", member {name!r}" if name else "",
                      f", the header after member {after!r} (its own name is unreadable)" if after and not name else "",
                      f", sample key {key!r}" if key else ""))
-    return TarFormatError(f"{url}: {what} at byte offset {offset}{where}; {_HINT}")
+    return TarFormatError(f"{url}: {what} at byte offset {offset}{where}; {HINT}")
 
 
 def _header_name(hdr: bytes) -> str | None:
@@ -135,48 +136,51 @@ def _header_name(hdr: bytes) -> str | None:
     raw = field if end < 0 else field[:end]
     if not raw:
         return None
-    name = raw.decode(_ENC, "surrogateescape")
+    name = raw.decode(ENC, "surrogateescape")
     if len(hdr) >= 500 and hdr[345]:
         name = f"{_nts(hdr[345:500])}/{name}"
     return name if name.isprintable() else None
 
 
-def _bad_header(r: _Reader, pos: int, what: str, name: str | None, prev: _Entry | None) -> TarFormatError:
+def _bad_header(r: Reader, pos: int, what: str, name: str | None, prev: Entry | None) -> TarFormatError:
     """A fault in the header at ``pos``: named after its member, or after the entry before."""
-    return _fault(r.url, pos, what, name=name, after=None if name or prev is None else prev[4])
+    return fault(r.url, pos, what, name=name, after=None if name or prev is None else prev[4])
 
 
-def _cut(r: _Reader, name: str | None, data: int, size: int, nxt: int, got: int = -1) -> TarFormatError:
+def truncated(r: Reader, name: str | None, data: int, size: int, nxt: int, got: int = -1) -> TarFormatError:
     """The archive ends inside a member's payload (or its padding): the same message in
     seek and stream mode, at the offset where the file ends."""
     end = r.eof if r.eof >= 0 else data + max(got, 0)
-    return _fault(r.url, end, f"truncated inside the payload ({size} bytes at byte offset {data}, padded to "
+    return fault(r.url, end, f"truncated inside the payload ({size} bytes at byte offset {data}, padded to "
                               f"{nxt}): the file ends", name=name)
 
 
-class _Reader:
+class Reader:
     """Bytes of a shard at absolute offsets, with a read-ahead buffer.
 
     ``at(off, n)`` is short only at end of file; ``eof`` is the file size once known
     (from the start in seek mode, when the stream runs dry in stream mode), else -1.
+    The per-member loops read the buffer in place: ``buf`` holds the bytes from offset
+    ``base``; ``fd`` is the descriptor of a regular local file in seek mode (``os.pread``
+    reads it), else -1; ``file`` the file object (None: ``buf`` is all the bytes).
     """
 
-    __slots__ = ("_f", "_fd", "_buf", "_base", "_seek", "url", "eof")
+    __slots__ = ("file", "fd", "buf", "base", "_seek", "url", "eof")
 
     def __init__(self, f: BinaryIO | None, url: str, seek: bool, data: bytes = b"") -> None:
-        self._f, self.url, self._seek = f, url, seek
-        self._fd = -1
-        self._buf, self._base, self.eof = data, 0, len(data) if f is None else -1
+        self.file, self.url, self._seek = f, url, seek
+        self.fd = -1
+        self.buf, self.base, self.eof = data, 0, len(data) if f is None else -1
         if f is None or not seek:
             return
         try:
             fd = f.fileno()
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode):
-                self._fd, self.eof = fd, st.st_size
+                self.fd, self.eof = fd, st.st_size
         except (AttributeError, OSError, ValueError):
             pass
-        if self._fd < 0:
+        if self.fd < 0:
             self.eof = self._io(lambda: f.seek(0, os.SEEK_END), 0)
 
     def _io(self, call, offset: int):  # type: ignore[no-untyped-def]
@@ -186,32 +190,32 @@ class _Reader:
             raise ShardError(f"{self.url}: reading at byte offset {offset} failed: {exc}") from exc
 
     def at(self, off: int, n: int) -> bytes:
-        rel = off - self._base
-        if rel >= 0 and rel + n <= len(self._buf):
-            return self._buf[rel : rel + n]
-        if self._f is None:
-            return self._buf[max(rel, 0) : rel + n] if rel < len(self._buf) else b""
+        rel = off - self.base
+        if rel >= 0 and rel + n <= len(self.buf):
+            return self.buf[rel : rel + n]
+        if self.file is None:
+            return self.buf[max(rel, 0) : rel + n] if rel < len(self.buf) else b""
         return self._fill_seek(off, n) if self._seek else self._fill_stream(off, n)
 
     def _fill_seek(self, off: int, n: int) -> bytes:
-        want = max(n, _WINDOW)
-        if self._fd >= 0:
-            parts = [self._io(lambda: os.pread(self._fd, want, off), off)]
+        want = max(n, WINDOW)
+        if self.fd >= 0:
+            parts = [self._io(lambda: os.pread(self.fd, want, off), off)]
         else:
-            self._io(lambda: self._f.seek(off), off)  # type: ignore[union-attr]
-            parts = [self._io(lambda: self._f.read(want), off)]  # type: ignore[union-attr]
+            self._io(lambda: self.file.seek(off), off)  # type: ignore[union-attr]
+            parts = [self._io(lambda: self.file.read(want), off)]  # type: ignore[union-attr]
         got = len(parts[0])
         while parts[-1] and got < want and off + got < self.eof:  # short reads before EOF
-            if self._fd >= 0:
-                parts.append(self._io(lambda: os.pread(self._fd, want - got, off + got), off + got))
+            if self.fd >= 0:
+                parts.append(self._io(lambda: os.pread(self.fd, want - got, off + got), off + got))
             else:
-                parts.append(self._io(lambda: self._f.read(want - got), off + got))  # type: ignore[union-attr]
+                parts.append(self._io(lambda: self.file.read(want - got), off + got))  # type: ignore[union-attr]
             got += len(parts[-1])
-        self._buf, self._base = b"".join(parts) if len(parts) > 1 else parts[0], off
-        return self._buf[:n]
+        self.buf, self.base = b"".join(parts) if len(parts) > 1 else parts[0], off
+        return self.buf[:n]
 
     def _fill_stream(self, off: int, n: int) -> bytes:
-        buf, base, read = self._buf, self._base, self._f.read  # type: ignore[union-attr]
+        buf, base, read = self.buf, self.base, self.file.read  # type: ignore[union-attr]
         end = base + len(buf)
         if off < base:
             raise RuntimeError(f"stream reader asked to go back from {base} to {off}")
@@ -229,7 +233,7 @@ class _Reader:
                     break
                 end += len(chunk)
             if not parts:
-                self._buf, self._base = b"", end
+                self.buf, self.base = b"", end
                 return b""
         have = end - off
         while have < n and self.eof < 0:
@@ -239,56 +243,56 @@ class _Reader:
             parts.append(chunk)
             have += len(chunk)
             end += len(chunk)
-        self._buf, self._base = b"".join(parts) if len(parts) > 1 else parts[0], base
+        self.buf, self.base = b"".join(parts) if len(parts) > 1 else parts[0], base
         rel = off - base
-        return self._buf[rel : rel + n]
+        return self.buf[rel : rel + n]
 
 
 # (header_offset, data_offset, size, next_header_offset, name, is_regular)
-_Entry = tuple[int, int, int, int, str, bool]
+Entry = tuple[int, int, int, int, str, bool]
 
 
-def _end_of_data(r: _Reader, pos: int, start: int, got: int, name: str | None, prev: _Entry | None) -> None:
+def _end_of_data(r: Reader, pos: int, start: int, got: int, name: str | None, prev: Entry | None) -> None:
     """Raise unless a short read at header ``pos`` is the clean end of the archive."""
     if pos == start and not got and pos == r.eof and pos:
         return  # EOF right at a header boundary ends the archive, as in tarfile
     if pos == 0:
-        head = r.at(0, _BLOCK)
+        head = r.at(0, BLOCK)
         if not head:
-            raise _fault(r.url, 0, "empty file, not a tar archive")
+            raise fault(r.url, 0, "empty file, not a tar archive")
         raise _not_a_tar(r, head, f"only {len(head)} bytes")
     if not got and 0 <= r.eof < pos:
         if prev is not None and prev[3] == pos:  # the entry before runs past the end
-            raise _cut(r, prev[4], prev[1], prev[2], prev[3])
-        raise _fault(r.url, r.eof, f"truncated inside the payload of the member before offset {pos}")
+            raise truncated(r, prev[4], prev[1], prev[2], prev[3])
+        raise fault(r.url, r.eof, f"truncated inside the payload of the member before offset {pos}")
     header = r.at(pos, got)
-    raise _bad_header(r, pos, f"truncated tar header ({got} of {_BLOCK} bytes)",
+    raise _bad_header(r, pos, f"truncated tar header ({got} of {BLOCK} bytes)",
                       name if name is not None else _header_name(header), prev)
 
 
-def _entry(r: _Reader, pos: int, prev: _Entry | None) -> _Entry | None:
+def read_entry(r: Reader, pos: int, prev: Entry | None) -> Entry | None:
     """Read the archive entry starting at ``pos``; ``None`` at the end of the archive.
 
     ``prev`` is the entry before it, if known (for messages)."""
-    start, name, size_override, adler, unpack = pos, None, None, zlib.adler32, _FIELDS.unpack_from
+    start, name, size_override, adler, unpack = pos, None, None, zlib.adler32, FIELDS.unpack_from
     while True:
-        buf, rel = r._buf, pos - r._base
-        if rel < 0 or rel + _BLOCK > len(buf):
-            got = len(r.at(pos, _BLOCK))
-            if got < _BLOCK:
+        buf, rel = r.buf, pos - r.base
+        if rel < 0 or rel + BLOCK > len(buf):
+            got = len(r.at(pos, BLOCK))
+            if got < BLOCK:
                 _end_of_data(r, pos, start, got, name, prev)
                 return None
-            buf, rel = r._buf, pos - r._base
+            buf, rel = r.buf, pos - r.base
         # The exact byte sum from adler32 (its low half is 1 + sum mod 65521): one call
         # when every byte is ASCII (sum <= 512 * 127 < 65521), else one per 256-byte half.
-        hdr = buf[rel : rel + _BLOCK]
+        hdr = buf[rel : rel + BLOCK]
         if hdr.isascii():
             total = (adler(hdr) & 0xFFFF) - 1
         else:
             total = (adler(hdr[:256]) & 0xFFFF) + (adler(hdr[256:]) & 0xFFFF) - 2
         if total == 0:
             if pos != start:
-                raise _fault(r.url, pos, "end-of-archive block after a long-name or pax header")
+                raise fault(r.url, pos, "end-of-archive block after a long-name or pax header")
             return None
         raw, num, chk, kind, prefixed = unpack(hdr)
         try:  # fast path for plain octal fields; _checked() applies tarfile's full rules
@@ -298,8 +302,8 @@ def _entry(r: _Reader, pos: int, prev: _Entry | None) -> _Entry | None:
         except ValueError:
             size = _checked(r, pos, hdr, total, name, prev)
         if kind in _EXTENSION:
-            rel += _BLOCK
-            ext = buf[rel : rel + size] if rel + size <= len(buf) else r.at(pos + _BLOCK, size)
+            rel += BLOCK
+            ext = buf[rel : rel + size] if rel + size <= len(buf) else r.at(pos + BLOCK, size)
             if len(ext) < size:
                 raise _bad_header(r, pos, "truncated long-name or pax header", name, prev)
             if kind == b"L":
@@ -308,38 +312,38 @@ def _entry(r: _Reader, pos: int, prev: _Entry | None) -> _Entry | None:
             elif kind != b"K" and _PAX_KEYS.search(ext) is not None:
                 name, size_override, start = _apply_pax(r, pos, kind, ext, size, name, size_override, start)
             elif kind == b"g" and pos == start:  # tarfile does not count a leading global header in
-                start = pos + _BLOCK + ((size + 511) & ~511)
-            pos += _BLOCK + ((size + 511) & ~511)
+                start = pos + BLOCK + ((size + 511) & ~511)
+            pos += BLOCK + ((size + 511) & ~511)
             continue
         if kind == b"S":
-            raise _fault(r.url, pos, "sparse members are not supported", name=name)
+            raise fault(r.url, pos, "sparse members are not supported", name=name)
         i = raw.find(0)
-        raw = raw[: 100 if i < 0 else i].decode(_ENC, "surrogateescape")
+        raw = raw[: 100 if i < 0 else i].decode(ENC, "surrogateescape")
         if name is None:
             name = raw if not prefixed else f"{_nts(hdr[345:500])}/{raw}"
         if size_override is not None:
             size = size_override
-        data = pos + _BLOCK
+        data = pos + BLOCK
         nxt = data if kind in _NO_PAYLOAD else data + ((size + 511) & ~511)
         if 0 <= r.eof < nxt:
-            raise _cut(r, name, data, size, nxt)
+            raise truncated(r, name, data, size, nxt)
         return start, data, size, nxt, name, kind in _REGULAR and not (kind == b"\0" and raw.endswith("/"))
 
 
-def _apply_pax(r: _Reader, pos: int, kind: bytes, ext: bytes, size: int, name: str | None,
+def _apply_pax(r: Reader, pos: int, kind: bytes, ext: bytes, size: int, name: str | None,
                size_override: int | None, start: int) -> tuple[str | None, int | None, int]:
     """Fold one pax header into the pending (name, size override, first header offset)."""
     try:
         pax = _pax(ext)
     except ValueError as exc:
-        raise _fault(r.url, pos, f"invalid pax header ({exc})") from exc
+        raise fault(r.url, pos, f"invalid pax header ({exc})") from exc
     if any(k.startswith("GNU.sparse.") for k in pax):
-        raise _fault(r.url, pos, "sparse members are not supported", name=name)
+        raise fault(r.url, pos, "sparse members are not supported", name=name)
     if kind == b"g":
         if "path" in pax or "size" in pax:
-            raise _fault(r.url, pos, "a global pax header overriding path or size is not supported")
+            raise fault(r.url, pos, "a global pax header overriding path or size is not supported")
         if pos == start:
-            start = pos + _BLOCK + ((size + 511) & ~511)
+            start = pos + BLOCK + ((size + 511) & ~511)
         return name, size_override, start
     if name is None and "path" in pax:
         name = pax["path"].rstrip("/")

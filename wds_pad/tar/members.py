@@ -1,8 +1,9 @@
 """Webdataset samples from tar entries: the per-member step both tar drivers share.
 
-:func:`_samples` walks a shard's entries from a sample's first header and groups them
-into :class:`ScannedSample` records; :mod:`.tarscan` (``scan_tar``) yields them, and
-:mod:`.tarrows` hands it a shard from the first sample its lean path does not take.
+:func:`read_samples` walks a shard's entries from a sample's first header and groups them
+into :class:`ScannedSample` records; :mod:`.scan` (``scan_tar``) yields them, and
+:mod:`.lean` hands it a shard from the first sample its lean path does not take. Both
+check their arguments with :func:`check_options`.
 
 Invariants:
     * Grouping matches ``wds.WebDataset(url)`` exactly: only regular members count
@@ -15,7 +16,8 @@ Invariants:
       its first member (long-name and pax blocks included) and ends at the 512-padded end
       of its last member's payload; it parses on its own with ``parse_sample``.
     * Seek mode and stream mode yield identical samples, and the inline fast path for
-      plain ustar headers accepts only headers :func:`.tarentry._entry` reads the same way.
+      plain ustar headers accepts only headers :func:`.headers.read_entry` reads the
+      same way.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
-from .headers import _BLOCK, _ENC, _FIELDS, _WINDOW, _cut, _entry, _fault, _Reader
+from .headers import BLOCK, ENC, FIELDS, WINDOW, Reader, fault, read_entry, truncated
 
-_KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
+KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _SKIP_META_RE = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
 _RESERVED_EXTS = frozenset(("__key__", "__url__"))  # already in every webdataset sample
 
@@ -85,10 +87,10 @@ class ScannedSample:
     data: dict[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.offset < 0 or self.offset % _BLOCK or self.length < _BLOCK or self.length % _BLOCK:
+        if self.offset < 0 or self.offset % BLOCK or self.length < BLOCK or self.length % BLOCK:
             raise ConfigError(
                 f"sample {self.key!r}: offset {self.offset} and length {self.length} must be "
-                f"non-negative multiples of {_BLOCK} (length at least one block)"
+                f"non-negative multiples of {BLOCK} (length at least one block)"
             )
         if not self.members:
             raise ConfigError(f"sample {self.key!r} at offset {self.offset} has no members")
@@ -105,11 +107,11 @@ def split_key(name: str) -> tuple[str, str] | None:
     Returns:
         ``("a.b/c", "seg.png")``, or ``None`` when the file name has no extension.
     """
-    m = _KEY_RE.match(name)
+    m = KEY_RE.match(name)
     return None if m is None else (m.group(1), m.group(2))
 
 
-def _is_meta(name: str) -> bool:
+def is_meta(name: str) -> bool:
     """Whether webdataset's tar_file_iterator skips the member as metadata."""
     if "/" not in name and name.endswith("__"):
         return True
@@ -139,7 +141,7 @@ def _sample(key: str, members: list[Member], data: dict[str, bytes]) -> ScannedS
     return s
 
 
-def _samples(r: _Reader, want: frozenset[str], head: int | None, start: int = 0) -> Iterator[ScannedSample]:
+def read_samples(r: Reader, want: frozenset[str], head: int | None, start: int = 0) -> Iterator[ScannedSample]:
     """The per-member step: the samples of ``r`` from offset ``start`` (a sample's first
     header), each with the payloads of the ``want`` extensions (their first ``head``
     bytes when set); raises TarFormatError at the first fault, with its offset."""
@@ -149,29 +151,29 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None, start: int = 0)
     data: dict[str, bytes] = {}
     exts: list[str] = []
     bad = False
-    unpack, adler, enc = _FIELDS.unpack_from, zlib.adler32, _ENC
-    fd, pread = r._fd, os.pread
+    unpack, adler, enc = FIELDS.unpack_from, zlib.adler32, ENC
+    fd, pread = r.fd, os.pread
     while True:
         # Fast path, inline: a plain ustar regular-file header already in the buffer
         # (what ShardWriter and most tools write). Anything else -- extension headers,
-        # prefixes, non-ASCII, bad checksums, the end, truncation -- goes to _entry,
+        # prefixes, non-ASCII, bad checksums, the end, truncation -- goes to read_entry,
         # which applies every rule and raises with the offset.
         e = None
-        buf, rel = r._buf, pos - r._base
-        if rel < 0 or rel + _BLOCK > len(buf):
-            if fd >= 0 and pos + _WINDOW <= r.eof:
+        buf, rel = r.buf, pos - r.base
+        if rel < 0 or rel + BLOCK > len(buf):
+            if fd >= 0 and pos + WINDOW <= r.eof:
                 try:  # the common case inline: a full window well inside a local file
-                    buf = r._buf = pread(fd, _WINDOW, pos)
-                    r._base, rel = pos, 0
+                    buf = r.buf = pread(fd, WINDOW, pos)
+                    r.base, rel = pos, 0
                 except OSError:
                     buf = b""
-            if rel != 0 or len(buf) < _WINDOW:
-                r.at(pos, _BLOCK)  # short reads, errors and stream mode: the full rules
-                buf, rel = r._buf, pos - r._base
-        if rel >= 0 and rel + _BLOCK <= len(buf):
+            if rel != 0 or len(buf) < WINDOW:
+                r.at(pos, BLOCK)  # short reads, errors and stream mode: the full rules
+                buf, rel = r.buf, pos - r.base
+        if rel >= 0 and rel + BLOCK <= len(buf):
             raw, num, chk, kind, prefixed = unpack(buf, rel)
             if (kind == b"0" or kind == b"\0") and not prefixed:
-                hdr = buf[rel : rel + _BLOCK]
+                hdr = buf[rel : rel + BLOCK]
                 if hdr.isascii():
                     total = (adler(hdr) & 0xFFFF) - 1
                     try:
@@ -182,23 +184,23 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None, start: int = 0)
                     if ok:
                         i = raw.find(0)
                         nm = (raw if i < 0 else raw[:i]).decode(enc, "surrogateescape")
-                        data_at = pos + _BLOCK
+                        data_at = pos + BLOCK
                         nxt = data_at + ((size + 511) & ~511)
                         if not nm.endswith("/") and not 0 <= r.eof < nxt:
                             e = (pos, data_at, size, nxt, nm, True)
         if e is None:
-            e = _entry(r, pos, prev)
+            e = read_entry(r, pos, prev)
             if e is None:
                 break
         start, off, size, pos, name, regular = prev = e
-        if not regular or (name.startswith("__") and _is_meta(name)):
+        if not regular or (name.startswith("__") and is_meta(name)):
             continue
         # webdataset's base_plus_ext without a regex: key = up to the first dot of the
         # file name (which needs at least one character before it), ext = the rest
         cut = name.rfind("/") + 1
         dot = name.find(".", cut)
         if dot <= cut or "\n" in name:
-            m = _KEY_RE.match(name)  # no key, or a name the regex treats specially
+            m = KEY_RE.match(name)  # no key, or a name the regex treats specially
             if m is None:
                 continue
             k, ext = m.groups()
@@ -211,26 +213,26 @@ def _samples(r: _Reader, want: frozenset[str], head: int | None, start: int = 0)
             key, members, data, exts, bad = k, [], {}, [], False
         if ext in exts or ext in _RESERVED_EXTS:
             if r.eof < 0 and pos > off and not r.at(pos - 1, 1):  # stream mode: a cut payload, as seek mode sees first
-                raise _cut(r, name, off, size, pos)
-            raise _fault(r.url, start, f"duplicate suffix {ext!r} in one sample (webdataset rejects it)", name=name, key=k)
+                raise truncated(r, name, off, size, pos)
+            raise fault(r.url, start, f"duplicate suffix {ext!r} in one sample (webdataset rejects it)", name=name, key=k)
         exts.append(ext)
         members.append(_member(name, ext, start, off, size))
         if ext == "__bad__" and size:
             bad = True  # webdataset's valid_sample drops it
         if ext in want:
             n = size if head is None or head > size else head
-            rel = off - r._base
-            payload = r._buf[rel : rel + n] if rel >= 0 and rel + n <= len(r._buf) else r.at(off, n)
+            rel = off - r.base
+            payload = r.buf[rel : rel + n] if rel >= 0 and rel + n <= len(r.buf) else r.at(off, n)
             if len(payload) < n:
-                raise _cut(r, name, off, size, pos, len(payload))
+                raise truncated(r, name, off, size, pos, len(payload))
             data[ext] = payload
     if key is not None and not bad:
         yield _sample(key, members, data)
 
 
-def _options(want: Collection[str], head_bytes: int | None,
+def check_options(want: Collection[str], head_bytes: int | None,
              on_error: str | OnError) -> tuple[frozenset[str], int | None, OnError]:
-    """Check scan_tar's arguments; return (wanted extensions, head_bytes, mode)."""
+    """Check scan_tar's (and scan_rows') arguments; return (wanted extensions, head_bytes, mode)."""
     try:
         mode = OnError(on_error)
     except ValueError as exc:

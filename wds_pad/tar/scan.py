@@ -4,12 +4,11 @@
 reading through in 1 MiB chunks when it cannot) and yields one :class:`ScannedSample`
 per webdataset sample; ``parse_sample`` turns the bytes of one recorded range back into
 the sample's ``{ext: payload}``. The reading and grouping rules live in
-:mod:`.tarentry` and :mod:`.tarread`, shared with the indexer's lean path
-(:mod:`.tarrows`).
+:mod:`.headers` and :mod:`.members`, shared with the indexer's lean path (:mod:`.lean`).
 
 Invariants:
     * ``scan_tar`` yields what ``wds.WebDataset(url)`` groups, in archive order, each
-      sample with the contiguous byte range that holds it (see :mod:`.tarread`); seek
+      sample with the contiguous byte range that holds it (see :mod:`.members`); seek
       mode and stream mode yield identical samples.
     * With ``on_error="skip"`` a fault stops the shard: the samples before it have been
       yielded, one warning is logged on this module's logger, and the generator returns
@@ -26,8 +25,8 @@ from typing import BinaryIO
 
 from ..errors import StaleShardError, TarFormatError
 
-from .headers import _HINT, _entry, _Reader
-from .members import _KEY_RE, Member, OnError, ScannedSample, _is_meta, _options, _samples, split_key
+from .headers import HINT, Reader, read_entry
+from .members import KEY_RE, Member, OnError, ScannedSample, check_options, is_meta, read_samples, split_key
 
 __all__ = ["Member", "OnError", "ScannedSample", "parse_sample", "parse_sample_at", "scan_tar", "split_key"]
 
@@ -70,7 +69,7 @@ def scan_tar(
         ShardError: Reading ``f`` failed.
         ConfigError: An argument is invalid.
     """
-    wanted, head, mode = _options(want, head_bytes, on_error)
+    wanted, head, mode = check_options(want, head_bytes, on_error)
     return _scan(f, url, wanted, head, seekable, mode)
 
 
@@ -79,8 +78,8 @@ def _scan(f: BinaryIO, url: str, want: frozenset[str], head: int | None, seekabl
     if seekable is None:
         seekable = bool(getattr(f, "seekable", lambda: False)())
     try:
-        r = _Reader(f, url, seekable)
-        yield from _samples(r, want, head)
+        r = Reader(f, url, seekable)
+        yield from read_samples(r, want, head)
     except TarFormatError as exc:
         if mode is OnError.RAISE:
             raise
@@ -108,11 +107,11 @@ def parse_sample(data: bytes, url: str, offset: int, key: str | None = None) -> 
     """
     if not isinstance(data, bytes):
         data = bytes(data)
-    return _parse_range(_Reader(None, url, True, data), url, 0, len(data), offset, key)
+    return _parse_range(Reader(None, url, True, data), url, 0, len(data), offset, key)
 
 
 class _Fd:
-    """A file-like over a descriptor for :class:`_Reader` (reads use os.pread)."""
+    """A file-like over a descriptor for :class:`Reader` (reads use os.pread)."""
 
     __slots__ = ("fd",)
 
@@ -133,24 +132,24 @@ def parse_sample_at(fd: int, url: str, offset: int, length: int, key: str | None
     Raises:
         StaleShardError: as :func:`parse_sample` (also when the file is now shorter).
     """
-    return _parse_range(_Reader(_Fd(fd), url, True), url, offset, offset + length, 0, key)  # type: ignore[arg-type]
+    return _parse_range(Reader(_Fd(fd), url, True), url, offset, offset + length, 0, key)  # type: ignore[arg-type]
 
 
-def _parse_range(r: _Reader, url: str, start: int, end: int, base: int, key: str | None) -> dict[str, bytes]:
+def _parse_range(r: Reader, url: str, start: int, end: int, base: int, key: str | None) -> dict[str, bytes]:
     """Members of the one sample in ``[start, end)`` of ``r``; ``base`` shifts offsets in messages."""
     out: dict[str, bytes] = {}
     pos, got, e = start, None, None
     try:
         while pos < end:
-            e = _entry(r, pos, e)
+            e = read_entry(r, pos, e)
             if e is None:
                 raise ValueError(f"end-of-archive block at offset {base + pos}")
             _, off, size, pos, name, regular = e
             if pos > end:
                 raise ValueError(f"member {name!r} runs past the end of the range")
-            if not regular or (name.startswith("__") and _is_meta(name)):
+            if not regular or (name.startswith("__") and is_meta(name)):
                 continue
-            m = _KEY_RE.match(name)
+            m = KEY_RE.match(name)
             if m is None:
                 continue
             k, ext = m.group(1), m.group(2).lower()
@@ -165,7 +164,7 @@ def _parse_range(r: _Reader, url: str, start: int, end: int, base: int, key: str
         if pos != end or got is None:
             raise ValueError(f"range of {end - start} bytes does not end where its last member ends ({pos - start})")
     except (TarFormatError, ValueError) as exc:
-        detail = str(exc).removesuffix(f"; {_HINT}").removeprefix(f"{url}: ")
+        detail = str(exc).removesuffix(f"; {HINT}").removeprefix(f"{url}: ")
         where = "offsets relative to the range" if base else "absolute offsets"
         raise StaleShardError(
             f"{url}: the {end - start} bytes at offset {base + start} are not sample {key!r} as indexed "
