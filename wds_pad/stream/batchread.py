@@ -18,21 +18,12 @@ Invariants:
   ``ReadStats.exact_batches`` / ``exact_samples``; an ``OSError`` or our own error is such a fallback too
   (the exact path reports it where it happens), any other exception is a bug and
   propagates;
-- identity check, per member, on the 512-byte header right before its payload (the
-  member's own ustar header, whichever extended headers precede it):
-  * plain ustar, PAX (per member or global; webdataset's TarWriter, ``tarfile``'s
-    default, ``tar --format=posix``) and GNU headers: the name field begins with
-    ``key + "."``; a name longer than the field (a PAX ``path`` record or a GNU
-    ``././@LongLink`` holds the whole name) is checked on the field's 100 bytes, the
-    whole name's first 100 bytes;
-  * a ustar prefix (a long name split in two fields): ``prefix + "/" + name`` begins
-    with ``key + "."`` (checked only when the first test fails);
-  * a non-ASCII name that ``tarfile`` wrote as PAX: its name field holds the name with
-    ``?`` for each character outside ASCII, and that is what is compared.
-  What it cannot see: the PAX or GNU long-name records themselves (not read: beyond 100
-  bytes a name is not compared), the header's size field and checksum, and payload
-  bytes. Each shard is still checked against its indexed size and change stamp once per
-  stream, when first opened (``RangeReader``): that is what catches a rewritten shard.
+- identity check, per member, on the 512-byte header right before its payload
+  (``wds_pad.tar.names``: the name field, or prefix and name, begins with ``key + "."``).
+  What it cannot see: the PAX or GNU long-name records themselves, the header's size
+  field and checksum, and payload bytes. Each shard is still checked against its indexed
+  size and change stamp once per stream, when first opened (``RangeReader``): that is
+  what catches a rewritten shard.
 """
 
 from __future__ import annotations
@@ -48,15 +39,14 @@ from ..core.plan import Batch
 from ..errors import WdsPadError
 from ..index.format import Index
 from ..io.ranges import RangeReader
+from ..tar.names import NAME, names_sample
 
-__all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES", "member_refs", "names_sample",
-           "slice_sample"]
+__all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES", "member_refs"]
 
 # Samples at least this large are read one payload per pread (no copy out of a range buffer).
 BIG_SAMPLE = 256 * 1024
 CHUNK = 32  # plan batches computed together (Plan.batches), at least
 CHUNK_SAMPLES = 4096  # ... and at least this many samples' worth (batch 1: 4096 batches)
-NAME = 100  # bytes of a ustar header's name field
 
 _TABLES: weakref.WeakKeyDictionary[Index, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 
@@ -91,19 +81,6 @@ def _key_lists(ko: np.ndarray, table: np.ndarray, ids: np.ndarray) -> tuple[list
     if int(lens.max()) >= NAME:  # names longer than the field: compare what it holds
         tokens = [t[:NAME] for t in tokens]
     return keys, tokens
-
-
-def names_sample(data: bytes, h: int, key: str) -> bool:
-    """The rarer header forms of the identity check: a ustar prefix, or a name ``tarfile``
-    wrote with ``?`` for its non-ASCII characters (see the module doc)."""
-    name = data[h : h + NAME].split(b"\0", 1)[0]
-    prefix = data[h + 345 : h + 500].split(b"\0", 1)[0] if data[h + 257 : h + 262] == b"ustar" else b""
-    full = prefix + b"/" + name if prefix else name
-    truncated = not prefix and len(name) == NAME  # the whole name is in a PAX or GNU record
-    for token in ((key + ".").encode("utf-8"), (key + ".").encode("ascii", "replace")):
-        if full.startswith(token[:NAME] if truncated else token):
-            return True
-    return False
 
 
 @dataclass
@@ -292,18 +269,6 @@ def member_refs(work: _Work) -> list[tuple[bytes, list[str], list[int], list[int
     for tok, cnt in zip(c.tokens[lo:hi], c.counts[lo:hi]):
         out.append((tok, exts[m : m + cnt], heads[m : m + cnt], sizes[m : m + cnt]))
         m += cnt
-    return out
-
-
-def slice_sample(data: bytes, key: str, members: tuple[bytes, list[str], list[int], list[int]]) -> dict[str, bytes] | None:
-    """``{ext: payload}`` of one sample's bytes through its member table entry, or None
-    when a header does not name the sample (the caller parses it on the exact path)."""
-    tok, exts, heads, sizes = members
-    out = {}
-    for e, h, n in zip(exts, heads, sizes):
-        if not (data.startswith(tok, h) or names_sample(data, h, key)) or h + 512 + n > len(data):
-            return None
-        out[e] = data[h + 512 : h + 512 + n]
     return out
 
 

@@ -33,8 +33,8 @@ from ..errors import WdsPadError
 from ..index.format import Index
 from ..io.ranges import LocalReadAhead, RangeReader, ReadOptions
 from ..core.seed import derive_rng
+from ..tar.names import names_sample, slice_sample
 from ..tar.scan import parse_sample, parse_sample_at
-from .batchread import names_sample, slice_sample
 from .stages import PlanSpec
 
 __all__ = ["Counters", "fetch"]
