@@ -67,13 +67,28 @@ def test_imports_run_downward_only(path: Path) -> None:
             f"{path.relative_to(ROOT)}:{line} imports {target} ({theirs} stands above {mine})")
 
 
-def test_the_top_level_holds_only_the_api_errors_and_the_moved_names() -> None:
+def test_the_top_level_holds_only_the_api_errors_the_version_and_the_moved_names() -> None:
     # __main__.py: `python -m wds_pad` (and `torchrun -m wds_pad index ...`) runs the CLI
-    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", "__main__.py", "_moved.py", "errors.py"]
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == [
+        "__init__.py", "__main__.py", "_moved.py", "errors.py", "version.py"]
 
 
-def test_errors_imports_nothing_of_ours() -> None:
-    assert _imports(PACKAGE / "errors.py") == []
+@pytest.mark.parametrize("name", ["errors.py", "version.py"])
+def test_errors_and_version_import_nothing_of_ours(name: str) -> None:
+    assert _imports(PACKAGE / name) == []
+
+
+INSIDE = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
+
+
+@pytest.mark.parametrize("path", INSIDE, ids=[str(p.relative_to(PACKAGE)) for p in INSIDE])
+def test_no_module_imports_the_package_face(path: Path) -> None:
+    # `from .. import X` resolving to wds_pad, `from wds_pad import X`, `import wds_pad`:
+    # the face imports every stage, so a module inside that imports it imports upward
+    for line, target in _imports(path):
+        assert target != "wds_pad", (
+            f"{path.relative_to(ROOT)}:{line} imports the package face (wds_pad/__init__.py); import the "
+            "module that defines the name (wds_pad.version for __version__)")
 
 
 BLOCKER = """

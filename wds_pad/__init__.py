@@ -40,8 +40,7 @@ from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
 from .core.policy import Mode, PadTo, Policy
 from .core.seed import derive_rng, shared_seed
 from .core.topology import Topology
-
-__version__ = "0.1.0"
+from .version import __version__
 
 # public name -> module that defines it (imported on first use)
 _LAZY: dict[str, str] = {

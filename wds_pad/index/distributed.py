@@ -46,6 +46,7 @@ from ..errors import ConfigError, IndexFormatError, ShardError, WdsPadError
 from ..io.atomic import atomic_write
 from ..io.redact import redact
 from ..io.urls import expand_urls
+from ..version import __version__
 from .build import Stat, _as_bucket_fn, _default_name, check_options, previous_index, rows_index, scan_shards
 from .buckets import BucketFn
 from .format import FORMAT_VERSION, Index, load_index, merged_parts, serialize
@@ -74,8 +75,6 @@ def parts_dir(output: str) -> str:
 
 def part_digest(urls: Sequence[str], stats: Sequence[Stat | None], fn: BucketFn, on_error: str) -> str:
     """What decides a part's content, hashed (a shard whose stat failed: ``None``)."""
-    from .. import __version__
-
     doc = {"part": _PART_VERSION, "format": FORMAT_VERSION, "wds_pad": __version__, "bucket_by": fn.describe(),
            "on_error": on_error, "shards": [[u, list(s) if s is not None else None] for u, s in zip(urls, stats)]}
     return hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(), digest_size=12).hexdigest()

@@ -22,7 +22,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from .. import errors as _errors
+import wds_pad.errors as _errors  # job_error looks a class up by name
+
 from ..errors import ReadError, WdsPadError
 
 __all__ = ["Job", "failure", "job_error", "linger", "new_job_id"]
