@@ -149,6 +149,13 @@ def test_old_module_paths_still_import_with_a_warning() -> None:
     ("wds_pad.index.tarread", "wds_pad.tar.members", "ScannedSample"),
     ("wds_pad.tarscan", "wds_pad.tar.scan", "parse_sample"),
     ("wds_pad._tarrows", "wds_pad.tar.lean", "scan_many"),
+    ("wds_pad.index.bucket_spec", "wds_pad.index.buckets.spec", "parse_bucket_by"),
+    ("wds_pad.index.bucket_protocol", "wds_pad.index.buckets.protocol", "BucketFn"),
+    ("wds_pad.index.bucket_columns", "wds_pad.index.buckets.columns", "_AspectColumns"),
+    ("wds_pad.index.bucket_ratios", "wds_pad.index.buckets.ratios", "parse_ratios"),
+    ("wds_pad.index.bucket_user", "wds_pad.index.buckets.user", "wrap_callable"),
+    ("wds_pad.index.imagesize", "wds_pad.index.buckets.imagesize", "image_size"),
+    ("wds_pad._imagesize", "wds_pad.index.buckets.imagesize", "image_size_or_none"),
 ])
 def test_old_dotted_paths_import_the_same_objects_with_a_warning(old: str, new: str, name: str) -> None:
     code = (f"import warnings, importlib; warnings.simplefilter('error')\n"
@@ -162,3 +169,15 @@ def test_old_dotted_paths_import_the_same_objects_with_a_warning(old: str, new: 
     warning, same = done.stdout.strip().splitlines()
     assert warning.startswith(f"{old} moved to {new}"), warning
     assert same == "True"
+
+
+def test_the_old_buckets_module_is_the_sub_package_and_offers_its_names() -> None:
+    from wds_pad.index import buckets
+    from wds_pad.index.buckets import builtin, imagesize, user
+    assert buckets.AspectBuckets is builtin.AspectBuckets and buckets.image_size is imagesize.image_size
+    assert buckets.wrap_callable is user.wrap_callable
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from wds_pad.buckets import ImageBuckets  # type: ignore[import-not-found]
+    assert ImageBuckets is builtin.ImageBuckets

@@ -69,7 +69,7 @@ _LAZY: dict[str, str] = {
     "split_by_node": "stream.shards",
     "state_path": "state.files",
     "verify_index": "index.verify",
-    "wrap_callable": "index.bucket_user",
+    "wrap_callable": "index.buckets.user",
     "write_index": "index.output",
 }
 

@@ -26,13 +26,16 @@ from typing import Any, Sequence
 MOVED = {
     "topology": "core.topology", "seed": "core.seed", "_permute": "core.permute", "plan": "core.plan",
     "indexer": "index.build", "tarscan": "tar.scan", "_tarrows": "tar.lean",
-    "buckets": "index.buckets", "_imagesize": "index.imagesize", "_progress": "index.progress",
+    "buckets": "index.buckets", "_imagesize": "index.buckets.imagesize", "_progress": "index.progress",
     "read": "io.ranges", "_urls": "io.urls", "_atomic": "io.atomic",
     "stages": "stream.stages", "dataset": "stream.dataset", "shards": "stream.shards",
     "shardstream": "stream.shardstream", "_loaderargs": "stream.loaderargs",
     "_elastic": "state.elastic", "_cli_index": "cli.index", "_demo": "cli.demo", "_synth": "cli.synth",
     "index.tarentry": "tar.headers", "index.tarread": "tar.members", "index.tarscan": "tar.scan",
     "index.tarrows": "tar.lean", "index.tarcols": "tar.columns",
+    "index.bucket_spec": "index.buckets.spec", "index.bucket_protocol": "index.buckets.protocol",
+    "index.bucket_columns": "index.buckets.columns", "index.bucket_ratios": "index.buckets.ratios",
+    "index.bucket_user": "index.buckets.user", "index.imagesize": "index.buckets.imagesize",
 }
 
 #: old module -> the further modules that took part of its names when it was split; the

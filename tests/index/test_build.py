@@ -15,7 +15,7 @@ import webdataset as wds
 
 import wds_pad.index.build as indexer_mod
 from wds_pad.cli.synth import make_blob_shards, make_image_shards
-from wds_pad.index.bucket_spec import parse_bucket_by
+from wds_pad.index.buckets.spec import parse_bucket_by
 from wds_pad.index.buckets import AspectBuckets, ImageBuckets, JsonField, wrap_callable
 from wds_pad.errors import BucketError, ConfigError, ShardError, TarFormatError
 from wds_pad.index.format import load_index

@@ -101,7 +101,7 @@ def _under_torchrun() -> bool:
 
 def _cmd_index(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
-    from ..index.bucket_spec import parse_bucket_by
+    from ..index.buckets.spec import parse_bucket_by
     from ..index.build import bucket_fn_of
     from ..index.format import load_index
     from ..index.output import check_output

@@ -34,7 +34,9 @@ from ..io.urls import expand_urls
 from ..tar.columns import ScanRows
 from ..tar.lean import scan_many
 from ..tar.scan import parse_sample
-from .buckets import BucketFn, SingleBucket, wrap_callable
+from .buckets.builtin import SingleBucket
+from .buckets.protocol import BucketFn
+from .buckets.user import wrap_callable
 from .format import Index, ShardInfo, load_index
 from .output import check_output, write_index
 from .progress import Progress
@@ -202,7 +204,7 @@ def _as_bucket_fn(bucket_by: Any, members: Sequence[str] | None, head_bytes: int
     if hasattr(bucket_by, "members") and hasattr(bucket_by, "describe"):
         return bucket_by  # type: ignore[no-any-return]
     if isinstance(bucket_by, str):
-        from .bucket_spec import parse_bucket_by
+        from .buckets.spec import parse_bucket_by
 
         return parse_bucket_by(bucket_by)
     if callable(bucket_by):
@@ -378,8 +380,8 @@ def bucket_fn_of(index: Index) -> BucketFn:
     a Python callable (or a map given as a mapping) cannot be rebuilt: the result then
     only lets an update reuse rows, and refuses to scan a changed or new shard.
     """
-    from .bucket_user import MappingBuckets
-    from .buckets import AspectBuckets, ImageBuckets, JsonField
+    from .buckets.builtin import AspectBuckets, ImageBuckets, JsonField
+    from .buckets.user import MappingBuckets
 
     d = dict(index.bucket_by)
     kind = d.get("kind")

@@ -48,7 +48,7 @@ from ..io.redact import redact
 from ..io.urls import expand_urls
 from ..version import __version__
 from .build import Stat, _as_bucket_fn, _default_name, check_options, previous_index, rows_index, scan_shards
-from .buckets import BucketFn
+from .buckets.protocol import BucketFn
 from .format import FORMAT_VERSION, Index, load_index, merged_parts, serialize
 from .jobstore import Job, failure, job_error, linger, new_job_id
 from .output import _local, check_output

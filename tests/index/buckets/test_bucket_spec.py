@@ -1,11 +1,11 @@
-"""Tests of wds_pad.index.bucket_spec: the --bucket-by spellings and their options."""
+"""Tests of wds_pad.index.buckets.spec: the --bucket-by spellings and their options."""
 
 from __future__ import annotations
 
 import pytest
 
 from wds_pad.errors import ConfigError
-from wds_pad.index.bucket_spec import parse_bucket_by
+from wds_pad.index.buckets.spec import parse_bucket_by
 from wds_pad.index.buckets import AspectBuckets, ImageBuckets, JsonField, SingleBucket
 
 

@@ -1,4 +1,4 @@
-"""Tests of wds_pad.index.bucket_protocol: every built-in is a BucketFn, keys are checked."""
+"""Tests of wds_pad.index.buckets.protocol: every built-in is a BucketFn, keys are checked."""
 
 from __future__ import annotations
 

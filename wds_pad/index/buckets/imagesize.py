@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 
-from wds_pad.errors import BucketError
+from ...errors import BucketError
 
 __all__ = ["image_size", "image_size_or_none"]
 

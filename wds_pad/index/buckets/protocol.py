@@ -24,7 +24,7 @@ import numbers
 from collections.abc import Hashable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from wds_pad.errors import BucketError, ConfigError
+from ...errors import BucketError, ConfigError
 
 __all__ = ["BucketFn", "BucketKey", "check_bucket_key"]
 

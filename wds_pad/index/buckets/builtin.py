@@ -28,10 +28,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from wds_pad.errors import BucketError, ConfigError
-from wds_pad.index.bucket_columns import _AspectColumns
-from wds_pad.index.bucket_protocol import BucketFn, BucketKey, _check_member, check_bucket_key
-from wds_pad.index.bucket_ratios import (
+from ...errors import BucketError, ConfigError
+from .columns import _AspectColumns
+from .protocol import BucketFn, BucketKey, _check_member, check_bucket_key
+from .ratios import (
     DEFAULT_RATIOS,
     RatioLike,
     _fmt_number,
@@ -39,8 +39,8 @@ from wds_pad.index.bucket_ratios import (
     _quantize,
     parse_ratios,
 )
-from wds_pad.index.bucket_user import CallableBuckets, MappingBuckets, wrap_callable
-from wds_pad.index.imagesize import image_size, image_size_or_none
+from .user import CallableBuckets, MappingBuckets, wrap_callable
+from .imagesize import image_size, image_size_or_none
 
 __all__ = [
     "DEFAULT_RATIOS",

@@ -1,4 +1,4 @@
-"""Tests of wds_pad.index.bucket_ratios: ratio spellings, labels and quantisation (through AspectBuckets)."""
+"""Tests of wds_pad.index.buckets.ratios: ratio spellings, labels and quantisation (through AspectBuckets)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wds_pad.errors import ConfigError
-from wds_pad.index.bucket_ratios import parse_ratios
+from wds_pad.index.buckets.ratios import parse_ratios
 from wds_pad.index.buckets import AspectBuckets
 
 

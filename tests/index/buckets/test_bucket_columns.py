@@ -1,4 +1,4 @@
-"""Tests of wds_pad.index.bucket_columns: AspectBuckets.many equals one call per sample."""
+"""Tests of wds_pad.index.buckets.columns: AspectBuckets.many equals one call per sample."""
 
 from __future__ import annotations
 

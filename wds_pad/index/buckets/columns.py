@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from wds_pad.index.bucket_ratios import RatioLike, _quantize
+from .ratios import RatioLike, _quantize
 
 _json_scan = json.scanner.make_scanner(json.JSONDecoder())  # one value at an offset: (value, end)
 _NUMBER = frozenset((int, float))  # JSON numbers (bool is not one)

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from decimal import Decimal
 
-from wds_pad.errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["DEFAULT_RATIOS", "RatioLike", "parse_ratios"]
 

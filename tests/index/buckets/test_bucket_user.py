@@ -1,4 +1,4 @@
-"""Tests of wds_pad.index.bucket_user: bucket maps (files, URLs, in memory) and user callables."""
+"""Tests of wds_pad.index.buckets.user: bucket maps (files, URLs, in memory) and user callables."""
 
 from __future__ import annotations
 

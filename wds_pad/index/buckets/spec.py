@@ -11,11 +11,11 @@ Invariants:
 
 from __future__ import annotations
 
-from wds_pad.errors import ConfigError
-from wds_pad.index.bucket_protocol import BucketFn
-from wds_pad.index.bucket_ratios import parse_ratios
-from wds_pad.index.bucket_user import MappingBuckets
-from wds_pad.index.buckets import AspectBuckets, ImageBuckets, JsonField, SingleBucket
+from ...errors import ConfigError
+from .protocol import BucketFn
+from .ratios import parse_ratios
+from .user import MappingBuckets
+from .builtin import AspectBuckets, ImageBuckets, JsonField, SingleBucket
 
 __all__ = ["parse_bucket_by"]
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from wds_pad.errors import BucketError, ConfigError
-from wds_pad.index.bucket_protocol import BucketKey, _check_member, check_bucket_key
+from ...errors import BucketError, ConfigError
+from .protocol import BucketKey, _check_member, check_bucket_key
 
 __all__ = ["CallableBuckets", "MappingBuckets", "wrap_callable"]
 

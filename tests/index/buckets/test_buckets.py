@@ -1,4 +1,4 @@
-"""Tests of wds_pad.index.buckets and wds_pad.index.imagesize: every built-in on crafted inputs."""
+"""Tests of wds_pad.index.buckets.builtin and wds_pad.index.buckets.imagesize: every built-in on crafted inputs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, features
 
-from wds_pad.index.imagesize import image_size_or_none
+from wds_pad.index.buckets.imagesize import image_size_or_none
 from wds_pad.index.buckets import (
     DEFAULT_RATIOS,
     AspectBuckets,
