@@ -151,7 +151,7 @@ def test_old_module_paths_still_import_with_a_warning() -> None:
     ("wds_pad._tarrows", "wds_pad.tar.lean", "scan_many"),
     ("wds_pad.index.bucket_spec", "wds_pad.index.buckets.spec", "parse_bucket_by"),
     ("wds_pad.index.bucket_protocol", "wds_pad.index.buckets.protocol", "BucketFn"),
-    ("wds_pad.index.bucket_columns", "wds_pad.index.buckets.columns", "_AspectColumns"),
+    ("wds_pad.index.bucket_columns", "wds_pad.index.buckets.columns", "AspectColumns"),
     ("wds_pad.index.bucket_ratios", "wds_pad.index.buckets.ratios", "parse_ratios"),
     ("wds_pad.index.bucket_user", "wds_pad.index.buckets.user", "wrap_callable"),
     ("wds_pad.index.imagesize", "wds_pad.index.buckets.imagesize", "image_size"),

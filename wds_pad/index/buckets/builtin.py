@@ -1,11 +1,9 @@
 """Built-in bucket functions that read a sample's members: none, aspect, json, image.
 
-Every name a bucket function needs is importable from here: the protocol
-(:mod:`wds_pad.index.bucket_protocol`), the ratio candidates
-(:mod:`wds_pad.index.bucket_ratios`) and the user-supplied kinds
-(:mod:`wds_pad.index.bucket_user`) are re-exported. The ``--bucket-by`` parser is
-:mod:`wds_pad.index.bucket_spec`; the column fast path of :class:`AspectBuckets` is
-:mod:`wds_pad.index.bucket_columns`.
+The protocol they follow is :mod:`.protocol`, the ratio candidates :mod:`.ratios`, the
+column fast path of :class:`AspectBuckets` :mod:`.columns`; image sizes are read from
+PNG, JPEG and WebP headers without decoding by :mod:`.imagesize`. Every public name of
+these is importable from the package, ``wds_pad.index.buckets``.
 
 Invariants:
     * Each built-in follows :class:`BucketFn`: a frozen, picklable dataclass, a pure
@@ -15,9 +13,6 @@ Invariants:
       field's own value is a str, int or finite float (a bool as ``"true"`` / ``"false"``).
     * Bad configuration raises :class:`ConfigError` at construction; bad sample data
       raises :class:`BucketError` naming the sample key and the field or member at fault.
-
-Image sizes are read from PNG, JPEG and WebP headers without decoding by
-:mod:`wds_pad.index.imagesize`; its :func:`image_size` is re-exported here.
 """
 
 from __future__ import annotations
@@ -29,34 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import BucketError, ConfigError
-from .columns import _AspectColumns
-from .protocol import BucketFn, BucketKey, _check_member, check_bucket_key
-from .ratios import (
-    DEFAULT_RATIOS,
-    RatioLike,
-    _fmt_number,
-    _normalize_ratios,
-    _quantize,
-    parse_ratios,
-)
-from .user import CallableBuckets, MappingBuckets, wrap_callable
-from .imagesize import image_size, image_size_or_none
+from .columns import AspectColumns
+from .imagesize import image_size_or_none
+from .protocol import BucketKey, check_member
+from .ratios import RatioLike, format_number, normalize_ratios, quantize
 
-__all__ = [
-    "DEFAULT_RATIOS",
-    "AspectBuckets",
-    "BucketFn",
-    "BucketKey",
-    "CallableBuckets",
-    "ImageBuckets",
-    "JsonField",
-    "MappingBuckets",
-    "SingleBucket",
-    "check_bucket_key",
-    "image_size",
-    "parse_ratios",
-    "wrap_callable",
-]
+__all__ = ["AspectBuckets", "ImageBuckets", "JsonField", "SingleBucket"]
 
 
 def _load_json(key: str, data: Mapping[str, bytes], member: str) -> Any:
@@ -137,13 +110,13 @@ class _OneMember:
 
 
 @dataclass(frozen=True)
-class AspectBuckets(_OneMember, _AspectColumns):
+class AspectBuckets(_OneMember, AspectColumns):
     """Aspect ratio ``width / height`` read from numeric fields of a JSON member.
 
     The key is the label of the nearest of ``ratios`` in log space (``"16:9"``), or, with
     ``step``, the ratio rounded to a multiple of ``step`` with the step's decimals
     (``step=0.25`` gives ``"1.25"``, ``"1.00"``; never below one step). ``many``, the
-    indexer's whole-column path, comes from :mod:`wds_pad.index.bucket_columns`.
+    indexer's whole-column path, comes from :mod:`.columns`.
 
     Args:
         width_field: Dotted path of the width in the JSON document.
@@ -164,8 +137,8 @@ class AspectBuckets(_OneMember, _AspectColumns):
     def __post_init__(self) -> None:
         for name in ("width_field", "height_field"):
             _check_path(getattr(self, name), f"AspectBuckets.{name}")
-        _check_member(self.member, "AspectBuckets.member")
-        labels, logs = _normalize_ratios(self.ratios, self.step, "AspectBuckets")
+        check_member(self.member, "AspectBuckets.member")
+        labels, logs = normalize_ratios(self.ratios, self.step, "AspectBuckets")
         object.__setattr__(self, "ratios", labels)
         object.__setattr__(self, "_logs", logs)
 
@@ -173,7 +146,7 @@ class AspectBuckets(_OneMember, _AspectColumns):
         doc = _load_json(key, data, self.member)
         width = _positive_number(doc, self.width_field, key, self.member)
         height = _positive_number(doc, self.height_field, key, self.member)
-        return _quantize(width / height, self.ratios, self._logs, self.step)  # type: ignore[arg-type]
+        return quantize(width / height, self.ratios, self._logs, self.step)  # type: ignore[arg-type]
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -208,7 +181,7 @@ class JsonField(_OneMember):
 
     def __post_init__(self) -> None:
         _check_path(self.field, "JsonField.field")
-        _check_member(self.member, "JsonField.member")
+        check_member(self.member, "JsonField.member")
         if self.boundaries is not None:
             bounds = tuple(self.boundaries)
             if not bounds or any(
@@ -223,11 +196,11 @@ class JsonField(_OneMember):
         """Return the band label of ``value`` among the boundaries."""
         bounds = self.boundaries or ()
         if value < bounds[0]:
-            return f"<{_fmt_number(bounds[0])}"
+            return f"<{format_number(bounds[0])}"
         for low, high in zip(bounds, bounds[1:]):
             if value < high:
-                return f"{_fmt_number(low)}-{_fmt_number(high)}"
-        return f">={_fmt_number(bounds[-1])}"
+                return f"{format_number(low)}-{format_number(high)}"
+        return f">={format_number(bounds[-1])}"
 
     def __call__(self, key: str, data: Mapping[str, bytes]) -> BucketKey:
         value = _get_path(_load_json(key, data, self.member), self.field, key, self.member)
@@ -290,11 +263,11 @@ class ImageBuckets:
             )
         object.__setattr__(self, "exts", tuple(self.exts))
         for ext in self.exts:
-            _check_member(ext, "ImageBuckets.exts item")
+            check_member(ext, "ImageBuckets.exts item")
         hb = self.head_bytes
         if hb is not None and (isinstance(hb, bool) or not isinstance(hb, int) or hb < 64):
             raise ConfigError(f"ImageBuckets.head_bytes must be None or an int >= 64, got {hb!r}")
-        labels, logs = _normalize_ratios(self.ratios, self.step, "ImageBuckets")
+        labels, logs = normalize_ratios(self.ratios, self.step, "ImageBuckets")
         object.__setattr__(self, "ratios", labels)
         object.__setattr__(self, "_logs", logs)
 
@@ -340,7 +313,7 @@ class ImageBuckets:
             raise BucketError(
                 f"sample {key!r}: .{ext} member is truncated after {len(raw)} bytes, before its size"
             )
-        return _quantize(size[0] / size[1], self.ratios, self._logs, self.step)  # type: ignore[arg-type]
+        return quantize(size[0] / size[1], self.ratios, self._logs, self.step)  # type: ignore[arg-type]
 
     def describe(self) -> dict[str, Any]:
         return {

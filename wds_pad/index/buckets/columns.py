@@ -1,7 +1,7 @@
 """The batch-column fast path of :class:`~wds_pad.index.buckets.AspectBuckets`.
 
 The indexer hands a bucket function that has ``many`` a whole shard's column of
-``.json`` members at once; :class:`_AspectColumns` (mixed into ``AspectBuckets``) parses
+``.json`` members at once; :class:`AspectColumns` (mixed into ``AspectBuckets``) parses
 the column with json's C scanner and quantises the ratios in numpy, about three times
 faster than one ``__call__`` per sample (measured by ``tools/bench/index.py``).
 
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .ratios import RatioLike, _quantize
+from .ratios import RatioLike, quantize
 
 _json_scan = json.scanner.make_scanner(json.JSONDecoder())  # one value at an offset: (value, end)
 _NUMBER = frozenset((int, float))  # JSON numbers (bool is not one)
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
-class _AspectColumns:
+class AspectColumns:
     """``many`` for :class:`~wds_pad.index.buckets.AspectBuckets`, whose fields these are."""
 
     member: str
@@ -65,10 +65,10 @@ class _AspectColumns:
         if fast and self.step is not None:
             for i, r in zip(fast, ratios):
                 try:  # a ratio near the float maximum overflows when divided by the step
-                    out[i] = _quantize(r, None, (), self.step)
+                    out[i] = quantize(r, None, (), self.step)
                 except Exception as exc:  # noqa: BLE001 - returned, as from __call__
                     out[i] = exc
-        elif fast:  # the nearest candidate in log space, the first listed on ties, as _quantize
+        elif fast:  # the nearest candidate in log space, the first listed on ties, as quantize
             logs = np.fromiter(map(math.log, ratios), dtype=np.float64, count=len(ratios))
             nearest = np.abs(logs[:, None] - np.asarray(self._logs)[None, :]).argmin(1)
             labels = self.ratios or ()

@@ -76,6 +76,6 @@ def check_bucket_key(value: object, key: str) -> BucketKey | None:
     return float(value)
 
 
-def _check_member(name: str, what: str) -> None:
+def check_member(name: str, what: str) -> None:
     if not isinstance(name, str) or not name or name.startswith("."):
         raise ConfigError(f"{what} must be a member extension like 'json', got {name!r}")

@@ -1,13 +1,13 @@
 """Aspect-ratio candidates, their spellings, and the bucket label of a ratio.
 
 Shared by :class:`~wds_pad.index.buckets.AspectBuckets`, :class:`~wds_pad.index.buckets.ImageBuckets`
-and the column fast path (:mod:`wds_pad.index.bucket_columns`).
+and the column fast path (:mod:`.columns`).
 
 Invariants:
     * A candidate's label is canonical: ``"w:h"`` with integral parts printed without a
       decimal point (``(16, 9)``, ``"16:9"`` and ``" 16.0 : 9 "`` all give ``"16:9"``),
       or the number itself (``1.333`` gives ``"1.333"``).
-    * :func:`_quantize` is pure and deterministic: the candidate nearest in log space,
+    * :func:`quantize` is pure and deterministic: the candidate nearest in log space,
       the first listed on ties; with ``step``, the ratio rounded to a multiple of
       ``step`` (never below one step) printed with the step's decimals.
     * Candidates are validated once, at construction: empty lists, non-positive ratios,
@@ -30,7 +30,7 @@ __all__ = ["DEFAULT_RATIOS", "RatioLike", "parse_ratios"]
 RatioLike = str | float | int | tuple[float, float]
 
 
-def _fmt_number(value: float) -> str:
+def format_number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
@@ -55,14 +55,14 @@ def _ratio_entry(item: RatioLike) -> tuple[str, float]:
     if isinstance(item, str) and ":" in item:
         w_text, _, h_text = item.partition(":")
         width, height = _positive(w_text.strip(), item), _positive(h_text.strip(), item)
-        return f"{_fmt_number(width)}:{_fmt_number(height)}", width / height
+        return f"{format_number(width)}:{format_number(height)}", width / height
     if isinstance(item, (tuple, list)):
         if len(item) != 2:
             raise ConfigError(f"ratio {item!r} must be a (width, height) pair")
         width, height = _positive(item[0], item), _positive(item[1], item)
-        return f"{_fmt_number(width)}:{_fmt_number(height)}", width / height
+        return f"{format_number(width)}:{format_number(height)}", width / height
     value = _positive(item.strip() if isinstance(item, str) else item, item)
-    return _fmt_number(value), value
+    return format_number(value), value
 
 
 def parse_ratios(text: str) -> tuple[str, ...]:
@@ -79,7 +79,7 @@ def parse_ratios(text: str) -> tuple[str, ...]:
     return tuple(_ratio_entry(part)[0] for part in items)
 
 
-def _normalize_ratios(
+def normalize_ratios(
     ratios: Sequence[RatioLike] | str | None, step: float | None, owner: str
 ) -> tuple[tuple[str, ...] | None, tuple[float, ...]]:
     """Validate ``ratios`` / ``step``; return (labels or None, log values)."""
@@ -105,7 +105,7 @@ def _normalize_ratios(
     return tuple(label for label, _ in entries), logs
 
 
-def _quantize(
+def quantize(
     ratio: float, labels: tuple[str, ...] | None, logs: tuple[float, ...], step: float | None
 ) -> str:
     """Bucket label of ``ratio``: nearest candidate in log space (first on ties), or rounded to ``step``."""

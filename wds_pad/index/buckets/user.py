@@ -3,7 +3,7 @@
 Invariants:
     * :class:`MappingBuckets` reads its table once, at construction (the one bucket
       function that does I/O, and only there); every entry is checked by
-      :func:`~wds_pad.index.bucket_protocol.check_bucket_key`; a key not in the table
+      :func:`~.protocol.check_bucket_key`; a key not in the table
       is excluded (``None``). ``describe()`` holds the sha256 of the table's canonical
       JSON, so indexes built from different maps never describe alike.
     * :class:`CallableBuckets` passes the members exactly as read, never decoded; any
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import BucketError, ConfigError
-from .protocol import BucketKey, _check_member, check_bucket_key
+from .protocol import BucketKey, check_member, check_bucket_key
 
 __all__ = ["CallableBuckets", "MappingBuckets", "wrap_callable"]
 
@@ -139,7 +139,7 @@ class CallableBuckets:
             )
         object.__setattr__(self, "members", tuple(self.members))
         for ext in self.members:
-            _check_member(ext, "wrap_callable members item")
+            check_member(ext, "wrap_callable members item")
         hb = self.head_bytes
         if hb is not None and (isinstance(hb, bool) or not isinstance(hb, int) or hb < 1):
             raise ConfigError(f"head_bytes must be None or a positive int, got {hb!r}")
