@@ -223,7 +223,7 @@ def session_dataset(tmp_path_factory: Any) -> dict[str, str]:
         import importlib.util
 
         from wds_pad.index.build import build_index
-        from wds_pad.index.format import load_index
+        from wds_pad.index.codec import load_index
 
         spec = importlib.util.spec_from_file_location("train_ddp_example", EXAMPLE)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
@@ -310,7 +310,7 @@ def check_epoch(streams: Mapping[int, Sequence[Mapping[str, Any]]], topologies: 
 
 def bucket_keys_of(index_path: str) -> dict[str, list[str]]:
     """Bucket -> webdataset keys, from an index file."""
-    from wds_pad.index.format import load_index
+    from wds_pad.index.codec import load_index
 
     index = load_index(index_path)
     return {str(b): [index.key(int(i)) for i in ids] for b, ids in index.bucket_samples().items()}

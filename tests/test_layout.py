@@ -181,3 +181,17 @@ def test_the_old_buckets_module_is_the_sub_package_and_offers_its_names() -> Non
         warnings.simplefilter("ignore", DeprecationWarning)
         from wds_pad.buckets import ImageBuckets  # type: ignore[import-not-found]
     assert ImageBuckets is builtin.ImageBuckets
+
+
+def test_the_split_format_module_offers_the_names_of_all_its_parts() -> None:
+    import warnings
+
+    from wds_pad.index import codec, layout, merge, record, rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from wds_pad.index import format as old  # type: ignore[attr-defined]
+    assert old.Index is record.Index and old.ShardInfo is record.ShardInfo
+    assert old.load_index is codec.load_index and old.serialize is codec.serialize
+    assert old.merged_parts is merge.merged_parts and old.make_index is rows.make_index
+    assert old.FORMAT_VERSION == layout.FORMAT_VERSION and old.MEMBER_ARRAYS is layout.MEMBER_ARRAYS
+    assert {"Index", "load_index", "merged_parts", "make_index", "FORMAT_VERSION"} <= set(old.__all__)

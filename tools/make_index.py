@@ -52,7 +52,9 @@ except ImportError:  # run from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from wds_pad.errors import ConfigError, WdsPadError
-from wds_pad.index.format import ShardInfo, columns_parts, plain_offsets
+from wds_pad.index.codec import columns_parts
+from wds_pad.index.layout import plain_offsets
+from wds_pad.index.record import ShardInfo
 from wds_pad.io.atomic import atomic_write
 
 __all__ = ["SyntheticIndex", "bucket_sizes", "main"]

@@ -5,9 +5,9 @@ need torch (the streaming datasets and the loader) are imported lazily, so that 
 planner and the CLI start without importing torch.
 
 The packages are the stages of the flow (docs/architecture.md): ``core`` (topology,
-seed, plan; pure), ``io`` (filesystems, range reads), ``index`` (tar reading, buckets,
-the index file), ``state`` (resume), ``stream`` (webdataset stages, the loaders) and
-``cli``. Import public names from here, ``wds_pad``.
+seed, plan; pure), ``io`` (filesystems, range reads), ``tar`` (tar headers: scanning,
+parsing), ``index`` (buckets, the index file), ``state`` (resume), ``stream``
+(webdataset stages, the loaders) and ``cli``. Import public names from here, ``wds_pad``.
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ from .version import __version__
 _LAZY: dict[str, str] = {
     "BucketedWebDataset": "stream.dataset",
     "Equalize": "stream.shards",
-    "Index": "index.format",
+    "Index": "index.record",
     "Loader": "stream.loader",
     "PlanSpec": "stream.stages",
     "PlannedSource": "stream.stages",
     "Position": "stream.stages",
     "RangeReader": "io.ranges",
     "ReadOptions": "io.options",
-    "ShardInfo": "index.format",
+    "ShardInfo": "index.record",
     "ShardLoader": "stream.shardstream",
     "ShardStream": "stream.shardstream",
     "SplitByNode": "stream.shards",
@@ -62,7 +62,7 @@ _LAZY: dict[str, str] = {
     "check_agreement": "stream.agreement",
     "equalize": "stream.shards",
     "fetch": "stream.fetch",
-    "load_index": "index.format",
+    "load_index": "index.codec",
     "load_state_file": "state.files",
     "plan_batched": "stream.stages",
     "save_state_file": "state.files",

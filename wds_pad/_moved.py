@@ -36,6 +36,7 @@ MOVED = {
     "index.bucket_spec": "index.buckets.spec", "index.bucket_protocol": "index.buckets.protocol",
     "index.bucket_columns": "index.buckets.columns", "index.bucket_ratios": "index.buckets.ratios",
     "index.bucket_user": "index.buckets.user", "index.imagesize": "index.buckets.imagesize",
+    "index.format": "index.record",
 }
 
 #: old module -> the further modules that took part of its names when it was split; the
@@ -44,6 +45,7 @@ SPLIT = {
     "dataset": ("stream.loader", "stream.agreement"),
     "stages": ("stream.fetch",),
     "indexer": ("index.verify", "index.shardfile"),
+    "index.format": ("index.layout", "index.codec", "index.merge", "index.rows"),
 }
 
 

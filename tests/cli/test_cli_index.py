@@ -17,7 +17,7 @@ import pytest
 import wds_pad.index.build as indexer_mod
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.cli.app import main
-from wds_pad.index.format import load_index, serialize
+from wds_pad.index.codec import load_index, serialize
 from wds_pad.tar.scan import parse_sample
 
 
@@ -612,7 +612,7 @@ def test_the_v1_refusal_command_converts_in_place_rescanning_nothing(tmp_path, s
     code, stdout, stderr = run(capsys, *shlex.split(command)[1:], "--no-progress")
     assert code == 0, stderr
     assert "update: 0 shards scanned, 3 unchanged" in stdout
-    from wds_pad.index.format import ARRAYS
+    from wds_pad.index.layout import ARRAYS
 
     converted = load_index(out)  # version 2 now: a plain load reads it
     assert (converted.name, converted.buckets, converted.bucket_by, converted.exts, converted.shards,
@@ -698,7 +698,8 @@ def test_python_m_wds_pad_runs_the_cli() -> None:
 
 
 def test_inspect_says_how_many_samples_lack_a_member_table_and_why(built, tmp_path, capsys) -> None:
-    from wds_pad.index.format import MEMBER_ARRAYS, serialize
+    from wds_pad.index.codec import serialize
+    from wds_pad.index.layout import MEMBER_ARRAYS
 
     code, out, _ = run(capsys, "inspect", built)
     assert code == 0 and "member table: every sample" in out
@@ -706,7 +707,7 @@ def test_inspect_says_how_many_samples_lack_a_member_table_and_why(built, tmp_pa
     bare = load_index(built)
     for k in MEMBER_ARRAYS:
         bare.arrays.pop(k)
-    bare.digest = bare._compute_digest()
+    bare.digest = bare.compute_digest()
     path = tmp_path / "bare.wdsidx"
     path.write_bytes(b"".join(bytes(p) for p in serialize(bare)))
     code, out, _ = run(capsys, "inspect", str(path))

@@ -18,7 +18,7 @@ from wds_pad.cli.synth import make_blob_shards, make_image_shards
 from wds_pad.index.buckets.spec import parse_bucket_by
 from wds_pad.index.buckets import AspectBuckets, ImageBuckets, JsonField, wrap_callable
 from wds_pad.errors import BucketError, ConfigError, ShardError, TarFormatError
-from wds_pad.index.format import load_index
+from wds_pad.index.codec import load_index
 from wds_pad.index.build import build_index, expand_urls
 from wds_pad.index.verify import verify_index  # a built index verifies clean
 from wds_pad.tar.scan import parse_sample

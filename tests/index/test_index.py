@@ -15,7 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wds_pad.errors import IndexFormatError
-from wds_pad.index.format import FORMAT_VERSION, MAGIC, Index, ShardInfo, load_index, make_index
+from wds_pad.index.codec import load_index
+from wds_pad.index.layout import FORMAT_VERSION, MAGIC
+from wds_pad.index.record import Index, ShardInfo
+from wds_pad.index.rows import make_index
 from wds_pad.index.output import write_index
 from wds_pad.core.dataset import Dataset, IdRange, bucket_order
 
@@ -238,7 +241,7 @@ def test_failed_write_leaves_previous_file_and_no_temp(tmp_path, monkeypatch) ->
 @given(st.lists(st.text(max_size=6), max_size=12))
 def test_pack_keys_round_trips_any_keys(keys):
     """Keys are packed in one vectorised pass (or one by one when a key holds a NUL)."""
-    from wds_pad.index.format import _pack_keys
+    from wds_pad.index.rows import _pack_keys
 
     offsets, blob = _pack_keys(keys)
     assert offsets[0] == 0 and offsets[-1] == len(blob) and len(offsets) == len(keys) + 1

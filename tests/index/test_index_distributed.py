@@ -25,7 +25,8 @@ from wds_pad.cli.synth import make_image_shards
 from wds_pad.errors import ConfigError, IndexFormatError
 from wds_pad.index.build import build_index
 from wds_pad.index.distributed import build_index_distributed, part_layout, parts_dir
-from wds_pad.index.format import load_index, merged_parts, serialize
+from wds_pad.index.codec import load_index, serialize
+from wds_pad.index.merge import merged_parts
 
 pytest_plugins = ["conftest_servers"]
 

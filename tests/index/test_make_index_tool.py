@@ -16,7 +16,10 @@ import pytest
 from wds_pad import Topology, plan_epoch
 from wds_pad.core.dataset import bucket_order
 from wds_pad.errors import IndexFormatError
-from wds_pad.index.format import FORMAT_VERSION, ShardInfo, columns_parts, load_index, make_index, serialize
+from wds_pad.index.codec import columns_parts, load_index, serialize
+from wds_pad.index.layout import FORMAT_VERSION
+from wds_pad.index.record import ShardInfo
+from wds_pad.index.rows import make_index
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "make_index.py"

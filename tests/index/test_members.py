@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from wds_pad.index.build import build_index
-from wds_pad.index.format import MEMBER_ARRAYS, load_index, merged_parts, serialize
+from wds_pad.index.codec import load_index, serialize
+from wds_pad.index.layout import MEMBER_ARRAYS
+from wds_pad.index.merge import merged_parts
 from wds_pad.tar.scan import parse_sample
 
 
@@ -78,7 +80,7 @@ def _legacy(index: Any) -> Any:
     np.cumsum(np.where(plain, counts, 0), out=new_start[1:])
     index.arrays["member_start"] = new_start.astype(index.arrays["member_start"].dtype)
     del index.arrays["member_offset"]
-    index.digest = index._compute_digest()
+    index.digest = index.compute_digest()
     return index
 
 
@@ -137,7 +139,7 @@ def test_an_index_without_member_table_round_trips(shards: list[str], tmp_path: 
     index = build_index(shards, None)
     for k in MEMBER_ARRAYS:
         index.arrays.pop(k)
-    index.digest = index._compute_digest()
+    index.digest = index.compute_digest()
     out = tmp_path / "bare.wdsidx"
     out.write_bytes(b"".join(bytes(p) for p in serialize(index)))
     again = load_index(str(out))

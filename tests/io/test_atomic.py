@@ -24,7 +24,8 @@ def die(src, dst):
 os.replace = die
 import wds_pad, numpy
 from wds_pad.io.atomic import atomic_write
-from wds_pad.index.format import ShardInfo, make_index
+from wds_pad.index.record import ShardInfo
+from wds_pad.index.rows import make_index
 from wds_pad.index.output import write_index
 call, path = sys.argv[1], sys.argv[2]
 if call == "atomic_write":
@@ -84,7 +85,7 @@ def test_next_write_removes_the_temp_of_a_killed_writer(tmp_path) -> None:
 
 
 def test_killed_index_write_leaves_no_index_lookalike_and_is_cleaned(tmp_path) -> None:
-    from wds_pad.index.format import load_index
+    from wds_pad.index.codec import load_index
     from wds_pad.index.output import write_index
 
     path = tmp_path / "train.wdsidx"

@@ -37,7 +37,8 @@ from data_helpers import make_dataset, plan_keys, serve_dir, upload_files
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.errors import ReadError, ShardError, WdsPadError
-from wds_pad.index.format import Index, load_index
+from wds_pad.index.codec import load_index
+from wds_pad.index.record import Index
 from wds_pad.index.build import build_index
 from wds_pad.io.ranges import RangeReader, ReadOptions
 from wds_pad.core.topology import Topology

@@ -37,7 +37,8 @@ from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
 from wds_pad.io import fs as wds_fs
 from wds_pad.errors import IndexFormatError, ReadError, ShardError, StaleShardError
-from wds_pad.index.format import Index, load_index
+from wds_pad.index.codec import load_index
+from wds_pad.index.record import Index
 from wds_pad.index.output import write_index
 from wds_pad.index.build import build_index
 from wds_pad.index.verify import verify_index

@@ -18,7 +18,7 @@ import pytest
 
 from wds_pad.core.topology import Topology
 from wds_pad.errors import TopologyMismatchError
-from wds_pad.index.format import Index
+from wds_pad.index.record import Index
 from wds_pad.state import load_state_file, save_state_file
 from wds_pad.stream.loader import Loader
 

@@ -16,7 +16,7 @@ import pytest
 
 from wds_pad.core.topology import Topology
 from wds_pad.errors import TopologyMismatchError
-from wds_pad.index.format import Index
+from wds_pad.index.record import Index
 from wds_pad.stream.dataset import BucketedWebDataset
 
 from data_helpers import image_index, make_dataset

@@ -25,7 +25,7 @@ import pytest
 
 from wds_pad.core.topology import Topology
 from wds_pad.errors import ConfigError
-from wds_pad.index.format import Index
+from wds_pad.index.record import Index
 from wds_pad.stream.loader import Loader
 
 from data_helpers import image_index, make_dataset, plan_keys

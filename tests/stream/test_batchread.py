@@ -18,7 +18,7 @@ import webdataset as wds
 
 from wds_pad import BucketedWebDataset, StaleShardError, Topology
 from wds_pad.index.build import build_index
-from wds_pad.index.format import MEMBER_ARRAYS
+from wds_pad.index.layout import MEMBER_ARRAYS
 from wds_pad.stream import batchread
 
 

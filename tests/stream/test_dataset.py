@@ -27,7 +27,8 @@ from wds_pad.cli.synth import make_image_shards
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
 from wds_pad.errors import ConfigError, DroppedBucketWarning, StaleShardError, StateMismatchError
-from wds_pad.index.format import Index, load_index
+from wds_pad.index.codec import load_index
+from wds_pad.index.record import Index
 from wds_pad.index.build import build_index
 from wds_pad.io.options import ReadOptions
 from wds_pad.core.topology import Topology

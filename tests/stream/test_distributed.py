@@ -24,7 +24,7 @@ from data_helpers import plan_keys
 from dist_helpers import Job, JobFailed, bucket_keys_of, check_epoch, run_scenarios, session_dataset
 
 from wds_pad import Topology, plan_epoch
-from wds_pad.index.format import load_index
+from wds_pad.index.codec import load_index
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

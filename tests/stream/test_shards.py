@@ -31,7 +31,7 @@ from resume_harness import check_start_mid_boundary, epochs_driver
 from wds_pad.cli.synth import make_blob_shards
 from wds_pad.errors import (ConfigError, StaleShardError, StateError, StateMismatchError,
                             TopologyMismatchError)
-from wds_pad.index.format import Index
+from wds_pad.index.record import Index
 from wds_pad.index.build import build_index
 from wds_pad.stream.shards import Equalize, assign_shards, equalize, split_by_node, worker_plan
 from wds_pad.stream.shardstream import ShardLoader, ShardStream
@@ -470,7 +470,7 @@ _JOB = r"""
 import datetime, json, sys
 import torch.distributed as dist
 import webdataset as wds
-from wds_pad.index.format import load_index
+from wds_pad.index.codec import load_index
 from wds_pad.stream.shards import equalize, split_by_node
 from wds_pad.stream.shardstream import ShardStream
 

@@ -27,7 +27,8 @@ import webdataset as wds
 
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.errors import ConfigError, StaleShardError
-from wds_pad.index.format import Index, load_index
+from wds_pad.index.codec import load_index
+from wds_pad.index.record import Index
 from wds_pad.index.build import build_index
 from wds_pad.core.policy import Mode
 from wds_pad.io.ranges import RangeReader, ReadOptions

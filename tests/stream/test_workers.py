@@ -19,7 +19,7 @@ import pytest
 import wds_pad.stream.workers as workers
 from wds_pad import Topology, WorkerStartError, WorkerStartWarning
 from wds_pad.errors import ConfigError
-from wds_pad.index.format import Index
+from wds_pad.index.record import Index
 from wds_pad.stream.loader import Loader
 from wds_pad.stream.shardstream import ShardLoader, ShardStream
 from wds_pad.stream.workers import start_method

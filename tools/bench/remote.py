@@ -62,7 +62,7 @@ from wds_pad.cli.synth import PRODUCERS, make_blob_shards  # noqa: E402
 from wds_pad.stream.dataset import BucketedWebDataset  # noqa: E402
 from wds_pad.stream.loader import Loader  # noqa: E402
 from wds_pad.errors import DroppedBucketWarning  # noqa: E402
-from wds_pad.index.format import Index  # noqa: E402
+from wds_pad.index.record import Index  # noqa: E402
 from wds_pad.index.build import build_index  # noqa: E402
 from wds_pad.io.options import ReadOptions  # noqa: E402
 from wds_pad.core.topology import Topology  # noqa: E402

@@ -33,7 +33,9 @@ from _common import Columns, add_dir, add_repeat, best_of, parser
 
 from wds_pad.cli.synth import make_blob_shards
 from wds_pad.stream.dataset import BucketedWebDataset
-from wds_pad.index.format import Index, load_index, make_index
+from wds_pad.index.codec import load_index
+from wds_pad.index.record import Index
+from wds_pad.index.rows import make_index
 from wds_pad.index.output import write_index
 from wds_pad.index.build import build_index
 from wds_pad.core.topology import Topology

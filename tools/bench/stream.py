@@ -59,7 +59,7 @@ from _litdata_peer import litdata_convert, litdata_stream
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
 from wds_pad.errors import DroppedBucketWarning
-from wds_pad.index.format import Index
+from wds_pad.index.record import Index
 from wds_pad.index.build import build_index
 from wds_pad.stream import batchread
 from wds_pad.stream.fetch import fetch

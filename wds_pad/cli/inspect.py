@@ -72,7 +72,7 @@ def _padding_stats(args: argparse.Namespace, index: Any) -> dict[Hashable, Any] 
 
 
 def _summary(index: Any, pad: dict[Hashable, Any] | None) -> dict[str, Any]:
-    from ..index.format import FORMAT_VERSION
+    from ..index.layout import FORMAT_VERSION
 
     counts, sizes = index.bucket_counts(), index.bucket_bytes()
     per_shard = [s.samples for s in index.shards if s.size >= 0]
@@ -98,7 +98,7 @@ def _summary(index: Any, pad: dict[Hashable, Any] | None) -> dict[str, Any]:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ..index.format import load_index
+    from ..index.codec import load_index
 
     index = load_index(args.index)
     pad = _padding_stats(args, index)
@@ -149,7 +149,7 @@ def _what_if_locality(index: Any, args: argparse.Namespace, out: Any) -> None:
 
 
 def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace, out: Any) -> None:
-    from ..index.format import FORMAT_VERSION
+    from ..index.layout import FORMAT_VERSION
 
     total = len(index)
     counts, sizes = index.bucket_counts(), index.bucket_bytes()

@@ -117,7 +117,7 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
             raise _usage("plan", "--locality shard needs INDEX file(s): --buckets has no shards")
         ds = synthetic_dataset(args.buckets)
         return [Dataset(ds.name, ds.buckets, repeats=args.repeats)], [None]
-    from ..index.format import load_index  # lazily: only when an index file is planned
+    from ..index.codec import load_index  # lazily: only when an index file is planned
 
     weights = [1.0] * len(args.index)
     if args.weights:

@@ -29,7 +29,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from ..index.format import load_index
+    from ..index.codec import load_index
     from ..index.verify import verify_index
 
     index = load_index(args.index)

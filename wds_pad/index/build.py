@@ -37,7 +37,8 @@ from ..tar.scan import parse_sample
 from .buckets.builtin import SingleBucket
 from .buckets.protocol import BucketFn
 from .buckets.user import wrap_callable
-from .format import Index, ShardInfo, load_index
+from .codec import load_index
+from .record import Index, ShardInfo
 from .output import check_output, write_index
 from .progress import Progress
 from .rows import ShardRows, assemble, fit_exts, unreadable

@@ -49,7 +49,10 @@ from ..io.urls import expand_urls
 from ..version import __version__
 from .build import Stat, _as_bucket_fn, _default_name, check_options, previous_index, rows_index, scan_shards
 from .buckets.protocol import BucketFn
-from .format import FORMAT_VERSION, Index, load_index, merged_parts, serialize
+from .codec import load_index, serialize
+from .layout import FORMAT_VERSION
+from .merge import merged_parts
+from .record import Index
 from .jobstore import Job, failure, job_error, linger, new_job_id
 from .output import _local, check_output
 from .progress import Progress

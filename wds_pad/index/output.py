@@ -22,7 +22,9 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
 from ..io.atomic import atomic_write
-from .format import MAGIC, Index, serialize
+from .codec import serialize
+from .layout import MAGIC
+from .record import Index
 
 __all__ = ["check_output", "write_index"]
 

@@ -1,4 +1,9 @@
-"""One shard's rows, and the shards' rows joined into one Index.
+"""Rows assembled where rows are: one shard's rows, and rows joined into one Index.
+
+:class:`ShardRows` holds one scanned shard's rows; :func:`assemble` joins the shards'
+rows and :func:`make_index` (rows in shard order, any bucket keys) builds the Index from
+them, as :func:`grouped_index` does for rows whose bucket ids are already canonical (a
+version-1 file converted, :mod:`.codec`).
 
 Invariants:
 - a ``ShardRows`` holds only the samples kept (excluded ones are in ``excluded``); its
@@ -12,7 +17,10 @@ Invariants:
 - the member table (``member_count`` per sample, ``member_ext`` bits of the shard's own
   ``exts``, ``member_size``, ``member_offset`` from the sample's first byte) travels
   with the rows; a shard without one (None) records no members for its samples, and
-  streaming parses their headers.
+  streaming parses their headers;
+- an Index made here has its buckets in canonical order (``bucket_order``) and its rows
+  grouped by bucket, stable (shard order, then byte order, inside each), every column
+  as narrow as its values allow.
 """
 
 from __future__ import annotations
@@ -24,9 +32,11 @@ import numpy as np
 
 from ..errors import ConfigError, ShardError
 from ..io.redact import redact
-from .format import Index, ShardInfo, make_index
+from ..core.dataset import bucket_order
+from .layout import column_dtypes, member_dtypes
+from .record import Index, ShardInfo
 
-__all__ = ["ShardRows", "assemble", "fit_exts", "unreadable"]
+__all__ = ["ShardRows", "assemble", "fit_exts", "grouped_index", "make_index", "unreadable"]
 
 
 @dataclass
@@ -143,3 +153,88 @@ def _remap_mask(p: ShardRows, bit: Mapping[str, int]) -> np.ndarray:
         if e in bit:
             out |= ((p.mask >> np.uint64(i)) & np.uint64(1)) << np.uint64(bit[e])
     return out
+
+
+def make_index(
+    shards: Sequence[ShardInfo], rows: Mapping[str, np.ndarray], bucket_keys: Sequence[Hashable],
+    keys: Sequence[str], *, bucket_by: Mapping[str, Any], exts: Sequence[str],
+    excluded: Mapping[str, Any] | None = None, name: str = "index",
+) -> Index:
+    """Assemble an Index from per-sample rows in shard order (``rows["bucket"]`` indexes
+    ``bucket_keys``): buckets re-numbered in canonical order, rows grouped by bucket."""
+    ordered = sorted(set(bucket_keys), key=bucket_order)
+    remap = np.asarray([ordered.index(k) for k in bucket_keys], dtype=np.int32)
+    bucket = remap[np.asarray(rows["bucket"], np.int64)] if len(bucket_keys) else np.zeros(0, np.int32)
+    key_offsets, key_bytes = _pack_keys(keys)
+    return grouped_index(shards, ordered, {**rows, "bucket": bucket}, key_offsets, key_bytes, bucket_by=bucket_by,
+                    exts=exts, excluded=excluded, name=name)
+
+
+def grouped_index(shards: Sequence[ShardInfo], buckets: Sequence[Hashable], rows: Mapping[str, np.ndarray],
+             key_offsets: np.ndarray, keys: np.ndarray, *, bucket_by: Mapping[str, Any], exts: Sequence[str],
+             excluded: Mapping[str, Any] | None, name: str) -> Index:
+    """An Index of rows given in shard order with canonical bucket ids: rows grouped by
+    bucket (stable, so shard then byte order inside each), every column narrowed."""
+    bucket = np.asarray(rows["bucket"])
+    n = bucket.size
+    order = np.argsort(bucket, kind="stable") if n else np.zeros(0, np.int64)
+    bounds = np.zeros(len(buckets) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(bucket, minlength=len(buckets))[: len(buckets)], out=bounds[1:])
+    key_offsets, key_bytes = _gather_keys(np.asarray(key_offsets, np.int64), np.asarray(keys, np.uint8), order)
+    offset, length = np.asarray(rows["offset"], np.int64), np.asarray(rows["length"], np.int64)
+    dt = column_dtypes(len(shards), int(offset.max()) if n else 0, int(length.max()) if n else 0,
+                       int(key_offsets[-1]), len(exts))
+    arrays = {
+        "bucket_offsets": bounds,
+        "shard": np.asarray(rows["shard"])[order].astype(dt["shard"]),
+        "offset": offset[order].astype(dt["offset"]),
+        "length": length[order].astype(dt["length"]),
+        "exts": np.asarray(rows["exts"], np.uint64)[order].astype(dt["exts"]),
+        "key_offsets": key_offsets.astype(dt["key_offsets"]),
+        "keys": key_bytes,
+    }
+    if "member_count" in rows:  # the member table, gathered like the keys
+        count = np.asarray(rows["member_count"], np.int64)
+        start = np.zeros(n + 1, np.int64)
+        np.cumsum(count, out=start[1:])
+        new_start, ext = _gather_keys(start, np.asarray(rows["member_ext"], np.uint8), order)
+        _, size = _gather_keys(start, np.asarray(rows["member_size"], np.int64), order)
+        _, moff = _gather_keys(start, np.asarray(rows["member_offset"], np.int64), order)
+        mdt = member_dtypes(int(new_start[-1]), int(size.max()) if size.size else 0,
+                            int(moff.max()) if moff.size else 0)
+        arrays.update(member_start=new_start.astype(mdt["member_start"]), member_ext=ext,
+                      member_size=size.astype(mdt["member_size"]), member_offset=moff.astype(mdt["member_offset"]))
+    return Index(shards=tuple(shards), buckets=tuple(buckets), arrays=arrays, bucket_by=dict(bucket_by),
+                 exts=tuple(exts), excluded=dict(excluded or {}), name=name)
+
+
+def _pack_keys(keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, UTF-8 bytes) of ``keys`` back to back: key i is ``bytes[offsets[i]:offsets[i + 1]]``."""
+    offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+    if not keys:
+        return offsets, np.zeros(0, np.uint8)
+    joined = np.frombuffer("\0".join(keys).encode("utf-8"), np.uint8)
+    ends = np.flatnonzero(joined == 0)
+    if len(ends) != len(keys) - 1:  # a key holds a NUL (never one from a tar name): one by one
+        encoded = [k.encode("utf-8") for k in keys]
+        np.cumsum([len(k) for k in encoded], out=offsets[1:])
+        return offsets, np.frombuffer(b"".join(encoded), np.uint8)
+    offsets[1:-1] = ends - np.arange(len(ends))
+    offsets[-1] = len(joined) - len(ends)
+    return offsets, joined[joined != 0] if len(ends) else joined.copy()
+
+
+def _gather_keys(offsets: np.ndarray, blob: np.ndarray, order: np.ndarray,
+                 chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """The key table of rows ``order`` (offsets, bytes), gathered in bounded chunks (any
+    variable-length section: the member table too)."""
+    lengths = (offsets[1:] - offsets[:-1])[order]
+    new = np.zeros(order.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new[1:])
+    out = np.empty(int(new[-1]), dtype=blob.dtype)
+    for lo in range(0, order.size, chunk):
+        hi = min(lo + chunk, order.size)
+        ln = lengths[lo:hi]
+        src = np.repeat(offsets[order[lo:hi]] - new[lo:hi], ln) + np.arange(int(new[lo]), int(new[hi]), dtype=np.int64)
+        out[int(new[lo]) : int(new[hi])] = blob[src]
+    return new, out

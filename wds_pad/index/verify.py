@@ -21,7 +21,8 @@ import numpy as np
 
 from ..errors import ReadError, ShardError, WdsPadError
 from .build import scan_shard
-from .format import Index, load_index
+from .codec import load_index
+from .record import Index
 from .rows import ShardRows
 from .shardfile import shard_info
 

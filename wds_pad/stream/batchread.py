@@ -37,7 +37,7 @@ import numpy as np
 
 from ..core.plan import Batch
 from ..errors import WdsPadError
-from ..index.format import Index
+from ..index.record import Index
 from ..io.ranges import RangeReader
 from ..tar.names import NAME, names_sample
 

@@ -32,7 +32,8 @@ from webdataset.compat import FluidInterface
 from webdataset.filters import default_collation_fn
 
 from ..errors import ConfigError, WdsPadError
-from ..index.format import Index, load_index
+from ..index.codec import load_index
+from ..index.record import Index
 from ..core.locality import Locality
 from ..core.policy import Mode, PadTo, Policy, _enum, check_epoch
 from ..io.options import ReadOptions, ReadStats

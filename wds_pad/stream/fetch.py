@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 
 from ..errors import WdsPadError
-from ..index.format import Index
+from ..index.record import Index
 from ..io.ranges import LocalReadAhead, RangeReader, ReadOptions
 from ..core.seed import derive_rng
 from ..tar.names import names_sample, slice_sample

@@ -31,7 +31,8 @@ from urllib.parse import urlparse
 import numpy as np
 
 from ..errors import ConfigError, StaleShardError
-from ..index.format import Index, load_index
+from ..index.codec import load_index
+from ..index.record import Index
 from ..io.ranges import RangeReader, ReadOptions
 from ..io.redact import redact
 from ..core.seed import derive_rng, shared_seed

@@ -37,7 +37,8 @@ from .collate import run_collation
 from .loaderargs import check_loader_args, check_start_timeout
 from .workers import START_TIMEOUT, worker_batches
 from ..errors import ConfigError, StaleShardError, StateError, StateMismatchError
-from ..index.format import Index, load_index
+from ..index.codec import load_index
+from ..index.record import Index
 from ..core.policy import check_epoch
 from ..index.shardfile import shard_info
 from ..io.fs import get_filesystem

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..errors import ConfigError, WdsPadError
-from ..index.format import Index, load_index
+from ..index.codec import load_index
+from ..index.record import Index
 from ..core.locality import Locality, shard_map_of
 from ..core.plan import Plan, plan_epoch
 from ..core.policy import MAX_EPOCH, Mode, PadTo, Policy, resolve_policy
