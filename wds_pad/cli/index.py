@@ -102,7 +102,7 @@ def _under_torchrun() -> bool:
 def _cmd_index(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..index.buckets.spec import parse_bucket_by
-    from ..index.build import bucket_fn_of
+    from ..index.update import bucket_fn_of
     from ..index.codec import load_index
     from ..index.output import check_output
     from ..index.build import build_index, expand_urls

@@ -10,7 +10,8 @@ Invariants:
   ``on_error="skip"`` the shard or sample is left out and recorded in ``excluded``;
 - shards are scanned concurrently, but rows come out in shard order, so the same
   shards give the same index whatever the number of workers;
-- ``update`` reuses the rows of shards whose size and change stamp are unchanged;
+- ``update`` reuses the rows of shards whose size and change stamp are unchanged
+  (``index.update``);
 - the shards' rows are joined in shard order (``index.rows``);
 - an ``output`` is checked before any shard is scanned and written once, atomically,
   after the last one (``index.output``).
@@ -37,13 +38,14 @@ from ..tar.scan import parse_sample
 from .buckets.builtin import SingleBucket
 from .buckets.protocol import BucketFn
 from .buckets.user import wrap_callable
-from .codec import load_index
-from .record import Index, ShardInfo
 from .output import check_output, write_index
 from .progress import Progress
+from .record import Index, ShardInfo
 from .rows import ShardRows, assemble, fit_exts, unreadable
-from .shardfile import directory_error, open_for_scan, shard_info, stat_shard
+from .shardfile import Stat, directory_error, open_for_scan, shard_info, stat_shard
+from .update import bucket_fn_of, previous_index, reusable_rows
 
+# bucket_fn_of, expand_urls and shard_info are offered here too, where callers have long found them
 __all__ = ["bucket_fn_of", "build_index", "expand_urls", "scan_shard", "shard_info"]
 
 _GROUP = 32  # shards scanned by one task (see _scan_group)
@@ -53,9 +55,6 @@ def scan_shard(url: str, fn: BucketFn, on_error: str,
                storage_options: Mapping[str, Any] | None) -> ShardRows:
     """One shard's rows, scanned as :func:`build_index` scans it (no progress shown)."""
     return _scan_group([url], fn, on_error, storage_options, Progress(total=0, enabled=False))[0]
-
-
-Stat = tuple[int, str, bool]  # (size, change stamp, is a directory): shardfile.stat_shard
 
 
 def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_options: Mapping[str, Any] | None,
@@ -199,7 +198,7 @@ def _bucket_failure(url: str, key: str, offset: int, exc: Exception, on_error: s
     return None
 
 
-def _as_bucket_fn(bucket_by: Any, members: Sequence[str] | None, head_bytes: int | None) -> BucketFn:
+def as_bucket_fn(bucket_by: Any, members: Sequence[str] | None, head_bytes: int | None) -> BucketFn:
     if bucket_by is None:
         return SingleBucket()
     if hasattr(bucket_by, "members") and hasattr(bucket_by, "describe"):
@@ -259,7 +258,7 @@ def build_index(
             not an index without ``force``, an unwritable place: see ``check_output``).
     """
     check_options(on_error, workers)
-    fn = _as_bucket_fn(bucket_by, members, head_bytes)
+    fn = as_bucket_fn(bucket_by, members, head_bytes)
     shard_urls = expand_urls(urls, storage_options)
     if output is not None:
         check_output(output, shard_urls, force=force, storage_options=storage_options)
@@ -272,7 +271,7 @@ def build_index(
         bar.close(failed=True)  # in a log, a failed build ends with its error line
         raise
     bar.close()
-    index = rows_index(parts, fn, on_error, name or _default_name(output, shard_urls))
+    index = rows_index(parts, fn, on_error, name or default_name(output, shard_urls))
     if output is not None:
         write_index(index, output, storage_options, force=force)
         object.__setattr__(index, "path", output)
@@ -287,26 +286,13 @@ def check_options(on_error: str, workers: int) -> None:
         raise ConfigError(f"workers must be an int >= 1, got {workers!r}")
 
 
-def previous_index(update: Index | str | None, fn: BucketFn,
-                   storage_options: Mapping[str, Any] | None) -> Index | None:
-    """The index an update reuses rows from (a version-1 file converted in memory),
-    refused if it was bucketed otherwise than ``fn``."""
-    previous = load_index(update, storage_options=storage_options, convert=True) if isinstance(update, str) else update
-    if previous is not None and dict(previous.bucket_by) != dict(fn.describe()):
-        raise ConfigError(
-            f"--update: the previous index was bucketed by {dict(previous.bucket_by)}, now by "
-            f"{fn.describe()}; rebuild without --update to change how buckets are computed"
-        )
-    return previous
-
-
 def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_error: str,
                 storage_options: Mapping[str, Any] | None, bar: Progress, previous: Index | None = None,
                 stats: Mapping[str, Stat] | None = None) -> list[ShardRows]:
     """Every shard's rows, in shard order: reused from ``previous`` where unchanged, else
     scanned (``workers`` concurrently). ``stats`` are shards' known (size, stamp, is a
     directory): they are not asked for again."""
-    reused = _reusable(previous, shard_urls, storage_options, stats) if previous is not None else {}
+    reused = reusable_rows(previous, shard_urls, storage_options, stats) if previous is not None else {}
     todo = [u for u in shard_urls if u not in reused]
     if todo and getattr(fn, "reuse_only", False):
         raise ConfigError(
@@ -356,102 +342,9 @@ def rows_index(parts: list[ShardRows], fn: BucketFn, on_error: str, name: str) -
     return assemble(parts, fn.describe(), skipped, name)
 
 
-class _ReuseOnly:
-    """An index's bucketing that cannot be rebuilt from its description (a Python
-    callable): enough to reuse its rows, refused for any shard to scan."""
-
-    members: tuple[str, ...] = ()
-    head_bytes: int | None = None
-    reuse_only = True
-
-    def __init__(self, described: Mapping[str, Any]) -> None:
-        self._described = dict(described)
-
-    def __call__(self, key: str, data: Mapping[str, bytes]) -> Hashable | None:  # pragma: no cover - refused before
-        raise ConfigError(f"bucket function {self._described} cannot be rebuilt")
-
-    def describe(self) -> dict[str, Any]:
-        return dict(self._described)
-
-
-def bucket_fn_of(index: Index) -> BucketFn:
-    """The bucket function ``index`` was built with, rebuilt from its ``bucket_by``.
-
-    Built-in bucketings (none, aspect, json, image, map files) come back as they were;
-    a Python callable (or a map given as a mapping) cannot be rebuilt: the result then
-    only lets an update reuse rows, and refuses to scan a changed or new shard.
-    """
-    from .buckets.builtin import AspectBuckets, ImageBuckets, JsonField
-    from .buckets.user import MappingBuckets
-
-    d = dict(index.bucket_by)
-    kind = d.get("kind")
-    fn: Any = None
-    try:
-        if kind == "none":
-            fn = SingleBucket()
-        elif kind == "aspect":
-            fn = AspectBuckets(d["width_field"], d["height_field"], ratios=d.get("ratios"), step=d.get("step"),
-                               member=d.get("member", "json"))
-        elif kind == "json":
-            fn = JsonField(d["field"], boundaries=d.get("boundaries"), member=d.get("member", "json"))
-        elif kind == "image":
-            fn = ImageBuckets(exts=tuple(d["exts"]), head_bytes=d.get("head_bytes"), ratios=d.get("ratios"),
-                              step=d.get("step"))
-        elif kind == "map" and d.get("source"):
-            fn = MappingBuckets(d["source"])
-    except (KeyError, TypeError, ConfigError):
-        fn = None
-    if fn is None or dict(fn.describe()) != d:
-        return _ReuseOnly(d)  # type: ignore[return-value]
-    return fn  # type: ignore[no-any-return]
-
-
-def _default_name(output: str | None, urls: Sequence[str]) -> str:
+def default_name(output: str | None, urls: Sequence[str]) -> str:
     base = output or urls[0]
     stem = base.rstrip("/").rsplit("/", 1)[-1]
     for suffix in (".wdsidx", ".idx", ".tar"):
         stem = stem[: -len(suffix)] if stem.endswith(suffix) else stem
     return stem or "index"
-
-
-def _reusable(previous: Index, urls: Sequence[str], storage_options: Mapping[str, Any] | None,
-              stats: Mapping[str, Stat] | None = None) -> dict[str, ShardRows]:
-    by_url = {s.url: i for i, s in enumerate(previous.shards) if s.error is None}
-    out: dict[str, ShardRows] = {}
-    candidates = [u for u in urls if u in by_url]
-    if not candidates:
-        return out
-    # each shard's rows in byte order (the index groups rows by bucket): one sort for all
-    order = np.lexsort((previous.offset, previous.shard))
-    bounds = np.searchsorted(previous.shard[order], np.arange(len(previous.shards) + 1))
-    samples = previous.excluded.get("samples", [])
-    for url in candidates:
-        si = by_url[url]
-        old = previous.shards[si]
-        known = stats.get(url) if stats is not None else None
-        try:
-            size, stamp = known[:2] if known is not None else shard_info(url, storage_options)
-        except ShardError:
-            continue  # let the scan report it
-        if size != old.size or stamp != old.stamp:
-            continue
-        rows = ShardRows(old, nbytes=0)
-        ids = order[bounds[si] : bounds[si + 1]]
-        rows.offset, rows.length = previous.offset[ids], previous.length[ids]
-        rows.keys = [previous.key(int(i)) for i in ids]
-        rows.buckets = [previous.buckets[int(b)] for b in previous.bucket[ids]]
-        rows.exts, rows.mask = list(previous.exts), previous.arrays["exts"][ids]
-        if previous.has_members:  # the member table, in the same byte order
-            ms = previous.arrays["member_start"]
-            starts, ends = ms[ids].astype(np.int64), ms[ids + 1].astype(np.int64)
-            rows.member_count = ends - starts
-            if not rows.member_count.all():
-                continue  # written before every header form was recorded: rescan it for the fast path
-            at = np.repeat(starts - np.cumsum(rows.member_count) + rows.member_count, rows.member_count) \
-                + np.arange(int(rows.member_count.sum()), dtype=np.int64)
-            rows.member_ext, rows.member_size = previous.arrays["member_ext"][at], previous.arrays["member_size"][at]
-            rows.member_offset = previous.member_offsets(at, rows.member_count)
-        rows.excluded = [e for e in samples if e.get("url") == url]
-        out[url] = rows
-    return out

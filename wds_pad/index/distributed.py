@@ -47,7 +47,7 @@ from ..io.atomic import atomic_write
 from ..io.redact import redact
 from ..io.urls import expand_urls
 from ..version import __version__
-from .build import Stat, _as_bucket_fn, _default_name, check_options, previous_index, rows_index, scan_shards
+from .build import as_bucket_fn, check_options, default_name, rows_index, scan_shards
 from .buckets.protocol import BucketFn
 from .codec import load_index, serialize
 from .layout import FORMAT_VERSION
@@ -56,7 +56,8 @@ from .record import Index
 from .jobstore import Job, failure, job_error, linger, new_job_id
 from .output import _local, check_output
 from .progress import Progress
-from .shardfile import stat_shard
+from .shardfile import Stat, stat_shard
+from .update import previous_index
 
 __all__ = ["build_index_distributed", "part_layout"]
 
@@ -178,7 +179,7 @@ def build_index_distributed(
     if not isinstance(output, str) or not output:
         raise ConfigError(f"build_index_distributed needs an output path, got {output!r}")
     rank, world = dist.get_rank(), dist.get_world_size()
-    fn = _as_bucket_fn(bucket_by, members, head_bytes)
+    fn = as_bucket_fn(bucket_by, members, head_bytes)
 
     # 1. rank 0 expands the URLs and checks the output; every rank gets the list or the error
     box: list[Any] = [None]
@@ -195,7 +196,7 @@ def build_index_distributed(
     shard_urls: list[str] = box[0]["urls"]
     layout = part_layout(len(shard_urls), part_shards)
     folder = parts_dir(output)
-    final_name = name or _default_name(output, shard_urls)
+    final_name = name or default_name(output, shard_urls)
 
     # 2. stat the shards of parts rank::world; which parts are missing (by digest)
     mine: dict[str, Any]

@@ -29,7 +29,9 @@ from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..io.stale import change_stamp as _stamp  # one definition: the reader checks against it
 
-__all__ = ["directory_error", "not_a_prefix", "open_for_scan", "plain_local", "shard_info", "stat_shard"]
+__all__ = ["Stat", "directory_error", "not_a_prefix", "open_for_scan", "plain_local", "shard_info", "stat_shard"]
+
+Stat = tuple[int, str, bool]  # (size, change stamp, is a directory): what stat_shard gives
 
 # filesystems whose ``open`` takes the size it would otherwise ask the store for (a HEAD)
 _SIZED_OPEN = frozenset({"http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
@@ -52,7 +54,7 @@ def shard_info(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
     return size, stamp
 
 
-def stat_shard(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[int, str, bool]:
+def stat_shard(url: str, storage_options: Mapping[str, Any] | None = None) -> Stat:
     """(size, change stamp, is a directory) of one shard, from one ``info`` call.
 
     The third value is True for a local directory or an object-store prefix (which
