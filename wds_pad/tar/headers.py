@@ -162,13 +162,14 @@ class Reader:
     (from the start in seek mode, when the stream runs dry in stream mode), else -1.
     The per-member loops read the buffer in place: ``buf`` holds the bytes from offset
     ``base``; ``fd`` is the descriptor of a regular local file in seek mode (``os.pread``
-    reads it), else -1; ``file`` the file object (None: ``buf`` is all the bytes).
+    reads it), else -1; ``file`` the file object (None: ``buf`` is all the bytes);
+    ``seek_mode`` whether it seeks (else it reads forward only).
     """
 
-    __slots__ = ("file", "fd", "buf", "base", "_seek", "url", "eof")
+    __slots__ = ("file", "fd", "buf", "base", "seek_mode", "url", "eof")
 
     def __init__(self, f: BinaryIO | None, url: str, seek: bool, data: bytes = b"") -> None:
-        self.file, self.url, self._seek = f, url, seek
+        self.file, self.url, self.seek_mode = f, url, seek
         self.fd = -1
         self.buf, self.base, self.eof = data, 0, len(data) if f is None else -1
         if f is None or not seek:
@@ -195,7 +196,7 @@ class Reader:
             return self.buf[rel : rel + n]
         if self.file is None:
             return self.buf[max(rel, 0) : rel + n] if rel < len(self.buf) else b""
-        return self._fill_seek(off, n) if self._seek else self._fill_stream(off, n)
+        return self._fill_seek(off, n) if self.seek_mode else self._fill_stream(off, n)
 
     def _fill_seek(self, off: int, n: int) -> bytes:
         want = max(n, WINDOW)

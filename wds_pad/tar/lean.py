@@ -130,7 +130,7 @@ def scan_many(
             # reads on; in seek mode the lean path takes over again after one sample (an
             # odd member -- a directory entry first, one long name -- is usually alone),
             # until it has handed back soon after taking over a few times in a row
-            short = 0 if r._seek and r.fd >= 0 else _REENTER
+            short = 0 if r.seek_mode and r.fd >= 0 else _REENTER
             while start >= 0:
                 samples = read_samples(r, wanted, head, start)
                 if short >= _REENTER:
