@@ -61,6 +61,7 @@ import numpy as np
 
 from ..core.dataset import Dataset, IdRange, bucket_order
 from ..errors import IndexFormatError
+from ..io.urls import local_path
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "Index", "ShardInfo", "columns_parts", "load_index", "make_index",
            "merged_parts", "serialize"]
@@ -714,8 +715,8 @@ def load_index(path: str, *, verify: bool | None = None,
             or refused the read (the message says what to check).
     """
     buf: Any
-    if "://" not in path or path.startswith("file://"):
-        local = path[len("file://"):] if path.startswith("file://") else path
+    local = local_path(path)
+    if local is not None:
         try:
             with open(local, "rb") as f:
                 size = os.fstat(f.fileno()).st_size

@@ -199,9 +199,21 @@ class RangeReader:
             ShardError: the local file cannot be opened.
         """
         self._check_fork()
-        if not self._target(url).local:
+        if not self.is_local(url):
             return None
         return self._fd(url, 0)
+
+    def is_local(self, url: str) -> bool:
+        """Whether this reader reads ``url`` with ``os.pread`` (fsspec resolves it, with
+        these ``storage_options``, to its local filesystem).
+
+        The filesystem decides, so ``local://`` paths count too;
+        :func:`wds_pad.io.urls.is_local` answers from the URL alone, without one.
+
+        Raises:
+            ConfigError, ReadError, ShardError: as :func:`get_filesystem`.
+        """
+        return self._target(url).local
 
     def _target(self, url: str) -> _Target:
         target = self._targets.get(url)
@@ -293,7 +305,7 @@ class RangeReader:
                     raise
                 if fd is None:
                     url, offset, length = _check_range(rng)
-                    if not self._target(url).local:
+                    if not self.is_local(url):
                         return (url, offset, length)
                     fd = self._fd(url, offset)
                 try:
