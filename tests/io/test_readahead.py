@@ -265,3 +265,12 @@ def test_local_threads_is_validated() -> None:
     for bad in (-1, True, 1.5):
         with pytest.raises(ConfigError, match="local_threads"):
             ReadOptions(local_threads=bad)  # type: ignore[arg-type]
+
+
+def test_the_large_sample_threshold_is_one_constant() -> None:
+    """The fetch stage and the batch-wise path split samples at the read-ahead's threshold."""
+    from wds_pad.io.readahead import BIG_SAMPLE
+    from wds_pad.stream import batchread, fetch
+
+    assert BIG_SAMPLE == 256 * 1024
+    assert fetch.BIG_SAMPLE is BIG_SAMPLE and batchread.BIG_SAMPLE is BIG_SAMPLE
