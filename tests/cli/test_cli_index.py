@@ -514,7 +514,7 @@ def test_index_empty_shard_has_zero_samples(tmp_path, shards, capsys) -> None:
     assert run(capsys, "verify", out)[1] == "2 shards OK\n"
 
 
-# -- issue 11: globs and messages -------------------------------------------------------------
+# -- globs and messages -----------------------------------------------------------------------
 def test_index_glob_and_pattern_errors(tmp_path, shards, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     out = str(tmp_path / "g.wdsidx")
@@ -551,7 +551,7 @@ def test_verify_deep_prints_plain_ints_and_says_renamed(tmp_path, capsys) -> Non
     assert f"STALE {url}: sample 'a' was renamed: the sample at byte offset 0 is now key 'c'" in stdout
 
 
-# -- issue 13: version-1 files, --update without URLs, --distributed ------------------------------
+# -- version-1 files, --update without URLs, --distributed ----------------------------------------
 def write_v1(index, path: str) -> str:
     """``index`` written as a version-1 file (rows in shard order, wide columns, the shard
     table and excluded samples in the header): what wds_pad wrote before format 2 (checked

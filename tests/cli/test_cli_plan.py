@@ -279,7 +279,7 @@ def test_cli_and_api_accept_exactly_the_same_epochs(epoch: str) -> None:
         assert out.returncode == 2 and "epoch must be" in out.stderr
 
 
-# -- --locality and --window (issue 14) -----------------------------------------------
+# -- --locality and --window ----------------------------------------------------------
 
 def _blob_index(tmp_path: Path) -> Path:
     shards = tmp_path / "shards"

@@ -132,7 +132,7 @@ def test_the_assignment_changes_between_epochs() -> None:
 
 
 def test_foreign_samples_stay_under_5_percent_at_dp_8_on_skewed_buckets() -> None:
-    """The issue's figure: 10^5 samples, 200 shards, 20 skewed buckets, dp 8."""
+    """10^5 samples, 200 shards, 20 skewed buckets, dp 8: at most 5 % of the samples are foreign."""
     rng = np.random.default_rng(0)
     n, shards = 10**5, 200
     weights = 1.0 / np.arange(1, 21) ** 1.2
@@ -159,7 +159,7 @@ def test_a_shard_map_must_cover_every_sample_id() -> None:
         ShardMap(Dataset("d", {0: np.arange(10)}), np.zeros(5, np.int64))
 
 
-# -- shard plans, pinned bitwise (issue 14) --------------------------------------------------
+# -- shard plans, pinned bitwise -------------------------------------------------------------
 # Inputs built by integer arithmetic only (no RNG stream that a numpy release could
 # change), planned for every rank and three epochs. The digests were computed with dense
 # per-shard tables (every bucket holding arrays of length shards + 1) and kept when the

@@ -108,12 +108,12 @@ def test_consumed_and_resumed_are_the_epoch_exactly_once(buckets: list[int], bs:
     assert len(fps) == 1
 
 
-ISSUE_CASES = [(4, 3, 2), (4, 5, 3), (2, 7, 4), (3, 4, 1)]
+RANK_CHANGES = [(4, 3, 2), (4, 5, 3), (2, 7, 4), (3, 4, 1)]  # (old ranks, steps, new ranks)
 
 
 @pytest.mark.parametrize("locality", ["none", "shard"])
-@pytest.mark.parametrize("old,steps,new", ISSUE_CASES)
-def test_the_issues_eight_changes_resume_exactly(old: int, steps: int, new: int, locality: str) -> None:
+@pytest.mark.parametrize("old,steps,new", RANK_CHANGES)
+def test_rank_changes_mid_epoch_on_skewed_buckets_resume_exactly(old: int, steps: int, new: int, locality: str) -> None:
     """8 shards in 4 skewed buckets, batch 2, cyclic: each mid-epoch change resumes exactly."""
     sizes = [40, 16, 6, 2]
     ids = np.arange(sum(sizes))

@@ -511,7 +511,7 @@ def test_skip_leaves_out_a_shard_whose_read_fails_midway(shards, monkeypatch, wo
         build_index(shards, "aspect", workers=workers)
 
 
-# -- issue 11: globs, raw exceptions, messages -------------------------------------------------
+# -- globs, raw exceptions, messages -----------------------------------------------------------
 def test_glob_patterns_local(tmp_path, shards, monkeypatch) -> None:
     """`*`, `?`, `[...]` match sorted files; braces expand first, then each result globs;
     directories are left out of a glob; a relative pattern comes out absolute."""
@@ -606,7 +606,7 @@ def test_extension_limit_names_the_shard_and_skip_skips_it(tmp_path, shards, wor
     assert index.shards[2].samples > 0
 
 
-# -- issue 13: a shard costs at most one request beyond its reads ------------------------------
+# -- a shard costs at most one request beyond its reads ----------------------------------------
 def _requests_per_shard(proxy, names: list[str]) -> dict[str, list[str]]:
     seen: dict[str, list[str]] = {n: [] for n in names}
     for r in proxy.requests:

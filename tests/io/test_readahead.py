@@ -180,9 +180,9 @@ def test_dropped_read_ahead_stops_its_threads(local_files: dict[str, bytes]) -> 
 
 def test_read_ahead_never_reads_from_an_evicted_descriptor(local_files: dict[str, bytes],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import wds_pad.io.ranges as ranges_module
+    import wds_pad.io.localfiles as localfiles_module
 
-    monkeypatch.setattr(ranges_module, "_MAX_OPEN_FDS", 2)  # 5 files: constant eviction
+    monkeypatch.setattr(localfiles_module, "_MAX_OPEN_FDS", 2)  # 5 files: constant eviction
     urls = sorted(local_files)
 
     def parse(fd: int, url: str, offset: int, length: int, arg: Any) -> bytes:
@@ -265,3 +265,12 @@ def test_local_threads_is_validated() -> None:
     for bad in (-1, True, 1.5):
         with pytest.raises(ConfigError, match="local_threads"):
             ReadOptions(local_threads=bad)  # type: ignore[arg-type]
+
+
+def test_the_large_sample_threshold_is_one_constant() -> None:
+    """The fetch stage and the batch-wise path split samples at the read-ahead's threshold."""
+    from wds_pad.io.readahead import BIG_SAMPLE
+    from wds_pad.stream import batchread, fetch
+
+    assert BIG_SAMPLE == 256 * 1024
+    assert fetch.BIG_SAMPLE is BIG_SAMPLE and batchread.BIG_SAMPLE is BIG_SAMPLE

@@ -130,14 +130,14 @@ def test_without_allow_elastic_the_refusal_suggests_it_for_a_mid_epoch_shard_sta
 
 @pytest.fixture(scope="module")
 def eight(tmp_path_factory: pytest.TempPathFactory) -> Index:
-    """8 shards of skewed aspect buckets, as in the issue."""
+    """8 shards of skewed aspect buckets."""
     return image_index(tmp_path_factory.mktemp("eight"), samples=120, shards=8, seed=22)
 
 
 @pytest.mark.parametrize("locality", ["none", "shard"])
 @pytest.mark.parametrize("old,steps,new", [(4, 3, 2), (4, 5, 3), (2, 7, 4), (3, 4, 1)])
-def test_the_issues_eight_mid_epoch_changes_resume_exactly(eight: Index, old: int, steps: int, new: int,
-                                                           locality: str) -> None:
+def test_rank_changes_mid_epoch_on_skewed_shards_resume_exactly(eight: Index, old: int, steps: int, new: int,
+                                                                 locality: str) -> None:
     """Batch 2, cyclic padding: 4->2 after 3 steps, 4->3 after 5, 2->4 after 7, 3->1 after 4."""
     kw = {"batch_size": 2, "pad": "cyclic", "locality": locality}
     olds = [make_ds(eight, old, r, **kw) for r in range(old)]

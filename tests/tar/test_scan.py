@@ -856,7 +856,7 @@ def test_checksum_sum_past_two_bytes_is_not_wrapped(tmp_path, seekable):
 @pytest.mark.parametrize("seekable", [True, False])
 def test_scan_many_reports_progress_as_it_goes(tmp_path, monkeypatch, seekable):
     """A large shard reports its samples batch by batch (a progress bar moves during
-    it); the reports add up to the samples returned, up to a fault met by the general
+    it); the reports add up to the samples returned, up to a fault found by the general
     parser."""
     from wds_pad.tar.lean import scan_many
 
@@ -908,7 +908,7 @@ def test_lean_scan_gives_up_on_shards_of_odd_members(tmp_path, monkeypatch):
     assert len(turns) == 1 + tar_lean._REENTER
 
 
-# ---------------------------------------------------------------- messages name the right member (issue 11)
+# ---------------------------------------------------------------- messages name the right member
 
 
 def _fix_checksum(blob: bytearray, h: int) -> None:

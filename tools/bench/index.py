@@ -222,26 +222,20 @@ def main(argv: list[str] | None = None) -> int:
                        align="llrrrrl"))
     print()
     targets = [("10 KB", 6.0), ("500 KB", 8.0)]
-    ok = True
     for label, want in targets:
         t = results[label]
         for ours_name, peer in (("ours headers", "tarfile headers"), ("ours aspect(json)", "tarfile + json")):
             r = t[peer] / t[ours_name]
-            ok &= r >= want
             print(f"{label}: {ours_name} is {r:.1f}x faster than {peer} (target >= {want:g}x)")
         for name in ("stream scan headers", "stream scan + json bytes"):
             s = t[name] / t["raw read 8 MiB"]
-            ok &= s <= 1.2
             print(f"{label}: {name} takes {s:.2f}x the raw read (target <= 1.2x)")
     if forms:
         peer, t = forms[args.also_producer], forms[args.producer]
         for name in ("ours headers", "ours aspect(json)", "stream scan headers"):
             r = t[name] / peer[name]
-            if name != "stream scan headers":
-                ok &= r <= 1.5
             print(f"{args.producer} shards: {name} takes {r:.2f}x the time of {args.also_producer} shards"
                   + (" (target <= 1.5x)" if name != "stream scan headers" else ""))
-    print("all targets met" if ok else "SOME TARGETS MISSED")
     return 0
 
 

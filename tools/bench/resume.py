@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(cols.line(f"{frac:.0%}", f"{k:,}", f"{consumed:,}", f"{t_pad * 1e3:.2f}ms", f"{t_pad / t0_pad:.2f}",
                         f"{t_wds * 1e3:.1f}ms", f"{t_wds / t0_wds:.1f}", f"{t_wds / t_pad:.0f}"))
     ratio = rows[-1][3] / t0_pad
-    print(f"\ntarget: wds_pad at 99% <= 1.2x its time at 0%: {ratio:.2f}x -> {'OK' if ratio <= 1.2 else 'MISSED'}")
+    print(f"\nwds_pad at 99% / its time at 0%: {ratio:.2f}x (target <= 1.2x)")
     return 0 if ratio <= 1.2 else 1
 
 

@@ -78,12 +78,13 @@ def _stamp(path: str) -> Any:
     """What changes when a local ``path`` is replaced (None if missing or remote)."""
     import os
 
-    if path.startswith("file://"):
-        path = path[len("file://"):]
-    elif "://" in path:
+    from ..io.urls import local_path
+
+    local = local_path(path)
+    if local is None:
         return None
     try:
-        st = os.stat(path)
+        st = os.stat(local)
     except (OSError, ValueError):
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequenc
 import numpy as np
 
 from ..errors import IndexFormatError
+from ..io.urls import local_path
 from .layout import (
     ARRAYS,
     FORMAT_VERSION,
@@ -166,8 +167,8 @@ def load_index(path: str, *, verify: bool | None = None,
             or refused the read (the message says what to check).
     """
     buf: Any
-    if "://" not in path or path.startswith("file://"):
-        local = path[len("file://"):] if path.startswith("file://") else path
+    local = local_path(path)
+    if local is not None:
         try:
             with open(local, "rb") as f:
                 size = os.fstat(f.fileno()).st_size

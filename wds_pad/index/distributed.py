@@ -54,7 +54,8 @@ from .layout import FORMAT_VERSION
 from .merge import merged_parts
 from .record import Index
 from .jobstore import Job, failure, job_error, linger, new_job_id
-from .output import _local, check_output
+from ..io.urls import local_path as _local
+from .output import check_output
 from .progress import Progress
 from .shardfile import Stat, stat_shard
 from .update import previous_index

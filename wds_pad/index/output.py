@@ -22,18 +22,12 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
 from ..io.atomic import atomic_write
+from ..io.urls import local_path as _local
 from .codec import serialize
 from .layout import MAGIC
 from .record import Index
 
 __all__ = ["check_output", "write_index"]
-
-
-def _local(path: str) -> str | None:
-    """The local file path of ``path`` (``file://`` stripped), or None for another filesystem."""
-    if path.startswith("file://"):
-        return path[len("file://"):]
-    return None if "://" in path else path
 
 
 def _refuse(path: str, why: str, fix: str = "choose another output path (-o)") -> ConfigError:

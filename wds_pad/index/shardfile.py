@@ -28,6 +28,7 @@ from ..io.faults import call_store
 from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..io.stale import change_stamp as _stamp  # one definition: the reader checks against it
+from ..io.urls import is_local
 
 __all__ = ["Stat", "directory_error", "not_a_prefix", "open_for_scan", "plain_local", "shard_info", "stat_shard"]
 
@@ -39,7 +40,7 @@ _SIZED_OPEN = frozenset({"http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs"
 
 def plain_local(url: str) -> bool:
     """An absolute local path without a protocol or chain: os calls need no fsspec."""
-    return url.startswith("/") and "::" not in url
+    return url.startswith("/") and is_local(url)
 
 
 def shard_info(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[int, str]:

@@ -29,7 +29,11 @@ from wds_pad.errors import ConfigError, ReadError
 from .options import ReadOptions, ReadStats
 from .redact import redact
 
-__all__ = ["LocalReadAhead"]
+__all__ = ["BIG_SAMPLE", "LocalReadAhead"]
+
+# Samples at least this large, in local files, are read one payload per pread, without a
+# copy out of a range buffer, and parsed ahead by the read-ahead threads.
+BIG_SAMPLE = 256 * 1024
 
 
 class _Reader(Protocol):

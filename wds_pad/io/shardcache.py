@@ -9,15 +9,19 @@ range — the future is known, so eviction is optimal, not LRU. Ranges of shards
 schedule does not list (foreign samples) are none of its business: the reader reads
 them with single ranged GETs.
 
+This module holds the schedule and the bound; the records are in
+:mod:`wds_pad.io.shardplan`, the shard files of disk mode in :mod:`wds_pad.io.sharddisk`,
+the blocks of memory mode in :mod:`wds_pad.io.shardmemory`.
+
 Invariants:
     * a range served from the cache is byte-for-byte the range a ranged GET returns; the
       blocks are fetched by the reader's own retried, timed, stale-checked GET;
     * memory mode (``cache_dir=None``): one stream holds at most ``cache_bytes`` of shards
       plus the one in use; nothing is shared between processes;
     * disk mode (``cache_dir``): a shard is one file ``<owner>-<digest>.shard`` written under an
-      exclusive ``flock`` of ``<digest>.lock`` and renamed into place when complete, so
+      exclusive ``flock`` of ``<owner>-<digest>.lock`` and renamed into place when complete, so
       the DataLoader workers of a rank (every process that plans the same epoch for the
-      same DP rank) fetch it once; each user appends its worker id to ``<digest>.done``
+      same DP rank) fetch it once; each user appends its worker id to ``<owner>-<digest>.done``
       after its last range, and the last of the planned users deletes the files;
     * a schedule is per epoch; the next epoch's is taken when the current one's planned
       ranges are all served, so a resumed stream (whose schedule starts at the restored
@@ -27,68 +31,15 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
-import fcntl
-import hashlib
 import os
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
-from .atomic import _alive
+from .sharddisk import fetch_to_file, finish, read_file, shard_file, sweep_dead_owners
+from .shardmemory import compact, from_kept, read_blocks
+from .shardplan import PlannedShard, _Entry
 
 __all__ = ["PlannedShard", "ShardCache", "sweep_dead_owners"]
-
-
-@dataclass(frozen=True)
-class PlannedShard:
-    """One shard of a stream's schedule for one epoch.
-
-    Attributes:
-        url: the shard URL.
-        size: its size in bytes (from the index).
-        uses: ranges this stream reads from it this epoch.
-        users: the DataLoader workers (of this rank) that read from it this epoch.
-        key: what names the shared file (the plan fingerprint, epoch and rank).
-        skip: ranges of it this stream reads singly before the ``uses`` cached ones (uses
-            far before its window's time, so the shard is not held long for them).
-        ranges: (start, length) of its cached ranges. From its first read the shard
-            counts in the bound as the bytes of these ranges still to be read, each freed
-            after its last planned read, so the room goes to the shards fetched next; in
-            memory mode it is held as just those bytes (sliced out when its blocks arrive,
-            the blocks dropped). Empty: held (and counted) whole until its last range.
-        early: how many of the first cached ranges come before the shard's window (the
-            plan's windows): when the shard is not fetched yet and fetching it would
-            pass the bound, such a range is read singly instead.
-    """
-
-    url: str
-    size: int
-    uses: int
-    users: frozenset[int]
-    key: str
-    skip: int = 0
-    ranges: tuple[tuple[int, int], ...] = ()
-    early: int = 0
-
-
-class _Entry:
-    __slots__ = ("shard", "blocks", "ready", "left", "path", "started", "skip", "served", "kept", "held",
-                 "compacted", "remaining")
-
-    def __init__(self, shard: PlannedShard) -> None:
-        self.shard = shard
-        self.blocks: list[concurrent.futures.Future[bytes]] = []
-        self.ready: concurrent.futures.Future[None] | None = None  # disk mode: the file exists
-        self.left = shard.uses
-        self.path = ""
-        self.started = False
-        self.skip = shard.skip
-        self.served = 0
-        # compacted (memory mode): the late ranges' bytes, once the blocks have arrived
-        self.kept: concurrent.futures.Future[dict[tuple[int, int], bytes]] | None = None
-        self.held = 0            # the bytes it counts in the bound: its size, then its ranges' still to come
-        self.compacted = False
-        self.remaining: dict[tuple[int, int], int] = {}  # sliced: planned reads left per range
 
 
 class ShardCache:
@@ -195,8 +146,7 @@ class ShardCache:
             entry.blocks = [self._get(url, off, min(self.block_bytes, size - off))
                             for off in range(0, size, self.block_bytes)]
             return
-        name = hashlib.sha256(f"{entry.shard.key}\0{url}".encode()).hexdigest()[:32]
-        entry.path = os.path.join(self.cache_dir, f"{self.owner}-{name}")
+        entry.path = shard_file(self.cache_dir, self.owner, entry.shard.key, url)
         entry.ready = self._threads().submit(self._ensure_file, entry)
 
     def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -208,23 +158,9 @@ class ShardCache:
         return self._pool
 
     def _ensure_file(self, entry: _Entry) -> None:
-        data, size = entry.path + ".shard", entry.shard.size
-        with open(entry.path + ".lock", "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if os.path.exists(data) and os.path.getsize(data) == size:
-                    return  # another worker of the rank fetched it
-                blocks = [self._get(entry.shard.url, off, min(self.block_bytes, size - off))
-                          for off in range(0, size, self.block_bytes)]
-                part = f"{data}.{os.getpid()}.part"
-                with open(part, "wb") as f:
-                    for b in blocks:
-                        f.write(b.result())
-                os.replace(part, data)
-                with self._lock:
-                    self.fetched_shards += 1
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        if fetch_to_file(entry.path, entry.shard.url, entry.shard.size, self.block_bytes, self._get):
+            with self._lock:
+                self.fetched_shards += 1
 
     def _ahead(self, needed: _Entry) -> None:
         """Start ``needed`` (if not yet), then what comes next while it fits."""
@@ -252,31 +188,10 @@ class ShardCache:
         entry.left -= ranges
         self._left -= ranges
         last = entry.left <= 0
-        out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
         if self.cache_dir is None:
-            bb = self.block_bytes
-            first, end = start // bb, (start + length - 1) // bb if length else start // bb
-            blocks = entry.blocks[first:end + 1]
+            out = read_blocks(entry.blocks, self.block_bytes, start, length)
             if last:
                 self._drop(entry)
-
-            def done(_: Any) -> None:
-                if out.done() or not all(b.done() for b in blocks):
-                    return
-                try:
-                    joined = b"".join(b.result() for b in blocks)
-                except BaseException as exc:  # noqa: BLE001 - handed to the reader
-                    out.set_exception(exc)
-                    return
-                lo = start - first * bb
-                try:
-                    out.set_result(joined[lo:lo + length])
-                except concurrent.futures.InvalidStateError:
-                    pass
-            if not blocks:
-                out.set_result(b"")
-            for b in blocks:
-                b.add_done_callback(done)
             return out
         if last:
             self._drop(entry)
@@ -289,10 +204,9 @@ class ShardCache:
 
         def from_disk() -> bytes:
             ready.result()
-            with open(entry.path + ".shard", "rb") as f:
-                data = os.pread(f.fileno(), length, start)
+            data = read_file(entry.path, start, length)
             if last:
-                self._finish_on_disk(entry)
+                finish(entry.path, self.worker, entry.shard.users)
             return data
         if self._reads is None:
             self._reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wds_pad-shard-read")
@@ -311,8 +225,9 @@ class ShardCache:
             kept_bytes = sum(n for _, n in entry.remaining)
             self._held += kept_bytes - entry.held
             entry.held = kept_bytes
-            if self.cache_dir is None:
-                self._compact(entry, list(entry.remaining))
+            if self.cache_dir is None:  # memory: just those bytes, once the blocks arrive
+                entry.kept = compact(entry.blocks, self.block_bytes, list(entry.remaining))
+                entry.blocks = []
             self.compacted += 1
         entry.served += ranges
         entry.left -= ranges
@@ -330,52 +245,10 @@ class ShardCache:
         if last:
             self._drop(entry)
         if self.cache_dir is None:
-            out = self._from_kept(url, entry.kept, start, length, pop=freed)  # type: ignore[arg-type]
+            out = from_kept(self._get, url, entry.kept, start, length, pop=freed)  # type: ignore[arg-type]
         else:
             out = self._from_disk(entry, start, length, last)
         self._ahead(entry)  # the room it freed goes to the next shards now
-        return out
-
-    def _compact(self, entry: _Entry, ranges: list[tuple[int, int]]) -> None:
-        """Keeps only the bytes of ``ranges`` of the shard, and drops its blocks (once
-        they have arrived)."""
-        blocks, bb = entry.blocks, self.block_bytes
-        kept: concurrent.futures.Future[dict[tuple[int, int], bytes]] = concurrent.futures.Future()
-        entry.kept, entry.blocks = kept, []
-
-        def done(_: Any) -> None:
-            if kept.done() or not all(b.done() for b in blocks):
-                return
-            try:
-                data = [b.result() for b in blocks]
-                table = {(st, n): _slice(data, bb, st, n) for st, n in ranges}
-            except BaseException as exc:  # noqa: BLE001 - handed to the reads
-                _settle(kept, exc=exc)
-                return
-            _settle(kept, table)
-        if not blocks:
-            kept.set_result({})
-        for b in blocks:
-            b.add_done_callback(done)
-
-    def _from_kept(self, url: str, kept: concurrent.futures.Future[dict[tuple[int, int], bytes]],
-                   start: int, length: int, pop: bool) -> concurrent.futures.Future[bytes]:
-        """A range of a sliced shard (``pop``: its last read; a range it does not keep:
-        one ranged GET)."""
-        out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
-
-        def done(_: Any) -> None:
-            try:
-                table = kept.result()
-            except BaseException as exc:  # noqa: BLE001 - handed to the reader
-                _settle(out, exc=exc)
-                return
-            data = table.pop((start, length), None) if pop else table.get((start, length))
-            if data is None:
-                self._get(url, start, length).add_done_callback(lambda f: _chain_into(f, out))
-                return
-            _settle(out, data)
-        kept.add_done_callback(done)
         return out
 
     def _drop(self, entry: _Entry) -> None:
@@ -385,83 +258,9 @@ class ShardCache:
         if self.cache_dir is None:
             entry.blocks = []
 
-    def _finish_on_disk(self, entry: _Entry) -> None:
-        """This worker is done with the shard; the last planned user deletes it."""
-        with open(entry.path + ".lock", "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                with open(entry.path + ".done", "a") as f:
-                    f.write(f"{self.worker}\n")
-                with open(entry.path + ".done") as f:
-                    done = {int(x) for x in f.read().split()}
-                if entry.shard.users <= done:
-                    for suffix in (".shard", ".done", ".lock"):
-                        try:
-                            os.unlink(entry.path + suffix)
-                        except FileNotFoundError:
-                            pass
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
     def close(self) -> None:
         """Stops the helper threads (cached blocks are dropped with the cache)."""
         for pool in (self._pool, self._reads):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         self._pool = self._reads = None
-
-
-
-def _slice(blocks: list[bytes], bb: int, start: int, length: int) -> bytes:
-    """Bytes ``[start, start + length)`` of a shard held as blocks of ``bb`` bytes."""
-    first, end = start // bb, (start + length - 1) // bb if length else start // bb
-    lo = start - first * bb
-    if first == end:
-        return blocks[first][lo:lo + length]
-    return b"".join(blocks[first:end + 1])[lo:lo + length]
-
-
-def _settle(fut: concurrent.futures.Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
-    """Sets a future's outcome unless it is already set (cancelled by the reader)."""
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-def _chain_into(src: concurrent.futures.Future[bytes], dst: concurrent.futures.Future[bytes]) -> None:
-    try:
-        _settle(dst, src.result())
-    except BaseException as exc:  # noqa: BLE001 - handed to the reader
-        _settle(dst, exc=exc)
-
-
-def sweep_dead_owners(folder: str) -> int:
-    """Removes the shard files in ``folder`` whose owner process is gone (a run that crashed
-    or was killed before its last planned reads deleted them), and partial downloads
-    (``.<pid>.part``) of dead writers; the number of files removed. Files of live owners,
-    and anything not named by this cache, are left alone."""
-    removed = 0
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return 0
-    for name in names:
-        stem, _, suffix = name.rpartition(".")
-        if suffix == "part":
-            pid = stem.rpartition(".")[2]
-        elif suffix in ("shard", "lock", "done"):
-            pid = stem.partition("-")[0]
-        else:
-            continue
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        try:
-            os.unlink(os.path.join(folder, name))
-            removed += 1
-        except OSError:
-            pass
-    return removed

@@ -14,7 +14,11 @@ Invariants:
 - http(s) cannot be listed: there ``?`` and ``[]`` are literal (a query string, an IPv6
   host) and a ``*`` is refused;
 - local paths come out absolute (ranks may run in another working directory) and
-  without ``file://``; a pattern that matches nothing is an error naming it.
+  without ``file://``; a pattern that matches nothing is an error naming it;
+- whether a URL names a local file is decided here, by :func:`local_path` alone: a plain
+  path or ``file://`` + path is local; another scheme (``s3://``, ``https://``,
+  ``local://``) or an fsspec chain (``simplecache::...``) is read through fsspec. A
+  reader that holds the filesystem answers for itself (``RangeReader.is_local``).
 """
 
 from __future__ import annotations
@@ -26,23 +30,40 @@ from typing import Any, Iterable, Mapping
 from braceexpand import UnbalancedBracesError, braceexpand
 
 from ..errors import ConfigError, ShardError
-from .fs import get_filesystem
 from .redact import redact
 
-__all__ = ["canonical_url", "expand_urls"]
+__all__ = ["canonical_url", "expand_urls", "is_local", "local_path"]
 
 _MAGIC = frozenset("*?[")
 _UNLISTABLE = ("http", "https")
 _TYPES = "shard URLs must be a str or a list of str"
 
 
+def local_path(url: str) -> str | None:
+    """The path on this machine that ``url`` names, or None if fsspec must read it.
+
+    A plain path is itself (a relative one stays relative); ``file://`` + path is the
+    path. A URL with another scheme (``s3://``, ``https://``, ``memory://``, ``local://``)
+    or an fsspec chain (``simplecache::/data/a.tar``) is not a local file here.
+    """
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    if "://" in url or "::" in url:
+        return None
+    return url
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` names a file on this machine (see :func:`local_path`)."""
+    return local_path(url) is not None
+
+
 def canonical_url(url: str) -> str:
     """The URL as the index stores it: local paths absolute, ``file://`` stripped."""
-    if url.startswith("file://"):
-        url = url[len("file://"):]
-    elif "://" in url or "::" in url:
+    path = local_path(url)
+    if path is None:
         return url
-    return url if os.path.isabs(url) else os.path.abspath(url)
+    return path if os.path.isabs(path) else os.path.abspath(path)
 
 
 def expand_urls(urls: str | Iterable[str], storage_options: Mapping[str, Any] | None = None) -> list[str]:
@@ -113,6 +134,8 @@ def _glob_one(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
         except (OSError, ValueError) as exc:
             raise ShardError(f"listing the shards of pattern {url!r} failed: {exc}") from exc
         return sorted(found) or _no_match(url, "directory")
+    from .fs import get_filesystem  # here: modules that need only the is-local rule import no fsspec
+
     fs, path = get_filesystem(inner, storage_options)
     try:
         if fs.isfile(path):

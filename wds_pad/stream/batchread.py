@@ -43,8 +43,7 @@ from ..tar.names import NAME, names_sample
 
 __all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES", "member_refs"]
 
-# Samples at least this large are read one payload per pread (no copy out of a range buffer).
-BIG_SAMPLE = 256 * 1024
+from ..io.readahead import BIG_SAMPLE  # read one payload per pread (no copy out of a range buffer)
 CHUNK = 32  # plan batches computed together (Plan.batches), at least
 CHUNK_SAMPLES = 4096  # ... and at least this many samples' worth (batch 1: 4096 batches)
 

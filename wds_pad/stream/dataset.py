@@ -394,7 +394,7 @@ def _all_local(spec: PlanSpec, reader: Any) -> bool:
             local = _LOCAL.get(url)
             if local is None:
                 try:
-                    local = _LOCAL[url] = bool(reader._target(url).local)
+                    local = _LOCAL[url] = reader.is_local(url)
                 except Exception:  # noqa: BLE001 - the exact path reports it where it is read
                     return False
             if not local:

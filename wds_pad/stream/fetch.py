@@ -39,8 +39,7 @@ from .stages import PlanSpec
 
 __all__ = ["Counters", "fetch"]
 
-# Samples at least this large, in local files, skip the copy out of a range buffer.
-BIG_SAMPLE = 256 * 1024
+from ..io.readahead import BIG_SAMPLE  # large local samples: read ahead by threads
 
 META_KEYS = ("__key__", "__url__", "__bucket__", "__dataset__", "__pad__", "__epoch__", "__step__")
 

@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import ConfigError, WdsPadError
 from ..index.codec import load_index
 from ..index.record import Index
+from ..io.urls import is_local
 from ..core.locality import Locality, shard_map_of
 from ..core.plan import Plan, plan_epoch
 from ..core.policy import MAX_EPOCH, Mode, PadTo, Policy, resolve_policy
@@ -165,7 +166,7 @@ class _IndexRef:
     """Pickles an Index loaded from a local file as its path (workers re-map the pages)."""
 
     def __init__(self, index: Index) -> None:
-        local = index.path is not None and "://" not in index.path
+        local = index.path is not None and is_local(index.path)
         self.path = index.path if local else None
         self.digest = index.digest
         self.index = None if local else index
