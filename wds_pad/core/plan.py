@@ -408,7 +408,7 @@ def plan_epoch(
     raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
     dss = _as_datasets(datasets)
     dp, d = int(topology.dp_size), int(topology.dp_rank)  # type: ignore[arg-type]
-    unit = dp * bs if pad_to is PadTo.BATCH else dp
+    unit = pad_to.unit(dp, bs)
 
     table: list[tuple[int, Hashable]] = []
     stats: list[BucketStats] = []

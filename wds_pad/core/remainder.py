@@ -323,7 +323,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     for j, seg in enumerate(segments):
         lv = levels[-1]
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
-        unit = dp * bs if pad_to is PadTo.BATCH else dp
+        unit = pad_to.unit(dp, bs)
         one_run = seg.steps is not None and deal == RR and lv.deal == RR
         nxt, steps = _next_level(lv, seg, epoch, one_run, dp, deal, bs, unit, pad)
         table = [base.bucket_table[int(t)] for t in nxt.tab]
@@ -343,7 +343,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
         BucketStats(dataset=base.datasets[di], bucket=key, samples=stats0[int(t)].samples,
                     repeats=stats0[int(t)].repeats, length=int(r), padded_length=int(n),
                     padded_copies=int(n - r), truncated=0, dropped=False,
-                    oversubscribed=bool(n > r and r < (top.dp * bs if pad_to is PadTo.BATCH else top.dp)),
+                    oversubscribed=bool(n > r and r < pad_to.unit(top.dp, bs)),
                     steps=int(s))
         for (di, key), t, r, n, s in zip(table, top.tab, top.real, top.length, steps))
     plan = Plan(epoch=base.epoch, topology=topology, batch_size=bs, policy=pol, mode=base.mode,

@@ -24,8 +24,6 @@ Invariants:
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -42,7 +40,7 @@ from ..core.policy import check_epoch
 from ..index.shardfile import shard_info
 from ..io.fs import get_filesystem
 from ..io.redact import redact
-from ..core.seed import shared_seed, stable_digest
+from ..core.seed import json_digest, shared_seed, stable_digest
 from .live import OpenIterators, refuse_resplitting
 from .shards import WorkerPlan, local_path, shard_counts, worker_plan
 from ..state import STATE_FORMAT, STATE_VERSION, fingerprint_of, verify_state
@@ -119,11 +117,10 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         self._tag = False   # under ShardLoader: yield (worker, position, item)
         shards = [[s.url, s.size, s.stamp, s.samples] for s in ix.shards]
         self._fields = {"order": ORDER, "seed_hash": stable_digest(self.seed, size=8).hex(),
-                        "shards": hashlib.blake2b(json.dumps(shards).encode(), digest_size=16).hexdigest(),
+                        "shards": json_digest(shards, sort_keys=False),
                         "num_shards": len(shards), "samples": sum(self.counts.values())}
         # version 1 of the state: the same fields without the layout
-        self._legacy_fingerprint = hashlib.blake2b(json.dumps(self._fields, sort_keys=True).encode(),
-                                                   digest_size=16).hexdigest()
+        self._legacy_fingerprint = json_digest(self._fields)
         self._fields["dp_size"] = int(self.topology.dp_size)  # the shards are dealt to dp_size ranks
         self._fingerprint = fingerprint_of(self._fields)
         self._pinned = False  # a restored state: the next iteration starts exactly there

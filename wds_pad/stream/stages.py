@@ -148,7 +148,7 @@ class PlanSpec:
             "mode": self.mode.value,
             "pad_to": self.pad_to.value,
             "dp_size": int(self.topology.dp_size),
-            "pad_unit": int(self.topology.dp_size) * (self.batch_size if self.pad_to is PadTo.BATCH else 1),
+            "pad_unit": self.pad_to.unit(int(self.topology.dp_size), self.batch_size),
             "oversubscribe": self.oversubscribe,
             "datasets": [{"name": n, "index_digest": ix.digest, "repeats": r, "weight": float(w)}
                          for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)],
