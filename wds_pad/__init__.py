@@ -49,7 +49,7 @@ _LAZY: dict[str, str] = {
     "Equalize": "stream.shards",
     "Index": "index.format",
     "Loader": "stream.loader",
-    "PlanSpec": "stream.stages",
+    "PlanSpec": "state.spec",
     "PlannedSource": "stream.stages",
     "Position": "stream.stages",
     "RangeReader": "io.ranges",

@@ -1,7 +1,7 @@
 """state: where a loader is in its plan: the state schema, its verification, elastic
 remapping onto another data-parallel layout, atomic per-rank state files.
 
-Owns: ``load_state_file``, ``save_state_file``, ``state_path``, ``verify_state``,
+Owns: ``PlanSpec`` (the plan's identity), ``load_state_file``, ``save_state_file``, ``state_path``, ``verify_state``,
 ``restore``, ``make_state``, ``fingerprint_of``, ``elastic_view``.
 
 May import: ``wds_pad.index``, ``wds_pad.io``, ``wds_pad.core``, ``wds_pad.errors``.
@@ -11,12 +11,14 @@ Nothing of stream or cli.
 from .elastic import ElasticView, elastic_view
 from .files import load_state_file, save_state_file, state_path
 from .schema import STATE_FORMAT, STATE_VERSION, fingerprint_of
+from .spec import PlanSpec
 from .verify import Resume, epoch_length, make_state, restore, verify_state
 
 __all__ = [
     "STATE_FORMAT",
     "STATE_VERSION",
     "ElasticView",
+    "PlanSpec",
     "Resume",
     "elastic_view",
     "epoch_length",

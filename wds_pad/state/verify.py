@@ -23,7 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ..core.topology import Topology
@@ -45,6 +45,7 @@ from .schema import (
     keyed_by_rank,
     rank_key,
 )
+from .spec import PlanSpec
 
 __all__ = ["Resume", "epoch_length", "make_state", "restore", "verify_state"]
 
@@ -250,12 +251,12 @@ class Resume:
     worker: tuple[int, int] | None = None
 
 
-def epoch_length(spec: Any, epoch: int, view: ElasticView | None) -> int:
+def epoch_length(spec: PlanSpec, epoch: int, view: ElasticView | None) -> int:
     """Batches of ``epoch`` on this rank, in the elastic view if it covers that epoch."""
     return len(view.plan) if view is not None and view.epoch == epoch else len(spec.plan(epoch))
 
 
-def make_state(spec: Any, epoch: int, index: int, *, kind: str = "bucketed",
+def make_state(spec: PlanSpec, epoch: int, index: int, *, kind: str = "bucketed",
                view: ElasticView | None = None, worker: tuple[int, int] | None = None) -> dict[str, Any]:
     """The JSON-safe state of a loader over ``spec`` (a PlanSpec) at ``(epoch, index)``."""
     state: dict[str, Any] = {
@@ -278,7 +279,7 @@ def make_state(spec: Any, epoch: int, index: int, *, kind: str = "bucketed",
     return keyed_by_rank(state, spec.topology.rank)
 
 
-def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
+def restore(spec: PlanSpec, state: Mapping[str, Any], *, allow_elastic: bool = False,
             worker: tuple[int, int] | None = None, kind: str = "bucketed") -> Resume:
     """Verify ``state`` against ``spec`` (a PlanSpec) and say where to resume; pure.
 
@@ -341,13 +342,13 @@ def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
     return Resume(epoch, 0, elastic_view(spec, epoch, segments + (segment,)))
 
 
-def _finished(spec: Any, epoch: int) -> Resume:
+def _finished(spec: PlanSpec, epoch: int) -> Resume:
     if spec.mode.value == "epochs":
         return Resume(epoch, len(spec.plan(epoch)))
     return Resume(epoch + 1, 0)
 
 
-def _view(spec: Any, epoch: int, segments: tuple[Segment, ...], state: Mapping[str, Any],
+def _view(spec: PlanSpec, epoch: int, segments: tuple[Segment, ...], state: Mapping[str, Any],
           now_dp: int | None = None) -> ElasticView:
     """The view the state was saved in, checked against its saved fingerprint."""
     saved = elastic_fingerprint(state)
@@ -356,7 +357,8 @@ def _view(spec: Any, epoch: int, segments: tuple[Segment, ...], state: Mapping[s
             "loader state field 'elastic.segments' holds no fingerprint: it was saved inside an epoch "
             "resumed elastically by an earlier wds_pad, whose remainder was planned differently; resume "
             "from the epoch's end (or start) or with the wds_pad that saved it")
-    at = spec if now_dp is None else _on_layout(spec, now_dp)
+    # the remainder as planned on the saved layout (its rank 0: every rank's fingerprint is the same)
+    at = spec if now_dp is None else replace(spec, topology=Topology(world_size=now_dp, rank=0))
     view = elastic_view(at, epoch, segments)
     if view.fingerprint != saved:
         raise StateMismatchError(
@@ -365,14 +367,6 @@ def _view(spec: Any, epoch: int, segments: tuple[Segment, ...], state: Mapping[s
             f"{[s.to_json()[:2] for s in segments]} is planned differently "
             "here (the state was edited, or saved by another wds_pad); resume from an epoch boundary")
     return view
-
-
-class _on_layout:  # noqa: N801 - a spec seen on another DP layout (rank 0 of it)
-    def __init__(self, spec: Any, dp: int) -> None:
-        self._spec, self.topology = spec, Topology(world_size=dp, rank=0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._spec, name)
 
 
 def _positions(raw: Mapping[str, Any], state: Mapping[str, Any], dp: int, epoch: int) -> dict[int, tuple[int, int]]:

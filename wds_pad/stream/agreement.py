@@ -16,7 +16,8 @@ from typing import Any
 
 from ..errors import StateMismatchError
 from ..state.schema import _flatten
-from .stages import PlanSpec, Position
+from ..state.spec import PlanSpec
+from .stages import Position
 
 __all__ = ["check_agreement"]
 

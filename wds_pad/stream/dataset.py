@@ -42,8 +42,8 @@ from .batchread import BatchCache, BatchReader
 from .collate import run_collation
 from .fetch import Counters, fetch, substitute
 from .live import OpenIterators, refuse_resplitting
-from .stages import PlannedSource, PlanSpec, Position, batch_refs, shard_schedule
-from ..state import ElasticView, epoch_length, make_state, restore
+from .stages import PlannedSource, Position, batch_refs, shard_schedule
+from ..state import ElasticView, PlanSpec, epoch_length, make_state, restore
 from ..core.topology import Topology
 
 __all__ = ["BucketedWebDataset"]
