@@ -51,7 +51,7 @@ _LAZY: dict[str, str] = {
     "Loader": "stream.loader",
     "PlanSpec": "state.spec",
     "PlannedSource": "stream.stages",
-    "Position": "stream.stages",
+    "Position": "state.cursor",
     "RangeReader": "io.ranges",
     "ReadOptions": "io.options",
     "ShardInfo": "index.format",

@@ -18,16 +18,17 @@ Invariants:
   entry; an entry whose layout or plan is not the top level's (a load template left in
   place) is never used; a refusal of another rank's state says which entries it holds
   and how to save one per rank;
-- :func:`restore` is pure: it says where to resume and mutates nothing.
+- :func:`restore` is pure: it says where to resume (a pinned Cursor) and mutates nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Mapping
 
 from ..core.topology import Topology
 from ..errors import StateError, StateMismatchError, TopologyMismatchError
+from .cursor import Cursor, epoch_length
 from .elastic import ElasticView, Segment, elastic_view
 from .schema import (
     LAYOUT_FIELDS,
@@ -47,7 +48,7 @@ from .schema import (
 )
 from .spec import PlanSpec
 
-__all__ = ["Resume", "epoch_length", "make_state", "restore", "verify_state"]
+__all__ = ["make_state", "restore", "verify_state"]
 
 
 def _same_job(entry: Mapping[str, Any], state: Mapping[str, Any]) -> bool:
@@ -240,32 +241,17 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
     return state
 
 
-@dataclass(frozen=True)
-class Resume:
-    """Where a verified state resumes: ``(epoch, index)`` in the epoch's view, the elastic
-    view of that epoch (or None) and the DataLoader worker the position belongs to."""
-
-    epoch: int
-    index: int
-    view: ElasticView | None = None
-    worker: tuple[int, int] | None = None
-
-
-def epoch_length(spec: PlanSpec, epoch: int, view: ElasticView | None) -> int:
-    """Batches of ``epoch`` on this rank, in the elastic view if it covers that epoch."""
-    return len(view.plan) if view is not None and view.epoch == epoch else len(spec.plan(epoch))
-
-
-def make_state(spec: PlanSpec, epoch: int, index: int, *, kind: str = "bucketed",
-               view: ElasticView | None = None, worker: tuple[int, int] | None = None) -> dict[str, Any]:
-    """The JSON-safe state of a loader over ``spec`` (a PlanSpec) at ``(epoch, index)``."""
+def make_state(spec: PlanSpec, cursor: Cursor, *, kind: str = "bucketed") -> dict[str, Any]:
+    """The JSON-safe state of a loader over ``spec`` at ``cursor`` (its epoch, index, the
+    elastic view it is in and, in a DataLoader worker's own state, the worker)."""
+    epoch, view, worker = cursor.epoch, cursor.view, cursor.worker
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
         "kind": kind,
         "mode": spec.mode.value,
         "epoch": int(epoch),
-        "index": int(index),
+        "index": int(cursor.index),
         "batches_in_epoch": epoch_length(spec, epoch, view),
         "topology": spec.topology.to_dict(),
         "fingerprint": spec.fingerprint(),
@@ -280,8 +266,13 @@ def make_state(spec: PlanSpec, epoch: int, index: int, *, kind: str = "bucketed"
 
 
 def restore(spec: PlanSpec, state: Mapping[str, Any], *, allow_elastic: bool = False,
-            worker: tuple[int, int] | None = None, kind: str = "bucketed") -> Resume:
+            worker: tuple[int, int] | None = None, kind: str = "bucketed") -> Cursor:
     """Verify ``state`` against ``spec`` (a PlanSpec) and say where to resume; pure.
+
+    Returns:
+        A pinned Cursor: the next iteration starts exactly there (even at the end of an
+        epoch, where it then yields nothing), with the elastic view of a resumed epoch
+        and, for a DataLoader worker's own state, the worker.
 
     Args:
         spec: the current PlanSpec.
@@ -317,7 +308,7 @@ def restore(spec: PlanSpec, state: Mapping[str, Any], *, allow_elastic: bool = F
         if index > n:
             raise StateMismatchError(f"loader state position {index} is past the end of epoch {epoch} "
                                      f"({n} batches on this rank); the state does not belong to this plan")
-        return Resume(epoch, index, view, saved_w)
+        return Cursor(epoch, index, view, saved_w, pinned=True)
     # another data-parallel layout, accepted by verify_state because allow_elastic=True
     saved_n = state.get("batches_in_epoch")
     if saved_w is not None:
@@ -328,24 +319,24 @@ def restore(spec: PlanSpec, state: Mapping[str, Any], *, allow_elastic: bool = F
         if saved_n is not None and index >= saved_n:  # the epoch was finished
             return _finished(spec, epoch)
         if index == 0 and not segments:
-            return Resume(epoch, 0)
+            return Cursor(epoch, 0, pinned=True)
         segment = Segment(old, steps=index)
     else:
         positions = _positions(raw, state, old, epoch)
         if all(p >= n for p, n in positions.values()):
             return _finished(spec, epoch)
         if not any(p for p, _ in positions.values()) and not segments:
-            return Resume(epoch, 0)
+            return Cursor(epoch, 0, pinned=True)
         segment = Segment(old, positions=tuple(positions[d][0] for d in range(old)))
     if segments:
         _view(spec, epoch, segments, state, now_dp=old)  # the saved remainder is the one planned here
-    return Resume(epoch, 0, elastic_view(spec, epoch, segments + (segment,)))
+    return Cursor(epoch, 0, elastic_view(spec, epoch, segments + (segment,)), pinned=True)
 
 
-def _finished(spec: PlanSpec, epoch: int) -> Resume:
+def _finished(spec: PlanSpec, epoch: int) -> Cursor:
     if spec.mode.value == "epochs":
-        return Resume(epoch, len(spec.plan(epoch)))
-    return Resume(epoch + 1, 0)
+        return Cursor(epoch, len(spec.plan(epoch)), pinned=True)
+    return Cursor(epoch + 1, 0, pinned=True)
 
 
 def _view(spec: PlanSpec, epoch: int, segments: tuple[Segment, ...], state: Mapping[str, Any],

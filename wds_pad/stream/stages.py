@@ -11,7 +11,9 @@ Invariants:
 - ``PlannedSource`` yields this rank's planned sample references in exact plan order;
   with N DataLoader workers, worker w yields plan batches j with (j - start) mod N == w,
   so DataLoader's round-robin hands the trainer batches in plan order for any N;
-- ``Position`` is a seek into the plan: resuming there reads no earlier batch;
+- ``PlannedSource`` starts at a ``Cursor`` (``Position(epoch, index)``; state/cursor.py), a
+  seek into the plan: resuming there reads no earlier batch; a cursor in an epoch resumed
+  on another layout walks its elastic view's plan instead of the epoch's;
 - ``plan_batched`` groups exactly the plan's batches (by ``__epoch__`` and ``__batch__``)
   and collates them by the one rule of collate.py;
 - no randomness and no I/O here beyond loading an index: everything comes from the plan.
@@ -20,36 +22,20 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..core.plan import Plan
-from ..core.policy import MAX_EPOCH, Mode
+from ..core.policy import Mode
 from ..errors import ConfigError
 from ..index.format import Index
+from ..state.cursor import Cursor, Position  # noqa: F401 - Position: also an old stream.stages name
 from ..state.spec import PlanSpec, _IndexRef  # noqa: F401 - also the old stream.stages names
 from .batchread import BatchCache, BatchReader, member_refs
 from .collate import run_collation
 
-__all__ = ["PlannedSource", "Position", "plan_batched", "shard_schedule"]
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where a stream is: the next batch is ``plan(epoch)[index]``."""
-
-    epoch: int = 0
-    index: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("epoch", "index"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"Position.{name} must be an int >= 0, got {v!r}")
-        if self.epoch > MAX_EPOCH:
-            raise ConfigError(f"Position.epoch must be at most MAX_EPOCH={MAX_EPOCH}, got {self.epoch}")
+__all__ = ["PlannedSource", "plan_batched", "shard_schedule"]
 
 
 class PlannedSource:
@@ -61,15 +47,17 @@ class PlannedSource:
 
     Args:
         spec: the PlanSpec.
-        start: where to begin (a resume position); epochs mode stops at the end of
-            ``start.epoch``, steps mode runs on across epochs.
+        start: where to begin (a Cursor, ``Position(epoch, index)``); epochs mode stops at
+            the end of ``start.epoch``, steps mode runs on across epochs. A cursor with an
+            elastic view (a resumed epoch on another layout) walks the view's plan in
+            its epoch.
         worker: (worker_id, num_workers); default: from torch's get_worker_info().
     """
 
-    def __init__(self, spec: PlanSpec, start: Position | None = None,
+    def __init__(self, spec: PlanSpec, start: Cursor | None = None,
                  worker: tuple[int, int] | None = None) -> None:
         self.spec = spec
-        self.start = start or Position()
+        self.start = start or Cursor()
         self.worker = worker
 
     def _worker(self) -> tuple[int, int]:
@@ -83,11 +71,11 @@ class PlannedSource:
         return (0, 1) if info is None else (info.id, info.num_workers)
 
     def epoch_batches(self, epoch: int) -> tuple[Plan, Sequence[int]]:
-        """The plan of ``epoch`` and the indices of its batches this stream walks.
-
-        The whole plan here; a resumed elastic epoch walks a subset (see dataset.py).
-        """
-        plan = self.spec.plan(epoch)
+        """The plan of ``epoch`` and the indices of its batches this stream walks: the
+        start's elastic view in the epoch it covers (what is left of it on this layout,
+        its batches indexed from 0), else the epoch's plan; every batch of it."""
+        view = self.start.view
+        plan = view.plan if view is not None and view.epoch == epoch else self.spec.plan(epoch)
         return plan, range(len(plan))
 
     def batches(self) -> Iterator[tuple[Plan, int]]:
