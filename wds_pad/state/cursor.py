@@ -15,7 +15,8 @@ Invariants:
 - ``pinned``: the next iteration starts exactly here (a restored state, or the start a
   Loader decided for its workers), even at the end of an epoch, where it then yields
   nothing; unpinned, "a finished epoch iterates again from its start" —
-  :meth:`Cursor.rewound`, the one place that rule is written;
+  :meth:`Cursor.rewound` (:meth:`ShardProgress.rewound` on the shard-level path), the
+  one place that rule is written for each;
 - ``worker``: (id, num_workers) of the DataLoader worker whose own next batch this is
   (it then takes every num_workers-th batch from here), None in the main process;
 - ``epoch`` and ``index`` are ints >= 0, the epoch at most MAX_EPOCH (a ConfigError
@@ -69,6 +70,10 @@ class ShardProgress:
         """Samples the rank yielded in the epoch (over every worker)."""
         return sum(p.yielded for p in self.positions)
 
+    def rewound(self) -> ShardProgress:
+        """Where an iteration from here starts: a finished epoch again from its start."""
+        return ShardProgress() if self.done else self
+
 
 @dataclass(frozen=True)
 class Cursor:
@@ -99,6 +104,14 @@ class Cursor:
         moved = object.__new__(Cursor)
         moved.__dict__.update(self.__dict__)
         moved.__dict__["epoch"], moved.__dict__["index"] = epoch, index
+        return moved
+
+    def with_shards(self, shards: ShardProgress) -> Cursor:
+        """This cursor with the shard-level place ``shards``, everything else kept (once per
+        item the shard-level path yields: no checks)."""
+        moved = object.__new__(Cursor)
+        moved.__dict__.update(self.__dict__)
+        moved.__dict__["shards"] = shards
         return moved
 
     def length(self, spec: PlanSpec) -> int:
