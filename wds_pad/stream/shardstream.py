@@ -6,7 +6,7 @@ interface (``.decode()``, ``.to_tuple()``, ``.batched()``, ...). It yields what
 .compose(equalize(index, splitter))`` yields, and can stop and resume anywhere.
 
 Invariants:
-- worker w of a rank streams :func:`wds_pad.stream.shards.worker_plan`'s shards in order, each
+- worker w of a rank streams :func:`wds_pad.core.shardsplit.worker_plan`'s shards in order, each
   read sequentially by the tar scanner in stream mode, then wraps cyclically until it
   has yielded the plan's target: same samples, order, keys and ``__pad__`` marks as the
   drop-in pipeline;
@@ -42,7 +42,8 @@ from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..core.seed import shared_seed
 from .live import OpenIterators, refuse_resplitting
-from .shards import WorkerPlan, local_path, shard_counts, worker_plan
+from ..core.shardsplit import WorkerPlan, worker_plan
+from .shards import dealing_order, local_path, shard_counts
 from ..state import fingerprint_of
 from ..state.cursor import Cursor, ShardProgress, WorkerPosition
 from ..state.shards import make_shard_state, restore_shards, shard_plan_fields
@@ -145,7 +146,8 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
 
     def plan(self, worker: int = 0, num_workers: int = 1) -> WorkerPlan:
         """What logical ``worker`` of this rank streams in the current epoch."""
-        return worker_plan(self.counts, self.seed, self._cursor.epoch, self.topology, worker, num_workers)
+        return worker_plan(self.counts, self.seed, self._cursor.epoch, self.topology, worker, num_workers,
+                           order=dealing_order(list(self.counts)))
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -174,7 +176,7 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
             self._check_workers(progress, num_workers)
         epoch, n = cursor.epoch, len(progress.positions)
         for w, pos in enumerate(progress.positions):
-            plan = worker_plan(self.counts, self.seed, epoch, self.topology, w, n)
+            plan = worker_plan(self.counts, self.seed, epoch, self.topology, w, n, order=dealing_order(list(self.counts)))
             if pos.yielded > plan.target:
                 raise StateMismatchError(f"worker {w} of the state yielded {pos.yielded} samples, more than "
                                          f"its {plan.target} in epoch {epoch}; the state is not of this stream")
