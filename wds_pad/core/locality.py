@@ -13,8 +13,8 @@ drawn so that a DP rank reads its samples from a few whole shards:
    its windows' pools one after another, in visit order (first in, first out): its
    entry j is entry j of that sequence, and what is left past the rank's need is its
    surplus. Window w also gets a span of the epoch's global steps, its share of the
-   rank's samples: the time the reader holds w's shards (stream/stages.py
-   ``shard_schedule``). A bucket whose steps run ahead of its samples there reads the
+   rank's samples: the time the reader holds w's shards (core/shardschedule.py
+   ``shard_reads``). A bucket whose steps run ahead of its samples there reads the
    next window's pool early (the reader fetches that shard early, while it fits); one
    that runs behind reads the previous window's pool late (from the bytes the reader
    keeps of it). First in, first out keeps those lags as short as the counts allow;
@@ -41,7 +41,7 @@ samples) memory: a bucket keeps only those shards, in visit order (found by a sc
 rows in an index's shard column, whose rows are grouped by bucket and then shard, or by a
 binary search per shard where the bucket is large; a plain Dataset with a shard map
 sorts each bucket once, O(samples)); a batch costs O(batch size x log(shards)). The shard cache's schedule
-(stream/stages.py ``shard_schedule``) costs O(the rank's share) per epoch.
+(core/shardschedule.py ``shard_reads``) costs O(the rank's share) per epoch.
 
 The planner needs each sample's shard: an Index (``shard`` column and shard table) or a
 :class:`ShardMap` around a Dataset. Anything else is a ConfigError that names the fix.

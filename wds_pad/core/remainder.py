@@ -241,7 +241,7 @@ class _RemainderBuckets:
         samples, _ = _at(self.base, b, idx)
         return samples, pad
 
-    # -- shard locality: what the shard cache reads whole (stream/stages.py shard_schedule)
+    # -- shard locality: what the shard cache reads whole (core/shardschedule.py shard_reads)
     def _shard_uses(self, di: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's shards of dataset ``di`` read at least twice, in order of first use,
         and the step of each first use. O(the rank's share)."""

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..core.plan import Plan
+from ..core.shardschedule import shard_reads
 from ..core.policy import Mode
 from ..errors import ConfigError
 from ..index.format import Index
@@ -186,8 +187,8 @@ def shard_schedule(source: Any) -> Iterator[list[Any]]:
     ``RangeReader.follow`` fetches ahead and drops after the last use. Foreign samples
     (shards dealt to other ranks) are not listed: they stay single ranged reads.
 
-    O(the rank's share) per epoch: every batch of the epoch from the start position on
-    is evaluated once, for all workers (each shard's users are the workers that read it).
+    The schedule is core/shardschedule.py's (int64 arrays, O(the rank's share) per epoch);
+    here each row becomes the reader's ``PlannedShard`` (URL, size, byte ranges).
     """
     from ..io.shardcache import PlannedShard
 
@@ -196,82 +197,21 @@ def shard_schedule(source: Any) -> Iterator[list[Any]]:
     epoch, first, counter = source.start.epoch, source.start.index, 0
     rank = spec.topology.rank
     fp = spec.fingerprint()
+    shard_of = [ix.shard for ix in spec.indexes]
     while True:
         plan, walk = source.epoch_batches(epoch)
-        local = plan.buckets.local
-        picks: dict[int, list[tuple[np.ndarray, int, int, int]]] = {}
-        at = 0  # position in the walk, over every dataset and worker
-        for batch in _walked(plan, walk, first):
-            picks.setdefault(plan.datasets.index(batch.dataset), []).append(
-                (batch.samples, counter % nw, at, batch.step))
-            at += batch.samples.size
-            counter += 1
-        out: list[tuple[int, PlannedShard]] = []
-        for di, items in picks.items() if local is not None else ():
-            ix = spec.indexes[di]
-            samples = np.concatenate([s for s, _, _, _ in items])
-            sizes = [s.size for s, _, _, _ in items]
-            workers = np.repeat([w for _, w, _, _ in items], sizes)
-            steps = np.repeat([t for _, _, _, t in items], sizes)
-            where = np.concatenate([a + np.arange(s.size) for s, _, a, _ in items])
-            shards = np.asarray(ix.shard[samples], dtype=np.int64)
-            mine_shards = local.rank_shards(di)
-            own = np.isin(shards, mine_shards)
-            shards, workers, where, steps, samples = (
-                shards[own], workers[own], where[own], steps[own], samples[own])
-            lag = _window_lag(shards, mine_shards, plan.shard_window, local.window_of_step(di, steps))
-            infos, urls = ix.shards, ix.urls
-            offsets, lengths = ix.offset, ix.length
-            by_shard = np.argsort(shards, kind="stable")  # each shard's uses, in walk order
-            for grp in np.split(by_shard, np.flatnonzero(np.diff(shards[by_shard])) + 1) if shards.size else ():
-                s = int(shards[grp[0]])
-                mine = grp[workers[grp] == wid]  # this worker's uses, in order
-                # uses two or more windows before the shard's own are read singly: along the
-                # walk the lag only grows, so they lead
-                lo = int(np.searchsorted(lag[mine], -1, side="left"))
-                held = mine[lo:]
-                if not held.size or lag[held[0]] > 0:
-                    continue  # none left, or only reads after its window (a resumed stream): singly
-                uses = samples[held]
-                users = np.unique(workers[grp[lag[grp] >= -1]]).tolist()
-                out.append((int(where[held[0]]), PlannedShard(
-                    url=urls[s], size=int(infos[s].size), uses=int(held.size), users=frozenset(users),
-                    key=f"{fp}:{epoch}:{rank}", skip=lo,
-                    early=int(np.searchsorted(lag[held], 0, side="left")),
-                    ranges=tuple(zip(np.asarray(offsets[uses], np.int64).tolist(),
-                                     np.asarray(lengths[uses], np.int64).tolist())))))
-        yield [p for _, p in sorted(out, key=lambda t: t[0])]
+        reads, counter = shard_reads(plan, walk, first, counter, nw, wid, shard_of)
+        out = []
+        for r in range(len(reads)):
+            ix = spec.indexes[int(reads.dataset[r])]
+            s, uses = int(reads.shard[r]), reads.uses(r)
+            out.append(PlannedShard(
+                url=ix.urls[s], size=int(ix.shards[s].size), uses=int(uses.size),
+                users=frozenset(np.flatnonzero(reads.users[r]).tolist()), key=f"{fp}:{epoch}:{rank}",
+                skip=int(reads.skip[r]), early=int(reads.early[r]),
+                ranges=tuple(zip(np.asarray(ix.offset[uses], np.int64).tolist(),
+                                 np.asarray(ix.length[uses], np.int64).tolist()))))
+        yield out
         if spec.mode is not Mode.STEPS:
             return
         epoch, first = epoch + 1, 0
-
-
-def _walked(plan: Plan, walk: Sequence[int], first: int) -> Iterator[Any]:
-    """The batches ``walk[first:]`` of ``plan``, computed in blocks of about 64K entries
-    when the walk is the whole plan (one permutation pass per block, not per batch)."""
-    if isinstance(walk, range) and walk.step == 1 and hasattr(plan, "batches"):
-        block = max(1, 65536 // max(plan.batch_size, 1))
-        for lo in range(walk.start + first, walk.stop, block):
-            yield from plan.batches(lo, min(lo + block, walk.stop))
-        return
-    for k in range(first, len(walk)):
-        yield plan[int(walk[k])]
-
-
-def _window_lag(shards: np.ndarray, visit: np.ndarray, window: int, step_window: np.ndarray) -> np.ndarray:
-    """For a rank's own-shard reads: how many windows after its shard's window each read's
-    step lies (negative: before it).
-
-    The plan gives window w of the rank's visit order a span of steps, and takes a
-    bucket's entries at those steps from w's shards, but for the few that the shards'
-    bucket counts cannot match (a bucket with fewer batches than windows, or more
-    samples in w than steps for them). The reader holds a shard from its first use
-    (fetched ahead) up to its window's end, so a read one window early (lag -1) fetches
-    it early and reads from it; reads after its window (lag > 0) come from the few bytes
-    kept when it is dropped; reads two or more windows early are single ranged GETs.
-    """
-    if not shards.size:
-        return np.zeros(0, np.int64)
-    pos_in_visit = np.zeros(int(max(visit.max(initial=0), shards.max())) + 1, np.int64)
-    pos_in_visit[visit] = np.arange(visit.size)
-    return step_window - pos_in_visit[shards] // window
