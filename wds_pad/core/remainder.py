@@ -44,7 +44,8 @@ import numpy as np
 from ..errors import StateError, StateMismatchError
 from .dataset import _as_datasets
 from .locality import Locality
-from .plan import BucketStats, Plan, _at, _rank_batches, plan_epoch
+from .plan import plan_epoch
+from .planrecord import BucketStats, Plan, _at, _rank_batches
 from .policy import PadTo, Policy, _enum
 from .schedule import _schedule
 from .topology import Topology

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .plan import Batch, Plan
+from .planrecord import Batch, Plan
 
 __all__ = ["ShardReads", "shard_reads"]
 
