@@ -112,3 +112,17 @@ def test_fingerprint_fields_are_the_state_plan_block(index: Index) -> None:
     assert spec.fingerprint() == fingerprint_of(fields)
     shard = _spec(index, locality=Locality.SHARD, window=3).fingerprint_fields()
     assert (shard["locality"], shard["window"], shard["shard_order"]) == ("shard", 3, "fifo")
+
+
+def test_old_paths_still_offer_the_spec_and_the_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import sys
+
+    monkeypatch.delitem(sys.modules, "wds_pad.stages", raising=False)
+    with pytest.warns(DeprecationWarning, match="wds_pad.stages moved to wds_pad.stream.stages"):
+        old = importlib.import_module("wds_pad.stages")
+    from wds_pad import Position
+    from wds_pad.stream.stages import PlanSpec as again
+
+    assert old.PlanSpec is again is PlanSpec and old.Position is Position
+    assert {"PlanSpec", "Position"} <= set(old.__all__)
