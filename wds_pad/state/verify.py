@@ -269,17 +269,17 @@ def restore(spec: PlanSpec, state: Mapping[str, Any], *, allow_elastic: bool = F
             worker: tuple[int, int] | None = None, kind: str = "bucketed") -> Cursor:
     """Verify ``state`` against ``spec`` (a PlanSpec) and say where to resume; pure.
 
-    Returns:
-        A pinned Cursor: the next iteration starts exactly there (even at the end of an
-        epoch, where it then yields nothing), with the elastic view of a resumed epoch
-        and, for a DataLoader worker's own state, the worker.
-
     Args:
         spec: the current PlanSpec.
         state: a saved state.
         allow_elastic: accept another DP layout and resume the rest of the epoch on it.
         worker: ``(id, num_workers)`` when called inside a DataLoader worker.
         kind: the loader kind.
+
+    Returns:
+        A pinned Cursor: the next iteration starts exactly there (even at the end of an
+        epoch, where it then yields nothing), with the elastic view of a resumed epoch
+        and, for a DataLoader worker's own state, the worker.
 
     Raises:
         StateError, StateMismatchError, TopologyMismatchError: refused, with the reason.
