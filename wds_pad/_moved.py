@@ -43,7 +43,8 @@ MOVED = {
 #: old path offers the names of all of them, those of its MOVED module first
 SPLIT = {
     "dataset": ("stream.loader", "stream.agreement"),
-    "stages": ("stream.fetch",),
+    "stages": ("stream.fetch", "state.spec", "state.cursor"),
+    "shards": ("core.shardsplit",),
     "indexer": ("index.verify", "index.shardfile"),
     "index.format": ("index.layout", "index.codec", "index.merge", "index.rows"),
 }

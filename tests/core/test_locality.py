@@ -246,7 +246,7 @@ def test_shard_plans_are_pinned_bitwise(name: str) -> None:
 def _dense_reference(ids: Any, bk: Any, shard: np.ndarray, nshards: int) -> tuple[np.ndarray, np.ndarray]:
     """(win_samples, every pool entry per window) from the dense per-shard tables, the
     straightforward way: each bucket's rows sorted by shard, cumulated in visit order."""
-    from wds_pad.core.locality import _window_keys
+    from wds_pad.core.localbuckets import _window_keys
     from wds_pad.core.permute import permute
     dealt = bk.dealt
     arr = np.asarray(ids, dtype=np.int64)

@@ -53,3 +53,12 @@ def test_the_padded_size_limit_is_inclusive() -> None:
     _check_planned_size("d", "a", MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, 1, 1, 1, False)
     with pytest.raises(ConfigError, match="padded to"):
         _check_planned_size("d", "a", 3, 1, MAX_PLANNED_ENTRIES + 1, 1, 4, 4, False)
+
+
+def test_the_pad_unit_is_one_global_step_or_one_entry_per_rank() -> None:
+    from wds_pad import PadTo
+
+    assert PadTo.BATCH.unit(4, 8) == 32 and PadTo.RANK.unit(4, 8) == 4
+    # the unit the planner pads to: a cyclic bucket is a multiple of it
+    plan = plan_epoch(Dataset("d", {"b": np.arange(10)}), Topology(3, 0), seed=1, batch_size=2, pad_to="rank")
+    assert plan.stats[0].padded_length % PadTo.RANK.unit(3, 2) == 0 and plan.stats[0].padded_length == 12

@@ -146,3 +146,20 @@ def test_check_seed_is_the_one_rule_of_the_api_and_the_cli() -> None:
             check_seed(bad)
         with pytest.raises(argparse.ArgumentTypeError, match=r"seed must be in \[0, 2\*\*64\)"):
             _seed_arg(str(bad))
+
+
+def test_json_digest_is_blake2b_of_the_json_text_with_the_callers_options() -> None:
+    import hashlib
+    import json
+
+    from wds_pad.core.seed import json_digest
+
+    doc = {"b": [1, 2.5, "x"], "a": {"z": None, "y": True}}
+    for kw, dumps in (({}, dict(sort_keys=True)), ({"sort_keys": False}, {}),
+                      ({"compact": True, "allow_nan": False}, dict(sort_keys=True, separators=(",", ":")))):
+        want = hashlib.blake2b(json.dumps(doc, **dumps).encode(), digest_size=16).hexdigest()  # type: ignore[arg-type]
+        assert json_digest(doc, **kw) == want  # type: ignore[arg-type]
+    assert len(json_digest(doc, size=12)) == 24
+    assert json_digest({"a": 1, "b": 2}) == json_digest({"b": 2, "a": 1}) != json_digest({"b": 2, "a": 1}, sort_keys=False)
+    with pytest.raises(ValueError):
+        json_digest({"x": float("nan")}, allow_nan=False)

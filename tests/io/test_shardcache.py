@@ -362,8 +362,6 @@ def test_an_elastic_resume_reads_about_one_fetch_per_shard_still_needed(
     the shards still needed whole, each about once, and few samples singly."""
     import numpy as np
 
-    from wds_pad.stream.dataset import _ViewSource
-
     proxy, index = proxied
     whole = 1 << 20  # a shard is one GET (the test counts shard fetches and single reads, not blocks)
 
@@ -397,9 +395,9 @@ def test_an_elastic_resume_reads_about_one_fetch_per_shard_still_needed(
         assert_same_bytes(batches, reference)
         got += [s["__key__"] for b in batches for s in b if not s["__pad__"]]
         after += proxy.requests_seen
-        src = _ViewSource(ds.spec, Position(0, 0), (0, 1), ds._view)
+        src = PlannedSource(ds.spec, ds.cursor.at(0, 0), (0, 1))  # the epoch's elastic view
         sched = next(shard_schedule(src))
-        entries = int(ds._view.plan.samples.size)
+        entries = int(ds.cursor.view.plan.samples.size)
         blocks += sum(-(-p.size // whole) for p in sched)
         single += entries - sum(p.uses for p in sched)
         assert proxy.requests_seen == ds.read_stats.requests

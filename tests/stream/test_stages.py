@@ -33,7 +33,8 @@ from wds_pad.index.build import build_index
 from wds_pad.core.policy import Mode
 from wds_pad.io.ranges import RangeReader, ReadOptions
 from wds_pad.stream.fetch import BIG_SAMPLE, META_KEYS, Counters, expand, fetch, substitute
-from wds_pad.stream.stages import PlannedSource, PlanSpec, Position, batch_refs, plan_batched
+from wds_pad.state.spec import PlanSpec
+from wds_pad.stream.stages import PlannedSource, Position, batch_refs, plan_batched
 from wds_pad.core.topology import Topology
 
 SOLO = Topology(world_size=1, rank=0)
@@ -68,32 +69,6 @@ def _planned_keys(index: Index, spec: PlanSpec, epoch: int = 0) -> list[list[str
         warnings.simplefilter("ignore")
         plan = spec.plan(epoch)
     return [[index.key(int(i)) for i in b.samples] for b in plan]
-
-
-# ---------------------------------------------------------------- PlanSpec
-
-
-def test_planspec_defaults_plan_every_index(index: Index) -> None:
-    spec = _spec(index)
-    assert spec.repeats == (0,) and spec.weights == (1.0,)
-    assert len(spec.plan(0)) > 0
-
-
-def test_planspec_refuses_mismatched_per_index_values(index: Index) -> None:
-    with pytest.raises(ConfigError, match="repeats"):
-        _spec(index, repeats=(0, 1))
-    with pytest.raises(ConfigError, match="name"):
-        _spec(index, names=("a", "b"))
-
-
-def test_planspec_pickles_index_as_path_and_replans_identically(index: Index) -> None:
-    spec = _spec(index)
-    spec.plan(0)
-    clone = pickle.loads(pickle.dumps(spec))
-    assert clone.indexes[0].path == index.path and clone.indexes[0].digest == index.digest
-    assert clone._cache == {}
-    assert _planned_keys(index, clone) == _planned_keys(index, spec)
-    assert clone.fingerprint() == spec.fingerprint()
 
 
 # ---------------------------------------------------------------- PlannedSource

@@ -164,7 +164,8 @@ def run_plan(index: Index, args: argparse.Namespace) -> Any:
 def planned_gets(index: Index, plan: Any, block: int, workers: int) -> int:
     """GETs the plan says a rank makes: one per sample (none); with shard locality every
     shard a worker's schedule lists once, in blocks, and every other range singly."""
-    from wds_pad.stream.stages import PlannedSource, PlanSpec, shard_schedule
+    from wds_pad.state.spec import PlanSpec
+    from wds_pad.stream.stages import PlannedSource, shard_schedule
 
     if plan.buckets.local is None:
         return int(plan.samples.size)

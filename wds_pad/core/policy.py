@@ -5,6 +5,8 @@ to anything that depends on the process, the machine or the clock. Invariants:
 
 - ``Policy``, ``Mode`` and ``PadTo`` are str Enums; a name outside them is a ConfigError
   listing the allowed values (``_enum``), never a bare ValueError or KeyError;
+- the pad unit is one rule, ``PadTo.unit(dp_size, batch_size)``: dp_size * batch_size
+  for ``batch``, dp_size for ``rank``;
 - ``resolve_policy`` never returns ``AUTO``: it is cyclic for epoch-driven runs or
   explicit oversubscription, else drop (invariant 6: the same inputs resolve the same
   way for every epoch);
@@ -104,6 +106,11 @@ class PadTo(str, Enum):
 
     BATCH = "batch"
     RANK = "rank"
+
+    def unit(self, dp_size: int, batch_size: int) -> int:
+        """The pad unit on ``dp_size`` DP ranks with ``batch_size`` samples per batch: every
+        bucket's padded length is a multiple of it (one global step for ``batch``)."""
+        return dp_size * batch_size if self is PadTo.BATCH else dp_size
 
 
 def _enum(cls: type[Enum], value: Any, what: str) -> Any:

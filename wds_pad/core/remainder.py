@@ -44,7 +44,8 @@ import numpy as np
 from ..errors import StateError, StateMismatchError
 from .dataset import _as_datasets
 from .locality import Locality
-from .plan import BucketStats, Plan, _at, _rank_batches, plan_epoch
+from .plan import plan_epoch
+from .planrecord import BucketStats, Plan, _at, _rank_batches
 from .policy import PadTo, Policy, _enum
 from .schedule import _schedule
 from .topology import Topology
@@ -241,7 +242,7 @@ class _RemainderBuckets:
         samples, _ = _at(self.base, b, idx)
         return samples, pad
 
-    # -- shard locality: what the shard cache reads whole (stream/stages.py shard_schedule)
+    # -- shard locality: what the shard cache reads whole (core/shardschedule.py shard_reads)
     def _shard_uses(self, di: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's shards of dataset ``di`` read at least twice, in order of first use,
         and the step of each first use. O(the rank's share)."""
@@ -323,7 +324,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     for j, seg in enumerate(segments):
         lv = levels[-1]
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
-        unit = dp * bs if pad_to is PadTo.BATCH else dp
+        unit = pad_to.unit(dp, bs)
         one_run = seg.steps is not None and deal == RR and lv.deal == RR
         nxt, steps = _next_level(lv, seg, epoch, one_run, dp, deal, bs, unit, pad)
         table = [base.bucket_table[int(t)] for t in nxt.tab]
@@ -343,7 +344,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
         BucketStats(dataset=base.datasets[di], bucket=key, samples=stats0[int(t)].samples,
                     repeats=stats0[int(t)].repeats, length=int(r), padded_length=int(n),
                     padded_copies=int(n - r), truncated=0, dropped=False,
-                    oversubscribed=bool(n > r and r < (top.dp * bs if pad_to is PadTo.BATCH else top.dp)),
+                    oversubscribed=bool(n > r and r < pad_to.unit(top.dp, bs)),
                     steps=int(s))
         for (di, key), t, r, n, s in zip(table, top.tab, top.real, top.length, steps))
     plan = Plan(epoch=base.epoch, topology=topology, batch_size=bs, policy=pol, mode=base.mode,

@@ -7,11 +7,15 @@ Invariants:
   a canonical, type-tagged encoding): never Python's ``hash()``, the pid or the clock,
   so the same inputs give the same numbers in every process, on every machine, under
   any PYTHONHASHSEED.
+- A JSON document's digest (plan fingerprints, state-file checksums, a build part's
+  identity) is one rule, :func:`json_digest`: blake2b of its JSON text, with the text's
+  options (key order, separators) fixed by each caller, so a saved digest never changes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import sys
 from typing import Any, Hashable
@@ -20,7 +24,8 @@ import numpy as np
 
 from ..errors import ConfigError, SeedError
 
-__all__ = ["MAX_SEED", "check_seed", "derive_rng", "derive_seed", "encode_key", "shared_seed", "stable_digest"]
+__all__ = ["MAX_SEED", "check_seed", "derive_rng", "derive_seed", "encode_key", "json_digest", "shared_seed",
+           "stable_digest"]
 
 SEED_BITS = 63
 #: The largest seed accepted anywhere (API and CLI): seeds are unsigned 64-bit integers.
@@ -60,6 +65,24 @@ def stable_digest(*parts: Hashable, size: int = 16) -> bytes:
     for p in parts:
         h.update(encode_key(p))
     return h.digest()
+
+
+def json_digest(value: Any, size: int = 16, *, sort_keys: bool = True, compact: bool = False,
+                allow_nan: bool = True) -> str:
+    """The hex blake2b digest (``size`` bytes) of ``value`` as JSON text.
+
+    Args:
+        value: a JSON-safe value.
+        size: digest bytes (the hex string is twice as long).
+        sort_keys: write mapping keys sorted (``json.dumps(sort_keys=...)``).
+        compact: separators ``","`` and ``":"`` instead of json's default ``", "`` and ``": "``.
+        allow_nan: as ``json.dumps``; False raises ValueError on NaN or infinity.
+
+    Each caller keeps the options its saved digests were made with: the text, hence the
+    digest, is exactly what ``json.dumps`` writes with them.
+    """
+    text = json.dumps(value, sort_keys=sort_keys, separators=(",", ":") if compact else None, allow_nan=allow_nan)
+    return hashlib.blake2b(text.encode(), digest_size=size).hexdigest()
 
 
 def derive_seed(seed: int, *parts: Hashable) -> int:

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -42,6 +40,7 @@ import tempfile
 import time
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
+from ..core.seed import json_digest
 from ..errors import ConfigError, IndexFormatError, ShardError, WdsPadError
 from ..io.atomic import atomic_write
 from ..io.redact import redact
@@ -82,7 +81,7 @@ def part_digest(urls: Sequence[str], stats: Sequence[Stat | None], fn: BucketFn,
     """What decides a part's content, hashed (a shard whose stat failed: ``None``)."""
     doc = {"part": _PART_VERSION, "format": FORMAT_VERSION, "wds_pad": __version__, "bucket_by": fn.describe(),
            "on_error": on_error, "shards": [[u, list(s) if s is not None else None] for u, s in zip(urls, stats)]}
-    return hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(), digest_size=12).hexdigest()
+    return json_digest(doc, size=12)
 
 
 def _stat_all(urls: Sequence[str], workers: int, storage_options: Mapping[str, Any] | None) -> list[Stat | None]:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..core.plan import Plan
 from ..core.remainder import Remainder, Segment, plan_remainder
+from .spec import PlanSpec
 
 __all__ = ["ElasticView", "Segment", "elastic_view"]
 
@@ -37,21 +38,18 @@ class ElasticView:
         epoch: the epoch this view belongs to (later epochs are planned normally).
         segments: each earlier layout that consumed part of the epoch, with how far its
             ranks got, in order; saved in the state so a later resume recomputes the view.
-        spec: the PlanSpec (anything with ``datasets()``, the plan arguments and ``topology``).
+        spec: the PlanSpec the rest of the epoch is planned with (its topology: this layout).
     """
 
     epoch: int
     segments: tuple[Segment, ...]
-    spec: Any
+    spec: PlanSpec
 
     def _remainder(self) -> Remainder:
         cached = self.__dict__.get("_cached")
         if cached is None:
             s = self.spec
-            cached = plan_remainder(s.datasets(), s.topology, self.segments, seed=s.seed, epoch=self.epoch,
-                                    batch_size=s.batch_size, policy=s.policy, mode=s.mode,
-                                    oversubscribe=s.oversubscribe, pad_to=s.pad_to,
-                                    locality=getattr(s, "locality", "none"), window=getattr(s, "window", 8))
+            cached = plan_remainder(s.datasets(), s.topology, self.segments, epoch=self.epoch, **s.plan_kwargs())
             self.__dict__["_cached"] = cached
         return cached
 
@@ -81,7 +79,7 @@ class ElasticView:
         return {k: v for k, v in self.__dict__.items() if k != "_cached"}
 
 
-def elastic_view(spec: Any, epoch: int, segments: Sequence[Segment]) -> ElasticView:
+def elastic_view(spec: PlanSpec, epoch: int, segments: Sequence[Segment]) -> ElasticView:
     """What is left of ``epoch`` on ``spec``'s layout after ``segments``; planned now, so a
     refusal comes before anything is restored.
 

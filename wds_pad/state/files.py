@@ -10,11 +10,11 @@ Invariants:
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 from typing import Any, Mapping
 
+from ..core.seed import json_digest
 from ..errors import StateError, TopologyMismatchError
 from ..io.atomic import atomic_write
 from .schema import STATE_FILE_FORMAT, _is_count, check_schema
@@ -30,7 +30,7 @@ def state_path(directory: str, rank: int, prefix: str = "loader") -> str:
 def _checksum(state: Mapping[str, Any], saved_by_rank: Any = None, legacy: bool = False) -> str:
     # version 1 files covered only the state; now saved_by_rank is covered too
     doc: Any = state if legacy else {"saved_by_rank": saved_by_rank, "state": state}
-    return hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(), digest_size=16).hexdigest()
+    return json_digest(doc)
 
 
 def _check_rank(rank: Any, what: str) -> int:

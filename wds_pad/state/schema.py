@@ -28,12 +28,11 @@ Invariants:
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 from typing import Any, Mapping
 
 from ..core.policy import MAX_EPOCH
 from ..core.remainder import Segment
+from ..core.seed import json_digest
 from ..errors import StateError
 
 __all__ = ["MAX_INDEX", "PER_RANK", "READABLE_VERSIONS", "STATE_FORMAT", "STATE_VERSION", "check_schema",
@@ -81,8 +80,7 @@ def fingerprint_of(fields: Mapping[str, Any]) -> str:
     A state carries both, so :func:`verify_state` can check that its ``plan`` block is
     the one its fingerprint was made from, and then name each differing field.
     """
-    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return json_digest(fields, compact=True, allow_nan=False)
 
 
 def _table(rows: list[tuple[str, Any, Any]]) -> str:

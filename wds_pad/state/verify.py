@@ -18,16 +18,17 @@ Invariants:
   entry; an entry whose layout or plan is not the top level's (a load template left in
   place) is never used; a refusal of another rank's state says which entries it holds
   and how to save one per rank;
-- :func:`restore` is pure: it says where to resume and mutates nothing.
+- :func:`restore` is pure: it says where to resume (a pinned Cursor) and mutates nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Mapping
 
 from ..core.topology import Topology
 from ..errors import StateError, StateMismatchError, TopologyMismatchError
+from .cursor import Cursor, epoch_length
 from .elastic import ElasticView, Segment, elastic_view
 from .schema import (
     LAYOUT_FIELDS,
@@ -45,8 +46,9 @@ from .schema import (
     keyed_by_rank,
     rank_key,
 )
+from .spec import PlanSpec
 
-__all__ = ["Resume", "epoch_length", "make_state", "restore", "verify_state"]
+__all__ = ["make_state", "restore", "verify_state"]
 
 
 def _same_job(entry: Mapping[str, Any], state: Mapping[str, Any]) -> bool:
@@ -239,32 +241,17 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
     return state
 
 
-@dataclass(frozen=True)
-class Resume:
-    """Where a verified state resumes: ``(epoch, index)`` in the epoch's view, the elastic
-    view of that epoch (or None) and the DataLoader worker the position belongs to."""
-
-    epoch: int
-    index: int
-    view: ElasticView | None = None
-    worker: tuple[int, int] | None = None
-
-
-def epoch_length(spec: Any, epoch: int, view: ElasticView | None) -> int:
-    """Batches of ``epoch`` on this rank, in the elastic view if it covers that epoch."""
-    return len(view.plan) if view is not None and view.epoch == epoch else len(spec.plan(epoch))
-
-
-def make_state(spec: Any, epoch: int, index: int, *, kind: str = "bucketed",
-               view: ElasticView | None = None, worker: tuple[int, int] | None = None) -> dict[str, Any]:
-    """The JSON-safe state of a loader over ``spec`` (a PlanSpec) at ``(epoch, index)``."""
+def make_state(spec: PlanSpec, cursor: Cursor, *, kind: str = "bucketed") -> dict[str, Any]:
+    """The JSON-safe state of a loader over ``spec`` at ``cursor`` (its epoch, index, the
+    elastic view it is in and, in a DataLoader worker's own state, the worker)."""
+    epoch, view, worker = cursor.epoch, cursor.view, cursor.worker
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
         "kind": kind,
         "mode": spec.mode.value,
         "epoch": int(epoch),
-        "index": int(index),
+        "index": int(cursor.index),
         "batches_in_epoch": epoch_length(spec, epoch, view),
         "topology": spec.topology.to_dict(),
         "fingerprint": spec.fingerprint(),
@@ -278,8 +265,8 @@ def make_state(spec: Any, epoch: int, index: int, *, kind: str = "bucketed",
     return keyed_by_rank(state, spec.topology.rank)
 
 
-def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
-            worker: tuple[int, int] | None = None, kind: str = "bucketed") -> Resume:
+def restore(spec: PlanSpec, state: Mapping[str, Any], *, allow_elastic: bool = False,
+            worker: tuple[int, int] | None = None, kind: str = "bucketed") -> Cursor:
     """Verify ``state`` against ``spec`` (a PlanSpec) and say where to resume; pure.
 
     Args:
@@ -288,6 +275,11 @@ def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
         allow_elastic: accept another DP layout and resume the rest of the epoch on it.
         worker: ``(id, num_workers)`` when called inside a DataLoader worker.
         kind: the loader kind.
+
+    Returns:
+        A pinned Cursor: the next iteration starts exactly there (even at the end of an
+        epoch, where it then yields nothing), with the elastic view of a resumed epoch
+        and, for a DataLoader worker's own state, the worker.
 
     Raises:
         StateError, StateMismatchError, TopologyMismatchError: refused, with the reason.
@@ -316,7 +308,7 @@ def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
         if index > n:
             raise StateMismatchError(f"loader state position {index} is past the end of epoch {epoch} "
                                      f"({n} batches on this rank); the state does not belong to this plan")
-        return Resume(epoch, index, view, saved_w)
+        return Cursor(epoch, index, view, saved_w, pinned=True)
     # another data-parallel layout, accepted by verify_state because allow_elastic=True
     saved_n = state.get("batches_in_epoch")
     if saved_w is not None:
@@ -327,27 +319,27 @@ def restore(spec: Any, state: Mapping[str, Any], *, allow_elastic: bool = False,
         if saved_n is not None and index >= saved_n:  # the epoch was finished
             return _finished(spec, epoch)
         if index == 0 and not segments:
-            return Resume(epoch, 0)
+            return Cursor(epoch, 0, pinned=True)
         segment = Segment(old, steps=index)
     else:
         positions = _positions(raw, state, old, epoch)
         if all(p >= n for p, n in positions.values()):
             return _finished(spec, epoch)
         if not any(p for p, _ in positions.values()) and not segments:
-            return Resume(epoch, 0)
+            return Cursor(epoch, 0, pinned=True)
         segment = Segment(old, positions=tuple(positions[d][0] for d in range(old)))
     if segments:
         _view(spec, epoch, segments, state, now_dp=old)  # the saved remainder is the one planned here
-    return Resume(epoch, 0, elastic_view(spec, epoch, segments + (segment,)))
+    return Cursor(epoch, 0, elastic_view(spec, epoch, segments + (segment,)), pinned=True)
 
 
-def _finished(spec: Any, epoch: int) -> Resume:
+def _finished(spec: PlanSpec, epoch: int) -> Cursor:
     if spec.mode.value == "epochs":
-        return Resume(epoch, len(spec.plan(epoch)))
-    return Resume(epoch + 1, 0)
+        return Cursor(epoch, len(spec.plan(epoch)), pinned=True)
+    return Cursor(epoch + 1, 0, pinned=True)
 
 
-def _view(spec: Any, epoch: int, segments: tuple[Segment, ...], state: Mapping[str, Any],
+def _view(spec: PlanSpec, epoch: int, segments: tuple[Segment, ...], state: Mapping[str, Any],
           now_dp: int | None = None) -> ElasticView:
     """The view the state was saved in, checked against its saved fingerprint."""
     saved = elastic_fingerprint(state)
@@ -356,7 +348,8 @@ def _view(spec: Any, epoch: int, segments: tuple[Segment, ...], state: Mapping[s
             "loader state field 'elastic.segments' holds no fingerprint: it was saved inside an epoch "
             "resumed elastically by an earlier wds_pad, whose remainder was planned differently; resume "
             "from the epoch's end (or start) or with the wds_pad that saved it")
-    at = spec if now_dp is None else _on_layout(spec, now_dp)
+    # the remainder as planned on the saved layout (its rank 0: every rank's fingerprint is the same)
+    at = spec if now_dp is None else replace(spec, topology=Topology(world_size=now_dp, rank=0))
     view = elastic_view(at, epoch, segments)
     if view.fingerprint != saved:
         raise StateMismatchError(
@@ -365,14 +358,6 @@ def _view(spec: Any, epoch: int, segments: tuple[Segment, ...], state: Mapping[s
             f"{[s.to_json()[:2] for s in segments]} is planned differently "
             "here (the state was edited, or saved by another wds_pad); resume from an epoch boundary")
     return view
-
-
-class _on_layout:  # noqa: N801 - a spec seen on another DP layout (rank 0 of it)
-    def __init__(self, spec: Any, dp: int) -> None:
-        self._spec, self.topology = spec, Topology(world_size=dp, rank=0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._spec, name)
 
 
 def _positions(raw: Mapping[str, Any], state: Mapping[str, Any], dp: int, epoch: int) -> dict[int, tuple[int, int]]:

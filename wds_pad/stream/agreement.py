@@ -16,14 +16,20 @@ from typing import Any
 
 from ..errors import StateMismatchError
 from ..state.schema import _flatten
-from .stages import PlanSpec, Position
+from ..state.cursor import Cursor
+from ..state.spec import PlanSpec
 
 __all__ = ["check_agreement"]
 
 
-def check_agreement(spec: PlanSpec, position: Position, group: Any = None, view: Any = None) -> None:
+def check_agreement(spec: PlanSpec, cursor: Cursor, group: Any = None) -> None:
     """All ranks compare plan fingerprint, epoch and batch count (one all_gather), and in an
-    epoch resumed on another layout (``view``, an ElasticView) the remainder's fingerprint.
+    epoch resumed on another layout (the cursor's elastic view) the remainder's fingerprint.
+
+    Args:
+        spec: this rank's PlanSpec.
+        cursor: where this rank starts (``Position(epoch, index)``, or a loader's cursor).
+        group: the torch.distributed group of the job (default: the default group).
 
     Raises:
         StateMismatchError: on every rank, naming the ranks and fields that differ.
@@ -32,12 +38,13 @@ def check_agreement(spec: PlanSpec, position: Position, group: Any = None, view:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
-    resumed = view is not None and view.epoch == position.epoch
+    view = cursor.view
+    resumed = view is not None and view.epoch == cursor.epoch
     mine = {"rank": spec.topology.rank, "fingerprint": spec.fingerprint(),
-            "epoch": position.epoch,
-            "batches": len(view.plan) if resumed else len(spec.plan(position.epoch)),
+            "epoch": cursor.epoch,
+            "batches": cursor.length(spec),
             "mode": spec.mode.value, "plan": spec.fingerprint_fields(),
-            "elastic": view.fingerprint if resumed else ""}
+            "elastic": view.fingerprint if resumed else ""}  # type: ignore[union-attr]
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     ref = gathered[0]

@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -43,8 +44,8 @@ from .batchread import BatchCache, BatchReader
 from .collate import run_collation
 from .fetch import Counters, fetch, substitute
 from .live import OpenIterators, refuse_resplitting
-from .stages import PlannedSource, PlanSpec, Position, batch_refs, shard_schedule
-from ..state import ElasticView, epoch_length, make_state, restore
+from .stages import PlannedSource, batch_refs, shard_schedule
+from ..state import Cursor, PlanSpec, epoch_length, make_state, restore
 from ..core.topology import Topology
 
 __all__ = ["BucketedWebDataset"]
@@ -158,10 +159,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         self.stages: list[Callable[[Any], Any]] = []
         self.counters = Counters()
         self._read_stats: ReadStats | None = None
-        self._position = Position(epoch, 0)
-        self._view: ElasticView | None = None  # the epoch resumed on another DP layout
-        self._worker: tuple[int, int] | None = None  # set in a worker: _position is its own next batch
-        self._pinned = False  # the next iteration starts exactly at _position (a restored state)
+        self._cursor = Cursor(epoch)  # where the next iteration starts (state/cursor.py)
         self._agreed: set[int] = set()
 
     # -- the fluid interface -----------------------------------------------------------
@@ -206,7 +204,21 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
 
     @property
     def epoch(self) -> int:
-        return self._position.epoch
+        return self._cursor.epoch
+
+    @property
+    def cursor(self) -> Cursor:
+        """Where this dataset is in its plan: the next batch, the elastic view of a resumed
+        epoch, the DataLoader worker the position belongs to, whether it is pinned."""
+        return self._cursor
+
+    def seek(self, cursor: Cursor) -> None:
+        """Make the next iteration start at ``cursor`` (how a Loader moves its dataset).
+
+        Nothing is verified here: a cursor comes from :func:`wds_pad.state.restore` (a
+        verified state) or from this dataset's own cursor.
+        """
+        self._cursor = cursor
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` at its first batch on the next iteration.
@@ -220,12 +232,9 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             ConfigError: ``epoch`` is not an int in [0, MAX_EPOCH].
         """
         epoch = check_epoch(epoch)
-        if self._pinned and epoch == self._position.epoch:
+        if self._cursor.pinned and epoch == self._cursor.epoch:
             return
-        self._position = Position(epoch, 0)
-        self._view = None
-        self._worker = None
-        self._pinned = False
+        self._cursor = Cursor(epoch)
 
     def plan(self, epoch: int | None = None) -> Any:
         """This rank's Plan for ``epoch`` (default: the current one)."""
@@ -234,7 +243,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
     def __len__(self) -> int:
         """Batches in the current epoch on this rank (epochs mode; after an elastic
         resume, the batches left in the resumed epoch)."""
-        return epoch_length(self.spec, self.epoch, self._view)
+        return self._cursor.length(self.spec)
 
     def state_dict(self) -> dict[str, Any]:
         """The current position as a small JSON-safe dict (see docs/resume.md).
@@ -243,8 +252,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         StatefulDataLoader asks each worker) it is that worker's own next batch, marked
         with ``worker``; use :class:`Loader` to get one exact state from the main process.
         """
-        return make_state(self.spec, self._position.epoch, self._position.index, view=self._view,
-                          worker=self._worker)
+        return make_state(self.spec, self._cursor)
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_elastic: bool = False) -> None:
         """Resume at a saved position after verifying the whole state.
@@ -260,16 +268,15 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         """
         info = get_worker_info()
         worker = None if info is None else (info.id, info.num_workers)
-        r = restore(self.spec, state, allow_elastic=allow_elastic, worker=worker)
+        cursor = restore(self.spec, state, allow_elastic=allow_elastic, worker=worker)
         self._refuse_while_open("BucketedWebDataset")
-        self._position, self._view, self._worker = Position(r.epoch, r.index), r.view, r.worker
-        self._pinned = True  # even a finished epoch: resuming there yields nothing, not a rerun
+        self.seek(cursor)  # pinned: even at a finished epoch, resuming there yields nothing, not a rerun
 
     # -- iteration -------------------------------------------------------------------------
     def agree(self) -> None:
         """Run the cross-rank agreement check for the current epoch (once per epoch)."""
         if self.check_agreement and self.epoch not in self._agreed:
-            check_agreement(self.spec, self._position, self.group, view=self._view)
+            check_agreement(self.spec, self._cursor, self.group)
             self._agreed.add(self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
@@ -333,41 +340,29 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
     def _source(self) -> PlannedSource:
         """Where this iteration starts: a seek into the plan (or the elastic view)."""
         info = get_worker_info()
-        start, worker = self._position, None
-        if info is not None and self._worker == (info.id, info.num_workers):
+        cursor, worker = self._cursor, None
+        if info is not None and cursor.worker == (info.id, info.num_workers):
             worker = (0, info.num_workers)  # a worker-local position: every num_workers-th from here
-        elif (not self._pinned and self.spec.mode is Mode.EPOCHS
-              and start.index >= epoch_length(self.spec, start.epoch, self._view)):
-            start = self._position = Position(start.epoch, 0)  # a finished epoch iterates again
-            self._view = None                                 # from its start, on this layout
+        else:
+            cursor = cursor.rewound(self.spec)
         if info is None:
-            self._pinned = False
-        return _ViewSource(self.spec, start, worker, self._view)
+            cursor = replace(cursor, pinned=False)
+        self._cursor = cursor
+        return PlannedSource(self.spec, cursor, worker)
 
-    def _forward(self, position: Position, n: int) -> Position:
-        """``position`` moved on by ``n`` batches (across epochs in steps mode)."""
-        epoch, index = position.epoch, position.index + n
-        while self.spec.mode is Mode.STEPS:
-            length = epoch_length(self.spec, epoch, self._view)
-            if index < length or (length == 0 and len(self.spec.plan(epoch)) == 0):
-                break
-            epoch, index = epoch + 1, index - length
-        if self.spec.mode is Mode.EPOCHS:
-            index = min(index, epoch_length(self.spec, epoch, self._view))
-        return Position(epoch, index)
-
-    def _advance(self, done: tuple[int, int]) -> Position:
+    def _advance(self, done: tuple[int, int]) -> Cursor:
         """Record that plan batch ``done = (epoch, j)`` was yielded."""
         epoch, k = done  # the view's batches are its plan's, indexed from 0
         info = get_worker_info()
-        if info is None and self.spec.mode is Mode.EPOCHS:  # the common case, per batch: one Position
-            self._position = Position(epoch, min(k + 1, epoch_length(self.spec, epoch, self._view)))
+        cursor = self._cursor
+        if info is None and self.spec.mode is Mode.EPOCHS:  # the common case, per batch: one move
+            self._cursor = cursor.at(epoch, min(k + 1, epoch_length(self.spec, epoch, cursor.view)))
         elif info is None:
-            self._position = self._forward(Position(epoch, k), 1)
+            self._cursor = cursor.at(epoch, k).forward(self.spec, 1)
         else:  # this worker's next batch is num_workers further on
-            self._position = self._forward(Position(epoch, k), info.num_workers)
-            self._worker = (info.id, info.num_workers)
-        return self._position
+            moved = cursor.at(epoch, k).forward(self.spec, info.num_workers)
+            self._cursor = replace(moved, worker=(info.id, info.num_workers))
+        return self._cursor
 
     def _transform(self, sample: dict[str, Any], fetcher: Any) -> Any:
         try:
@@ -420,23 +415,3 @@ def apply_stages(stages: Sequence[Callable[[Any], Any]], sample: Any) -> Any:
             "sample to one (filter with a handler that substitutes, not with select)"
         )
     return out[0]
-
-
-class _ViewSource(PlannedSource):
-    """PlannedSource over the elastic view of a resumed epoch (the plan itself otherwise).
-
-    In a resumed epoch the plan is the view's (what is left of the epoch on this layout),
-    ``start.index`` and ``__batch__`` count its batches. Worker w of N takes batches k with
-    (k - start) mod N == w.
-    """
-
-    def __init__(self, spec: PlanSpec, start: Position, worker: tuple[int, int] | None,
-                 view: ElasticView | None) -> None:
-        super().__init__(spec, start, worker)
-        self.view = view
-
-    def epoch_batches(self, epoch: int) -> tuple[Any, Sequence[int]]:
-        plan = self.view.plan if self.view is not None and self.view.epoch == epoch else self.spec.plan(epoch)
-        return plan, range(len(plan))
-
-

@@ -26,15 +26,14 @@ Invariants:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterator, Mapping
 
 from .loaderargs import check_loader_args, check_start_timeout
 from ..errors import ConfigError, TopologyError
-from ..core.policy import Mode
 from .dataset import BucketedWebDataset
-from .stages import Position
 from .workers import START_TIMEOUT, worker_batches
-from ..state import epoch_length, make_state, restore
+from ..state import Cursor, make_state, restore
 from ..state.schema import PER_RANK
 
 __all__ = ["Loader"]
@@ -150,18 +149,23 @@ class Loader:
         self.kwargs = kwargs
         self.gather_state = bool(gather_state)
         self.worker_start_timeout = check_start_timeout("Loader", worker_start_timeout)
-        self._position = dataset._position
+        # the trainer's place: its epoch and index count; the view and the pin are the dataset's
+        self._cursor = dataset.cursor
 
     @property
     def epoch(self) -> int:
         """The epoch of the next batch the trainer receives (or of the last, once finished)."""
-        return self._position.epoch
+        return self._cursor.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """As :meth:`BucketedWebDataset.set_epoch`: the restored epoch keeps a restored
         position; another epoch starts at its first batch."""
         self.dataset.set_epoch(epoch)
-        self._position = self.dataset._position
+        self._cursor = self.dataset.cursor
+
+    def _here(self) -> Cursor:
+        """The trainer's place on the dataset's cursor (its elastic view, its pin)."""
+        return self.dataset.cursor.at(self._cursor.epoch, self._cursor.index)
 
     @property
     def sampler(self) -> _EpochHook:
@@ -182,8 +186,7 @@ class Loader:
 
         With ``gather_state=True`` this is a collective: call it on every rank at once.
         """
-        view = self.dataset._view
-        state = make_state(self.dataset.spec, self._position.epoch, self._position.index, view=view)
+        state = make_state(self.dataset.spec, replace(self._here(), worker=None))
         if self.gather_state:
             state[PER_RANK] = _gather_entries(state[PER_RANK], self.dataset.group)
         return state
@@ -195,12 +198,10 @@ class Loader:
             StateError, TopologyMismatchError, StateMismatchError: the state is refused;
                 the loader is left exactly as it was.
         """
-        r = restore(self.dataset.spec, state, allow_elastic=allow_elastic)
+        cursor = restore(self.dataset.spec, state, allow_elastic=allow_elastic)  # pinned, no worker
         self.dataset._refuse_while_open("Loader")
-        position = Position(r.epoch, r.index)
-        ds = self.dataset
-        ds._position, ds._view, ds._worker, ds._pinned = position, r.view, None, True
-        self._position = position
+        self.dataset.seek(cursor)
+        self._cursor = cursor
 
     def __iter__(self) -> Iterator[Any]:
         yield from self.dataset._counted(self._iterate())  # the dataset counts its loader's iterators
@@ -208,27 +209,22 @@ class Loader:
     def _iterate(self) -> Iterator[Any]:
         ds = self.dataset
         _refuse_early_topology(ds)
-        spec = ds.spec
-        start = self._position
-        if (not ds._pinned and spec.mode is Mode.EPOCHS
-                and start.index >= epoch_length(spec, start.epoch, ds._view)):
-            start = Position(start.epoch, 0)  # a finished epoch iterates again from its start
-            ds._view = None
         # workers (and the dataset itself) start exactly here: a seek, decided once
-        ds._position, ds._worker, ds._pinned = start, None, True
-        self._position = start
+        start = replace(self._here().rewound(ds.spec), worker=None, pinned=True)
+        ds.seek(start)
+        self._cursor = start
         ds.agree()
         if self.num_workers == 0:
             for batch in ds:
-                self._position = ds._position
+                self._cursor = ds.cursor
                 yield batch
             return
         # starts the workers, each with its copy of the pinned dataset; one stuck in the fork is replaced
         batches = worker_batches(ds, self.num_workers, self.kwargs, owner="Loader",
                                  start_timeout=self.worker_start_timeout)
         _widen_pipe(batches)
-        ds._pinned = False
+        ds.seek(replace(start, pinned=False))
         for batch in batches:
-            self._position = ds._forward(self._position, 1)
+            self._cursor = self._cursor.forward(ds.spec, 1)
             yield batch
-        ds._position = self._position
+        ds.seek(ds.cursor.at(self._cursor.epoch, self._cursor.index))

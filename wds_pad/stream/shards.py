@@ -9,7 +9,9 @@ the fix for the classic hang at the end of an epoch when shards are uneven.
 
 Invariants:
 - every rank computes the same shard order from (seed, epoch) and the URL list sorted by
-  canonical URL (relative local paths made absolute, as the index stores them);
+  canonical URL (relative local paths made absolute, as the index stores them): the
+  deal and each worker's plan are core/shardsplit.py's, pure; this module only puts the
+  URLs in that order;
 - dp_rank d takes padded positions p with p mod dp_size == d: equal shard counts, and
   no rank holds a shard twice;
 - DataLoader worker w of a rank takes that rank's shards ``[w::num_workers]`` (as
@@ -19,12 +21,11 @@ Invariants:
 - samples of a padded shard copy and wrapped samples carry ``__pad__ = True``, all others
   ``__pad__ = False``; every sample of a worker carries the same metadata keys;
 - :class:`wds_pad.ShardStream` (``shardstream.py``) yields the same samples in the same
-  order from :func:`worker_plan`, and can resume.
+  order from :func:`wds_pad.core.shardsplit.worker_plan`, and can resume.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 from urllib.parse import urlparse
 
@@ -35,13 +36,13 @@ from ..index.codec import load_index
 from ..index.record import Index
 from ..io.ranges import RangeReader, ReadOptions
 from ..io.redact import redact
-from ..core.seed import derive_rng, shared_seed
+from ..core.seed import shared_seed
+from ..core.shardsplit import WorkerPlan, deal_shards, worker_plan
 from ..io.urls import canonical_url, expand_urls
 from ..tar.scan import parse_sample
 from ..core.topology import Topology
 
-__all__ = ["Equalize", "SplitByNode", "WorkerPlan", "assign_shards", "equalize", "split_by_node",
-           "worker_plan"]
+__all__ = ["Equalize", "SplitByNode", "assign_shards", "dealing_order", "equalize", "split_by_node"]
 
 _NO_SAMPLES = "No samples found in dataset"  # webdataset's check_empty message
 
@@ -61,65 +62,34 @@ def local_path(url: str) -> str | None:
     return parsed.path if parsed.scheme in ("", "file") else None
 
 
-def assign_shards(urls: Sequence[str], seed: int, epoch: int, dp_size: int) -> list[list[tuple[str, bool]]]:
-    """Per dp_rank, its shards for ``epoch`` as (url, is_padded_copy), in order.
-
-    The URL list sorted by canonical URL is shuffled by an RNG derived from
-    (seed, epoch, "shards") and extended cyclically by its own prefix to a multiple of
-    dp_size. URLs are returned as given.
+def dealing_order(urls: Sequence[str]) -> list[str]:
+    """``urls`` as given, sorted by canonical URL: the order every rank deals the shards in
+    (core/shardsplit.py), whatever the list's order or spelling.
 
     Raises:
         ConfigError: a shard is listed twice.
     """
-    urls = list(urls)
     canon = sorted(urls, key=canonical_url)
     seen = [canonical_url(u) for u in canon]
     dup = next((u for u, a, b in zip(canon[1:], seen, seen[1:]) if a == b), None)
     if dup is not None:
         raise ConfigError(f"shard {redact(dup)!r} is listed twice; list each shard once")
-    n = len(canon)
-    if n == 0:
-        return [[] for _ in range(dp_size)]
-    order = derive_rng(seed, epoch, "shards").permutation(n)
-    length = -(-n // dp_size) * dp_size
-    return [[(canon[order[p % n]], p >= n) for p in range(d, length, dp_size)] for d in range(dp_size)]
+    return canon
 
 
-@dataclass(frozen=True)
-class WorkerPlan:
-    """What one DataLoader worker of one rank streams in one epoch.
+def assign_shards(urls: Sequence[str], seed: int, epoch: int, dp_size: int) -> list[list[tuple[str, bool]]]:
+    """Per dp_rank, its shards for ``epoch`` as (url, is_padded_copy), in order.
 
-    Attributes:
-        shards: its (url, is_padded_copy) in order, read once each.
-        cycle: URLs wrapped over, from the front, once ``shards`` are read.
-        target: samples it yields in all.
+    The URL list sorted by canonical URL is dealt by :func:`wds_pad.core.shardsplit.deal_shards`
+    (shuffled from (seed, epoch, "shards"), extended cyclically by its own prefix to a
+    multiple of dp_size). URLs are returned as given.
+
+    Raises:
+        ConfigError: a shard is listed twice.
     """
-
-    shards: tuple[tuple[str, bool], ...]
-    cycle: tuple[str, ...]
-    target: int
-
-    def __post_init__(self) -> None:
-        if self.target < 0:
-            raise ConfigError(f"WorkerPlan.target must be >= 0, got {self.target}")
-
-    def shard_at(self, position: int) -> tuple[str, bool]:
-        """The shard read at ``position``: the worker's own, then the cycle (padding)."""
-        if position < len(self.shards):
-            return self.shards[position]
-        if not self.cycle:
-            raise ConfigError("this worker has nothing to wrap over: the index has no shards")
-        return self.cycle[(position - len(self.shards)) % len(self.cycle)], True
-
-
-def worker_plan(counts: Mapping[str, int], seed: int, epoch: int, topology: Topology,
-                worker: int, num_workers: int) -> WorkerPlan:
-    """The :class:`WorkerPlan` of ``worker`` on this rank; ``counts``: url -> samples, in index order."""
-    assignment = assign_shards(list(counts), seed, epoch, int(topology.dp_size))  # type: ignore[arg-type]
-    per_rank = [sum(counts[u] for u, _ in shards[worker::num_workers]) for shards in assignment]
-    mine = tuple(assignment[int(topology.dp_rank)][worker::num_workers])  # type: ignore[arg-type]
-    cycle = tuple(u for u, _ in mine) or tuple(counts)  # a worker without shards borrows from all
-    return WorkerPlan(shards=mine, cycle=cycle, target=max(per_rank, default=0))
+    canon = dealing_order(list(urls))
+    shard, padded = deal_shards(len(canon), seed, epoch, dp_size)
+    return [[(canon[s], p) for s, p in zip(row, pad)] for row, pad in zip(shard.tolist(), padded.tolist())]
 
 
 class SplitByNode:
@@ -235,7 +205,7 @@ class Equalize:
     def plan(self, worker: int, num_workers: int) -> WorkerPlan:
         """What ``worker`` of this rank must yield this epoch."""
         return worker_plan(self._counts, self.splitter.seed, self.splitter.epoch,
-                           self.splitter.topology, worker, num_workers)
+                           self.splitter.topology, worker, num_workers, order=dealing_order(list(self._counts)))
 
     def check_urls(self, urls: Sequence[str]) -> None:
         """Raise ConfigError unless ``urls`` are the index's shards (canonically)."""

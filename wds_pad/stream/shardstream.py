@@ -6,7 +6,7 @@ interface (``.decode()``, ``.to_tuple()``, ``.batched()``, ...). It yields what
 .compose(equalize(index, splitter))`` yields, and can stop and resume anywhere.
 
 Invariants:
-- worker w of a rank streams :func:`wds_pad.stream.shards.worker_plan`'s shards in order, each
+- worker w of a rank streams :func:`wds_pad.core.shardsplit.worker_plan`'s shards in order, each
   read sequentially by the tar scanner in stream mode, then wraps cyclically until it
   has yielded the plan's target: same samples, order, keys and ``__pad__`` marks as the
   drop-in pipeline;
@@ -24,9 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -36,48 +34,24 @@ from webdataset.filters import default_collation_fn
 from .collate import run_collation
 from .loaderargs import check_loader_args, check_start_timeout
 from .workers import START_TIMEOUT, worker_batches
-from ..errors import ConfigError, StaleShardError, StateError, StateMismatchError
+from ..errors import ConfigError, StaleShardError, StateMismatchError
 from ..index.codec import load_index
 from ..index.record import Index
 from ..core.policy import check_epoch
 from ..index.shardfile import shard_info
 from ..io.fs import get_filesystem
 from ..io.redact import redact
-from ..core.seed import shared_seed, stable_digest
+from ..core.seed import shared_seed
 from .live import OpenIterators, refuse_resplitting
-from .shards import WorkerPlan, local_path, shard_counts, worker_plan
-from ..state import STATE_FORMAT, STATE_VERSION, fingerprint_of, verify_state
-from ..state.schema import keyed_by_rank
+from ..core.shardsplit import WorkerPlan, worker_plan
+from .shards import dealing_order, local_path, shard_counts
+from ..state import fingerprint_of
+from ..state.cursor import Cursor, ShardProgress, WorkerPosition
+from ..state.shards import make_shard_state, restore_shards, shard_plan_fields
 from ..tar.scan import scan_tar
 from ..core.topology import Topology
 
-__all__ = ["Position", "ShardLoader", "ShardStream"]
-
-ORDER = "split_by_node/1"  # bump when assign_shards or worker_plan change their order
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where one worker stands: shard position in its plan, next byte offset, samples yielded."""
-
-    shard: int = 0
-    offset: int = 0
-    yielded: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("shard", "offset", "yielded"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise StateError(f"shard-stream position field {name!r} must be an int >= 0, got {v!r}")
-
-
-@dataclass(frozen=True)
-class _Progress:
-    """A rank's place in the epoch: per-worker positions (empty: at the start)."""
-
-    positions: tuple[Position, ...] = ()
-    next_worker: int = 0
-    done: bool = False
+__all__ = ["ShardLoader", "ShardStream"]
 
 
 class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: ignore[misc]
@@ -114,20 +88,12 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         self.storage_options = dict(storage_options or {})
         self.open_options = dict(open_options or {})
         self.stages: list[Callable[[Any], Any]] = []
-        self._epoch = check_epoch(epoch)
-        self._progress = _Progress()
-        self._rotation = 0  # torch worker i plays logical worker (i + rotation) % n
+        self._cursor = Cursor(check_epoch(epoch))  # the epoch and each worker's place in its shards
         self._tag = False   # under ShardLoader: yield (worker, position, item)
         shards = [[s.url, s.size, s.stamp, s.samples] for s in ix.shards]
-        self._fields = {"order": ORDER, "seed_hash": stable_digest(self.seed, size=8).hex(),
-                        "shards": hashlib.blake2b(json.dumps(shards).encode(), digest_size=16).hexdigest(),
-                        "num_shards": len(shards), "samples": sum(self.counts.values())}
-        # version 1 of the state: the same fields without the layout
-        self._legacy_fingerprint = hashlib.blake2b(json.dumps(self._fields, sort_keys=True).encode(),
-                                                   digest_size=16).hexdigest()
-        self._fields["dp_size"] = int(self.topology.dp_size)  # the shards are dealt to dp_size ranks
+        self._fields, self._legacy_fingerprint = shard_plan_fields(
+            self.seed, shards, sum(self.counts.values()), int(self.topology.dp_size))
         self._fingerprint = fingerprint_of(self._fields)
-        self._pinned = False  # a restored state: the next iteration starts exactly there
 
     # -- the fluid interface and epochs ----------------------------------------------------
     def compose(self, *stages: Callable[[Any], Any]) -> "ShardStream":
@@ -152,7 +118,20 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self._cursor.epoch
+
+    @property
+    def cursor(self) -> Cursor:
+        """Where this stream is: its epoch, each worker's place in its shards, whether pinned."""
+        return self._cursor
+
+    def seek(self, cursor: Cursor) -> None:
+        """Make the next iteration start at ``cursor`` (how a ShardLoader moves its stream).
+
+        Nothing is verified here: a cursor comes from a verified state or from this
+        stream's own cursor.
+        """
+        self._cursor = cursor
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` at its beginning on the next iteration.
@@ -162,26 +141,19 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         ``set_epoch`` of another epoch moves there, at its beginning.
         """
         epoch = check_epoch(epoch)
-        if self._pinned and epoch == self._epoch:
+        if self._cursor.pinned and epoch == self._cursor.epoch:
             return
-        self._epoch, self._progress, self._pinned = epoch, _Progress(), False
+        self._cursor = Cursor(epoch)
 
     def plan(self, worker: int = 0, num_workers: int = 1) -> WorkerPlan:
         """What logical ``worker`` of this rank streams in the current epoch."""
-        return worker_plan(self.counts, self.seed, self._epoch, self.topology, worker, num_workers)
+        return worker_plan(self.counts, self.seed, self._cursor.epoch, self.topology, worker, num_workers,
+                           order=dealing_order(list(self.counts)))
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The current position as a small JSON-safe dict (see docs/shards.md)."""
-        p = self._progress
-        state = {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": "shards", "mode": "epochs",
-                 "epoch": self._epoch, "index": sum(q.yielded for q in p.positions),
-                 "topology": self.topology.to_dict(), "fingerprint": self._fingerprint,
-                 "plan": dict(self._fields), "num_workers": len(p.positions), "next_worker": p.next_worker,
-                 "done": p.done, "workers": [{"shard": q.shard, "offset": q.offset, "yielded": q.yielded}
-                                             for q in p.positions]}
-        # this rank's own entry too, so torch.distributed.checkpoint gives each rank its own
-        return keyed_by_rank(state, self.topology.rank)
+        return make_shard_state(self._cursor, self.topology, self._fingerprint, self._fields)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at a saved position after verifying the whole state.
@@ -191,46 +163,29 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
             StaleShardError: a shard a worker stands in changed since the state was saved.
             On any error the stream is left exactly as it was.
         """
-        verified = self._verify(state)
+        cursor = self._verify(state)
         self._refuse_while_open("ShardStream")
-        self._epoch, self._progress = verified
-        self._pinned = True
+        self.seek(cursor)
 
-    def _verify(self, state: Mapping[str, Any], num_workers: int | None = None) -> tuple[int, _Progress]:
-        given = state
-        state = verify_state(state, kind="shards", mode="epochs", topology=self.topology,
-                             fingerprint=self._fingerprint, plan_fields=self._fields,
-                             legacy_fingerprint=self._legacy_fingerprint)
-        self._positions(given)  # the top level is sound too, also when the rank resumes from its per_rank entry
-        positions, nxt = self._positions(state)
-        progress = _Progress(positions, nxt, bool(state.get("done")))
+    def _verify(self, state: Mapping[str, Any], num_workers: int | None = None) -> Cursor:
+        """The pinned cursor ``state`` resumes at, after verifying it in full (and, with
+        ``num_workers``, the worker count and every shard a worker stands in)."""
+        cursor = restore_shards(state, topology=self.topology, fingerprint=self._fingerprint,
+                                fields=self._fields, legacy_fingerprint=self._legacy_fingerprint)
+        progress = cursor.shards
         if num_workers is not None:
             self._check_workers(progress, num_workers)
-        epoch, n = state["epoch"], len(positions)
-        for w, pos in enumerate(positions):
-            plan = worker_plan(self.counts, self.seed, epoch, self.topology, w, n)
+        epoch, n = cursor.epoch, len(progress.positions)
+        for w, pos in enumerate(progress.positions):
+            plan = worker_plan(self.counts, self.seed, epoch, self.topology, w, n, order=dealing_order(list(self.counts)))
             if pos.yielded > plan.target:
                 raise StateMismatchError(f"worker {w} of the state yielded {pos.yielded} samples, more than "
                                          f"its {plan.target} in epoch {epoch}; the state is not of this stream")
             if pos.offset and pos.yielded < plan.target and not progress.done:
                 self._check_shard(plan.shard_at(pos.shard)[0], pos.offset)
-        return epoch, progress
+        return cursor
 
-    @staticmethod
-    def _positions(state: Mapping[str, Any]) -> tuple[tuple[Position, ...], int]:
-        """The worker positions and the next worker of a shard-stream state; StateError if malformed."""
-        workers, n, nxt = state.get("workers"), state.get("num_workers"), state.get("next_worker")
-        if not isinstance(workers, list) or n != len(workers) or not isinstance(nxt, int) or not 0 <= nxt < max(n, 1):
-            raise StateError("shard-stream state fields 'workers', 'num_workers' and 'next_worker' are "
-                             f"inconsistent ({n!r} workers, {len(workers) if isinstance(workers, list) else workers!r} "
-                             f"positions, next {nxt!r}); pass the dict returned by state_dict()")
-        try:
-            positions = tuple(Position(w["shard"], w["offset"], w["yielded"]) for w in workers)
-        except (KeyError, TypeError) as exc:
-            raise StateError(f"shard-stream state field 'workers' is malformed: {exc!r}") from exc
-        return positions, nxt
-
-    def _check_workers(self, progress: _Progress, num_workers: int) -> None:
+    def _check_workers(self, progress: ShardProgress, num_workers: int) -> None:
         n = len(progress.positions)
         if n and not progress.done and n != max(num_workers, 1):
             raise StateMismatchError(
@@ -259,13 +214,15 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         info = get_worker_info()
         n, wid = (1, 0) if info is None else (info.num_workers, info.id)
         if info is None and not self._tag:
-            pinned, self._pinned = self._pinned, False
-            if pinned and self._progress.done:
+            progress = self._start()
+            if progress is None:
                 return  # restored at the end of the epoch: nothing is left of it
-        progress = _Progress() if self._progress.done else self._progress
+        else:
+            progress = self._cursor.shards.rewound()
         self._check_workers(progress, n if info is not None else 0)
-        logical = (wid + self._rotation) % n
-        start = progress.positions[logical] if progress.positions else Position()
+        # under ShardLoader torch worker i plays logical worker (i + next_worker) % n
+        logical = (wid + (progress.next_worker if self._tag else 0)) % n
+        start = progress.positions[logical] if progress.positions else WorkerPosition()
         live = [start]
         it: Any = self._samples(self.plan(logical, n), start, live)
         for stage in self.stages:
@@ -277,12 +234,28 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
                 yield logical, (pos.shard, pos.offset, pos.yielded), item
                 continue
             if track:
-                self._progress = _Progress((live[0],), 0, False)
+                self._cursor = self._cursor.with_shards(ShardProgress((live[0],), 0, False))
             yield item
         if track:
-            self._progress = _Progress((live[0],), 0, True)
+            self._cursor = self._cursor.with_shards(ShardProgress((live[0],), 0, True))
 
-    def _samples(self, plan: WorkerPlan, start: Position, live: list[Position]) -> Iterator[dict[str, Any]]:
+    def _start(self) -> ShardProgress | None:
+        """Where an iteration in the main process starts, unpinning the cursor: None when a
+        state restored at the end of its epoch pins it there (nothing is left of it)."""
+        cursor = self._cursor
+        self.seek(replace(cursor, pinned=False))
+        return None if cursor.pinned and cursor.shards.done else cursor.shards.rewound()
+
+    def _for_workers(self, progress: ShardProgress) -> ShardStream:
+        """The copy ShardLoader's workers run: each yields (logical worker, its position,
+        item), worker (i + progress.next_worker) % n from its position in ``progress``."""
+        worker = copy.copy(self)
+        worker._tag = True
+        worker.seek(self._cursor.with_shards(progress))
+        return worker
+
+    def _samples(self, plan: WorkerPlan, start: WorkerPosition,
+                 live: list[WorkerPosition]) -> Iterator[dict[str, Any]]:
         k, offset, yielded = start.shard, start.offset, start.yielded
         empty = 0
         while yielded < plan.target:
@@ -295,13 +268,13 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
                                               f"records (at key {sample['__key__']!r}); re-index the shards")
                     break
                 yielded, got = yielded + 1, got + 1
-                live[0] = Position(k, next_offset, yielded)
+                live[0] = WorkerPosition(k, next_offset, yielded)
                 yield sample
             if k < len(plan.shards) and offset == 0 and got != self.counts[url]:
                 raise StaleShardError(f"shard {redact(url)!r} holds {got} samples, the index records "
                                       f"{self.counts[url]}; re-index the shards")
             k, offset = k + 1, 0
-            live[0] = Position(k, 0, yielded)
+            live[0] = WorkerPosition(k, 0, yielded)
             empty = 0 if got else empty + 1
             if empty > len(plan.shards) + len(plan.cycle):
                 raise ConfigError(f"the shards of index {self.name!r} hold no samples to pad with")
@@ -390,10 +363,9 @@ class ShardLoader:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """As :meth:`ShardStream.load_state_dict`, also refusing another worker count."""
         ds = self.dataset
-        verified = ds._verify(state, self.num_workers)
+        cursor = ds._verify(state, self.num_workers)
         ds._refuse_while_open("ShardLoader")
-        ds._epoch, ds._progress = verified
-        ds._pinned = True
+        ds.seek(cursor)
 
     def __iter__(self) -> Iterator[Any]:
         yield from self.dataset._counted(self._iterate())  # the stream counts its loader's iterators
@@ -403,17 +375,14 @@ class ShardLoader:
         if n == 0:
             yield from ds
             return
-        pinned, ds._pinned = ds._pinned, False
-        if pinned and ds._progress.done:
+        progress = ds._start()
+        if progress is None:
             return  # restored at the end of the epoch: nothing is left of it
-        progress = _Progress() if ds._progress.done else ds._progress
         ds._check_workers(progress, n)
-        worker = copy.copy(ds)
-        worker._tag, worker._rotation, worker._progress = True, progress.next_worker, progress
-        positions = list(progress.positions or [Position()] * n)
-        for logical, pos, item in worker_batches(worker, n, self.kwargs, owner="ShardLoader",
+        positions = list(progress.positions or [WorkerPosition()] * n)
+        for logical, pos, item in worker_batches(ds._for_workers(progress), n, self.kwargs, owner="ShardLoader",
                                                  start_timeout=self.worker_start_timeout):
-            positions[logical] = Position(*(int(v) for v in pos))
-            ds._progress = _Progress(tuple(positions), (int(logical) + 1) % n, False)
+            positions[logical] = WorkerPosition(*(int(v) for v in pos))
+            ds.seek(ds.cursor.with_shards(ShardProgress(tuple(positions), (int(logical) + 1) % n, False)))
             yield item
-        ds._progress = _Progress(tuple(positions), 0, True)
+        ds.seek(ds.cursor.with_shards(ShardProgress(tuple(positions), 0, True)))

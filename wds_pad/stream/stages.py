@@ -6,13 +6,14 @@ read side) is in fetch.py. Stages are generators over the stream (webdataset sty
 configured by small picklable objects so they travel into DataLoader workers.
 
 Invariants:
-- ``PlanSpec`` holds everything the plan depends on; it pickles its indexes loaded from
-  local files as their paths (workers re-map the pages, and refuse an index that changed)
-  and recomputes the identical plan in every process;
+- ``PlanSpec`` (state/spec.py) holds everything the plan depends on and recomputes the
+  identical plan in every process (DataLoader workers too);
 - ``PlannedSource`` yields this rank's planned sample references in exact plan order;
   with N DataLoader workers, worker w yields plan batches j with (j - start) mod N == w,
   so DataLoader's round-robin hands the trainer batches in plan order for any N;
-- ``Position`` is a seek into the plan: resuming there reads no earlier batch;
+- ``PlannedSource`` starts at a ``Cursor`` (``Position(epoch, index)``; state/cursor.py), a
+  seek into the plan: resuming there reads no earlier batch; a cursor in an epoch resumed
+  on another layout walks its elastic view's plan instead of the epoch's;
 - ``plan_batched`` groups exactly the plan's batches (by ``__epoch__`` and ``__batch__``)
   and collates them by the one rule of collate.py;
 - no randomness and no I/O here beyond loading an index: everything comes from the plan.
@@ -21,163 +22,21 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, WdsPadError
-from ..index.codec import load_index
+from ..core.plan import Plan
+from ..core.shardschedule import shard_reads
+from ..core.policy import Mode
+from ..errors import ConfigError
 from ..index.record import Index
-from ..io.urls import is_local
-from ..core.locality import Locality, shard_map_of
-from ..core.plan import Plan, plan_epoch
-from ..core.policy import MAX_EPOCH, Mode, PadTo, Policy, resolve_policy
-from ..core.seed import stable_digest
-from ..state.schema import fingerprint_of
-from ..core.topology import Topology
+from ..state.cursor import Cursor, Position  # noqa: F401 - Position: also an old stream.stages name
+from ..state.spec import PlanSpec, _IndexRef  # noqa: F401 - also the old stream.stages names
 from .batchread import BatchCache, BatchReader, member_refs
 from .collate import run_collation
 
-__all__ = ["PlanSpec", "PlannedSource", "Position", "plan_batched", "shard_schedule"]
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where a stream is: the next batch is ``plan(epoch)[index]``."""
-
-    epoch: int = 0
-    index: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("epoch", "index"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"Position.{name} must be an int >= 0, got {v!r}")
-        if self.epoch > MAX_EPOCH:
-            raise ConfigError(f"Position.epoch must be at most MAX_EPOCH={MAX_EPOCH}, got {self.epoch}")
-
-
-@dataclass(frozen=True, eq=False)
-class PlanSpec:
-    """Everything the plan depends on, plus the indexes that resolve sample ids.
-
-    Built once in the main process (seed already shared, topology detected) and pickled
-    into DataLoader workers, where plans are recomputed identically.
-    """
-
-    indexes: tuple[Index, ...]
-    names: tuple[str, ...]
-    topology: Topology
-    seed: int
-    batch_size: int
-    policy: Policy = Policy.AUTO
-    mode: Mode = Mode.EPOCHS
-    pad_to: PadTo = PadTo.BATCH
-    oversubscribe: bool = False
-    repeats: tuple[int, ...] = ()
-    weights: tuple[float, ...] = ()
-    locality: Locality = Locality.NONE
-    window: int = 8
-    _cache: dict[int, Plan] = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        n = len(self.indexes)
-        if len(self.names) != n:
-            raise ConfigError(f"PlanSpec: {len(self.names)} name(s) for {n} index(es); give one per index")
-        # empty repeats/weights mean the defaults (0 repeats, weight 1) for every index:
-        # zip() over an empty tuple would otherwise silently plan no dataset at all
-        for name, default in (("repeats", 0), ("weights", 1.0)):
-            values = getattr(self, name) or (default,) * n
-            if len(values) != n:
-                raise ConfigError(f"PlanSpec.{name} has {len(values)} value(s) for {n} index(es)")
-            object.__setattr__(self, name, tuple(values))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_cache"] = {}
-        state["indexes"] = tuple(_IndexRef(ix) for ix in self.indexes)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state["indexes"] = tuple(ref.get() if isinstance(ref, _IndexRef) else ref for ref in state["indexes"])
-        self.__dict__.update(state)
-
-    @property
-    def resolved_policy(self) -> Policy:
-        return resolve_policy(self.policy, self.mode, self.oversubscribe)
-
-    def datasets(self) -> list[Any]:
-        out = [ix.to_dataset(name=n, repeats=r, weight=w)
-               for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)]
-        if self.locality is Locality.SHARD:
-            return [shard_map_of(ix, ds) for ix, ds in zip(self.indexes, out)]
-        return out
-
-    def plan(self, epoch: int) -> Plan:
-        """This rank's plan for ``epoch`` (cached: the last few epochs only)."""
-        plan = self._cache.get(epoch)
-        if plan is None:
-            plan = plan_epoch(self.datasets(), self.topology, seed=self.seed, epoch=epoch,
-                              batch_size=self.batch_size, policy=self.policy, mode=self.mode,
-                              oversubscribe=self.oversubscribe, pad_to=self.pad_to,
-                              warn=not self._cache, locality=self.locality, window=self.window)
-            if len(self._cache) >= 2:
-                self._cache.pop(min(self._cache))
-            self._cache[epoch] = plan
-        return plan
-
-    def fingerprint(self) -> str:
-        """A digest of everything that shapes the plan but this rank's own place in it:
-        :meth:`fingerprint_fields` (so the data-parallel layout is covered; the rank is
-        checked through the topology saved beside it). Equal on every rank of a job."""
-        return fingerprint_of(self.fingerprint_fields())
-
-    def legacy_fingerprint(self) -> str:
-        """The fingerprint as state version 1 computed it (no data-parallel layout)."""
-        parts: list[Any] = ["wds_pad.plan/1", stable_digest(self.seed).hex(), self.batch_size,
-                            self.resolved_policy.value, self.pad_to.value, self.oversubscribe]
-        for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights):
-            parts.append((n, ix.digest, r, float(w)))
-        return stable_digest(*[tuple(p) if isinstance(p, list) else p for p in parts], size=16).hex()
-
-    def fingerprint_fields(self) -> dict[str, Any]:
-        """The fingerprint's ingredients, JSON-safe (saved in a state as ``plan``)."""
-        fields = {
-            "seed_hash": stable_digest(self.seed, size=8).hex(),
-            "batch_size": self.batch_size,
-            "policy": self.resolved_policy.value,
-            "mode": self.mode.value,
-            "pad_to": self.pad_to.value,
-            "dp_size": int(self.topology.dp_size),
-            "pad_unit": int(self.topology.dp_size) * (self.batch_size if self.pad_to is PadTo.BATCH else 1),
-            "oversubscribe": self.oversubscribe,
-            "datasets": [{"name": n, "index_digest": ix.digest, "repeats": r, "weight": float(w)}
-                         for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)],
-        }
-        if self.locality is not Locality.NONE:  # locality="none" keeps the fingerprints it always had
-            fields["locality"] = self.locality.value
-            fields["window"] = self.window
-            fields["shard_order"] = "fifo"  # a rank's windows first in, first out (core/locality.py)
-        return fields
-
-
-class _IndexRef:
-    """Pickles an Index loaded from a local file as its path (workers re-map the pages)."""
-
-    def __init__(self, index: Index) -> None:
-        local = index.path is not None and is_local(index.path)
-        self.path = index.path if local else None
-        self.digest = index.digest
-        self.index = None if local else index
-
-    def get(self) -> Index:
-        if self.index is not None:
-            return self.index
-        index = load_index(self.path, verify=False)  # type: ignore[arg-type]
-        if index.digest != self.digest:
-            raise WdsPadError(f"index {self.path!r} changed while the job was running; restart the job")
-        return index
+__all__ = ["PlannedSource", "plan_batched", "shard_schedule"]
 
 
 class PlannedSource:
@@ -189,15 +48,17 @@ class PlannedSource:
 
     Args:
         spec: the PlanSpec.
-        start: where to begin (a resume position); epochs mode stops at the end of
-            ``start.epoch``, steps mode runs on across epochs.
+        start: where to begin (a Cursor, ``Position(epoch, index)``); epochs mode stops at
+            the end of ``start.epoch``, steps mode runs on across epochs. A cursor with an
+            elastic view (a resumed epoch on another layout) walks the view's plan in
+            its epoch.
         worker: (worker_id, num_workers); default: from torch's get_worker_info().
     """
 
-    def __init__(self, spec: PlanSpec, start: Position | None = None,
+    def __init__(self, spec: PlanSpec, start: Cursor | None = None,
                  worker: tuple[int, int] | None = None) -> None:
         self.spec = spec
-        self.start = start or Position()
+        self.start = start or Cursor()
         self.worker = worker
 
     def _worker(self) -> tuple[int, int]:
@@ -211,11 +72,11 @@ class PlannedSource:
         return (0, 1) if info is None else (info.id, info.num_workers)
 
     def epoch_batches(self, epoch: int) -> tuple[Plan, Sequence[int]]:
-        """The plan of ``epoch`` and the indices of its batches this stream walks.
-
-        The whole plan here; a resumed elastic epoch walks a subset (see dataset.py).
-        """
-        plan = self.spec.plan(epoch)
+        """The plan of ``epoch`` and the indices of its batches this stream walks: the
+        start's elastic view in the epoch it covers (what is left of it on this layout,
+        its batches indexed from 0), else the epoch's plan; every batch of it."""
+        view = self.start.view
+        plan = view.plan if view is not None and view.epoch == epoch else self.spec.plan(epoch)
         return plan, range(len(plan))
 
     def batches(self) -> Iterator[tuple[Plan, int]]:
@@ -326,8 +187,8 @@ def shard_schedule(source: Any) -> Iterator[list[Any]]:
     ``RangeReader.follow`` fetches ahead and drops after the last use. Foreign samples
     (shards dealt to other ranks) are not listed: they stay single ranged reads.
 
-    O(the rank's share) per epoch: every batch of the epoch from the start position on
-    is evaluated once, for all workers (each shard's users are the workers that read it).
+    The schedule is core/shardschedule.py's (int64 arrays, O(the rank's share) per epoch);
+    here each row becomes the reader's ``PlannedShard`` (URL, size, byte ranges).
     """
     from ..io.shardcache import PlannedShard
 
@@ -336,82 +197,21 @@ def shard_schedule(source: Any) -> Iterator[list[Any]]:
     epoch, first, counter = source.start.epoch, source.start.index, 0
     rank = spec.topology.rank
     fp = spec.fingerprint()
+    shard_of = [ix.shard for ix in spec.indexes]
     while True:
         plan, walk = source.epoch_batches(epoch)
-        local = plan.buckets.local
-        picks: dict[int, list[tuple[np.ndarray, int, int, int]]] = {}
-        at = 0  # position in the walk, over every dataset and worker
-        for batch in _walked(plan, walk, first):
-            picks.setdefault(plan.datasets.index(batch.dataset), []).append(
-                (batch.samples, counter % nw, at, batch.step))
-            at += batch.samples.size
-            counter += 1
-        out: list[tuple[int, PlannedShard]] = []
-        for di, items in picks.items() if local is not None else ():
-            ix = spec.indexes[di]
-            samples = np.concatenate([s for s, _, _, _ in items])
-            sizes = [s.size for s, _, _, _ in items]
-            workers = np.repeat([w for _, w, _, _ in items], sizes)
-            steps = np.repeat([t for _, _, _, t in items], sizes)
-            where = np.concatenate([a + np.arange(s.size) for s, _, a, _ in items])
-            shards = np.asarray(ix.shard[samples], dtype=np.int64)
-            mine_shards = local.rank_shards(di)
-            own = np.isin(shards, mine_shards)
-            shards, workers, where, steps, samples = (
-                shards[own], workers[own], where[own], steps[own], samples[own])
-            lag = _window_lag(shards, mine_shards, plan.shard_window, local.window_of_step(di, steps))
-            infos, urls = ix.shards, ix.urls
-            offsets, lengths = ix.offset, ix.length
-            by_shard = np.argsort(shards, kind="stable")  # each shard's uses, in walk order
-            for grp in np.split(by_shard, np.flatnonzero(np.diff(shards[by_shard])) + 1) if shards.size else ():
-                s = int(shards[grp[0]])
-                mine = grp[workers[grp] == wid]  # this worker's uses, in order
-                # uses two or more windows before the shard's own are read singly: along the
-                # walk the lag only grows, so they lead
-                lo = int(np.searchsorted(lag[mine], -1, side="left"))
-                held = mine[lo:]
-                if not held.size or lag[held[0]] > 0:
-                    continue  # none left, or only reads after its window (a resumed stream): singly
-                uses = samples[held]
-                users = np.unique(workers[grp[lag[grp] >= -1]]).tolist()
-                out.append((int(where[held[0]]), PlannedShard(
-                    url=urls[s], size=int(infos[s].size), uses=int(held.size), users=frozenset(users),
-                    key=f"{fp}:{epoch}:{rank}", skip=lo,
-                    early=int(np.searchsorted(lag[held], 0, side="left")),
-                    ranges=tuple(zip(np.asarray(offsets[uses], np.int64).tolist(),
-                                     np.asarray(lengths[uses], np.int64).tolist())))))
-        yield [p for _, p in sorted(out, key=lambda t: t[0])]
+        reads, counter = shard_reads(plan, walk, first, counter, nw, wid, shard_of)
+        out = []
+        for r in range(len(reads)):
+            ix = spec.indexes[int(reads.dataset[r])]
+            s, uses = int(reads.shard[r]), reads.uses(r)
+            out.append(PlannedShard(
+                url=ix.urls[s], size=int(ix.shards[s].size), uses=int(uses.size),
+                users=frozenset(np.flatnonzero(reads.users[r]).tolist()), key=f"{fp}:{epoch}:{rank}",
+                skip=int(reads.skip[r]), early=int(reads.early[r]),
+                ranges=tuple(zip(np.asarray(ix.offset[uses], np.int64).tolist(),
+                                 np.asarray(ix.length[uses], np.int64).tolist()))))
+        yield out
         if spec.mode is not Mode.STEPS:
             return
         epoch, first = epoch + 1, 0
-
-
-def _walked(plan: Plan, walk: Sequence[int], first: int) -> Iterator[Any]:
-    """The batches ``walk[first:]`` of ``plan``, computed in blocks of about 64K entries
-    when the walk is the whole plan (one permutation pass per block, not per batch)."""
-    if isinstance(walk, range) and walk.step == 1 and hasattr(plan, "batches"):
-        block = max(1, 65536 // max(plan.batch_size, 1))
-        for lo in range(walk.start + first, walk.stop, block):
-            yield from plan.batches(lo, min(lo + block, walk.stop))
-        return
-    for k in range(first, len(walk)):
-        yield plan[int(walk[k])]
-
-
-def _window_lag(shards: np.ndarray, visit: np.ndarray, window: int, step_window: np.ndarray) -> np.ndarray:
-    """For a rank's own-shard reads: how many windows after its shard's window each read's
-    step lies (negative: before it).
-
-    The plan gives window w of the rank's visit order a span of steps, and takes a
-    bucket's entries at those steps from w's shards, but for the few that the shards'
-    bucket counts cannot match (a bucket with fewer batches than windows, or more
-    samples in w than steps for them). The reader holds a shard from its first use
-    (fetched ahead) up to its window's end, so a read one window early (lag -1) fetches
-    it early and reads from it; reads after its window (lag > 0) come from the few bytes
-    kept when it is dropped; reads two or more windows early are single ranged GETs.
-    """
-    if not shards.size:
-        return np.zeros(0, np.int64)
-    pos_in_visit = np.zeros(int(max(visit.max(initial=0), shards.max())) + 1, np.int64)
-    pos_in_visit[visit] = np.arange(visit.size)
-    return step_window - pos_in_visit[shards] // window

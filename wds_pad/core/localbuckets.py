@@ -1,0 +1,263 @@
+"""Shard locality's per-bucket tables: how a bucket's global order is drawn from the deal.
+
+Steps 2-4 of core/locality.py: a kept bucket's samples per shard (sparse, in visit
+order), per window and per rank, the pools each window holds, the own entries each rank
+keeps, the surplus it gives away and the foreign entries it receives; ``LocalBuckets``
+is what a shard-local ``Plan`` computes its entries from (``Plan.buckets.local``).
+
+Invariants:
+- a bucket's global order is a permutation of its entries (each sample 1 + repeats
+  times): rank d's entry k (k < its need) is its own window pools' entry, first in first
+  out, or a foreign entry spread evenly through them; surpluses and deficits are matched
+  in rank order, so the foreign count is ``sum(max(0, need_d - own_d))``, the fewest
+  that make every share equal;
+- global position p holds rank ``p mod dp_size``'s entry ``p // dp_size`` of the
+  bucket's unpadded length, wrapping to the front for padded copies (p >= m);
+- every key comes from :func:`~wds_pad.core.seed.derive_seed` and every step is integer
+  numpy arithmetic: the same inputs give the same entries on every machine;
+- a bucket costs O(the shards holding its samples) memory, a batch O(batch size x
+  log(shards)).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from .dataset import Dataset, IdRange
+from .locality import _DealtDataset, layouts
+from .permute import ROUNDS, _mix, permute
+from .seed import derive_seed
+
+__all__ = ["LocalBuckets"]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_SCAN_FACTOR = 4  # a bucket of up to 4 x shards rows finds its shards by one scan of its rows
+
+
+def _window_keys(base: int, idx: np.ndarray) -> np.ndarray:
+    """Round keys (ROUNDS, len(idx)) of the permutations ``idx`` of one bucket: the numpy
+    image of ``round_keys(mix(base + (idx + 1) * golden))``, bitwise on every machine."""
+    with np.errstate(over="ignore"):
+        key = _mix(np.uint64(base) + (idx.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+        return np.stack([_mix(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
+
+
+def _floor_mul_div(k: np.ndarray, f: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """``k * f // r`` exactly (int64 when it cannot overflow, Python ints otherwise)."""
+    if k.size and int(k.max()) * int(f.max()) >= 2**62:
+        return np.asarray([a * b // c for a, b, c in zip(k.tolist(), f.tolist(), r.tolist())], dtype=np.int64)
+    return k * f // np.maximum(r, 1)
+
+
+def _runs(of: np.ndarray, s: int, scan: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(shard, first row, rows) of each run of equal shard numbers in the sorted ``of``.
+
+    O(min(rows, shards x log rows)): a scan of the rows where they are few (or ``scan``:
+    already in memory), else a binary search per shard number (an index's memory-mapped
+    column is then read at O(shards) places, not in full).
+
+    Raises:
+        ConfigError: a shard number outside [0, s).
+    """
+    n = int(of.size)
+    if n and (int(of[0]) < 0 or int(of[-1]) >= s):
+        bad = int(of[0]) if int(of[0]) < 0 else int(of[-1])
+        raise ConfigError(f"a sample's shard number {bad} is outside the {s} shards of its map "
+                          f"(expected 0 <= shard < {s}): give shard_bytes for every shard number")
+    if scan or n <= _SCAN_FACTOR * s:
+        first = np.flatnonzero(np.r_[n > 0, of[1:] != of[:-1]]) if n else np.zeros(0, np.int64)
+        first = first.astype(np.int64)
+        shard = np.asarray(of[first], dtype=np.int64)
+    else:
+        start = np.searchsorted(of, np.arange(s + 1), side="left").astype(np.int64)
+        shard = np.flatnonzero(np.diff(start)).astype(np.int64)
+        first = start[shard]
+    counts = np.diff(np.append(first, n)).astype(np.int64)
+    return shard, first, counts
+
+
+def _narrow(a: np.ndarray, top: int) -> np.ndarray:
+    """``a`` (values in [0, top]) as int32 where it fits: the sparse tables are O(samples)."""
+    return a.astype(np.int32) if top < 2**31 - 1 else a.astype(np.int64)
+
+
+class _LocalBucket:
+    """Kept bucket b's per-shard, per-window and per-rank counts (see the module doc).
+
+    The per-shard table is sparse: only the shards holding samples of b, in visit order (``v_pos``, their
+    first row ``v_row`` in ``sorted_ids``, the samples before each ``v_cum``), so a bucket
+    costs O(its shards), not O(shards); the per-window and per-rank tables are dense.
+    """
+
+    def __init__(self, dealt: _DealtDataset, ids: Any, passes: int, m: int, length: int,
+                 dp: int, base_key: int) -> None:
+        sh, s = dealt.layout.shard, int(dealt.layout.shard_bytes.size)
+        if isinstance(ids, IdRange) and dealt.layout.grouped:
+            self.sorted_ids = ids
+            nz_shard, nz_start, nz_count = _runs(np.asarray(sh[ids.start:ids.stop]), s)
+        else:
+            arr = np.asarray(ids, dtype=np.int64)
+            of = np.asarray(sh[arr])
+            order = np.argsort(of, kind="stable")
+            self.sorted_ids = arr[order]
+            nz_shard, nz_start, nz_count = _runs(of[order], s, scan=True)
+        vis = dealt.visit_pos[nz_shard]
+        o = np.argsort(vis, kind="stable")
+        self.v_pos = _narrow(vis[o], s)                    # visit positions holding samples of b
+        self.v_row = _narrow(nz_start[o], self.sorted_ids.size)  # their first row in sorted_ids
+        self.v_cum = np.zeros(o.size + 1, np.int64)        # samples before each of them
+        np.cumsum(nz_count[o], out=self.v_cum[1:])
+        self.v_cum = _narrow(self.v_cum, self.sorted_ids.size)
+        self.win_cum = self._cum_at(dealt.win_start)       # samples before each global window
+        own = np.diff(self._cum_at(dealt.rank_start)) * passes
+        real = min(m, length)
+        d = np.arange(dp, dtype=np.int64)
+        self.need = np.maximum(0, -(-(real - d) // dp))
+        self.own = own
+        self.keep = np.minimum(own, self.need)            # own entries a rank yields itself
+        self.surplus_cum = np.zeros(dp + 1, np.int64)
+        np.cumsum(np.maximum(own - self.need, 0), out=self.surplus_cum[1:])
+        self.deficit = np.maximum(self.need - own, 0)
+        self.deficit_cum = np.zeros(dp + 1, np.int64)
+        np.cumsum(self.deficit, out=self.deficit_cum[1:])
+        self.passes, self.m, self.base_key, self.dealt, self.dp = passes, m, base_key, dealt, dp
+
+    def _cum_at(self, vpos: np.ndarray) -> np.ndarray:
+        """Samples of b at visit positions before each of ``vpos`` (int64)."""
+        return self.v_cum[np.searchsorted(self.v_pos, vpos, side="left")].astype(np.int64)
+
+    @property
+    def win_samples(self) -> np.ndarray:
+        """Samples of b in each global window's shards."""
+        return np.diff(self.win_cum)
+
+    @property
+    def pool(self) -> np.ndarray:
+        """Entries of b each global window's shards hold (every pass)."""
+        return self.win_samples * self.passes
+
+    @property
+    def rank_of(self) -> np.ndarray:
+        """The rank of each global window."""
+        return self.dealt.rank_of
+
+    def _pool_entries(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Sample ids of pool entries u of global windows g: pass-major, shuffled per pass."""
+        first = self.win_cum[g]
+        n_w = self.win_cum[g + 1] - first
+        pass_idx = u // n_w
+        t = permute(u % n_w, n_w, _window_keys(self.base_key, g * self.passes + pass_idx))
+        vpos = first + t                                   # the entry's place among b's samples, visit order
+        i = np.searchsorted(self.v_cum, vpos, side="right") - 1
+        rows = self.v_row[i].astype(np.int64) + (vpos - self.v_cum[i].astype(np.int64))
+        return np.asarray(self.sorted_ids[rows], dtype=np.int64)
+
+    def own_entries(self, d: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Sample ids of rank d's own entries j (j >= keep[d]: its surplus, given away):
+        its windows' pools one after another, in visit order (first in, first out)."""
+        supply = self.win_cum.astype(np.int64) * self.passes   # pool entries before each window
+        pos = supply[self.dealt.win_base[d]] + j
+        g = np.searchsorted(supply, pos, side="right") - 1
+        return self._pool_entries(g, pos - supply[g])
+
+    def rank_entries(self, d: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Sample ids of entries k of ranks d, k < need[d]: own ones with foreign spread in."""
+        r, f = self.need[d], self.deficit[d]
+        before = _floor_mul_div(k, f, r)
+        foreign = _floor_mul_div(k + 1, f, r) > before
+        out = np.empty(k.size, np.int64)
+        mine = ~foreign
+        if mine.any():
+            out[mine] = self.own_entries(d[mine], (k - before)[mine])
+        if foreign.any():
+            gd = self.deficit_cum[d[foreign]] + before[foreign]
+            giver = np.searchsorted(self.surplus_cum, gd, side="right") - 1
+            out[foreign] = self.own_entries(giver, self.keep[giver] + gd - self.surplus_cum[giver])
+        return out
+
+    def entries(self, pos: np.ndarray, dp: int) -> np.ndarray:
+        """Sample ids at global positions ``pos`` (padded ones wrap to the front)."""
+        q = pos % self.m
+        return self.rank_entries(q % dp, q // dp)
+
+
+class LocalBuckets:
+    """The kept buckets of a shard-local plan: what ``Plan`` computes entries from."""
+
+    def __init__(self, raw: Sequence[Any], dss: Sequence[Dataset],
+                 kept: Sequence[tuple[int, Hashable, Any, int, int, int]],
+                 seed: int, epoch: int, dp: int, d: int, window: int,
+                 schedule: np.ndarray, batch_size: int) -> None:
+        lays = layouts(raw, dss)
+        self.dealt = [_DealtDataset(lay, ds.name, seed, epoch, dp, window) for lay, ds in zip(lays, dss)]
+        self.buckets = [
+            _LocalBucket(self.dealt[di], ids, passes, n * passes, length, dp,
+                         derive_seed(seed, epoch, dss[di].name, key, "window"))
+            for di, key, ids, n, passes, length in kept]
+        self.kept_dataset = [k[0] for k in kept]
+        self.dp, self.d, self.window = dp, d, window
+        total = int(schedule.size)
+        self.win_step: list[np.ndarray] = []
+        for di, dealt in enumerate(self.dealt):
+            mine = [bk for bk, kd in zip(self.buckets, self.kept_dataset) if kd == di]
+            # a window's step span: its share of its rank's samples (every bucket), in steps
+            samples = np.zeros(dealt.win_start.size - 1, np.int64)
+            for bk in mine:
+                samples += bk.win_samples
+            gw = samples.size
+            rank_of = dealt.rank_of
+            before = np.zeros(gw + 1, np.int64)
+            np.cumsum(samples, out=before[1:])
+            rank_total = before[dealt.win_base[1:]] - before[dealt.win_base[:-1]]
+            in_rank = before[:-1] - before[dealt.win_base[:-1]][rank_of]
+            step = np.where(rank_total[rank_of] > 0, in_rank * total // np.maximum(rank_total[rank_of], 1), 0)
+            self.win_step.append(np.append(step, total).astype(np.int64))
+
+    def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` of this rank."""
+        return self.at(b, self.d + self.dp * np.asarray(k, np.int64))
+
+    def at(self, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``."""
+        if not pos.size:
+            return np.zeros(0, np.int64), np.zeros(0, bool)
+        samples = np.empty(pos.size, np.int64)
+        pad = np.empty(pos.size, bool)
+        for j in np.unique(b).tolist():
+            sel = np.flatnonzero(b == j)
+            bk = self.buckets[j]
+            samples[sel] = bk.entries(pos[sel], self.dp)
+            pad[sel] = pos[sel] >= bk.m
+        return samples, pad
+
+    # -- facts for summaries (pure) ----------------------------------------------------
+    def rank_shards(self, di: int, d: int | None = None) -> np.ndarray:
+        """Shard numbers of dataset ``di`` dealt to rank d (default: this rank), in visit order."""
+        dealt = self.dealt[di]
+        d = self.d if d is None else d
+        return dealt.visit[dealt.rank_start[d]:dealt.rank_start[d + 1]]
+
+    def foreign(self, d: int | None = None) -> int:
+        """Foreign entries of rank d (default: this rank) over every kept bucket."""
+        d = self.d if d is None else d
+        return int(sum(int(bk.deficit[d]) for bk in self.buckets))
+
+    def window_of_step(self, di: int, steps: np.ndarray, d: int | None = None) -> np.ndarray:
+        """Rank d's window (0, 1, ... in its visit order) whose step span holds each step."""
+        d = self.d if d is None else d
+        dealt = self.dealt[di]
+        lo, hi = int(dealt.win_base[d]), int(dealt.win_base[d + 1])
+        if hi == lo:
+            return np.full(np.asarray(steps).shape, -1, np.int64)
+        return np.searchsorted(self.win_step[di][lo:hi], steps, side="right") - 1
+
+    def is_foreign(self, b: int, k: np.ndarray, d: int | None = None) -> np.ndarray:
+        """Whether entries k (real, not padded) of kept bucket b on rank d are foreign."""
+        d = self.d if d is None else d
+        bk = self.buckets[b]
+        dd = np.full(k.size, d, np.int64)
+        r, f = bk.need[dd], bk.deficit[dd]
+        return _floor_mul_div(k + 1, f, r) > _floor_mul_div(k, f, r)

@@ -1,0 +1,296 @@
+"""The plan as records: ``Plan`` (this rank's batches for one epoch, evaluated lazily),
+``Batch`` and ``BucketStats``, and how a rank's entries are computed from per-bucket facts.
+
+``plan_epoch`` (core/plan.py) builds a Plan from O(buckets + steps) facts; the sample ids
+of a batch are computed when it is asked for, here.
+
+Invariants:
+- a Plan costs O(buckets + steps) to set up and to hold, a batch O(batch size), and
+  ``samples`` / ``pad`` (every entry of the rank) O(the rank's share), on first use;
+- entry k of kept bucket b on dp_rank d is global position p = d + k * dp_size of the
+  bucket's order; it is a padded copy iff p >= the bucket's unpadded length, and its
+  sample is the keyed permutation of its pass evaluated at p (core/permute.py), or the
+  shard-local order's entry (core/locality.py, through ``_Buckets.local``);
+- ``plan[i]`` equals ``plan.batches(i, i + 1)[0]`` and the slices of ``samples`` / ``pad``,
+  bitwise; a MemoryError while computing entries is a ConfigError that says what to lower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterator, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from .localbuckets import LocalBuckets
+from .locality import Locality
+from .permute import ROUNDS, permute
+from .policy import Mode, PadTo, Policy
+from .topology import Topology
+
+__all__ = ["Batch", "BucketStats", "Plan"]
+
+@dataclass(frozen=True)
+class BucketStats:
+    """What the plan did with one (dataset, bucket), identical on every rank."""
+
+    dataset: str
+    bucket: Hashable
+    samples: int          # distinct samples in the bucket
+    repeats: int          # configured repeats
+    length: int           # samples * (1 + repeats), before padding
+    padded_length: int    # global length after padding / truncation (0 if dropped)
+    padded_copies: int    # entries added by cyclic padding
+    truncated: int        # entries removed by drop
+    dropped: bool         # the whole bucket is out of this epoch
+    oversubscribed: bool  # kept below one pad unit by explicit consent
+    steps: int            # global steps this bucket takes per epoch
+
+    @property
+    def effective_repeats(self) -> float:
+        """Appearances per sample minus one, after padding (oversubscribed buckets > repeats)."""
+        return self.padded_length / self.samples - 1 if self.samples else 0.0
+
+    @property
+    def padded_fraction(self) -> float:
+        """Padded copies as a fraction of the padded length."""
+        return self.padded_copies / self.padded_length if self.padded_length else 0.0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch of this rank: never mixes buckets or datasets."""
+
+    epoch: int
+    step: int            # global step within the epoch (identical on every rank)
+    index: int           # position in this rank's plan for the epoch
+    dataset: str
+    bucket: Hashable
+    samples: np.ndarray  # int64 sample ids
+    pad: np.ndarray      # bool: True for a padded copy
+
+    def to_json(self, topology: Topology) -> dict[str, Any]:
+        """The ``wds-pad plan --json`` record of this batch."""
+        return {
+            "rank": topology.rank,
+            "dp_rank": topology.dp_rank,
+            "step": self.step,
+            "epoch": self.epoch,
+            "dataset": self.dataset,
+            "bucket": self.bucket,
+            "samples": self.samples.tolist(),
+            "pad": self.pad.tolist(),
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """This rank's ordered batches for one epoch, evaluated lazily.
+
+    ``schedule[s]`` is the bucket-table index every rank takes at global step s and
+    ``window[s]`` how many earlier steps took the same bucket; ``batch_step[i]`` is the
+    global step of this rank's i-th batch, which holds ``offsets[i + 1] - offsets[i]``
+    entries. A batch's sample ids are computed when it is asked for (``plan[i]``), from
+    the per-bucket facts kept here, so a plan costs O(buckets + steps) to set up and to
+    hold, and each batch O(batch size), whatever the number of samples.
+    ``samples`` / ``pad`` (every entry of the rank, in batch order) are computed on
+    first use: O(the rank's share).
+    """
+
+    epoch: int
+    topology: Topology
+    batch_size: int
+    policy: Policy
+    mode: Mode
+    pad_to: PadTo
+    oversubscribe: bool
+    datasets: tuple[str, ...]
+    bucket_table: tuple[tuple[int, Hashable], ...]  # (dataset index, bucket key)
+    schedule: np.ndarray
+    window: np.ndarray
+    batch_step: np.ndarray
+    offsets: np.ndarray
+    stats: tuple[BucketStats, ...] = field(repr=False)
+    buckets: _Buckets = field(repr=False)
+    locality: Locality = Locality.NONE
+    shard_window: int = 8  # shards a rank visits at once (locality="shard")
+
+    @property
+    def steps(self) -> int:
+        """Global steps in this epoch."""
+        return int(self.schedule.size)
+
+    def __len__(self) -> int:
+        return int(self.batch_step.size)
+
+    def __getitem__(self, i: int) -> Batch:
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"plan indices are ints, got {type(i).__name__}")
+        if not -n <= i < n:
+            raise IndexError(f"batch {i} out of range for a plan of {n} batches")
+        i = int(i) % n
+        step = int(self.batch_step[i])
+        b = int(self.schedule[step])
+        ds, key = self.bucket_table[b]
+        size = int(self.offsets[i + 1] - self.offsets[i])
+        first = int(self.window[step]) * self.batch_size
+
+        def batch() -> tuple[np.ndarray, np.ndarray]:
+            k = np.arange(first, first + size, dtype=np.int64)
+            return _entries(self.buckets, np.full(size, b, dtype=np.int64), k)
+
+        samples, pad = _within_memory(batch, size, f"batch {i}")
+        return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad)
+
+    def __iter__(self) -> Iterator[Batch]:
+        # consecutive batches in blocks of about 64K entries: one permutation pass each
+        block = max(1, 65536 // max(self.batch_size, 1))
+        for lo in range(0, len(self), block):
+            yield from self.batches(lo, lo + block)
+
+    def batches(self, lo: int, hi: int, step: int = 1) -> list[Batch]:
+        """Batches ``range(lo, hi, step)``, equal to ``[self[i] for i in range(lo, hi, step)]``,
+        computed together: one pass of the permutation for all their entries (a batch alone
+        pays numpy's fixed cost per operation, several hundred microseconds). O(their entries)."""
+        idx = np.arange(max(0, int(lo)), min(len(self), int(hi)), max(1, int(step)), dtype=np.int64)
+        if not idx.size:
+            return []
+        steps = self.batch_step[idx]
+        sizes = self.offsets[idx + 1] - self.offsets[idx]
+        before = np.cumsum(sizes) - sizes
+        total = int(sizes.sum())
+
+        def entries() -> tuple[np.ndarray, np.ndarray]:
+            b = np.repeat(self.schedule[steps], sizes)
+            k = np.repeat(self.window[steps].astype(np.int64) * self.batch_size - before, sizes) + np.arange(total, dtype=np.int64)
+            return _entries(self.buckets, b, k)
+
+        samples, pad = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
+        out = []
+        table, names, epoch = self.bucket_table, self.datasets, self.epoch
+        new = object.__new__  # the fields are computed here: skip the frozen __init__'s setattr per field
+        for i, st, t, at, size in zip(idx.tolist(), steps.tolist(), self.schedule[steps].tolist(), before.tolist(),
+                                      sizes.tolist()):
+            ds, key = table[t]
+            b = new(Batch)
+            b.__dict__.update(epoch=epoch, step=st, index=i, dataset=names[ds], bucket=key,
+                              samples=samples[at : at + size], pad=pad[at : at + size])
+            out.append(b)
+        return out
+
+    def _all(self) -> tuple[np.ndarray, np.ndarray]:
+        cached = self.__dict__.get("_entries")
+        if cached is None:
+            def share() -> tuple[np.ndarray, np.ndarray]:
+                sizes = np.diff(self.offsets)
+                b = np.repeat(self.schedule[self.batch_step], sizes)
+                k = (np.repeat(self.window[self.batch_step].astype(np.int64) * self.batch_size - self.offsets[:-1], sizes)
+                     + np.arange(int(self.offsets[-1]), dtype=np.int64))
+                return _entries(self.buckets, b, k)
+
+            cached = _within_memory(share, int(self.offsets[-1]), "this rank's share")
+            self.__dict__["_entries"] = cached
+        return cached
+
+    @property
+    def samples(self) -> np.ndarray:
+        """Every sample id of this rank's epoch, in batch order (batch i is
+        ``samples[offsets[i]:offsets[i + 1]]``); computed on first use, O(share)."""
+        return self._all()[0]
+
+    @property
+    def pad(self) -> np.ndarray:
+        """The padded-copy flags parallel to :attr:`samples`."""
+        return self._all()[1]
+
+
+class _Buckets:
+    """The kept buckets' facts a rank's entries are computed from: O(buckets).
+
+    Entry k of kept bucket b on dp_rank d is global position p = d + k * dp_size; it
+    holds pass ``(p mod m) // n`` at place ``perm_pass((p mod m) mod n)`` of the
+    bucket's sorted ids, and is a padded copy iff p >= m (n samples, m = n * passes).
+    """
+
+    def __init__(self, kept: Sequence[tuple[Any, int, int, int, list[list[int]]]], dp: int, d: int) -> None:
+        self.ids = [k[0] for k in kept]
+        self.n = np.asarray([k[1] for k in kept], dtype=np.int64)
+        self.m = np.asarray([k[2] for k in kept], dtype=np.int64)
+        self.key_rows = np.asarray([row for k in kept for row in k[4]], dtype=np.uint64).reshape(-1, ROUNDS)
+        self.first_row = np.zeros(len(kept), dtype=np.int64)
+        np.cumsum([len(k[4]) for k in kept][:-1], out=self.first_row[1:])
+        self.dp, self.d = dp, d
+        self.local: LocalBuckets | None = None  # set for locality="shard"
+        # entries of this rank per kept bucket
+        self.counts = np.asarray([max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
+
+
+def _rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.ndarray, window: np.ndarray,
+                  bs: int) -> tuple[np.ndarray, np.ndarray]:
+    """(batch_step, offsets) of a rank with ``counts`` entries per kept bucket: its batch for
+    global step s is its entries [k*bs, (k+1)*bs) of bucket schedule[s], k = window[s]."""
+    step_dtype = np.int32 if schedule.size < 2**31 else np.int64
+    if np.array_equal(counts, np.asarray(bucket_steps, dtype=np.int64) * bs):
+        # every bucket fills whole global steps (cyclic, drop, or lengths that happen to
+        # divide): this rank has a full batch at every step; nothing per step to compute
+        batch_step = np.arange(schedule.size, dtype=step_dtype)
+        offsets = np.arange(schedule.size + 1, dtype=np.int64) * bs
+    else:
+        starts_in_bucket = window.astype(np.int64) * bs
+        sizes = np.clip(counts[schedule] - starts_in_bucket, 0, bs) if schedule.size else np.zeros(0, np.int64)
+        has = sizes > 0
+        batch_step = np.flatnonzero(has).astype(step_dtype)
+        offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
+        np.cumsum(sizes[has], out=offsets[1:])
+    return batch_step, offsets
+
+
+def _within_memory(compute: Any, entries: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``compute()``, with a MemoryError (below the planner's limit, but more than this
+    machine holds) turned into a ConfigError that says what to lower."""
+    try:
+        return compute()  # type: ignore[no-any-return]
+    except MemoryError as exc:
+        raise ConfigError(
+            f"{what} holds {entries} planned entries, more than this machine can allocate "
+            f"(about {entries * 64 / 2**30:.1f} GiB); lower the batch size, plan on more DP ranks, "
+            "or turn oversubscribe off"
+        ) from exc
+
+
+def _entries(bk: _Buckets, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` (parallel arrays)."""
+    if bk.local is not None:
+        return bk.local.entries(b, k)
+    if not k.size:
+        return np.zeros(0, np.int64), np.zeros(0, bool)
+    return _at(bk, b, bk.d + bk.dp * k)
+
+
+def _at(bk: _Buckets, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
+    the rank (the elastic remainder of an epoch reads the whole layout's order)."""
+    if bk.local is not None:
+        return bk.local.at(b, pos)
+    if not pos.size:
+        return np.zeros(0, np.int64), np.zeros(0, bool)
+    m_e = bk.m[b]
+    n_e = bk.n[b]
+    q = pos % m_e
+    pass_idx = q // n_e
+    keys = bk.key_rows[bk.first_row[b] + pass_idx].T
+    perm = permute(q % n_e, n_e, keys)
+    samples = np.empty(pos.size, dtype=np.int64)
+    if np.all(b == b[0]):  # one batch: one bucket
+        samples[:] = bk.ids[int(b[0])][perm]
+    else:
+        order = np.argsort(b, kind="stable")
+        bounds = np.searchsorted(b[order], np.arange(len(bk.ids) + 1))
+        for j, ids in enumerate(bk.ids):
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
+            if hi > lo:
+                sel = order[lo:hi]
+                samples[sel] = ids[perm[sel]]
+    return samples, pos >= m_e

@@ -1,0 +1,166 @@
+"""The plan's identity: ``PlanSpec``, everything a rank's plan depends on.
+
+Built once in the main process (seed already shared, topology detected), pickled into
+DataLoader workers, verified against every saved state: the spec is what a state's
+fingerprint is made of and what a resumed loader plans with.
+
+Invariants:
+- ``PlanSpec`` holds everything the plan depends on; :meth:`PlanSpec.plan_kwargs` lists
+  the plan's arguments once, for the epoch's plan (``plan_epoch``) and the elastic
+  remainder (``plan_remainder``) alike, so both plan the same epoch;
+- it pickles its indexes loaded from local files as their paths (workers re-map the
+  pages, and refuse an index that changed) and recomputes the identical plan in every
+  process;
+- the same spec on another data-parallel layout is ``dataclasses.replace(spec,
+  topology=...)``: a new spec with a plan cache of its own;
+- :meth:`PlanSpec.fingerprint_fields` are a state's ``plan`` block, byte for byte as
+  every earlier version wrote them: adding a field changes every fingerprint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.dataset import Dataset
+from ..core.locality import Locality, ShardMap, shard_map_of
+from ..core.plan import Plan, plan_epoch
+from ..core.policy import Mode, PadTo, Policy, resolve_policy
+from ..core.seed import stable_digest
+from ..core.topology import Topology
+from ..errors import ConfigError, WdsPadError
+from ..index.codec import load_index
+from ..index.record import Index
+from ..io.urls import is_local
+from .schema import fingerprint_of
+
+__all__ = ["PlanSpec"]
+
+
+@dataclass(frozen=True, eq=False)
+class PlanSpec:
+    """Everything the plan depends on, plus the indexes that resolve sample ids.
+
+    Built once in the main process (seed already shared, topology detected) and pickled
+    into DataLoader workers, where plans are recomputed identically.
+    """
+
+    indexes: tuple[Index, ...]
+    names: tuple[str, ...]
+    topology: Topology
+    seed: int
+    batch_size: int
+    policy: Policy = Policy.AUTO
+    mode: Mode = Mode.EPOCHS
+    pad_to: PadTo = PadTo.BATCH
+    oversubscribe: bool = False
+    repeats: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+    locality: Locality = Locality.NONE
+    window: int = 8
+    # not an argument: a replaced spec (another layout) starts with a cache of its own
+    _cache: dict[int, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.indexes)
+        if len(self.names) != n:
+            raise ConfigError(f"PlanSpec: {len(self.names)} name(s) for {n} index(es); give one per index")
+        # empty repeats/weights mean the defaults (0 repeats, weight 1) for every index:
+        # zip() over an empty tuple would otherwise silently plan no dataset at all
+        for name, default in (("repeats", 0), ("weights", 1.0)):
+            values = getattr(self, name) or (default,) * n
+            if len(values) != n:
+                raise ConfigError(f"PlanSpec.{name} has {len(values)} value(s) for {n} index(es)")
+            object.__setattr__(self, name, tuple(values))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        state["indexes"] = tuple(_IndexRef(ix) for ix in self.indexes)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["indexes"] = tuple(ref.get() if isinstance(ref, _IndexRef) else ref for ref in state["indexes"])
+        self.__dict__.update(state)
+
+    @property
+    def resolved_policy(self) -> Policy:
+        return resolve_policy(self.policy, self.mode, self.oversubscribe)
+
+    def datasets(self) -> list[Dataset | ShardMap]:
+        """The planned datasets, one per index (with their shard maps for ``locality="shard"``)."""
+        out = [ix.to_dataset(name=n, repeats=r, weight=w)
+               for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)]
+        if self.locality is Locality.SHARD:
+            return [shard_map_of(ix, ds) for ix, ds in zip(self.indexes, out)]
+        return list(out)
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        """The plan's arguments besides the datasets, the topology and the epoch: what
+        ``plan_epoch`` and ``plan_remainder`` take, listed once."""
+        return dict(seed=self.seed, batch_size=self.batch_size, policy=self.policy, mode=self.mode,
+                    oversubscribe=self.oversubscribe, pad_to=self.pad_to, locality=self.locality,
+                    window=self.window)
+
+    def plan(self, epoch: int) -> Plan:
+        """This rank's plan for ``epoch`` (cached: the last few epochs only)."""
+        plan = self._cache.get(epoch)
+        if plan is None:
+            plan = plan_epoch(self.datasets(), self.topology, epoch=epoch, warn=not self._cache,
+                              **self.plan_kwargs())
+            if len(self._cache) >= 2:
+                self._cache.pop(min(self._cache))
+            self._cache[epoch] = plan
+        return plan
+
+    def fingerprint(self) -> str:
+        """A digest of everything that shapes the plan but this rank's own place in it:
+        :meth:`fingerprint_fields` (so the data-parallel layout is covered; the rank is
+        checked through the topology saved beside it). Equal on every rank of a job."""
+        return fingerprint_of(self.fingerprint_fields())
+
+    def legacy_fingerprint(self) -> str:
+        """The fingerprint as state version 1 computed it (no data-parallel layout)."""
+        parts: list[Any] = ["wds_pad.plan/1", stable_digest(self.seed).hex(), self.batch_size,
+                            self.resolved_policy.value, self.pad_to.value, self.oversubscribe]
+        for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights):
+            parts.append((n, ix.digest, r, float(w)))
+        return stable_digest(*[tuple(p) if isinstance(p, list) else p for p in parts], size=16).hex()
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """The fingerprint's ingredients, JSON-safe (saved in a state as ``plan``)."""
+        fields = {
+            "seed_hash": stable_digest(self.seed, size=8).hex(),
+            "batch_size": self.batch_size,
+            "policy": self.resolved_policy.value,
+            "mode": self.mode.value,
+            "pad_to": self.pad_to.value,
+            "dp_size": int(self.topology.dp_size),
+            "pad_unit": self.pad_to.unit(int(self.topology.dp_size), self.batch_size),
+            "oversubscribe": self.oversubscribe,
+            "datasets": [{"name": n, "index_digest": ix.digest, "repeats": r, "weight": float(w)}
+                         for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)],
+        }
+        if self.locality is not Locality.NONE:  # locality="none" keeps the fingerprints it always had
+            fields["locality"] = self.locality.value
+            fields["window"] = self.window
+            fields["shard_order"] = "fifo"  # a rank's windows first in, first out (core/locality.py)
+        return fields
+
+
+class _IndexRef:
+    """Pickles an Index loaded from a local file as its path (workers re-map the pages)."""
+
+    def __init__(self, index: Index) -> None:
+        local = index.path is not None and is_local(index.path)
+        self.path = index.path if local else None
+        self.digest = index.digest
+        self.index = None if local else index
+
+    def get(self) -> Index:
+        if self.index is not None:
+            return self.index
+        index = load_index(self.path, verify=False)  # type: ignore[arg-type]
+        if index.digest != self.digest:
+            raise WdsPadError(f"index {self.path!r} changed while the job was running; restart the job")
+        return index
