@@ -203,3 +203,44 @@ def test_real_device_mesh_in_four_gloo_processes(tmp_path: Path) -> None:
     assert len(results[0]["plan"]) == len(results[2]["plan"]) > 0
     for a, b in zip(results[0]["plan"], results[2]["plan"]):
         assert len(a) == len(b) == 2
+
+
+# -- the node layout ------------------------------------------------------------------------
+
+
+def test_a_rank_s_node_is_rank_over_local_world_size_as_torchrun_assigns() -> None:
+    topo = Topology(world_size=8, rank=5, cp_size=2, local_world_size=4)
+    assert (topo.node, topo.nodes) == (1, 2)
+    assert topo.node_dp_ranks() == [2, 3] and topo.node_dp_ranks(0) == [0, 1]
+    assert Topology(8, 5).nodes == 1 and Topology(8, 5).node == 0
+
+
+def test_the_node_layout_is_not_part_of_a_saved_topology() -> None:
+    topo = Topology(world_size=4, rank=1, local_world_size=2)
+    assert topo.to_dict() == Topology(world_size=4, rank=1).to_dict()
+    assert "local_world_size" not in topo.to_dict()
+
+
+def test_a_node_layout_that_does_not_divide_the_job_is_refused_naming_both() -> None:
+    with pytest.raises(TopologyError, match="world_size 6 is not divisible by local_world_size 4"):
+        Topology(world_size=6, rank=0, local_world_size=4)
+    with pytest.raises(TopologyError, match="local_world_size must be >= 1"):
+        Topology(world_size=2, rank=0, local_world_size=0)
+
+
+def test_node_dp_ranks_need_the_node_layout_and_the_default_dp_layout() -> None:
+    with pytest.raises(TopologyError, match="no node layout"):
+        Topology(4, 0).node_dp_ranks()
+    with pytest.raises(TopologyError, match="not the default layout"):
+        Topology(4, 0, cp_size=2, dp_rank=1, cp_rank=0, local_world_size=2).node_dp_ranks()
+
+
+def test_detect_reads_local_world_size_from_torchrun_s_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    topo = Topology.detect()
+    assert (topo.local_world_size, topo.node) == (4, 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
+    with pytest.raises(TopologyError, match="LOCAL_WORLD_SIZE='four'"):
+        Topology.detect()

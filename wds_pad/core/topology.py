@@ -47,6 +47,9 @@ class Topology:
         dp_size: effective data-parallel size. Default ``world_size // cp_size``.
         dp_rank: this rank's data-parallel index. Default ``rank // cp_size``.
         cp_rank: this rank's index among its replica peers. Default ``rank % cp_size``.
+        local_world_size: processes per node (machine), as torchrun's ``LOCAL_WORLD_SIZE``;
+            a rank's node is ``rank // local_world_size``, as torchrun assigns ranks.
+            None: unknown (one node's worth of sharing is not planned for).
 
     Raises:
         TopologyError: for any impossible combination, with both values named.
@@ -58,9 +61,16 @@ class Topology:
     dp_size: int | None = None
     dp_rank: int | None = None
     cp_rank: int | None = None
+    local_world_size: int | None = None
 
     def __post_init__(self) -> None:
         world = _check_int("world_size", self.world_size, 1)
+        if self.local_world_size is not None:
+            local = _check_int("local_world_size", self.local_world_size, 1)
+            if world % local:
+                raise TopologyError(
+                    f"world_size {world} is not divisible by local_world_size {local}: every node must run "
+                    "the same number of processes (torchrun's --nproc-per-node)")
         rank = _check_int("rank", self.rank, 0)
         if rank >= world:
             raise TopologyError(
@@ -107,8 +117,40 @@ class Topology:
 
     # -- conversions -------------------------------------------------------------------
     def to_dict(self) -> dict[str, int]:
-        """All six fields as a JSON-safe dict (the form saved in loader states)."""
-        return {k: int(v) for k, v in asdict(self).items()}
+        """The six layout fields as a JSON-safe dict (the form saved in loader states; the
+        node layout is not part of it: a state resumes on any machines)."""
+        return {k: int(v) for k, v in asdict(self).items() if k != "local_world_size"}
+
+    # -- nodes -------------------------------------------------------------------------
+    @property
+    def node(self) -> int:
+        """This rank's node: ``rank // local_world_size`` (0 when the node layout is unknown)."""
+        return self.rank // self.local_world_size if self.local_world_size else 0
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of the job (1 when the node layout is unknown)."""
+        return self.world_size // self.local_world_size if self.local_world_size else 1
+
+    def node_dp_ranks(self, node: int | None = None) -> list[int]:
+        """The DP ranks whose data the ranks of ``node`` (default: this rank's) read: every
+        ``rank // cp_size`` of the node's ranks (the default layout, CP peers consecutive).
+
+        Raises:
+            TopologyError: the node layout is unknown, or the DP layout is not the default
+                one (``dp_rank`` / ``cp_rank`` given explicitly), so other ranks' DP ranks
+                cannot be known here.
+        """
+        if not self.local_world_size:
+            raise TopologyError("this topology has no node layout: pass Topology(..., local_world_size=N) "
+                                "or run under torchrun (LOCAL_WORLD_SIZE)")
+        if self.dp_rank != self.rank // self.cp_size or self.cp_rank != self.rank % self.cp_size:  # type: ignore[operator]
+            raise TopologyError(
+                f"rank {self.rank} has dp_rank {self.dp_rank} and cp_rank {self.cp_rank}, not the default layout "
+                f"(rank // cp_size, rank % cp_size): the DP ranks of a node cannot be known from it")
+        n = self.node if node is None else int(node)
+        first, last = n * self.local_world_size, (n + 1) * self.local_world_size
+        return sorted({r // self.cp_size for r in range(first, last)})  # type: ignore[operator]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Topology":
@@ -142,6 +184,8 @@ class Topology:
             TopologyError: malformed environment variables or impossible sizes.
         """
         sizes: dict[str, Any] = {"dp_size": dp_size} if dp_size is not None else {"cp_size": cp_size}
+        if group is None:  # the machine's processes, as torchrun says; a given group may be a subset
+            sizes["local_world_size"] = _local_world_size()
         dist = _dist_if_initialized() if group is None else _dist()
         if dist is not None:
             return cls(world_size=dist.get_world_size(group), rank=dist.get_rank(group), **sizes)
@@ -193,6 +237,25 @@ class Topology:
         rank = dist.get_rank() if dist is not None else int(dp_rank * cp_size + cp_rank)
         return cls(world_size=dp_size * cp_size, rank=rank, cp_size=cp_size, dp_size=dp_size,
                    dp_rank=dp_rank, cp_rank=cp_rank)
+
+
+def _local_world_size() -> int | None:
+    """``LOCAL_WORLD_SIZE`` (set by torchrun) as an int, None when unset.
+
+    Raises:
+        TopologyError: set but not an int >= 1.
+    """
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        return None
+    try:
+        local = int(value)
+    except ValueError:
+        local = 0
+    if local < 1:
+        raise TopologyError(f"LOCAL_WORLD_SIZE={value!r} is not an int >= 1; fix the launcher environment, "
+                            "or pass topology=Topology(..., local_world_size=N)")
+    return local
 
 
 def _row_major(coord: Sequence[int], shape: Sequence[int]) -> int:
