@@ -32,6 +32,7 @@ from .errors import (
     WdsPadError,
     WorkerStartError,
     WorkerStartWarning,
+    WriteError,
 )
 from . import _moved
 from .core.dataset import Dataset, IdRange
@@ -115,6 +116,7 @@ __all__ = [
     "WdsPadError",
     "WorkerStartError",
     "WorkerStartWarning",
+    "WriteError",
     "build_index",
     "build_index_distributed",
     "check_agreement",

@@ -27,6 +27,7 @@ __all__ = [
     "WdsPadError",
     "WorkerStartError",
     "WorkerStartWarning",
+    "WriteError",
 ]
 
 
@@ -60,6 +61,11 @@ class StaleShardError(ShardError):
 
 class ReadError(WdsPadError, OSError):
     """A byte-range read failed permanently or timed out after its retries."""
+
+
+class WriteError(WdsPadError, OSError):
+    """A file wds_pad writes (an index) could not be written: no space left, a read-only
+    filesystem, a store that refuses the upload. Nothing was half-written."""
 
 
 class BucketError(WdsPadError, ValueError):

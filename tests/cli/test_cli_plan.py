@@ -327,3 +327,42 @@ def test_locality_shard_in_plan_json_and_summary(tmp_path: Path) -> None:
                    "--plot", str(tmp_path / "p.png"))
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def _windows(records: list[dict[str, Any]]) -> dict[int, tuple[str, list[str]]]:
+    """step -> (bucket, its samples over the ranks in rank order, a padded copy marked ``*``)."""
+    out: dict[int, tuple[str, list[str]]] = {}
+    for r in sorted(records, key=lambda r: (r["step"], r["rank"])):
+        bucket, samples = out.setdefault(r["step"], (r["bucket"], []))
+        samples += [f"{s}*" if pad else str(s) for s, pad in zip(r["samples"], r["pad"])]
+    return out
+
+
+def _listed(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+@pytest.mark.parametrize("policy", ["cyclic", "drop"])
+def test_planning_doc_prose_names_the_windows_its_command_prints(policy: str) -> None:
+    import re
+
+    from doc_blocks import prose
+
+    text = prose(ROOT / "docs" / "planning.md")
+    section = " ".join(text.split(f"### {policy}\n", 1)[1].split("\n### ", 1)[0].split())
+    windows = _windows(plan_json(*BASE, "--world-size", "4", "--rank", "all", "--batch-size", "1", "--pad", policy))
+    claims = [(int(m[1]), m[2]) for m in re.finditer(r"step (\d+) (?:is|its)[^`]*?`\[([^\]]*)\]`", section)]
+    claims += [(int(m[2]), m[1]) for m in re.finditer(r"`\[([^\]]*)\]` \(step (\d+)\)", section)]
+    assert claims, section
+    for step, listed in claims:  # "step 1 is c's first window `[9, 7, 5, 10]`", "`[9, 7, 5, 10]` (step 1)"
+        assert _listed(listed) == windows[step][1], (policy, step, listed, windows)
+    for m in re.finditer(r"step (\d+) is (\w)'s", section):
+        assert windows[int(m[1])][0] == m[2], (policy, m[0], windows)
+    c = [s for _, (bucket, samples) in sorted(windows.items()) if bucket == "c" for s in samples]
+    if policy == "cyclic":  # the shuffled order, then its prefix as padded copies
+        order = _listed(re.search(r"shuffled order for seed 3 is `\[([^\]]*)\]`", section)[1])
+        assert c == order + [f"{order[0]}*"]
+    else:  # kept: the first entries of the same order (the cyclic section's); lost: the rest
+        order = _listed(re.search(r"shuffled order for seed 3 is `\[([^\]]*)\]`", " ".join(text.split()))[1])
+        lost = re.search(r"loses the other (\d+) \(`\[([^\]]*)\]`\)", section)
+        assert c == order[: len(c)] and _listed(lost[2]) == order[len(c):] and int(lost[1]) == len(order) - len(c)

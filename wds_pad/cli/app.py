@@ -6,7 +6,9 @@ of errors and signals. Commands import their helpers from :mod:`.common`, never 
 module.
 
 Starts fast: nothing here imports torch; subcommands import what they need lazily.
-Bad arguments print one line starting ``wds-pad <cmd>: error:`` and exit with 2.
+Bad arguments print one line starting ``wds-pad <cmd>: error:`` and exit with 2; an
+error of ours prints one such line too (its advice in the CLI's spelling, ``--on-error
+skip``), exit 2 for bad input, 1 for I/O.
 Ctrl-C (SIGINT) and SIGTERM stop a command the same way: one line on stderr, exit 130
 or 143 (128 + the signal number), and a file being written keeps its previous content.
 """
@@ -20,7 +22,7 @@ import threading
 from typing import Any, Sequence
 
 from . import demo, index, inspect, plan, verify
-from .common import EXIT_USAGE, Terminated, _UsageError, interrupt_exit
+from .common import EXIT_USAGE, Terminated, _UsageError, cli_wording, interrupt_exit
 from ..errors import WdsPadError
 
 __all__ = ["main"]
@@ -82,7 +84,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"{exc}\n")
         return EXIT_USAGE
     except WdsPadError as exc:
-        sys.stderr.write(f"wds-pad {args.command}: error: {exc}\n")
+        sys.stderr.write(f"wds-pad {args.command}: error: {cli_wording(str(exc))}\n")
         return EXIT_USAGE if isinstance(exc, ValueError) and not isinstance(exc, OSError) else 1
     except BrokenPipeError:  # `wds-pad plan ... | head`
         return 0

@@ -8,6 +8,8 @@ matplotlib at import time (the plot imports matplotlib when it draws).
 Invariants:
 - a usage error is raised as :class:`_UsageError` with its whole line
   (``wds-pad <cmd>: error: ...``) and exits with :data:`EXIT_USAGE` (2);
+- advice the library words for Python (``on_error='skip'``) is printed in the CLI's
+  spelling (``--on-error skip``) by :func:`cli_wording`;
 - an integer option the library also checks (seed, epoch) accepts exactly the values
   the API accepts, with the API's message;
 - an interrupt exits 130 (Ctrl-C) or 143 (SIGTERM, raised as :class:`Terminated`);
@@ -53,6 +55,20 @@ def interrupt_exit(exc: KeyboardInterrupt) -> tuple[int, str]:
     if isinstance(exc, Terminated):
         return EXIT_SIGTERM, "terminated (SIGTERM)"
     return EXIT_SIGINT, "interrupted"
+
+
+#: the library's advice names Python arguments; a CLI user is told the option instead
+#: (the longer spelling first: some messages name both)
+_CLI_SPELLINGS = (("on_error='skip' (--on-error skip)", "--on-error skip"),
+                  ("on_error='skip'", "--on-error skip"))
+
+
+def cli_wording(message: str) -> str:
+    """An error message as the CLI prints it: advice in the CLI's own spelling
+    (``--on-error skip``, not ``on_error='skip'``)."""
+    for python, option in _CLI_SPELLINGS:
+        message = message.replace(python, option)
+    return message
 
 
 # -- argument parsers ------------------------------------------------------------------
@@ -282,18 +298,48 @@ def _plot_reading(ax: Any, reading: dict[str, Any], args: argparse.Namespace) ->
 
 
 
+def _matplotlib() -> Any:
+    """matplotlib with the Agg backend, or the install advice as a ConfigError."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        return matplotlib
+    except ImportError as exc:
+        raise ConfigError("--plot needs matplotlib: pip install 'wds-pad[plot]' (or pip install matplotlib)") from exc
+
+
+def plot_path(path: str) -> str:
+    """The file ``--plot PATH`` writes, checked before anything is loaded: its extension
+    must be a format matplotlib writes; without one it is PNG, and the name says so.
+
+    Raises:
+        ConfigError: matplotlib is missing, or cannot write that format.
+    """
+    import os
+
+    _matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    stem, ext = os.path.splitext(path)
+    if not ext[1:]:
+        return f"{path}.png" if not ext else f"{path}png"
+    if ext[1:].lower() not in formats:
+        listed = ", ".join(f".{f}" for f in sorted(formats))
+        raise ConfigError(f"--plot {path!r}: matplotlib cannot write {ext} files; give a file name ending in "
+                          f"one of {listed}, e.g. --plot {stem}.png")
+    return path
+
+
 def _plot(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace,
           reading: dict[str, Any] | None = None) -> None:
     """Bar chart of an index's buckets (with ``pad``: kept, padded and dropped) to ``args.plot``;
     with ``reading`` (locality -> LocalityFigures of rank 0) a second panel: what each
     locality costs to read."""
-    try:
-        import matplotlib
+    _matplotlib()
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ConfigError("--plot needs matplotlib: pip install 'wds-pad[plot]' (or pip install matplotlib)") from exc
     unordered = index.bucket_counts()
     counts = {k: unordered[k] for k in bucket_order(unordered)}
     labels = [str(k) for k in counts]
@@ -335,7 +381,7 @@ def _plot(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace,
     fig.tight_layout()
     try:
         fig.savefig(args.plot, dpi=110)
-    except OSError as exc:
+    except (OSError, RuntimeError, ValueError) as exc:  # a folder missing; pgf without LaTeX, ...
         raise ConfigError(f"--plot {args.plot!r}: cannot write the image: {exc}") from exc
     finally:
         plt.close(fig)

@@ -5,7 +5,9 @@ Invariants:
 - ``--json`` prints exactly one JSON object on stdout, and nothing else;
 - the padding shown is what ``plan_epoch`` does with each bucket for the given job
   (it needs both ``--world-size`` and ``--batch-size``, else a usage error, exit 2);
-- loading the index and planning its padding never import torch.
+- loading the index and planning its padding never import torch;
+- ``--plot`` names a format matplotlib writes (PNG when it has no extension: the name
+  printed is the file written), checked before the index is loaded.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .common import (
     _usage,
     bucket_order,
     format_table,
+    plot_path,
 )
 
 __all__ = ["add_parser"]
@@ -100,6 +103,8 @@ def _summary(index: Any, pad: dict[Hashable, Any] | None) -> dict[str, Any]:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ..index.codec import load_index
 
+    if args.plot:  # a format matplotlib cannot write is refused before anything is loaded
+        args.plot = plot_path(args.plot)
     index = load_index(args.index)
     pad = _padding_stats(args, index)
     if args.plot:

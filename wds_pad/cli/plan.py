@@ -11,7 +11,9 @@ Invariants:
   its last line speaks of every rank (each gets the same number of batches); with index
   files it ends with what the epoch costs to read on that rank, for the chosen
   ``--locality`` beside the other one (``locality:`` lines);
-- a bad combination of options is a usage error (exit 2) before anything is planned.
+- a bad combination of options is a usage error (exit 2) before anything is planned,
+  and so is an index given twice (the same file, or one with the same digest and
+  shards): its samples would silently appear twice per epoch.
 """
 
 from __future__ import annotations
@@ -128,8 +130,10 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
         if len(weights) != len(args.index):
             raise _usage("plan", f"--weights has {len(weights)} values for {len(args.index)} index files")
     datasets, lookups, names = [], [], set()
+    seen: dict[tuple[str, tuple[str, ...]], tuple[int, str]] = {}
     for i, (path, weight) in enumerate(zip(args.index, weights)):
         idx = load_index(path)
+        _refuse_twice(i, path, idx, seen)
         ds = idx.to_dataset(repeats=args.repeats, weight=weight)
         if ds.name in names:
             ds = Dataset(f"{ds.name}#{i}", ds.buckets, repeats=ds.repeats, weight=ds.weight)
@@ -142,6 +146,21 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
         datasets.append(ds)
         lookups.append(idx.describe_samples)
     return datasets, lookups
+
+
+def _refuse_twice(i: int, path: str, idx: Any, seen: dict[tuple[str, tuple[str, ...]], tuple[int, str]]) -> None:
+    """A usage error if ``idx`` holds the samples of an index given before (the same file,
+    or a copy: the same content digest and shards), which would plan each sample twice."""
+    import os
+
+    j, first = seen.setdefault((idx.digest, tuple(idx.urls)), (i, path))
+    if j == i:
+        return
+    same_file = first == path or os.path.realpath(first) == os.path.realpath(path)
+    what = (f"index {path!r} is given twice (INDEX {j + 1} and {i + 1})" if same_file else
+            f"index {path!r} holds the same samples as {first!r} (digest {idx.digest[:16]}, the same shards)")
+    raise _usage("plan", f"{what}: each of its samples would be planned twice per epoch, as two datasets; "
+                         "give each index once (to see every sample more than once per epoch: --repeats N)")
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -56,7 +56,7 @@ from .jobstore import Job, failure, job_error, linger, new_job_id
 from ..io.urls import local_path as _local
 from .output import check_output
 from .progress import Progress
-from .shardfile import Stat, stat_shard
+from .shardfile import Stat, stat_shards
 from .update import previous_index
 
 __all__ = ["build_index_distributed", "part_layout"]
@@ -86,16 +86,7 @@ def part_digest(urls: Sequence[str], stats: Sequence[Stat | None], fn: BucketFn,
 
 def _stat_all(urls: Sequence[str], workers: int, storage_options: Mapping[str, Any] | None) -> list[Stat | None]:
     """Each shard's stat (None where it failed: its scan reports it, per on_error)."""
-    def one(url: str) -> Stat | None:
-        try:
-            return stat_shard(url, storage_options)
-        except ShardError:
-            return None
-
-    if workers == 1 or len(urls) <= 1:
-        return [one(u) for u in urls]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(one, urls))
+    return [None if isinstance(st, ShardError) else st for st in stat_shards(urls, workers, storage_options)]
 
 
 def _exists(path: str, storage_options: Mapping[str, Any] | None) -> bool:

@@ -8,19 +8,28 @@ Invariants:
   link), never a directory or other non-regular file, and never an existing file
   that is not a wds_pad index unless ``force``; each refusal is a ``ConfigError`` that
   names the path and the fix;
-- a remote output whose store cannot be reached or found no credentials is a
+- a local output's directory (or the nearest one that exists) is tried for real: a
+  probe file is created, written (one byte) and removed, so a directory nobody may
+  write in (``/sys``, ``/proc``, a read-only mount, also for root) and a full
+  filesystem are refused before any scan;
+- an http(s):// output is refused before any scan (wds_pad only reads over HTTP); a
+  remote output whose store cannot be reached or found no credentials is a
   ``ReadError`` before any scan, and so is the write;
 - the write is atomic: temp file + fsync + rename locally (``io.atomic``), a single PUT
-  of the whole file elsewhere.
+  of the whole file elsewhere; a write that fails (no space left, the file size limit,
+  an upload refused) is one ``WriteError`` naming the path and the fix, and leaves the
+  path as it was (no partial file, no temp file).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import stat
 from typing import Any, Mapping, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, WriteError
 from ..io.atomic import atomic_write
 from ..io.urls import local_path as _local
 from .codec import serialize
@@ -107,14 +116,53 @@ def check_output(path: str, inputs: Sequence[str] = (), *, force: bool = False,
 
 
 def _check_parent(path: str, directory: str) -> None:
-    """The nearest existing ancestor of the output must be a directory we may write into."""
+    """The nearest existing ancestor of the output must be a directory we can write into:
+    a probe file is created there, written and removed (``os.access`` says yes to root
+    in ``/sys`` and on a read-only mount)."""
     ancestor = directory
     while not os.path.lexists(ancestor) and os.path.dirname(ancestor) != ancestor:
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise _refuse(path, f"cannot be created: {ancestor!r} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise _refuse(path, f"cannot be created: no permission to write in directory {ancestor!r}")
+    probe = os.path.join(ancestor, f".wds-pad-probe.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as exc:
+        raise _refuse(path, f"cannot be created: {_why_not(exc, ancestor)}", _fix(exc)) from exc
+    try:
+        os.write(fd, b"\0")  # a full filesystem takes an empty file, not a byte
+    except OSError as exc:
+        raise _refuse(path, f"cannot be written: {_why_not(exc, ancestor)}", _fix(exc)) from exc
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+
+
+def _why_not(exc: OSError, directory: str) -> str:
+    """Why nothing can be written in ``directory``, in words."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"no permission to write in directory {directory!r} ({reason})"
+    if exc.errno == errno.EROFS:
+        return f"directory {directory!r} is on a read-only filesystem"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the filesystem of directory {directory!r} is full ({reason})"
+    return f"directory {directory!r} does not take new files ({reason})"
+
+
+def _fix(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space there, or choose another output path (-o)"
+    if exc.errno == errno.EFBIG:
+        return "raise the file size limit (ulimit -f), or choose another output path (-o)"
+    return "choose another output path (-o)"
+
+
+#: protocols fsspec only reads from: an index output there is refused before any scan
+_READ_ONLY = frozenset({"http", "https"})
 
 
 def _check_remote(path: str, inputs: Sequence[str], force: bool,
@@ -125,6 +173,11 @@ def _check_remote(path: str, inputs: Sequence[str], force: bool,
 
     if path in set(inputs):
         raise _refuse(path, "is one of the input shards; writing the index there would destroy the shard")
+    protocols = {part.partition("://")[0].lower() for part in path.split("::") if "://" in part}
+    if protocols & _READ_ONLY:
+        raise _refuse(path, f"is on {sorted(protocols & _READ_ONLY)[0]}://, which wds_pad only reads from",
+                      "write the index to a local path or an object store (s3://, gs://, ...), then serve it "
+                      "from there; shards over http(s) index fine into either")
     fs, fpath = get_filesystem(path, storage_options)
     try:  # a store that cannot be reached, or no credentials: a ReadError now, before any scan
         info = call_store(lambda: fs.info(fpath), path, what="index output")
@@ -164,20 +217,28 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
     Raises:
         ConfigError: ``path`` is refused (see :func:`check_output`), checked before
             anything is written.
-        ReadError, ShardError: a remote store cannot be reached, has no credentials, or
-            refuses the write.
+        WriteError: the write failed (no space left, the file size limit, a store that
+            refuses the upload); ``path`` is as it was.
+        ReadError: a remote store cannot be reached or has no credentials.
     """
     check_output(path, index.urls, force=force, storage_options=storage_options)
     parts = serialize(index)
     local = _local(path)
     if local is not None:
-        atomic_write(local, parts)
+        try:
+            atomic_write(local, parts)
+        except OSError as exc:  # the temp file is gone; the target is as it was
+            reason = exc.strerror or str(exc)
+            raise WriteError(f"cannot write the index to {path!r}: {reason}"
+                             f"{f' ({errno.errorcode[exc.errno]})' if exc.errno in errno.errorcode else ''}; "
+                             f"nothing was written, {path!r} is as it was; {_fix(exc)}") from exc
         return local
     from ..io.faults import call_store
     from ..io.fs import get_filesystem
 
     fs, fpath = get_filesystem(path, storage_options)
     data = b"".join(bytes(p) for p in parts)
-    call_store(lambda: fs.pipe_file(fpath, data), path, what="index output",
-               fix="check the output URL and that these credentials may write there")
+    call_store(lambda: fs.pipe_file(fpath, data), path, what="index output", missing=WriteError,
+               fix="check the output URL (the bucket) and that these credentials may write there",
+               action="write")
     return path

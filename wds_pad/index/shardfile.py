@@ -8,6 +8,9 @@ Invariants:
   filesystem is built); any other URL goes through fsspec;
 - a missing or unreadable shard is a ``ShardError`` naming the (redacted) URL; a store
   that cannot be reached is a ``ReadError`` (nothing is known about the shard);
+- ``stat_shards`` stats many shards concurrently and answers in URL order, a failed
+  shard's ``ShardError`` in its place, so what is missing is known, and said, the same
+  way on every run;
 - a local shard opens unbuffered and seekable (the scan seeks past payloads); a remote
   one opens as one read-ahead stream (the scan reads it through once);
 - a shard costs at most one request beyond its reads: ``stat_shard`` is one ``info``
@@ -18,10 +21,11 @@ Invariants:
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import os
 import stat
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..errors import ShardError
 from ..io.faults import call_store
@@ -30,7 +34,8 @@ from ..io.redact import redact
 from ..io.stale import change_stamp as _stamp  # one definition: the reader checks against it
 from ..io.urls import is_local
 
-__all__ = ["Stat", "directory_error", "not_a_prefix", "open_for_scan", "plain_local", "shard_info", "stat_shard"]
+__all__ = ["Stat", "directory_error", "is_missing", "not_a_prefix", "open_for_scan", "plain_local", "shard_info",
+           "stat_shard", "stat_shards"]
 
 Stat = tuple[int, str, bool]  # (size, change stamp, is a directory): what stat_shard gives
 
@@ -83,6 +88,36 @@ def stat_shard(url: str, storage_options: Mapping[str, Any] | None = None) -> St
             return 0, "", True
         raise ShardError(f"shard {redact(url)!r}: the filesystem reports no size")
     return int(size), _stamp(info), is_dir
+
+
+def stat_shards(urls: Sequence[str], workers: int,
+                storage_options: Mapping[str, Any] | None = None) -> list[Stat | ShardError]:
+    """:func:`stat_shard` of each of ``urls``, ``workers`` at a time, in URL order.
+
+    A shard that is missing or unreadable gives its ``ShardError`` in its place, so the
+    caller can say how many there are and name the first, the same one on every run.
+
+    Raises:
+        ReadError: A store cannot be reached or found no credentials (the first such
+            shard in URL order).
+    """
+    def one(url: str) -> Stat | ShardError:
+        try:
+            return stat_shard(url, storage_options)
+        except ShardError as exc:
+            return exc
+
+    if workers <= 1 or len(urls) <= 1:
+        return [one(u) for u in urls]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(urls))) as pool:
+        return list(pool.map(one, urls))
+
+
+def is_missing(error: ShardError) -> bool:
+    """Whether a ``ShardError`` of :func:`stat_shard` says the shard does not exist (rather
+    than that it cannot be read)."""
+    cause = error.__cause__ if error.__cause__ is not None else error.__context__
+    return isinstance(cause, FileNotFoundError)
 
 
 def directory_error(url: str) -> ShardError:

@@ -153,7 +153,7 @@ def _store_fault(exc: BaseException) -> tuple[str, BaseException] | None:
 
 
 def _store_error(exc: BaseException, url: str, what: str, missing: type[WdsPadError],
-                 fix: str) -> WdsPadError | None:
+                 fix: str, action: str = "read") -> WdsPadError | None:
     """Our error for a failed call to the store holding ``url`` (see :func:`call_store`)."""
     found = _store_fault(exc)
     if found is None:
@@ -164,20 +164,21 @@ def _store_error(exc: BaseException, url: str, what: str, missing: type[WdsPadEr
              and not str(culprit) else _cause(culprit, 0))
     advice = _advice(fault, url)
     if advice is not None:
-        return ReadError(f"cannot read {where}: {advice[0]} ({cause}); {advice[1]}")
+        return ReadError(f"cannot {action} {where}: {advice[0]} ({cause}); {advice[1]}")
     if fault == "missing":
         return missing(f"{where} does not exist; {fix}")
     if fault == "forbidden":  # a shard: ShardError; an index (IndexFormatError is no OSError): ReadError
         forbidden = missing if issubclass(missing, OSError) else ReadError
-        return forbidden(f"{where} is not readable: {cause}; check the credentials "
+        able = "writable" if action == "write" else "readable"
+        return forbidden(f"{where} is not {able}: {cause}; check the credentials "
                          "(storage_options or the environment) and the object's permissions")
-    return ReadError(f"cannot read {where}: {cause}; check the URL and storage_options, "
+    return ReadError(f"cannot {action} {where}: {cause}; check the URL and storage_options, "
                      "then retry")
 
 
 def call_store(fn: Callable[[], Any], url: str, *, what: str = "shard",
                missing: type[WdsPadError] = ShardError,
-               fix: str = "check the URL or pattern") -> Any:
+               fix: str = "check the URL or pattern", action: str = "read") -> Any:
     """Runs one call to a store, raising every fault of the store as one of our errors.
 
     Args:
@@ -187,6 +188,7 @@ def call_store(fn: Callable[[], Any], url: str, *, what: str = "shard",
         missing: The error for an object that does not exist (or is forbidden, if an
             ``OSError``); e.g. :class:`ShardError` or :class:`IndexFormatError`.
         fix: The advice for a missing object.
+        action: What ``fn`` does to ``url``, for the message: "read" or "write".
 
     Returns:
         What ``fn`` returns.
@@ -201,7 +203,7 @@ def call_store(fn: Callable[[], Any], url: str, *, what: str = "shard",
     except WdsPadError:
         raise
     except Exception as exc:  # noqa: BLE001 - judged below, raised as ours
-        error = _store_error(exc, url, what, missing, fix)
+        error = _store_error(exc, url, what, missing, fix, action)
         if error is None:
             raise
         failure: BaseException = exc

@@ -7,7 +7,8 @@ The remote half of :class:`~wds_pad.io.ranges.RangeReader` (a mixin it inherits)
 Invariants:
     * One ``bytes`` per input range, in input order, each exactly ``length`` long; a
       shorter answer raises :class:`StaleShardError`, a longer one (a server ignoring
-      the Range header) a :class:`ReadError`.
+      the Range header), for a sample or for a block of a whole shard, a
+      :class:`ReadError` that says what works instead; it is never sliced.
     * At most ``max_in_flight`` requests are outstanding, and the bytes requested but not
       yet handed out never exceed ``max(max_bytes_in_flight, largest single range)``.
     * Consecutive ranges of one URL within ``merge_gap`` are fetched as one request of at
@@ -110,7 +111,7 @@ class _InFlight:
             self.stats.shard_blocks += 1
         pool = None if target.is_async else self._pool_for_sync()
         loop = target.loop or fsspec.asyn.get_loop()
-        return asyncio.run_coroutine_threadsafe(self._fetch(target, pool, url, start, length, 1), loop)
+        return asyncio.run_coroutine_threadsafe(self._fetch(target, pool, url, start, length, 1, block=True), loop)
 
     def _submit(self, req: _Request) -> None:
         target, st, length = req.target, self.stats, req.end - req.start
@@ -131,7 +132,7 @@ class _InFlight:
                 self._fetch(target, pool, req.url, req.start, length, len(req.parts)), loop)
 
     async def _fetch(self, target: _Target, pool: concurrent.futures.Executor | None,
-                     url: str, start: int, length: int, nparts: int) -> bytes:
+                     url: str, start: int, length: int, nparts: int, block: bool = False) -> bytes:
         opts, attempt = self.options, 0
         _watched(asyncio.current_task())  # cancelled by a consumer gone, it may still fail
         what = f"{length} bytes at byte offset {start} of {redact(url)!r}" + (
@@ -144,11 +145,15 @@ class _InFlight:
                 else:
                     call = asyncio.get_running_loop().run_in_executor(pool, functools.partial(
                         target.fs.cat_file, target.path, start=start, end=start + length))
-                return await asyncio.wait_for(_watched(call), opts.timeout)
+                data = await asyncio.wait_for(_watched(call), opts.timeout)
             except WdsPadError:
                 raise
             except Exception as exc:  # noqa: BLE001 - judged below, raised as ours
                 failure: BaseException = exc
+            else:
+                if len(data) > length:  # never sliced: the bytes might not be the ones asked for
+                    raise self._ignored_range(url, start, length, len(data), block)
+                return data  # type: ignore[no-any-return]
             # Raised outside the except clause so no __context__ holds an unredacted text.
             error = self._judge(failure, what, attempt, url)
             if error is not None:
@@ -157,6 +162,29 @@ class _InFlight:
             logger.info("retrying %s in %.2f s after %s", what, delay,
                         _cause(failure, opts.timeout))
             await asyncio.sleep(delay)
+
+    def _ignored_range(self, url: str, start: int, length: int, got: int, block: bool) -> ReadError:
+        """The error for an answer longer than the range asked for: the server ignored the
+        Range header. It says what works for this read: a server that honours Range, or
+        whole shards in one GET each (``locality="shard"``, a shard within one block)."""
+        said = (f"{redact(url)!r} returned {got} bytes for a range of {length} at byte offset {start}: "
+                "the server ignored the Range header (as python -m http.server does)")
+        server = "a server that honours Range (nginx, Apache, caddy, an S3-compatible store)"
+        if block:
+            want = self._check.expected.get(url) if self._check.expected is not None else None
+            size = want[0] if want is not None and want[0] >= 0 else got
+            return ReadError(f"{said}; with locality='shard' a shard is read in one GET without Range when it "
+                             f"fits in one block: raise ReadOptions(block_bytes=...) to the largest shard's size "
+                             f"(this one has {size} bytes, a block {self.options.block_bytes}), or serve the "
+                             f"shards from {server}")
+        if self._cache is not None:
+            return ReadError(f"{said}; this sample is read alone (a foreign sample of locality='shard', or one "
+                             f"read before its shard arrived), which needs {server}")
+        return ReadError(f"{said}; a single sample is read with Range: serve the shards from {server}, or stream "
+                         "with locality='shard', which reads each shard whole in one GET without Range (when it "
+                         "fits in ReadOptions.block_bytes) and reads alone only the few samples that `wds-pad plan "
+                         "--summary --locality shard` counts as single reads (foreign ones, mostly), which still "
+                         "need Range")
 
     def _judge(self, exc: BaseException, what: str, attempt: int, url: str = "",
                ) -> Exception | None:
@@ -235,11 +263,7 @@ class _InFlight:
                                         f"{redact(head.url)!r} hung past {guard:.0f} s; the IO "
                                         "loop is blocked") from None
                 size = head.end - head.start
-                if len(data) != size:
-                    if len(data) > size:
-                        raise ReadError(f"{redact(head.url)!r} returned {len(data)} bytes for a "
-                                        f"range of {size} at byte offset {head.start}: the "
-                                        "server ignored the Range header")
+                if len(data) < size:  # longer: refused by _fetch (the server ignored Range)
                     for off, ln in head.parts:
                         if off + ln - head.start > len(data):
                             raise _short_read(head.url, off, ln,

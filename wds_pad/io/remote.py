@@ -6,7 +6,9 @@ Invariants:
       whether a ranged GET can show its headers (s3fs, fsspec's HTTP) to the stale-shard
       check; other filesystems answer through ``_cat_file`` alone.
     * :func:`_s3_get` and :func:`_http_get` send exactly the request fsspec's own
-      ``_cat_file`` sends for one range, and return its Content-Range and ETag too.
+      ``_cat_file`` sends for one range, and return its Content-Range and ETag too; a
+      whole object is asked for over HTTP without a Range header, and a 200 answer's
+      length stands for the object's size.
     * A retry waits :func:`_backoff`: exponential, capped, with jitter derived from
       (url, offset, attempt), never the clock.
     * A request whose consumer went away may still fail: :func:`_watched` marks its
@@ -90,17 +92,26 @@ async def _s3_get(fs: Any, path: str, start: int, end: int) -> tuple[bytes, Any,
     return await _error_wrapper(call_and_read, retries=fs.retries)
 
 
-async def _http_get(fs: Any, url: str, start: int, end: int) -> tuple[bytes, Any, Any]:
-    """fsspec HTTPFileSystem's ``_cat_file`` for one range, keeping Content-Range and ETag."""
+async def _http_get(fs: Any, url: str, start: int, end: int, whole: bool = False) -> tuple[bytes, Any, Any]:
+    """fsspec HTTPFileSystem's ``_cat_file`` for one range, keeping Content-Range and ETag.
+
+    ``whole``: the range is the whole object, asked for without a Range header (a server
+    that ignores Range serves it all the same). A 200 answer carries the whole object,
+    so its length is the object's size: it is returned as a Content-Range would say it.
+    """
     kw = fs.kwargs.copy()
     headers = kw.pop("headers", {}).copy()
-    headers["Range"] = f"bytes={start}-{end - 1}"
+    if not whole:
+        headers["Range"] = f"bytes={start}-{end - 1}"
     kw["headers"] = headers
     session = await fs.set_session()
     async with session.get(fs.encode_url(url), **kw) as r:
         data = await r.read()
         fs._raise_not_found_for_status(r, url)
-        return data, r.headers.get("Content-Range"), r.headers.get("ETag")
+        content_range = r.headers.get("Content-Range")
+        if content_range is None and r.status == 200 and r.headers.get("Content-Encoding", "identity") == "identity":
+            content_range = f"bytes 0-{len(data) - 1}/{len(data)}"
+        return data, content_range, r.headers.get("ETag")
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
