@@ -688,7 +688,8 @@ def test_torchrun_module_form_indexes_as_one_job(tmp_path, shards) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "indexed 3 shards" in proc.stdout and "merged 3 parts" in proc.stderr
     with open(out, "rb") as f:
-        assert f.read() == b"".join(bytes(p) for p in serialize(build_index(shards, "aspect", name="train")))
+        assert f.read() == b"".join(bytes(p) for p in serialize(build_index(shards, "aspect", name="train",
+                                                                            output=str(tmp_path / "one.wdsidx"))))
 
 
 def test_python_m_wds_pad_runs_the_cli() -> None:

@@ -11,7 +11,10 @@ Invariants:
 - a remote output whose store cannot be reached or found no credentials is a
   ``ReadError`` before any scan, and so is the write;
 - the write is atomic: temp file + fsync + rename locally (``io.atomic``), a single PUT
-  of the whole file elsewhere.
+  of the whole file elsewhere;
+- the file stores the shard URLs beside or below it relative to its folder
+  (:meth:`Index.located`): an index built in memory, or loaded elsewhere (relocated or
+  not), and written at ``path`` is the index a build with ``output=path`` writes.
 """
 
 from __future__ import annotations
@@ -155,6 +158,9 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
     Args:
         index: the index to write.
         path: local path or fsspec URL; an existing wds_pad index there is replaced.
+            Shard URLs beside or below it are stored relative to its folder, so the
+            file's digest is of that form (``load_index(path).digest``; the in-memory
+            ``index`` keeps its own unless it was built with ``output=path``).
         storage_options: fsspec options for remote paths.
         force: also replace an existing file that is not a wds_pad index.
 
@@ -168,7 +174,7 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
             refuses the write.
     """
     check_output(path, index.urls, force=force, storage_options=storage_options)
-    parts = serialize(index)
+    parts = serialize(index.located(path))
     local = _local(path)
     if local is not None:
         atomic_write(local, parts)
