@@ -30,6 +30,8 @@ from .common import (
     _print_summary,
     _seed_arg,
     _usage,
+    add_relocate,
+    relocation,
 )
 
 __all__ = ["add_parser", "synthetic_dataset"]
@@ -100,6 +102,7 @@ def add_parser(sub: Any) -> None:
                    help="none: buckets shuffled over all shards; shard: each rank reads its own shards "
                         "(needs index files)")
     p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
+    add_relocate(p)
     out = p.add_mutually_exclusive_group(required=True)
     out.add_argument("--json", action="store_true", help="one JSON object per batch")
     out.add_argument("--summary", action="store_true", help="a table per bucket")
@@ -129,7 +132,7 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
             raise _usage("plan", f"--weights has {len(weights)} values for {len(args.index)} index files")
     datasets, lookups, names = [], [], set()
     for i, (path, weight) in enumerate(zip(args.index, weights)):
-        idx = load_index(path)
+        idx = load_index(path, relocate=relocation(args))
         ds = idx.to_dataset(repeats=args.repeats, weight=weight)
         if ds.name in names:
             ds = Dataset(f"{ds.name}#{i}", ds.buckets, repeats=ds.repeats, weight=ds.weight)
