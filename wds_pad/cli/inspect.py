@@ -268,7 +268,8 @@ def _print_costs(index: Any, budget: float | None, out: Any) -> None:
     out.write(format_table(headers, rows, align="lrrrr" + ("r" if budget is not None else "")) + "\n")
     if budget is None:
         return
-    dear = [(key, stats[key]["over_budget"]) for key in bucket_order(stats) if stats[key].get("over_budget", {}).get("count")]
+    dear = [(key, stats[key]["over_budget"]) for key in bucket_order(stats)
+            if stats[key].get("over_budget", {}).get("count")]
     total = sum(o["count"] for _, o in dear)
     out.write(f"{total} samples cost more than the budget {_num(budget)}: each travels alone in a batch\n")
     for key, o in dear:

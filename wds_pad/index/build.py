@@ -223,8 +223,8 @@ def _costs(url: str, cost: CostFn, scanned: ScanRows, buckets: Sequence[Hashable
             message = (f"cost {cost.describe()!r} failed for sample {key!r} in {redact(url)!r} at byte offset "
                        f"{offset}: {exc}")
             if on_error == "raise":
-                raise BucketError(message + "; or index with on_error='skip' (--on-error skip) to leave such "
-                                  "samples out") from exc
+                raise BucketError(message + "; or index with on_error='skip' (--on-error skip) to leave "
+                                  "such samples out") from exc
             rows.excluded.append({"url": url, "offset": offset, "key": key, "reason": f"cost: {exc}"})
             out.append(None)
     return out

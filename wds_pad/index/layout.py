@@ -49,8 +49,9 @@ Sections, in file order (what reads them):
 Invariants:
 - the digest covers everything but the name: the bucket and extension tables (and, when
   present, the cost kind and the relative-URL flag), then every section's dtype and bytes
-  in file order, the shard table as stored (so moving a folder whole keeps the digest); the same index gives the same digest however
-  it was made (a build, a merge, a load), and a changed byte changes it;
+  in file order, the shard table as stored (so moving a folder whole keeps the digest);
+  the same index gives the same digest however it was made (a build, a merge, a load),
+  and a changed byte changes it;
 - a section's dtype is chosen from the largest values only (``column_dtypes``,
   ``member_dtypes``, ``cost_dtype``), so a build and a merge of the same shards choose
   alike;
@@ -72,7 +73,8 @@ from .location import RELATIVE_KEY, excluded_urls, is_relative, store_url
 
 __all__ = ["ARRAYS", "COST_ARRAYS", "FORMAT_VERSION", "JSON_SECTIONS", "LEGACY_MEMBER_ARRAYS", "MAGIC",
            "MEMBER_ARRAYS", "ROW_ARRAYS", "column_dtypes", "content_digest", "cost_dtype", "cost_values",
-           "file_header", "json_sections", "key_from_json", "member_dtypes", "narrowest_int", "plain_offsets", "stored_urls"]
+           "file_header", "json_sections", "key_from_json", "member_dtypes", "narrowest_int", "plain_offsets",
+           "stored_urls"]
 
 FORMAT_VERSION = 2
 MAGIC = b"WDSPADIX"
