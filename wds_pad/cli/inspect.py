@@ -241,8 +241,6 @@ def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Na
     out.write(f"\nshards: {len(index.shards)}, {_nbytes(nbytes)}, samples per shard "
               f"min {min(per_shard, default=0)} / max {max(per_shard, default=0)}, "
               f"{len(skipped)} with errors\n")
-    if index.cost is not None:
-        _print_costs(index, args.budget, out)
     missing, why = index.members_missing()
     if missing:  # the fallback is never silent: those samples' headers are parsed on every read
         out.write(f"member table: {missing} of {total} samples have none and stream through the "
@@ -250,6 +248,8 @@ def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Na
     else:
         out.write("member table: every sample (streaming reads payloads without parsing tar headers)\n")
     _report_excluded(index, out)
+    if index.cost is not None:
+        _print_costs(index, args.budget, out)
 
 
 def _print_costs(index: Any, budget: float | None, out: Any) -> None:
