@@ -64,6 +64,12 @@ def test_urls_beside_or_below_are_stored_relative_and_resolve_back(tmp_path) -> 
         assert resolve_url(store_url(url, folder), folder) == url
     assert resolve_url("shards/a.tar", "/new/place/") == "/new/place/shards/a.tar"
     assert resolve_url("/abs/a.tar", "/new/place/") == "/abs/a.tar"
+    moves = check_relocation({"file:///mnt/a/": "/mnt/b", "s3://old/": "s3://new", "/mnt/a/x": "/elsewhere"})
+    assert moves == (("/mnt/a/x", "/elsewhere"), ("s3://old", "s3://new"), ("/mnt/a", "/mnt/b"))  # longest first
+    assert resolve_url("/mnt/a/x/1.tar", None, moves) == "/elsewhere/1.tar"
+    assert resolve_url("/mnt/a/y/1.tar", None, moves) == "/mnt/b/y/1.tar"
+    assert resolve_url("/mnt/ab/1.tar", None, moves) == "/mnt/ab/1.tar"  # whole path components only
+    assert resolve_url("s3://old/k/1.tar", None, moves) == "s3://new/k/1.tar"
 
 
 def test_a_build_stores_relative_urls_and_its_digest_is_the_files(tmp_path) -> None:

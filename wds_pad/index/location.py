@@ -113,9 +113,10 @@ def check_relocation(relocate: Mapping[str, str] | Iterable[tuple[str, str]] | N
 
 
 def _prefix(url: str) -> str:
-    """A prefix without a trailing ``/`` (but ``s3://`` stays whole), local ones absolute."""
+    """A prefix without a trailing ``/`` (but ``s3://`` stays whole), local ones absolute
+    and without ``file://`` (as an index records local shards)."""
     local = local_path(url)
-    if local is not None and "://" not in url:
+    if local:
         url = os.path.abspath(local)
     return url if url.endswith("://") else url.rstrip("/")
 
