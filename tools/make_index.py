@@ -5,6 +5,7 @@ Examples::
 
     python tools/make_index.py --samples 100000000 --shards 10000 --buckets 1000 -o /tmp/big.wdsidx
     python tools/make_index.py --samples 1e6 --shards 100 --buckets 20 --key-kind int -o /tmp/small.wdsidx
+    python tools/make_index.py --samples 1e8 --shards 10000 --buckets 1000 --cost tokens -o /tmp/costs.wdsidx
 
 What it writes (deterministic for a given ``--seed``):
 
@@ -26,7 +27,13 @@ What it writes (deterministic for a given ``--seed``):
   characters (default: the width they need, at least 9), increasing inside a shard;
 - the member table (each sample's members in archive order, their extensions and
   payload sizes, consistent with its length), as ``wds-pad index`` records it for
-  plain tar headers; ``--no-members`` leaves it out.
+  plain tar headers; ``--no-members`` leaves it out;
+- with ``--cost tokens``, each sample's token count (as ``wds-pad index --cost
+  json:tokens`` records it): log-normal around ``--cost-median`` (sigma
+  ``--cost-sigma``), whole numbers in [1, ``--cost-max``], and each bucket's cost order.
+  The counts are drawn from a table of 65,536 values, so the column's width is known
+  before any row is made and a bucket's order is one stable sort of 16-bit values
+  (numpy's radix sort): held one bucket at a time.
 
 The file loads with ``load_index`` (digest verified), and ``wds-pad inspect`` and
 ``wds-pad plan`` work on it; ``wds-pad verify`` reports its shards missing, as there are
@@ -38,6 +45,7 @@ to the file through ``wds_pad.io.atomic.atomic_write``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 import time
@@ -53,7 +61,7 @@ except ImportError:  # run from a source checkout without installing
 
 from wds_pad.errors import ConfigError, WdsPadError
 from wds_pad.index.codec import columns_parts
-from wds_pad.index.layout import plain_offsets
+from wds_pad.index.layout import narrowest_int, plain_offsets
 from wds_pad.index.record import ShardInfo
 from wds_pad.io.atomic import atomic_write
 
@@ -100,7 +108,8 @@ class SyntheticIndex:
 
     def __init__(self, samples: int, shards: int, buckets: int, *, seed: int = 0, key_width: int | None = None,
                  key_kind: str = "aspect", sigma: float = 1.5, image_kb: float = 40.0, name: str = "synthetic",
-                 chunk: int = CHUNK, members: bool = True) -> None:
+                 chunk: int = CHUNK, members: bool = True, cost: str | None = None, cost_median: float = 512.0,
+                 cost_sigma: float = 1.0, cost_max: int = 32767) -> None:
         if shards < 1 or shards > 2**31 - 1:
             raise ConfigError(f"--shards must be in [1, 2**31), got {shards}")
         self.n, self.shards, self.seed, self.name, self.chunk = int(samples), int(shards), int(seed), name, int(chunk)
@@ -132,6 +141,14 @@ class SyntheticIndex:
         if self.key_width < need:
             raise ConfigError(f"--key-width {key_width} is too narrow: keys <shard><position> of {self.shards} "
                               f"shards of up to {int(self.shard_samples.max())} samples need {need} digits")
+        self.cost = cost
+        if cost is not None:
+            if cost != "tokens":
+                raise ConfigError(f"--cost {cost!r}: the generator draws 'tokens' only")
+            if not 1 <= cost_max <= 2**31 - 1 or not cost_median > 0 or not cost_sigma >= 0:
+                raise ConfigError("--cost-max must be in [1, 2**31), --cost-median > 0 and --cost-sigma >= 0")
+            draws = np.random.default_rng([seed, 6]).lognormal(math.log(cost_median), cost_sigma, _TABLE)
+            self.cost_table = np.clip(np.rint(draws), 1, cost_max).astype(narrowest_int(int(cost_max)))
         self.bounds = np.zeros(buckets + 1, dtype=np.int64)
         np.cumsum(self.sizes, out=self.bounds[1:])
         # one walk over the lengths: the shard table's sizes and the largest offset
@@ -147,8 +164,8 @@ class SyntheticIndex:
     def _chunks(self, *need: str) -> Iterator[dict[str, Any]]:
         """Per chunk (whole cells of one bucket, at most ``chunk`` rows unless one cell is
         larger) the columns in ``need`` ("shard", "offset", "length", "exts", "position"
-        in shard, "member_ext", "member_size"); always ``cells``/``cell_rows`` (its shards
-        and their rows); with no ``need``, or offsets or lengths, ``last_offset`` (each
+        in shard, "member_ext", "member_size", "cost"); always ``bucket``, ``cells``/
+        ``cell_rows`` (its shards and their rows); with no ``need``, or offsets or lengths, ``last_offset`` (each
         cell's last offset) and ``cursor`` (each shard's byte cursor after it)."""
         cursor = np.zeros(self.shards, dtype=np.int64)  # next free byte of each shard
         placed = np.zeros(self.shards, dtype=np.int64)  # samples already in each shard
@@ -167,7 +184,10 @@ class SyntheticIndex:
                 first = np.zeros(sh.size, dtype=np.int64)  # each cell's first row in the chunk
                 np.cumsum(k[:-1], out=first[1:])
                 last = first + k - 1
-                out: dict[str, Any] = {"cells": sh, "cell_rows": k}
+                out: dict[str, Any] = {"cells": sh, "cell_rows": k, "bucket": b}
+                if "cost" in need:  # per sample its token count, a draw from the cost table
+                    pick = np.random.default_rng([self.seed, 5, b, c]).integers(0, _TABLE, rows, dtype=np.uint16)
+                    out["cost"] = self.cost_table[pick]
                 if "shard" in need:
                     out["shard"] = np.repeat(sh.astype(sdt), k)
                 if "position" in need:
@@ -202,6 +222,19 @@ class SyntheticIndex:
     def _members(self, k: str) -> Iterator[np.ndarray]:
         for ch in self._chunks(k):
             yield ch[k]
+
+    def _cost_order(self) -> Iterator[np.ndarray]:
+        """Each bucket's rows in cost order (equal costs by row id), as offsets in the bucket:
+        the bucket's costs gathered from its chunks, one stable sort."""
+        held: list[np.ndarray] = []
+        bucket = 0
+        for ch in itertools.chain(self._chunks("cost"), [{"bucket": len(self.sizes), "cost": None}]):
+            if ch["bucket"] != bucket and held:
+                yield np.argsort(np.concatenate(held), kind="stable")
+                held = []
+            bucket = ch["bucket"]
+            if ch["cost"] is not None:
+                held.append(ch["cost"])
 
     def _member_offsets(self) -> Iterator[np.ndarray]:
         """Payload offsets from each sample's first byte: plain headers, back to back."""
@@ -251,6 +284,9 @@ class SyntheticIndex:
             # plain headers: the last member's payload starts after two padded payloads and three headers
             most = 3 * 512 + 2 * int(((self.size_table + 511) & ~511).max())
             table = {"members": 3 * self.n, "max_member_size": int(self.size_table.max()), "max_member_offset": most}
+        if self.cost is not None:
+            producers.update(cost=lambda: self._column("cost"), cost_order=self._cost_order)
+            table["cost"] = ("json:tokens", self.cost_table.dtype, narrowest_int(max(int(self.sizes.max()) - 1, 0)))
         excluded = {"samples": [], "shards": [], "count": 0}
         return columns_parts(self.name, self.shard_table(), self.keys, self.bucket_by, EXTS, excluded, producers,
                              samples=self.n, key_bytes=self.n * self.key_width, max_offset=self.max_offset,
@@ -291,6 +327,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--image-kb", type=float, default=40.0, help="median image payload in KB (default 40)")
     p.add_argument("--name", default=None, help="dataset name (default: the output file stem)")
     p.add_argument("--no-members", action="store_true", help="leave out the optional member table")
+    p.add_argument("--cost", choices=("tokens",), default=None,
+                   help="also write costs: per sample a log-normal token count (as --cost json:tokens records it)")
+    p.add_argument("--cost-median", type=float, default=512.0, help="--cost tokens: the median count (default 512)")
+    p.add_argument("--cost-sigma", type=float, default=1.0, help="--cost tokens: log-normal sigma (default 1.0)")
+    p.add_argument("--cost-max", type=int, default=32767, help="--cost tokens: the largest count (default 32767)")
     return p
 
 
@@ -300,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         synth = SyntheticIndex(args.samples, args.shards, args.buckets, seed=args.seed, key_width=args.key_width,
                                key_kind=args.key_kind, sigma=args.sigma, image_kb=args.image_kb,
-                               name=args.name or Path(args.output).stem, members=not args.no_members)
+                               name=args.name or Path(args.output).stem, members=not args.no_members,
+                               cost=args.cost, cost_median=args.cost_median, cost_sigma=args.cost_sigma,
+                               cost_max=args.cost_max)
         synth.write(args.output)
     except WdsPadError as exc:
         print(f"make_index: {exc}", file=sys.stderr)

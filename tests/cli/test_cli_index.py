@@ -688,7 +688,8 @@ def test_torchrun_module_form_indexes_as_one_job(tmp_path, shards) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "indexed 3 shards" in proc.stdout and "merged 3 parts" in proc.stderr
     with open(out, "rb") as f:
-        assert f.read() == b"".join(bytes(p) for p in serialize(build_index(shards, "aspect", name="train")))
+        assert f.read() == b"".join(bytes(p) for p in serialize(build_index(shards, "aspect", name="train",
+                                                                            output=str(tmp_path / "one.wdsidx"))))
 
 
 def test_python_m_wds_pad_runs_the_cli() -> None:
@@ -716,3 +717,70 @@ def test_inspect_says_how_many_samples_lack_a_member_table_and_why(built, tmp_pa
     assert "rebuild it with `wds-pad index`" in out
     got = json.loads(run(capsys, "inspect", str(path), "--json")[1])["without_member_table"]
     assert got["samples"] == 48 and "wds-pad index" in got["why"]
+
+
+# -- costs: index --cost, inspect's cost table and --budget -----------------------------------
+def test_index_cost_records_reports_and_update_keeps_it(tmp_path, shards, capsys) -> None:
+    out = str(tmp_path / "c.wdsidx")
+    code, stdout, stderr = run(capsys, "index", *shards, "-o", out, "--bucket-by", "aspect", "--cost", "json:width",
+                               "--no-progress")
+    assert code == 0 and stderr == ""
+    index = load_index(out)
+    assert index.cost_kind == "json:width" and len(index.cost) == 48
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("cost json:width: "))
+    assert line == (f"cost json:width: min {int(index.cost.min())}, mean {float(index.cost.mean()):.4g}, "
+                    f"max {int(index.cost.max())} (wds-pad inspect: per bucket)")
+    # --update without --cost keeps the costs INDEX records; another --cost is refused
+    code, stdout, _ = run(capsys, "index", "--update", "-o", out, "--no-progress")
+    assert code == 0 and "0 shards scanned, 3 unchanged" in stdout and load_index(out).digest == index.digest
+    code, _, stderr = run(capsys, "index", "--update", "-o", out, "--cost", "bytes", "--no-progress")
+    assert code == 2 and "recorded costs 'json:width', this update asks for --cost bytes" in one_error_line(
+        stderr, "index")
+    code, _, stderr = run(capsys, "index", *shards, "-o", out, "--cost", "json", "--no-progress")
+    assert code == 2 and "--cost 'json' is not understood; accepted forms: json:FIELD | image:pixels | bytes" in \
+        one_error_line(stderr, "index")
+
+
+def test_inspect_shows_cost_per_bucket_and_samples_over_a_budget(tmp_path, shards, capsys) -> None:
+    out = str(tmp_path / "c.wdsidx")
+    assert run(capsys, "index", *shards, "-o", out, "--bucket-by", "aspect", "--cost", "json:width",
+               "--no-progress")[0] == 0
+    index = load_index(out)
+    per_bucket = {k: [int(index.cost[i]) for i in range(lo, hi)]
+                  for k, lo, hi in zip(index.buckets, index.bucket_offsets[:-1], index.bucket_offsets[1:])}
+    budget = int(np.median(index.cost))
+    code, stdout, _ = run(capsys, "inspect", out, "--budget", str(budget))
+    assert code == 0
+    table = stdout.split("cost json:width per sample:\n", 1)[1].splitlines()
+    assert table[0].split() == ["bucket", "min", "median", "mean", "max", "over", str(budget)]
+    for row in table[2 : 2 + len(per_bucket)]:
+        key, low, mid, mean, high, over = row.split()
+        values = per_bucket[key]
+        assert (int(low), float(mid), int(high), int(over)) == (min(values), float(np.median(values)), max(values),
+                                                                sum(v > budget for v in values))
+        assert float(mean.replace(",", "")) == pytest.approx(np.mean(values), rel=1e-3)
+    dear = sum(int(v > budget) for v in index.cost)
+    assert f"{dear} samples cost more than the budget {budget}: each travels alone in a batch" in stdout
+    code, stdout, _ = run(capsys, "inspect", out, "--budget", str(budget), "--json")
+    record = json.loads(stdout)["cost"]
+    assert record["kind"] == "json:width" and record["budget"] == budget
+    for key, values in per_bucket.items():
+        got = record["buckets"][key]
+        assert (got["samples"], got["min"], got["max"]) == (len(values), min(values), max(values))
+        assert got["median"] == np.median(values) and got["mean"] == pytest.approx(np.mean(values))
+        keys = [index.key(i) for i in range(len(index)) if index.buckets[index.bucket_of(i)] == key
+                and int(index.cost[i]) > budget]
+        assert got["over_budget"]["count"] == len(keys) and sorted(got["over_budget"]["keys"]) == sorted(keys)
+        row_of = {index.key(i): i for i in range(len(index))}
+        costs = [int(index.cost[row_of[k]]) for k in got["over_budget"]["keys"]]
+        assert costs == sorted(costs, reverse=True)  # the dearest first
+
+
+def test_inspect_budget_needs_costs_and_a_positive_number(built, capsys) -> None:
+    code, _, stderr = run(capsys, "inspect", built, "--budget", "100")
+    assert code == 2 and "--budget needs an index with costs" in one_error_line(stderr, "inspect")
+    with pytest.raises(SystemExit):
+        main(["inspect", built, "--budget", "-3"])
+    assert "expected a positive number" in capsys.readouterr().err
+    code, stdout, _ = run(capsys, "inspect", built, "--json")
+    assert code == 0 and "cost" not in json.loads(stdout)

@@ -269,9 +269,10 @@ def test_update_rescans_only_changed_and_new_shards(tmp_path, shards, monkeypatc
     assert rows_of(third, 1) == rows_of(second, 1) and rows_of(third, 2) == rows_of(second, 2)
     assert [r[0] for r in rows_of(third, 0)] == [s["__key__"] for s in wds_samples([shards[0]])]
     assert third.digest != second.digest
-    # an update gives exactly what a full rebuild gives
-    full = build_index(shards, "aspect", output=str(tmp_path / "full" / "idx.wdsidx"))
-    assert open(out, "rb").read() == open(str(tmp_path / "full" / "idx.wdsidx"), "rb").read()
+    # an update gives exactly what a full rebuild gives (written beside it: the shard
+    # URLs are stored relative to the index's folder)
+    full = build_index(shards, "aspect", output=str(tmp_path / "full.wdsidx"), name="idx")
+    assert open(out, "rb").read() == open(str(tmp_path / "full.wdsidx"), "rb").read()
     assert full.digest == third.digest
 
 

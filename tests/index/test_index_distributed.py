@@ -173,7 +173,7 @@ def test_rerun_reuses_finished_parts_and_never_a_stale_one(tmp_path, shards, mon
     index = build_index_distributed(shards, "aspect", output=out, part_shards=2, workers=2)
     assert seen == [shards[2:4], shards[4:6], shards[6:8]]  # part 0 reused
     assert not os.path.exists(parts_dir(out))  # removed after the merge
-    single = build_index(shards, "aspect", name="train")
+    single = build_index(shards, "aspect", name="train").located(out)  # one build, written where the job wrote
     assert Path(out).read_bytes() == file_bytes(single) and index.digest == single.digest
 
 
@@ -255,7 +255,7 @@ def test_killed_rank_then_rerun_redoes_only_missing_parts(tmp_path) -> None:
     second = _job(tmp_path, "run", 3, argv, expect_ok=True)
     assert _parts_written(second) == set(range(16)) - on_disk
     assert not os.path.exists(parts_dir(out))
-    single = build_index(paths, "aspect", name="train")
+    single = build_index(paths, "aspect", name="train").located(out)
     assert Path(out).read_bytes() == file_bytes(single)
     assert load_index(out).digest == single.digest
     assert "indexed 32 shards" in second[0].stdout and second[1].stdout == "" == second[2].stdout
@@ -296,8 +296,9 @@ def test_parts_and_output_on_s3(tmp_path, shards, moto_server, s3_bucket, monkey
     index = build_index_distributed(urls, "aspect", output=out, part_shards=3, storage_options=opts)
     assert len(seen) == 3  # nothing scanned again
     assert not fs.exists(f"{s3_bucket}/train.wdsidx.parts/part-000000") and index.path == out
-    single = build_index(urls, "aspect", name="train", storage_options=opts)
+    single = build_index(urls, "aspect", name="train", storage_options=opts).located(out)
     assert fs.cat_file(f"{s3_bucket}/train.wdsidx") == file_bytes(single)
+    assert b'"url": "shard-000000.tar"' in file_bytes(single)  # stored relative to the index's folder
 
 
 API_WORKER = """
@@ -337,6 +338,6 @@ def test_jobs_one_after_another_in_one_process_group(tmp_path) -> None:
     out = str(tmp_path / "train.wdsidx")
     results = run_gloo_job(tmp_path, API_WORKER, world=2, args=(out, *paths))
     assert results[0]["first"].startswith("rank 1 failed: ShardError: planted") and results[1]["first"] == "planted"
-    single = build_index(paths, "aspect", name="train")
+    single = build_index(paths, "aspect", name="train").located(out)
     assert results[0]["second"] == single.digest and results[1]["second"] is None
     assert Path(out).read_bytes() == file_bytes(single)

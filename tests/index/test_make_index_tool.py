@@ -162,3 +162,24 @@ def test_columns_parts_equals_serialize_and_checks_its_producers(tmp_path: Path)
         list(columns_parts("t", shards, index.buckets, {}, index.exts, {}, {k: v for k, v in producers.items()
                                                                            if k != "keys"},
                            samples=4, key_bytes=9, max_offset=1024, max_length=1024))
+
+
+def test_cost_tokens_writes_costs_and_each_buckets_cost_order(tmp_path: Path) -> None:
+    path = tmp_path / "costs.wdsidx"
+    out = run(str(TOOL), "--samples", "20000", "--shards", "9", "--buckets", "12", "--seed", "3", "--cost", "tokens",
+              "--cost-median", "300", "--cost-max", "4000", "-o", str(path))
+    assert out.returncode == 0, out.stderr
+    index = load_index(str(path), verify=True)
+    assert index.cost_kind == "json:tokens" and index.cost.dtype == np.int16
+    assert int(index.cost.min()) >= 1 and int(index.cost.max()) <= 4000 and 250 < np.median(index.cost) < 360
+    bo = index.bucket_offsets
+    for b in range(len(index.buckets)):
+        lo, hi = int(bo[b]), int(bo[b + 1])
+        rows = index.cost_order(lo, hi)
+        assert rows.tolist() == sorted(range(lo, hi), key=lambda r: (int(index.cost[r]), r))
+    assert b"".join(bytes(p) for p in serialize(index)) == path.read_bytes()
+    plain = tmp_path / "plain.wdsidx"
+    assert run(str(TOOL), "--samples", "20000", "--shards", "9", "--buckets", "12", "--seed", "3",
+               "-o", str(plain)).returncode == 0
+    without = load_index(str(plain))
+    assert without.cost is None and np.array_equal(without.offset, index.offset)  # the same rows, without costs

@@ -576,7 +576,7 @@ def test_splitter_expands_a_glob_and_file_urls_match_the_index(five) -> None:
     by_glob = list(_dropin([f"{root}/*.tar"], index, topo))
     assert sorted(s["__key__"] for s in by_glob) == sorted(s["__key__"] for s in _dropin(paths, index, topo))
     from_file_urls = build_index(["file://" + p for p in paths])
-    assert list(from_file_urls.urls) == list(index.urls) and from_file_urls.digest == index.digest
+    assert list(from_file_urls.urls) == list(index.urls) and from_file_urls.located(index.path).digest == index.digest
     assert len(list(_dropin(paths, from_file_urls, topo))) == len(index)
 
 

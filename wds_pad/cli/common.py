@@ -117,6 +117,26 @@ def _epoch_arg(text: str) -> int:
     return _library_int(check_epoch, "epoch", text)
 
 
+def _relocation_arg(text: str) -> tuple[str, str]:
+    old, sep, new = text.partition("=")
+    if not sep or not old.strip("/") or not new.strip("/"):
+        raise argparse.ArgumentTypeError(f"expected OLD=NEW (two URL or path prefixes), got {text!r}")
+    return old, new
+
+
+def add_relocate(p: argparse.ArgumentParser) -> None:
+    """``--relocate OLD=NEW`` (repeatable): shards moved since the index was written."""
+    p.add_argument("--relocate", action="append", type=_relocation_arg, default=[], metavar="OLD=NEW",
+                   help="shards moved since indexing: read URLs that start with OLD under NEW instead "
+                        "(repeatable; shards beside or below the index move with it without this)")
+
+
+def relocation(args: argparse.Namespace) -> dict[str, str] | None:
+    """The ``--relocate`` pairs as the mapping ``load_index(relocate=...)`` takes, or None."""
+    pairs = getattr(args, "relocate", None) or []
+    return dict(pairs) if pairs else None
+
+
 # -- tables and reports ----------------------------------------------------------------
 _RATIO = re.compile(r"\s*(\d+(?:\.\d+)?)\s*:\s*(\d+(?:\.\d+)?)\s*")
 

@@ -12,7 +12,9 @@ Invariants:
   existing file that is not an index (unless ``--force``) is refused before scanning
   anything;
 - ``--update -o INDEX`` without URLs re-indexes the shards INDEX lists, bucketed as
-  INDEX was (a version-1 INDEX is read converted: unchanged shards keep their rows);
+  INDEX was and with its costs (a version-1 INDEX is read converted: unchanged shards
+  keep their rows); ``--relocate OLD=NEW`` reads INDEX's shards where they moved to,
+  and the updated INDEX records them there;
 - ``--distributed`` (implied under torchrun with more than one process) runs one job
   over every rank (``index.distributed``), in a gloo process group made from
   torchrun's environment; only rank 0 prints the report.
@@ -26,7 +28,17 @@ import sys
 import time
 from typing import Any
 
-from .common import _nbytes, _plural, _positive, _report_excluded, _usage, bucket_order, interrupt_exit
+from .common import (
+    _nbytes,
+    _plural,
+    _positive,
+    _report_excluded,
+    _usage,
+    add_relocate,
+    bucket_order,
+    interrupt_exit,
+    relocation,
+)
 
 __all__ = ["add_parser"]
 
@@ -47,6 +59,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ratios", help="aspect/image: candidate ratios, e.g. '1:1,4:3,3:4,16:9'")
     p.add_argument("--boundaries", help="json:FIELD: band boundaries, e.g. '128,256,512'")
     p.add_argument("--step", type=float, help="aspect/image: round the ratio to a multiple of STEP instead")
+    p.add_argument("--cost", metavar="SPEC",
+                   help="also record each sample's cost: json:FIELD (a number in the .json member, FIELD a "
+                        "dotted path) | image:pixels (width x height from the image header) | bytes (payload "
+                        "bytes); default: none, or with --update as INDEX recorded it")
     p.add_argument("--update", action="store_true",
                    help="reuse the rows of shards unchanged since INDEX was written; scan only new or changed ones "
                         "(also converts a version-1 INDEX; without URLs: the shards INDEX lists)")
@@ -64,6 +80,7 @@ def add_parser(sub: Any) -> None:
                    help="--distributed: shards per part, the unit of work and of reuse (default 64)")
     p.add_argument("--timeout", type=_positive, default=600,
                    help="--distributed: seconds a rank may stay silent before the job stops (default 600)")
+    add_relocate(p)
     p.set_defaults(func=_cmd_index)
 
 
@@ -103,7 +120,8 @@ def _under_torchrun() -> bool:
 def _cmd_index(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..index.buckets.spec import parse_bucket_by
-    from ..index.update import bucket_fn_of
+    from ..index.buckets.cost import parse_cost
+    from ..index.update import bucket_fn_of, cost_fn_of
     from ..index.codec import load_index
     from ..index.output import check_output
     from ..index.build import build_index, expand_urls
@@ -114,13 +132,20 @@ def _cmd_index(args: argparse.Namespace) -> int:
     if not urls and not args.update:
         raise _usage("index", "give the shard URLs or patterns to index, or --update -o INDEX to index again "
                               "the shards an existing INDEX lists")
+    if args.relocate and not args.update:
+        raise _usage("index", "--relocate applies to the index --update reads (-o INDEX); shards given as URLs "
+                              "are indexed where they are")
+    cost = parse_cost(args.cost) if args.cost is not None else None
     if args.update:
         # refuse a bad -o before reading it as the previous index (build_index checks it
         # again, before scanning, in every case)
         check_output(args.output, expand_urls(urls) if urls else (), force=args.force)
         if _exists(args.output):
-            previous = load_index(args.output, convert=True)  # a version-1 file: converted in memory
+            # a version-1 file: converted in memory; moved shards: where they are now
+            previous = load_index(args.output, convert=True, relocate=relocation(args))
             urls = urls or list(previous.urls)
+            if args.cost is None:
+                cost = cost_fn_of(previous)  # with the costs INDEX records
         elif not urls:
             raise ConfigError(f"--update without shard URLs re-indexes the shards of {args.output!r}, which does "
                               "not exist; give the shard URLs or patterns")
@@ -133,7 +158,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
                              step=args.step)
     distributed = args.distributed or _under_torchrun()
     if distributed:
-        return _run_distributed(args, urls, fn, previous)
+        return _run_distributed(args, urls, fn, previous, cost)
     scan_log = logging.getLogger("wds_pad.tar.scan")
     level = scan_log.level
     if args.on_error == "skip":  # the report below lists every skipped shard once
@@ -141,7 +166,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
         index = build_index(urls, fn, output=args.output, workers=args.workers, on_error=args.on_error,
-                            update=previous, name=args.name, progress=not args.no_progress, force=args.force)
+                            update=previous, name=args.name, progress=not args.no_progress, force=args.force,
+                            cost=cost)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the temp file is gone, the target untouched
         code, what = interrupt_exit(exc)
         if _stamp(args.output) == before:
@@ -170,10 +196,20 @@ def _report(index: Any, output: str, elapsed: float, previous: Any) -> None:
         top = ", ".join(f"{k}={counts[k]}" for k in bucket_order(counts)[:12])
         more = f", ... ({len(counts) - 12} more)" if len(counts) > 12 else ""
         out.write(f"buckets: {top}{more}\n")
+    if index.cost is not None and len(index):
+        c = index.cost
+        out.write(f"cost {index.cost_kind}: min {_number(c.min())}, mean {_number(c.mean())}, "
+                  f"max {_number(c.max())} (wds-pad inspect: per bucket)\n")
     _report_excluded(index, out)
 
 
-def _run_distributed(args: argparse.Namespace, urls: list[str], fn: Any, previous: Any) -> int:
+def _number(value: Any) -> str:
+    """A cost for a report: whole numbers as such, others with 4 significant digits."""
+    v = float(value)
+    return f"{int(v):,}" if v == int(v) else f"{v:,.4g}"
+
+
+def _run_distributed(args: argparse.Namespace, urls: list[str], fn: Any, previous: Any, cost: Any) -> int:
     """``--distributed``: a gloo group from torchrun's environment, one job, rank 0 reports."""
     import datetime
     import os
@@ -204,7 +240,7 @@ def _run_distributed(args: argparse.Namespace, urls: list[str], fn: Any, previou
             urls, fn, output=args.output, workers=args.workers, on_error=args.on_error,
             update=previous, name=args.name,
             progress=not args.no_progress, force=args.force, part_shards=args.part_shards,
-            timeout=float(args.timeout))
+            timeout=float(args.timeout), cost=cost)
     finally:
         log.removeHandler(handler)
         log.setLevel(saved)

@@ -7,7 +7,11 @@ Invariants:
   (it needs both ``--world-size`` and ``--batch-size``, else a usage error, exit 2);
 - loading the index and planning its padding never import torch;
 - ``--plot`` names a format matplotlib writes (PNG when it has no extension: the name
-  printed is the file written), checked before the index is loaded.
+  printed is the file written), checked before the index is loaded;
+- an index with costs shows each bucket's cost distribution (min / median / mean /
+  max; the median and the dearest samples read from the stored cost order, nothing
+  sorted), and with ``--budget B`` how many samples cost more than B, with their keys
+  (they will travel alone in a batch); ``--json`` carries the same.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from .common import (
     _print_locality,
     _report_excluded,
     _usage,
+    add_relocate,
     bucket_order,
     format_table,
     plot_path,
+    relocation,
 )
 
 __all__ = ["add_parser"]
@@ -56,7 +62,53 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--locality", choices=["none", "shard"], default=None,
                    help="with --world-size/--batch-size: also show what rank 0's epoch costs to read")
     p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
+    p.add_argument("--budget", type=_budget_arg, metavar="B",
+                   help="an index with costs: also count, per bucket, the samples dearer than B and name them "
+                        "(each travels alone in a batch under a budget of B)")
+    add_relocate(p)
     p.set_defaults(func=_cmd_inspect)
+
+
+def _budget_arg(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+_KEYS_SHOWN, _KEYS_JSON = 5, 1000  # keys of samples over the budget: in a table, in --json
+
+
+def _cost_stats(index: Any, budget: float | None) -> dict[Hashable, dict[str, Any]]:
+    """Per bucket (table order) its cost distribution and, with ``budget``, the samples
+    dearer than it (count, and keys dearest first: at most ``_KEYS_JSON``)."""
+    import numpy as np
+
+    cost, bo = index.cost, index.bucket_offsets
+    sums = np.add.reduceat(cost.astype(np.float64), bo[:-1]) if len(index) else np.zeros(len(index.buckets))
+    out: dict[Hashable, dict[str, Any]] = {}
+    for b, key in enumerate(index.buckets):
+        lo, hi = int(bo[b]), int(bo[b + 1])
+        n = hi - lo
+        if not n:
+            out[key] = {"samples": 0}
+            continue
+        ends = index.cost_order(lo, hi, [0, (n - 1) // 2, n // 2, n - 1])
+        low, mid1, mid2, high = (cost[i].item() for i in ends)
+        stats: dict[str, Any] = {"samples": n, "min": low, "median": (mid1 + mid2) / 2 if n % 2 == 0 else mid1,
+                                 "mean": float(sums[b]) / n, "max": high}
+        if budget is not None:
+            ranked = cost[index.cost_order(lo, hi)]  # cheapest first
+            over = n - int(np.searchsorted(ranked, budget, side="right"))
+            dear = index.cost_order(lo, hi, np.arange(n - 1, n - 1 - min(over, _KEYS_JSON), -1))
+            stats["over_budget"] = {"count": over, "keys": [index.key(int(i)) for i in dear]}
+        out[key] = stats
+    return out
 
 
 def _padding_stats(args: argparse.Namespace, index: Any) -> dict[Hashable, Any] | None:
@@ -74,7 +126,7 @@ def _padding_stats(args: argparse.Namespace, index: Any) -> dict[Hashable, Any] 
     return {s.bucket: s for s in plan.stats}
 
 
-def _summary(index: Any, pad: dict[Hashable, Any] | None) -> dict[str, Any]:
+def _summary(index: Any, pad: dict[Hashable, Any] | None, budget: float | None = None) -> dict[str, Any]:
     from ..index.layout import FORMAT_VERSION
 
     counts, sizes = index.bucket_counts(), index.bucket_bytes()
@@ -93,6 +145,9 @@ def _summary(index: Any, pad: dict[Hashable, Any] | None) -> dict[str, Any]:
     }
     missing, why = index.members_missing()
     record["without_member_table"] = {"samples": missing, "why": why}
+    if index.cost is not None:
+        record["cost"] = {"kind": index.cost_kind, "budget": budget,
+                          "buckets": {_json_key(k): v for k, v in _cost_stats(index, budget).items()}}
     if pad is not None:
         record["padding"] = {_json_key(k): {"padded_length": s.padded_length, "padded_copies": s.padded_copies,
                                             "truncated": s.truncated, "dropped": s.dropped, "steps": s.steps}
@@ -105,12 +160,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.plot:  # a format matplotlib cannot write is refused before anything is loaded
         args.plot = plot_path(args.plot)
-    index = load_index(args.index)
+    index = load_index(args.index, relocate=relocation(args))
+    if args.budget is not None and index.cost is None:
+        raise _usage("inspect", f"--budget needs an index with costs; {args.index} has none (build it with "
+                                "`wds-pad index ... --cost json:FIELD|image:pixels|bytes`)")
     pad = _padding_stats(args, index)
     if args.plot:
         _plot(index, pad, args, _reading(index, args) if pad is not None and args.locality is not None else None)
     if args.json:
-        sys.stdout.write(json.dumps(_summary(index, pad)) + "\n")
+        sys.stdout.write(json.dumps(_summary(index, pad, args.budget)) + "\n")
         return 0
     _print_tables(index, pad, args, sys.stdout)
     if pad is not None and args.locality is not None:
@@ -195,3 +253,36 @@ def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Na
     else:
         out.write("member table: every sample (streaming reads payloads without parsing tar headers)\n")
     _report_excluded(index, out)
+    if index.cost is not None:
+        _print_costs(index, args.budget, out)
+
+
+def _print_costs(index: Any, budget: float | None, out: Any) -> None:
+    """The per-bucket cost table (and, with ``budget``, the samples dearer than it)."""
+    stats = _cost_stats(index, budget)
+    headers = ["bucket", "min", "median", "mean", "max"] + ([f"over {_num(budget)}"] if budget is not None else [])
+    rows = []
+    for key in bucket_order(stats):
+        s = stats[key]
+        if not s["samples"]:
+            rows.append([str(key), "-", "-", "-", "-"] + (["-"] if budget is not None else []))
+            continue
+        rows.append([str(key), _num(s["min"]), _num(s["median"]), _num(s["mean"]), _num(s["max"])]
+                    + ([s["over_budget"]["count"]] if budget is not None else []))
+    out.write(f"\ncost {index.cost_kind} per sample:\n")
+    out.write(format_table(headers, rows, align="lrrrr" + ("r" if budget is not None else "")) + "\n")
+    if budget is None:
+        return
+    dear = [(key, stats[key]["over_budget"]) for key in bucket_order(stats)
+            if stats[key].get("over_budget", {}).get("count")]
+    total = sum(o["count"] for _, o in dear)
+    out.write(f"{total} samples cost more than the budget {_num(budget)}: each travels alone in a batch\n")
+    for key, o in dear:
+        more = f", ... ({o['count'] - _KEYS_SHOWN} more)" if o["count"] > _KEYS_SHOWN else ""
+        out.write(f"  {key}: {', '.join(repr(k) for k in o['keys'][:_KEYS_SHOWN])}{more}\n")
+
+
+def _num(value: Any) -> str:
+    """A cost in a table: whole numbers as such, others with 4 significant digits."""
+    v = float(value)
+    return f"{int(v):,}" if v == int(v) and abs(v) < 1e15 else f"{v:,.4g}"

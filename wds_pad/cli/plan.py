@@ -32,6 +32,8 @@ from .common import (
     _print_summary,
     _seed_arg,
     _usage,
+    add_relocate,
+    relocation,
 )
 
 __all__ = ["add_parser", "synthetic_dataset"]
@@ -102,6 +104,7 @@ def add_parser(sub: Any) -> None:
                    help="none: buckets shuffled over all shards; shard: each rank reads its own shards "
                         "(needs index files)")
     p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
+    add_relocate(p)
     out = p.add_mutually_exclusive_group(required=True)
     out.add_argument("--json", action="store_true", help="one JSON object per batch")
     out.add_argument("--summary", action="store_true", help="a table per bucket")
@@ -132,7 +135,7 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     datasets, lookups, names = [], [], set()
     seen: dict[tuple[str, tuple[str, ...]], tuple[int, str]] = {}
     for i, (path, weight) in enumerate(zip(args.index, weights)):
-        idx = load_index(path)
+        idx = load_index(path, relocate=relocation(args))
         _refuse_twice(i, path, idx, seen)
         ds = idx.to_dataset(repeats=args.repeats, weight=weight)
         if ds.name in names:

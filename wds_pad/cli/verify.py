@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Any
 
-from .common import _plural
+from .common import _plural, add_relocate, relocation
 
 __all__ = ["add_parser"]
 
@@ -25,6 +25,7 @@ def add_parser(sub: Any) -> None:
                                    "byte ranges). Exit 1 if any shard is stale, missing or unreachable.")
     p.add_argument("index", metavar="INDEX", help="index file (path or URL)")
     p.add_argument("--deep", action="store_true", help="also rescan each shard's headers and compare offsets")
+    add_relocate(p)
     p.set_defaults(func=_cmd_verify)
 
 
@@ -32,7 +33,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from ..index.codec import load_index
     from ..index.verify import verify_index
 
-    index = load_index(args.index)
+    index = load_index(args.index, relocate=relocation(args))
     problems = verify_index(index, deep=args.deep)
     unreachable = [p for p in problems if p.reason.startswith("unreachable")]
     for p in problems:

@@ -2,13 +2,14 @@
 memory-mappable index file.
 
 Modules, in the order of the flow: ``buckets`` (a sub-package: the bucket functions, their
-CLI spelling, image headers), ``shardfile`` (a shard's size, change stamp, opening),
+CLI spelling, image headers, the cost functions), ``shardfile`` (a shard's size, change stamp, opening),
 ``build`` (scanning shards through ``wds_pad.tar``, ``build_index``, update), ``rows``
 (one shard's rows, joined into an Index: ``make_index``), ``distributed`` and
 ``jobstore`` (``build_index_distributed``: parts over the ranks of a torch.distributed
 job), ``record`` (the ``Index`` and ``ShardInfo`` records), ``layout`` (what the file
 holds: version, sections, header, digest), ``codec`` (an Index to bytes and back,
-``load_index``), ``merge`` (``merged_parts``: part files merged without holding the
+``load_index``), ``location`` (shard URLs stored relative to the index file, and
+relocation), ``merge`` (``merged_parts``: part files merged without holding the
 index), ``output`` (refusing an output path, ``write_index``), ``verify``
 (``verify_index``), ``progress`` (the bar on stderr).
 

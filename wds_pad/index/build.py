@@ -11,6 +11,10 @@ Invariants:
 - every shard is stat-ed before any is scanned; with ``on_error="raise"`` the shards
   missing or unreadable are one ``ShardError`` then, saying how many and naming the
   first in URL order (the same on every run);
+- with a cost function (``cost="json:FIELD" | "image:pixels" | "bytes"``) every kept
+  sample's cost is recorded, read from the members the scan reads anyway (the bucket
+  function's and the cost's, one pass); a sample without a valid cost is an error
+  naming shard, byte offset, key and field, or with ``on_error="skip"`` is left out;
 - shards are scanned concurrently, but rows come out in shard order, so the same
   shards give the same index whatever the number of workers;
 - ``update`` reuses the rows of shards whose size and change stamp are unchanged
@@ -39,11 +43,13 @@ from ..tar.columns import ScanRows
 from ..tar.lean import scan_many
 from ..tar.scan import parse_sample
 from .buckets.builtin import SingleBucket
+from .buckets.cost import CostFn, parse_cost
 from .buckets.protocol import BucketFn
 from .buckets.user import wrap_callable
 from .output import check_output, write_index
 from .progress import Progress
 from .record import Index, ShardInfo
+from .layout import cost_values
 from .rows import ShardRows, assemble, fit_exts, unreadable
 from .shardfile import Stat, directory_error, is_missing, open_for_scan, shard_info, stat_shard, stat_shards
 from .update import bucket_fn_of, previous_index, reusable_rows
@@ -56,13 +62,24 @@ _NAMED = 4  # missing shards named besides the first
 
 
 def scan_shard(url: str, fn: BucketFn, on_error: str,
-               storage_options: Mapping[str, Any] | None) -> ShardRows:
+               storage_options: Mapping[str, Any] | None, cost: CostFn | None = None) -> ShardRows:
     """One shard's rows, scanned as :func:`build_index` scans it (no progress shown)."""
-    return _scan_group([url], fn, on_error, storage_options, Progress(total=0, enabled=False))[0]
+    return _scan_group([url], fn, on_error, storage_options, Progress(total=0, enabled=False), cost=cost)[0]
+
+
+def _wanted(fn: BucketFn, cost: CostFn | None) -> tuple[tuple[str, ...], int | None]:
+    """The members a scan reads for the bucket and cost functions, and how many of their
+    first bytes (None, the whole members, if either wants them whole)."""
+    if cost is None or not cost.members:
+        return tuple(fn.members), fn.head_bytes
+    members = tuple(dict.fromkeys((*fn.members, *cost.members)))
+    heads = [f.head_bytes for f in (fn, cost) if f.members]
+    return members, None if None in heads else max(heads)  # type: ignore[type-var]
 
 
 def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_options: Mapping[str, Any] | None,
-                progress: Progress, stats: Mapping[str, Stat] | None = None) -> list[ShardRows]:
+                progress: Progress, stats: Mapping[str, Stat] | None = None,
+                cost: CostFn | None = None) -> list[ShardRows]:
     """Scan consecutive shards; their last headers are checked together (scan_many).
 
     A shard costs one ``stat_shard`` (unless ``stats`` holds it already) and its reads."""
@@ -89,7 +106,8 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
             stack.enter_context(f)
             opened.append((i, url, size, stamp, f, seekable))
         sources = [(f, redact(url), seekable) for _, url, _, _, f, seekable in opened]
-        kw = {"want": tuple(fn.members), "head_bytes": fn.head_bytes, "on_error": on_error,
+        want, head = _wanted(fn, cost)
+        kw = {"want": want, "head_bytes": head, "on_error": on_error,
               "progress": lambda n: progress.advance(samples=n)}
         try:
             scanned = scan_many(sources, **kw)
@@ -113,15 +131,19 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
                     scanned.append(None)  # type: ignore[arg-type]
     for (i, url, size, stamp, _, _), rows in zip(opened, scanned):
         if rows is not None:
-            out[i] = _shard_rows(url, size, stamp, rows, fn, on_error, storage_options)
+            out[i] = _shard_rows(url, size, stamp, rows, fn, on_error, storage_options, cost)
     return out  # type: ignore[return-value]
 
 
 def _shard_rows(url: str, size: int, stamp: str, scanned: ScanRows, fn: BucketFn, on_error: str,
-                storage_options: Mapping[str, Any] | None) -> ShardRows:
-    """A scanned shard's rows: bucket keys computed, excluded samples left out."""
+                storage_options: Mapping[str, Any] | None, cost: CostFn | None = None) -> ShardRows:
+    """A scanned shard's rows: bucket keys and costs computed, excluded samples left out."""
     rows = ShardRows(ShardInfo(url=url, size=size, stamp=stamp, samples=0))
     buckets = _bucket_keys(url, fn, scanned, on_error, rows, storage_options)
+    if cost is not None:
+        values = _costs(url, cost, scanned, buckets, on_error, rows, storage_options)
+        buckets = [None if v is None else b for b, v in zip(buckets, values)]
+        rows.cost = cost_values([v for v in values if v is not None])
     rows.exts = scanned.exts
     rows.member_count, rows.member_ext = scanned.member_count, scanned.member_ext
     rows.member_size, rows.member_offset = scanned.member_size, scanned.member_offset
@@ -179,6 +201,39 @@ def _bucket_keys(url: str, fn: BucketFn, scanned: ScanRows, on_error: str, rows:
     return out
 
 
+def _costs(url: str, cost: CostFn, scanned: ScanRows, buckets: Sequence[Hashable | None], on_error: str,
+           rows: ShardRows, storage_options: Mapping[str, Any] | None) -> list[Any]:
+    """Each scanned sample's cost, None where it is excluded: already by its bucket, or
+    now for want of a cost (raised, or with on_error="skip" recorded in ``rows``)."""
+    count = scanned.member_count if scanned.member_count is not None else np.zeros(len(scanned), np.int64)
+    sizes = np.zeros(int(count.sum()) + 1, np.int64)
+    if scanned.member_size is not None:
+        np.cumsum(scanned.member_size, out=sizes[1:])
+    ends = np.cumsum(count)
+    payload = (sizes[ends] - sizes[ends - count]).tolist()
+    needs_more = getattr(cost, "needs_more", None)
+    out: list[Any] = []
+    for i, key in enumerate(scanned.keys):
+        if buckets[i] is None:
+            out.append(None)
+            continue
+        d = scanned.sample_data(i) if cost.members else {}
+        if needs_more is not None and needs_more(d):  # an image size beyond head_bytes
+            d = _whole_members(url, scanned, i, storage_options)
+        try:
+            out.append(cost(key, d, payload[i]))
+        except Exception as exc:  # noqa: BLE001 - the sample's data: wrap, name the sample
+            offset = int(scanned.offset[i])
+            message = (f"cost {cost.describe()!r} failed for sample {key!r} in {redact(url)!r} at byte offset "
+                       f"{offset}: {exc}")
+            if on_error == "raise":
+                raise BucketError(message + "; or index with on_error='skip' (--on-error skip) to leave "
+                                  "such samples out") from exc
+            rows.excluded.append({"url": url, "offset": offset, "key": key, "reason": f"cost: {exc}"})
+            out.append(None)
+    return out
+
+
 def _whole_members(url: str, scanned: ScanRows, i: int,
                    storage_options: Mapping[str, Any] | None) -> dict[str, bytes]:
     """Sample ``i``'s wanted members in full (the scan read only their first head_bytes):
@@ -231,6 +286,7 @@ def build_index(
     name: str | None = None,
     progress: bool | None = False,
     force: bool = False,
+    cost: CostFn | str | None = None,
 ) -> Index:
     """Index tar shards into buckets.
 
@@ -251,34 +307,39 @@ def build_index(
         name: the dataset name the index plans under (default: output file stem).
         progress: show a progress bar on stderr (None: only when stderr is a tty).
         force: let ``output`` replace an existing file that is not a wds_pad index.
+        cost: also record each sample's cost: ``"json:FIELD"`` (a number in the
+            ``.json`` member, FIELD a dotted path), ``"image:pixels"`` (width x height
+            from the image header) or ``"bytes"`` (payload bytes); ``Index.cost``.
 
     Returns:
-        The Index (also written to ``output`` if given).
+        The Index (also written to ``output`` if given: shard URLs beside or below it
+        are stored relative to its folder, and the returned index is that file's).
 
     Raises:
         ShardError, TarFormatError, BucketError: bad input, naming URL, offset and key.
         ConfigError: wrong arguments, or an ``output`` that is refused before any
             shard is scanned (one of the shards, a directory, an existing file that is
-            not an index without ``force``, an unwritable place: see ``check_output``).
+            not an index without ``force``, an unwritable place: see ``check_output``),
+            or an ``update`` whose index recorded another cost (or none).
     """
     check_options(on_error, workers)
     fn = as_bucket_fn(bucket_by, members, head_bytes)
+    cost_fn = parse_cost(cost) if cost is not None else None
     shard_urls = expand_urls(urls, storage_options)
     if output is not None:
         check_output(output, shard_urls, force=force, storage_options=storage_options)
-    previous = previous_index(update, fn, storage_options)
+    previous = previous_index(update, fn, storage_options, cost_fn)
     bar = Progress(total=len(shard_urls), enabled=progress, label="index")
     try:
         parts = scan_shards(shard_urls, fn, workers=workers, on_error=on_error, storage_options=storage_options,
-                            bar=bar, previous=previous)
+                            bar=bar, previous=previous, cost=cost_fn)
     except BaseException:
         bar.close(failed=True)  # in a log, a failed build ends with its error line
         raise
     bar.close()
-    index = rows_index(parts, fn, on_error, name or default_name(output, shard_urls))
+    index = rows_index(parts, fn, on_error, name or default_name(output, shard_urls), cost=cost_fn, path=output)
     if output is not None:
         write_index(index, output, storage_options, force=force)
-        object.__setattr__(index, "path", output)
     return index
 
 
@@ -292,10 +353,10 @@ def check_options(on_error: str, workers: int) -> None:
 
 def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_error: str,
                 storage_options: Mapping[str, Any] | None, bar: Progress, previous: Index | None = None,
-                stats: Mapping[str, Stat] | None = None) -> list[ShardRows]:
+                stats: Mapping[str, Stat] | None = None, cost: CostFn | None = None) -> list[ShardRows]:
     """Every shard's rows, in shard order: reused from ``previous`` where unchanged, else
     scanned (``workers`` concurrently). ``stats`` are shards' known (size, stamp, is a
-    directory): they are not asked for again."""
+    directory): they are not asked for again. ``cost``: each sample's cost too."""
     stats = _stat_first(shard_urls, workers, on_error, storage_options, stats)
     reused = reusable_rows(previous, shard_urls, storage_options, stats) if previous is not None else {}
     todo = [u for u in shard_urls if u not in reused]
@@ -313,7 +374,7 @@ def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_err
     def task(group: Sequence[str]) -> list[ShardRows]:
         if stop.is_set():  # a worker may dequeue a group while the pool is being shut down
             raise concurrent.futures.CancelledError()
-        rows = _scan_group(group, fn, on_error, storage_options, bar, stats)
+        rows = _scan_group(group, fn, on_error, storage_options, bar, stats, cost)
         for r in rows:
             bar.advance(shards=1, nbytes=max(r.nbytes, 0))
         return rows
@@ -376,11 +437,14 @@ def missing_shards(faults: Sequence[tuple[str, ShardError]], total: int) -> Shar
     return ShardError(f"{head}, e.g. the first in URL order: {first} (also: {others}{more}){skip}")
 
 
-def rows_index(parts: list[ShardRows], fn: BucketFn, on_error: str, name: str) -> Index:
-    """The Index of the shards' rows (in shard order), as ``build_index`` assembles it."""
+def rows_index(parts: list[ShardRows], fn: BucketFn, on_error: str, name: str, *, cost: CostFn | None = None,
+               path: str | None = None) -> Index:
+    """The Index of the shards' rows (in shard order), as ``build_index`` assembles it
+    (``path``: where it will be written)."""
     parts = fit_exts(parts, on_error)
     skipped = [p.fault for p in parts if p.fault is not None]  # shard order: same for any workers
-    return assemble(parts, fn.describe(), skipped, name)
+    return assemble(parts, fn.describe(), skipped, name, cost_kind=cost.describe() if cost is not None else None,
+                    path=path)
 
 
 def default_name(output: str | None, urls: Sequence[str]) -> str:

@@ -10,7 +10,10 @@ Invariants:
   file is refused with the one command that converts it (``wds-pad index --update -o
   PATH``), which reads it through ``load_index(..., convert=True)``;
 - local files are memory-mapped: ranks and DataLoader workers share the pages, loading
-  parses nothing per sample, and planning touches no per-sample section.
+  parses nothing per sample, and planning touches no per-sample section;
+- shard URLs stored relative to the file resolve against where it is loaded from (or
+  ``location``), then ``relocate`` moves them (:mod:`.location`); the digest is of the
+  bytes as stored, so neither changes it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ..errors import IndexFormatError
 from ..io.urls import local_path
 from .layout import (
     ARRAYS,
+    COST_ARRAYS,
     FORMAT_VERSION,
     JSON_SECTIONS,
     MAGIC,
@@ -40,7 +44,9 @@ from .layout import (
     json_sections,
     key_from_json,
     member_dtypes,
+    stored_urls,
 )
+from .location import RELATIVE_KEY, Relocation, check_relocation, excluded_urls, index_folder, resolve_url, unmatched
 from .record import Index, ShardInfo
 from .rows import grouped_index
 
@@ -93,7 +99,8 @@ def columns_parts(name: str, shards: Sequence[ShardInfo], buckets: Sequence[Hash
                   exts: Sequence[str], excluded: Mapping[str, Any], columns: Mapping[str, Callable[[], Iterable[Any]]],
                   *, samples: int, key_bytes: int, max_offset: int, max_length: int,
                   members: int | None = None, max_member_size: int = 0,
-                  max_member_offset: int = 0) -> Iterator[bytes | memoryview]:
+                  max_member_offset: int = 0, cost: tuple[str, np.dtype, np.dtype] | None = None,
+                  path: str | None = None) -> Iterator[bytes | memoryview]:
     """The bytes of an index file whose numeric sections come from chunk producers.
 
     Nothing is held but one chunk at a time: each producer is called twice (once for the
@@ -117,12 +124,16 @@ def columns_parts(name: str, shards: Sequence[ShardInfo], buckets: Sequence[Hash
             total number of members; None: no member table.
         max_member_size: the largest ``member_size`` value.
         max_member_offset: the largest ``member_offset`` value.
+        cost: with costs (``columns`` then also has ``COST_ARRAYS``): their kind
+            (``"json:tokens"``), the ``cost`` and the ``cost_order`` dtypes; None: none.
+        path: where the file goes: shard URLs beside or below it are stored relative
+            to its folder (None: as given).
 
     Raises:
         IndexFormatError: a section missing from ``columns``, or a producer that gives
             another number of values than its section holds.
     """
-    names = ARRAYS + (MEMBER_ARRAYS if members is not None else ())
+    names = ARRAYS + (MEMBER_ARRAYS if members is not None else ()) + (COST_ARRAYS if cost is not None else ())
     missing = [k for k in names if k not in columns]
     if missing:
         raise IndexFormatError(f"index {name!r}: no producer for section(s) {missing}")
@@ -132,11 +143,20 @@ def columns_parts(name: str, shards: Sequence[ShardInfo], buckets: Sequence[Hash
     if members is not None:
         dt.update(member_dtypes(members, max_member_size, max_member_offset))
         counts.update(member_start=samples + 1, member_ext=members, member_size=members, member_offset=members)
-    blobs = json_sections(shards, excluded)
-    digest = content_digest(buckets, exts, blobs, ((k, dt[k], columns[k]()) for k in names))
+    kind = None
+    if cost is not None:
+        kind = cost[0]
+        dt.update(cost=np.dtype(cost[1]), cost_order=np.dtype(cost[2]))
+        counts.update(cost=samples, cost_order=samples)
+    folder = index_folder(path)
+    relative = stored_urls([s.url for s in shards], folder)[1]
+    blobs = json_sections(shards, excluded, folder)
+    digest = content_digest(buckets, exts, blobs, ((k, dt[k], columns[k]()) for k in names), cost=kind,
+                            relative=relative)
     sections: list[Section] = [(k, dt[k], counts[k], columns[k]) for k in names]
     sections += [(k, np.dtype(np.uint8), len(b), lambda b=b: [np.frombuffer(b, np.uint8)]) for k, b in blobs.items()]
-    yield from _file_parts(file_header(name, samples, buckets, bucket_by, exts, digest), sections)
+    yield from _file_parts(file_header(name, samples, buckets, bucket_by, exts, digest, cost=kind,
+                                       relative=relative), sections)
 
 
 def _damaged(path: str, what: str) -> IndexFormatError:
@@ -146,11 +166,14 @@ def _damaged(path: str, what: str) -> IndexFormatError:
 
 
 def load_index(path: str, *, verify: bool | None = None,
-               storage_options: Mapping[str, Any] | None = None, convert: bool = False) -> Index:
+               storage_options: Mapping[str, Any] | None = None, convert: bool = False,
+               relocate: Mapping[str, str] | None = None, location: str | None = None) -> Index:
     """Load an index written by :func:`write_index` (memory-mapped when local).
 
     Nothing per sample is parsed or read: the sections are views of the mapped file, and
-    the shard table and excluded samples are parsed on first use.
+    the shard table and excluded samples are parsed on first use (at once with
+    ``relocate``, to check it). Shard URLs stored relative to the file (shards beside or
+    below it) resolve against where it is now: a dataset folder moved whole loads as is.
 
     Args:
         path: local path or fsspec URL.
@@ -158,8 +181,15 @@ def load_index(path: str, *, verify: bool | None = None,
         storage_options: fsspec options for remote paths.
         convert: also read a version-1 file, converted in memory to the current layout
             (what ``wds-pad index --update`` does before writing it back).
+        relocate: ``{old prefix: new prefix}`` applied to every shard URL (after a
+            relative one is resolved): the shards moved elsewhere. Sizes and change
+            stamps are still checked against the values indexed when shards are read.
+        location: where the file belongs if ``path`` is a copy of it (relative shard
+            URLs resolve against ``location``; the index's ``path`` is ``location``).
 
     Raises:
+        ConfigError: a ``relocate`` that is not a mapping of URL prefixes, or whose old
+            prefix matches no shard URL of the index.
         IndexFormatError: missing file, not an index, another format version (a
             version-1 file: with the command that converts it), a damaged header or
             truncated sections, or (verify) a digest mismatch.
@@ -167,6 +197,7 @@ def load_index(path: str, *, verify: bool | None = None,
             or refused the read (the message says what to check).
     """
     buf: Any
+    relocation = check_relocation(relocate)
     local = local_path(path)
     if local is not None:
         try:
@@ -219,22 +250,30 @@ def load_index(path: str, *, verify: bool | None = None,
             if start + count * dtype.itemsize > len(buf):
                 raise _damaged(path, f"section {k!r} is truncated: file has {len(buf)} bytes")
             arrays[k] = np.frombuffer(buf, dtype=dtype, count=count, offset=start)
+        where = location or path
+        folder = index_folder(where) if header.get(RELATIVE_KEY) else None
         if version == 1:
-            index = _from_v1(header, arrays, path)
+            index = _from_v1(header, arrays, path, relocation)
         else:
             blobs = {k: arrays.pop(k) for k in JSON_SECTIONS}
             index = Index(
-                shards=lambda: _shard_table(blobs["shards"], path),
+                shards=lambda: _shard_table(blobs["shards"], path, folder, relocation),
                 buckets=tuple(key_from_json(b) for b in header["buckets"]), arrays=arrays,
                 bucket_by=header["bucket_by"], exts=tuple(header["exts"]),
-                excluded=lambda: _json_blob(blobs["excluded"], path, "excluded"),
-                name=header["name"], path=path, digest=header["digest"],
+                excluded=lambda: excluded_urls(_json_blob(blobs["excluded"], path, "excluded"),
+                                               lambda u: resolve_url(u, folder, relocation)),
+                name=header["name"], path=where, digest=header["digest"],
                 json_bytes={k: memoryview(v) for k, v in blobs.items()},
+                cost_kind=header.get("cost"), relocate=relocation, relative=bool(header.get(RELATIVE_KEY)),
             )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, IndexFormatError):
             raise
         raise _damaged(path, f"unexpected header layout: {exc}") from exc
+    if relocation:  # an old prefix that moves nothing is a typo: refused, not ignored
+        recorded = ([s["url"] for s in header["shards"]] if version == 1 else
+                    [resolve_url(u, folder) for u in index.stored_urls])
+        unmatched(relocation, recorded, index.path or path)
     if verify is None:
         verify = len(buf) <= VERIFY_LIMIT
     if verify and version > 1 and index.compute_digest() != index.digest:
@@ -249,15 +288,22 @@ def _json_blob(blob: np.ndarray, path: str, what: str) -> Any:
         raise _damaged(path, f"section {what!r} is not JSON") from None
 
 
-def _shard_table(blob: np.ndarray, path: str) -> tuple[ShardInfo, ...]:
+def _shard_table(blob: np.ndarray, path: str, folder: str | None = None,
+                 relocation: Relocation = ()) -> tuple[ShardInfo, ...]:
+    """The shard table, its URLs resolved against ``folder`` and relocated."""
     try:
-        return tuple(ShardInfo(**s) for s in _json_blob(blob, path, "shards"))
+        table = [ShardInfo(**s) for s in _json_blob(blob, path, "shards")]
     except TypeError as exc:
         raise _damaged(path, f"unexpected shard table: {exc}") from exc
+    if folder is None and not relocation:
+        return tuple(table)
+    return tuple(ShardInfo(**{**s.to_json(), "url": resolve_url(s.url, folder, relocation)}) for s in table)
 
 
-def _from_v1(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], path: str) -> Index:
-    """A version-1 file's index in the current layout (rows grouped by bucket, in memory)."""
+def _from_v1(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], path: str,
+             relocation: Relocation = ()) -> Index:
+    """A version-1 file's index in the current layout (rows grouped by bucket, in memory),
+    its shard URLs relocated."""
     old = {k: arrays[k] for k in _V1_DTYPES}
     h = hashlib.blake2b(digest_size=16)
     head = {"shards": [[s["url"], s["size"], s["stamp"], s["samples"]] for s in header["shards"]],
@@ -267,7 +313,8 @@ def _from_v1(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], path: 
         h.update(np.ascontiguousarray(old[k]).data)
     if h.hexdigest() != header["digest"]:
         raise _damaged(path, "content digest mismatch (a version-1 file)")
-    return grouped_index(tuple(ShardInfo(**s) for s in header["shards"]),
+    shards = tuple(ShardInfo(**{**s, "url": resolve_url(s["url"], None, relocation)}) for s in header["shards"])
+    return grouped_index(shards,
                     tuple(key_from_json(b) for b in header["buckets"]), old, old["key_offsets"], old["keys"],
                     bucket_by=header["bucket_by"], exts=header["exts"], excluded=header["excluded"],
                     name=header["name"])

@@ -11,7 +11,7 @@ Invariants:
   with another world size finds the same parts;
 - a part's file is ``OUTPUT.parts/part-<i>-<digest>.wdsidx``, the digest taken over what
   decides its content (its shards' URLs, sizes and change stamps, how buckets are
-  computed, ``on_error``, the format and wds_pad versions), so a finished part is reused
+  computed, the cost recorded, ``on_error``, the format and wds_pad versions), so a finished part is reused
   and a stale one (a shard changed since) is never: it is simply not the file asked for;
 - each part is written atomically (``io.atomic`` locally, one PUT elsewhere): a killed
   rank leaves whole parts or none, and a rerun redoes only the missing ones, dealt
@@ -19,9 +19,10 @@ Invariants:
 - a shard costs one ``stat_shard`` (a HEAD over HTTP/S3) and its reads: the stat that
   names its part is the one its scan uses;
 - rank 0 merges the parts with ``format.merged_parts`` (streamed: the tables and one
-  slice of one part in memory) into the output, written atomically (a remote output:
-  a local temp file, then one upload), then removes the part folder. The result is
-  byte-identical to ``build_index`` of the same shards in one process;
+  slice of one part in memory, and with costs one bucket's) into the output, written
+  atomically (a remote output: a local temp file, then one upload), then removes the
+  part folder. The result is byte-identical to ``build_index`` of the same shards in one
+  process written to the same output (shard URLs stored relative to it alike);
 - no rank waits forever (``index.jobstore``: status keys and heartbeats in the process
   group's store, not collectives, once scanning starts): a rank that fails tells the
   others (each stops with an error naming it), and a rank that stops beating (killed,
@@ -47,6 +48,7 @@ from ..io.redact import redact
 from ..io.urls import expand_urls
 from ..version import __version__
 from .build import as_bucket_fn, check_options, default_name, rows_index, scan_shards
+from .buckets.cost import CostFn, parse_cost
 from .buckets.protocol import BucketFn
 from .codec import load_index, serialize
 from .layout import FORMAT_VERSION
@@ -77,10 +79,13 @@ def parts_dir(output: str) -> str:
     return output.rstrip("/") + ".parts"
 
 
-def part_digest(urls: Sequence[str], stats: Sequence[Stat | None], fn: BucketFn, on_error: str) -> str:
+def part_digest(urls: Sequence[str], stats: Sequence[Stat | None], fn: BucketFn, on_error: str,
+                cost: CostFn | None = None) -> str:
     """What decides a part's content, hashed (a shard whose stat failed: ``None``)."""
     doc = {"part": _PART_VERSION, "format": FORMAT_VERSION, "wds_pad": __version__, "bucket_by": fn.describe(),
            "on_error": on_error, "shards": [[u, list(s) if s is not None else None] for u, s in zip(urls, stats)]}
+    if cost is not None:  # (a part without costs keeps the digest it always had)
+        doc["cost"] = cost.describe()
     return json_digest(doc, size=12)
 
 
@@ -130,6 +135,7 @@ def build_index_distributed(
     force: bool = False,
     part_shards: int = 64,
     timeout: float = 600.0,
+    cost: CostFn | str | None = None,
 ) -> Index | None:
     """Index tar shards with every rank of the default torch.distributed process group.
 
@@ -171,6 +177,7 @@ def build_index_distributed(
         raise ConfigError(f"build_index_distributed needs an output path, got {output!r}")
     rank, world = dist.get_rank(), dist.get_world_size()
     fn = as_bucket_fn(bucket_by, members, head_bytes)
+    cost_fn = parse_cost(cost) if cost is not None else None
 
     # 1. rank 0 expands the URLs and checks the output; every rank gets the list or the error
     box: list[Any] = [None]
@@ -193,7 +200,7 @@ def build_index_distributed(
     mine: dict[str, Any]
     previous = None
     try:
-        previous = previous_index(update, fn, storage_options)
+        previous = previous_index(update, fn, storage_options, cost_fn)
         own = list(range(rank, len(layout), world))
         flat = [u for i in own for u in shard_urls[layout[i][0]:layout[i][1]]]
         stats = dict(zip(flat, _stat_all(flat, workers, storage_options)))
@@ -201,7 +208,7 @@ def build_index_distributed(
         for i in own:
             urls_i = shard_urls[layout[i][0]:layout[i][1]]
             st = [stats[u] for u in urls_i]
-            path = f"{folder}/part-{i:06d}-{part_digest(urls_i, st, fn, on_error)}.wdsidx"
+            path = f"{folder}/part-{i:06d}-{part_digest(urls_i, st, fn, on_error, cost_fn)}.wdsidx"
             done = _exists(path, storage_options)
             mine["parts"][i] = {"path": path, "done": done,
                                 "stats": None if done else {u: s for u, s in zip(urls_i, st) if s is not None}}
@@ -234,8 +241,9 @@ def build_index_distributed(
                 t0 = time.monotonic()
                 rows = scan_shards(shard_urls[lo:hi], fn, workers=workers, on_error=on_error,
                                    storage_options=storage_options, bar=Progress(total=0, enabled=False),
-                                   previous=previous, stats={u: tuple(s) for u, s in parts[i]["stats"].items()})
-                index = rows_index(rows, fn, on_error, "part")
+                                   previous=previous, stats={u: tuple(s) for u, s in parts[i]["stats"].items()},
+                                   cost=cost_fn)
+                index = rows_index(rows, fn, on_error, "part", cost=cost_fn)
                 _write(paths[i], serialize(index), storage_options)
                 job.add("parts_done", 1)
                 _log.info("rank %d: part %d (shards %d-%d, %d samples) written in %.1f s; %d of its %d parts",
@@ -331,19 +339,18 @@ def _merge(paths: Sequence[str], shard_urls: Sequence[str], layout: Sequence[tup
         check_output(output, shard_urls, force=force, storage_options=storage_options)
         local_out = _local(output)
         if local_out is not None:
-            atomic_write(local_out, merged_parts(loaded, name=name))
-            index = load_index(local_out, verify=False)
+            atomic_write(local_out, merged_parts(loaded, name=name, path=output))
+            index = load_index(local_out, verify=False, location=output)
         else:  # a local temp file, then one upload
             from ..io.faults import call_store
             from ..io.fs import get_filesystem
 
             staged = os.path.join(tmp, "merged.wdsidx")
-            atomic_write(staged, merged_parts(loaded, name=name))
+            atomic_write(staged, merged_parts(loaded, name=name, path=output))
             fs, fpath = get_filesystem(output, storage_options)
             call_store(lambda: fs.put_file(staged, fpath), output, what="index output",
                        fix="check the output URL and that these credentials may write there")
-            index = load_index(staged, verify=False)  # mapped: the pages outlive the temp file
-        object.__setattr__(index, "path", output)
+            index = load_index(staged, verify=False, location=output)  # mapped: the pages outlive the temp file
         return index
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -11,7 +11,13 @@ Invariants:
 - parts bucketed differently, or using more than 64 distinct member extensions
   together, are refused (:class:`IndexFormatError`); a part without a member table
   records no members for its samples, and a part from before ``member_offset`` has its
-  offsets derived (:func:`.layout.plain_offsets`).
+  offsets derived (:func:`.layout.plain_offsets`);
+- costs are merged when every part has them, of one kind (else refused): the column
+  as the rows, the cost order bucket by bucket from the parts' own orders (their sorted
+  runs merged, equal costs in merged row order); a bucket's costs are the only thing
+  held whole;
+- the merged file's shard URLs are stored relative to ``path`` where they sit beside or
+  below it, as a build written there stores them.
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import numpy as np
 from ..core.dataset import bucket_order
 from ..errors import IndexFormatError
 from .codec import columns_parts
-from .layout import ROW_ARRAYS, plain_offsets
+from .layout import ROW_ARRAYS, cost_dtype, narrowest_int, plain_offsets
 from .record import Index
 
 __all__ = ["merged_parts"]
 
 
-def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_000) -> Iterator[bytes | memoryview]:
+def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_000,
+                 path: str | None = None) -> Iterator[bytes | memoryview]:
     """The bytes of the index of ``parts``' shards, in part order, without holding it.
 
     Each part is an index of consecutive shards; the result is byte-identical to
@@ -37,9 +44,15 @@ def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_
     the canonical tables, rows grouped by bucket, then part, then row). Memory: the
     tables and one slice of one part at a time.
 
+    Args:
+        parts: the part indexes, in shard order.
+        name: the merged index's dataset name.
+        excluded_limit: excluded samples listed at most (the count stays exact).
+        path: where the bytes go (shard URLs beside or below it are stored relative).
+
     Raises:
-        IndexFormatError: the parts were bucketed differently, or use more than 64
-            distinct member extensions together.
+        IndexFormatError: the parts were bucketed differently, use more than 64
+            distinct member extensions together, or record different costs.
     """
     if not parts:
         raise IndexFormatError("nothing to merge: no index parts given")
@@ -71,16 +84,18 @@ def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_
     bounds = np.zeros(len(buckets) + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
 
-    # (part number, lo, hi) of every non-empty slice, in merged row order: computed once
-    # (bucket offsets only), walked once per section
-    order: list[tuple[int, int, int]] = []
+    # (part number, lo, hi) of every non-empty slice, in merged row order, bucket by
+    # bucket: computed once (bucket offsets only), walked once per section
+    per_bucket: list[list[tuple[int, int, int]]] = []
     offsets = [p.bucket_offsets.tolist() for p in parts]
     local_lists = [loc.tolist() for loc in local]
     for b in range(len(buckets)):
+        per_bucket.append([])
         for j in range(len(parts)):
             lb = local_lists[j][b]
             if lb >= 0 and offsets[j][lb + 1] > offsets[j][lb]:
-                order.append((j, offsets[j][lb], offsets[j][lb + 1]))
+                per_bucket[-1].append((j, offsets[j][lb], offsets[j][lb + 1]))
+    order = [t for slices_b in per_bucket for t in slices_b]
 
     def slices() -> Iterator[tuple[int, Index, int, int]]:  # (part number, part, lo, hi) in merged row order
         for j, lo, hi in order:
@@ -121,8 +136,50 @@ def merged_parts(parts: Sequence[Index], *, name: str, excluded_limit: int = 10_
     if len(samples_ex) > excluded_limit or any(p.excluded.get("truncated") for p in parts):
         excluded["truncated"] = True
     members = _merged_members(parts, slices, remaps, producers)
+    cost = _merged_costs(parts, per_bucket, counts, producers)
     yield from columns_parts(name, shards, buckets, bucket_by, exts, excluded, producers, samples=n,
-                             key_bytes=key_total, max_offset=max_offset, max_length=max_length, **members)
+                             key_bytes=key_total, max_offset=max_offset, max_length=max_length, cost=cost,
+                             path=path, **members)
+
+
+def _merged_costs(parts: Sequence[Index], per_bucket: Sequence[Sequence[tuple[int, int, int]]], counts: np.ndarray,
+                  producers: dict[str, Callable[[], Iterable[Any]]]) -> tuple[str, np.dtype, np.dtype] | None:
+    """merged_parts' cost producers (added to ``producers``) and (kind, cost dtype,
+    order dtype), or None if no part has costs.
+
+    Raises:
+        IndexFormatError: some parts have costs and others none, or of another kind.
+    """
+    kinds = {p.cost_kind for p in parts}
+    if kinds == {None}:
+        return None
+    if len(kinds) > 1:
+        raise IndexFormatError(f"index parts record different costs ({sorted(map(str, kinds))}); build every part "
+                               "with the same --cost")
+    costs = [p.cost for p in parts]
+    integral = all(c.dtype.kind in "iu" for c in costs if c is not None and c.size)  # type: ignore[union-attr]
+    top = max((c.max() for c in costs if c is not None and c.size), default=0)  # type: ignore[union-attr]
+
+    def cost_column() -> Iterator[np.ndarray]:
+        for slices_b in per_bucket:
+            for j, lo, hi in slices_b:
+                yield costs[j][lo:hi]  # type: ignore[index]
+
+    def cost_order() -> Iterator[np.ndarray]:
+        for slices_b in per_bucket:  # each part's slice of the bucket is a run sorted by cost
+            if not slices_b:
+                continue
+            values, rows, base = [], [], 0
+            for j, lo, hi in slices_b:
+                local = parts[j].arrays["cost_order"][lo:hi].astype(np.int64)
+                values.append(costs[j][lo + local])  # type: ignore[index]
+                rows.append(local + base)
+                base += hi - lo
+            yield np.concatenate(rows)[np.argsort(np.concatenate(values), kind="stable")]
+
+    producers.update(cost=cost_column, cost_order=cost_order)
+    return (next(iter(kinds)), cost_dtype(integral, top),  # type: ignore[return-value]
+            narrowest_int(max(int(counts.max()) - 1, 0) if counts.size else 0))
 
 
 def _merged_members(parts: Sequence[Index], slices: Callable[[], Iterator[tuple[int, Index, int, int]]],

@@ -18,7 +18,10 @@ Invariants:
 - the write is atomic: temp file + fsync + rename locally (``io.atomic``), a single PUT
   of the whole file elsewhere; a write that fails (no space left, the file size limit,
   an upload refused) is one ``WriteError`` naming the path and the fix, and leaves the
-  path as it was (no partial file, no temp file).
+  path as it was (no partial file, no temp file);
+- the file stores the shard URLs beside or below it relative to its folder
+  (:meth:`Index.located`): an index built in memory, or loaded elsewhere (relocated or
+  not), and written at ``path`` is the index a build with ``output=path`` writes.
 """
 
 from __future__ import annotations
@@ -208,6 +211,9 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
     Args:
         index: the index to write.
         path: local path or fsspec URL; an existing wds_pad index there is replaced.
+            Shard URLs beside or below it are stored relative to its folder, so the
+            file's digest is of that form (``load_index(path).digest``; the in-memory
+            ``index`` keeps its own unless it was built with ``output=path``).
         storage_options: fsspec options for remote paths.
         force: also replace an existing file that is not a wds_pad index.
 
@@ -222,7 +228,7 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
         ReadError: a remote store cannot be reached or has no credentials.
     """
     check_output(path, index.urls, force=force, storage_options=storage_options)
-    parts = serialize(index)
+    parts = serialize(index.located(path))
     local = _local(path)
     if local is not None:
         try:

@@ -15,20 +15,30 @@ Invariants:
   the key and member tables' sizes, bucket offsets covering the rows; a damaged one
   raises :class:`IndexFormatError` naming the index;
 - its digest is the file's content digest (:func:`.layout.content_digest`): a loaded
-  index keeps the one stored, a built one computes it.
+  index keeps the one stored, a built one computes it over the shard table as a file at
+  its ``path`` stores it (URLs beside or below relative, :mod:`.location`), so a build
+  written to ``path`` and that file loaded have one digest, wherever the folder moves;
+- ``shards`` and ``urls`` are absolute, relocated URLs, what every reader of shards
+  uses; ``stored_urls`` are the URLs as the file holds them (the shard-level stream's
+  identity, unchanged by a move or a relocation);
+- the optional costs come whole: ``cost`` and ``cost_order`` of one row per sample and
+  the header's ``cost_kind``, or none of them; ``cost_order(start, stop)`` of a bucket's
+  row range gives its rows cheapest first, and the k-th of them in O(1).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
 from ..core.dataset import Dataset, IdRange
-from ..errors import IndexFormatError
+from ..errors import ConfigError, IndexFormatError
 from .layout import (
     ARRAYS,
+    COST_ARRAYS,
     LEGACY_MEMBER_ARRAYS,
     MEMBER_ARRAYS,
     ROW_ARRAYS,
@@ -36,7 +46,9 @@ from .layout import (
     file_header,
     json_sections,
     plain_offsets,
+    stored_urls,
 )
+from .location import Relocation, index_folder
 
 __all__ = ["Index", "ShardInfo"]
 
@@ -62,14 +74,18 @@ class Index:
     Rows are grouped by bucket: bucket ``b`` (``buckets[b]``) holds the sample ids
     ``bucket_offsets[b]:bucket_offsets[b + 1]``. ``shards`` and ``excluded`` may be given
     as zero-argument callables, parsed on first use; ``json_bytes`` are their sections'
-    bytes as stored (a loaded index: its digest is computed over them).
+    bytes as stored (a loaded index: its digest is computed over them, with
+    ``relative``, the header's flag of URLs stored relative to the file). ``shards`` are
+    absolute URLs (a loaded index's resolved against its ``path`` and moved by
+    ``relocate``, :mod:`.location`). ``cost_kind`` names the optional ``cost`` section.
     """
 
     def __init__(self, shards: Sequence[ShardInfo] | Callable[[], Sequence[ShardInfo]],
                  buckets: Sequence[Hashable], arrays: Mapping[str, np.ndarray], bucket_by: Mapping[str, Any],
                  exts: Sequence[str] = (), excluded: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
                  name: str = "index", path: str | None = None, digest: str = "",
-                 json_bytes: Mapping[str, Any] | None = None) -> None:
+                 json_bytes: Mapping[str, Any] | None = None, *, cost_kind: str | None = None,
+                 relocate: Relocation = (), relative: bool = False) -> None:
         self._shards = shards if callable(shards) else tuple(shards)
         self._excluded = excluded if callable(excluded) else dict(excluded or {})
         self.buckets = tuple(buckets)
@@ -77,7 +93,10 @@ class Index:
         self.bucket_by = dict(bucket_by)
         self.exts = tuple(exts)
         self.name, self.path = name, path
+        self.cost_kind = cost_kind
+        self.relocate = tuple(relocate)
         self._json_bytes = dict(json_bytes) if json_bytes is not None else None
+        self._relative = bool(relative)
         where = path or name
         missing = [k for k in ARRAYS if k not in self.arrays]
         if missing:
@@ -100,6 +119,14 @@ class Index:
         if bo.size != len(self.buckets) + 1 or int(bo[0]) != 0 or int(bo[-1]) != n:
             raise IndexFormatError(f"index {where!r} is damaged: bucket offsets do not cover its {n} rows; "
                                    "rebuild it with `wds-pad index`")
+        costs = [k for k in COST_ARRAYS if k in self.arrays]
+        if costs and (len(costs) != len(COST_ARRAYS) or cost_kind is None
+                      or any(self.arrays[k].size != n for k in COST_ARRAYS)):
+            raise IndexFormatError(f"index {where!r} is damaged: its cost sections or cost kind are incomplete; "
+                                   "rebuild it with `wds-pad index --cost ...`")
+        if cost_kind is not None and not costs:
+            raise IndexFormatError(f"index {where!r} is damaged: it names a cost ({cost_kind!r}) but has no cost "
+                                   "section; rebuild it with `wds-pad index --cost ...`")
         self.digest = digest or self.compute_digest()
 
     # -- lazily parsed sections -----------------------------------------------------------
@@ -151,6 +178,19 @@ class Index:
         return int(np.searchsorted(self.bucket_offsets, int(i), side="right")) - 1
 
     @property
+    def folder(self) -> str | None:
+        """The folder the index file lies in (a URL prefix ending in ``/``), or None."""
+        return index_folder(self.path)
+
+    @property
+    def stored_urls(self) -> tuple[str, ...]:
+        """The shard URLs as the file stores them (relative to :attr:`folder` where the
+        shards sit beside or below it): what identifies a shard across a move."""
+        if self._json_bytes is not None:
+            return tuple(s["url"] for s in json.loads(bytes(self._json_bytes["shards"])))
+        return tuple(stored_urls(list(self.urls), self.folder)[0])
+
+    @property
     def urls(self) -> tuple[str, ...]:
         shards = self.shards
         cached = self.__dict__.get("_urls")
@@ -198,6 +238,45 @@ class Index:
         return Dataset(name=name or self.name, buckets={k: IdRange(bo[b], bo[b + 1]) for b, k in enumerate(self.buckets)},
                        repeats=repeats, weight=weight)
 
+    # -- costs ---------------------------------------------------------------------------
+    @property
+    def cost(self) -> np.ndarray | None:
+        """Each sample's cost (``cost_kind`` says of what), memory-mapped when loaded; None
+        for an index built without ``--cost``."""
+        return self.arrays.get("cost")
+
+    def cost_order(self, start: int, stop: int, k: int | Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        """The rows of one bucket, cheapest first (equal costs by row id), as int64 ids.
+
+        Args:
+            start, stop: the bucket's row range, ``bucket_offsets[b]`` and
+                ``bucket_offsets[b + 1]`` (rows of a bucket are contiguous).
+            k: only these ranks (0: the cheapest): the k-th cheapest row in O(1) each,
+                nothing sorted or materialised beyond them.
+
+        Raises:
+            IndexFormatError: the index has no costs.
+            ConfigError: ``start, stop`` is not one bucket's row range, or a rank is out
+                of it.
+        """
+        if "cost_order" not in self.arrays:
+            raise IndexFormatError(f"index {self.path or self.name!r} has no costs; build it with "
+                                   "`wds-pad index ... --cost json:FIELD|image:pixels|bytes`")
+        bo = self.bucket_offsets
+        b = int(np.searchsorted(bo[:-1], int(start), side="right")) - 1  # the last bucket starting there
+        if int(start) == int(stop) and 0 <= b and int(bo[b]) == int(start):
+            b = int(np.searchsorted(bo[:-1], int(start), side="left"))  # an empty bucket starts there too
+        if not (0 <= b < len(self.buckets) and int(bo[b]) == int(start) and int(bo[b + 1]) == int(stop)):
+            raise ConfigError(f"cost_order({start}, {stop}): not the row range of one bucket; bucket b holds rows "
+                              "bucket_offsets[b] to bucket_offsets[b + 1]")
+        order = self.arrays["cost_order"]
+        if k is None:
+            return order[start:stop].astype(np.int64) + int(start)
+        at = np.asarray(k, dtype=np.int64)
+        if at.size and (int(at.min()) < 0 or int(at.max()) >= int(stop) - int(start)):
+            raise ConfigError(f"cost_order: rank out of range for a bucket of {int(stop) - int(start)} rows")
+        return order[int(start) + at].astype(np.int64) + int(start)
+
     @property
     def has_members(self) -> bool:
         """Whether the index records its samples' members (the member table sections)."""
@@ -205,7 +284,7 @@ class Index:
 
     def numeric_sections(self) -> tuple[str, ...]:
         """The numeric sections this index holds, in file order."""
-        return ARRAYS + tuple(k for k in MEMBER_ARRAYS if k in self.arrays)
+        return ARRAYS + tuple(k for k in MEMBER_ARRAYS + COST_ARRAYS if k in self.arrays)
 
     def member_offsets(self, at: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Payload offsets (from their sample's first byte) of the member rows ``at``:
@@ -232,15 +311,34 @@ class Index:
     # -- digest --------------------------------------------------------------------------
     def compute_digest(self) -> str:
         return content_digest(self.buckets, self.exts, self.json_blobs(),
-                       ((k, self.arrays[k].dtype, [self.arrays[k]]) for k in self.numeric_sections()))
+                              ((k, self.arrays[k].dtype, [self.arrays[k]]) for k in self.numeric_sections()),
+                              cost=self.cost_kind, relative=self.relative)
 
     def json_blobs(self) -> dict[str, bytes]:
-        """The JSON sections' bytes: as stored when loaded, else as they will be written."""
+        """The JSON sections' bytes: as stored when loaded, else as a file at ``path``
+        will store them."""
         raw = self._json_bytes
-        return dict(raw) if raw is not None else json_sections(self.shards, self.excluded)
+        return dict(raw) if raw is not None else json_sections(self.shards, self.excluded, self.folder)
+
+    @property
+    def relative(self) -> bool:
+        """Whether the file stores some shard URL relative to its folder."""
+        if self._json_bytes is not None:
+            return self._relative
+        return stored_urls(list(self.urls), self.folder)[1]
 
     def header(self) -> dict[str, Any]:
-        return file_header(self.name, len(self), self.buckets, self.bucket_by, self.exts, self.digest)
+        return file_header(self.name, len(self), self.buckets, self.bucket_by, self.exts, self.digest,
+                           cost=self.cost_kind, relative=self.relative)
+
+    def located(self, path: str) -> "Index":
+        """This index as written at ``path``: its absolute (relocated) shard URLs stored
+        relative to ``path``'s folder where they sit beside or below it, the digest of
+        that file. The same object if it already is that file."""
+        if path == self.path and not self.relocate:
+            return self
+        return Index(shards=self.shards, buckets=self.buckets, arrays=self.arrays, bucket_by=self.bucket_by,
+                     exts=self.exts, excluded=self.excluded, name=self.name, path=path, cost_kind=self.cost_kind)
 
     def bytes_per_sample(self) -> dict[str, float]:
         """On-disk bytes per sample of each section (and ``total``)."""

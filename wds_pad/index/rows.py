@@ -20,7 +20,9 @@ Invariants:
   streaming parses their headers;
 - an Index made here has its buckets in canonical order (``bucket_order``) and its rows
   grouped by bucket, stable (shard order, then byte order, inside each), every column
-  as narrow as its values allow.
+  as narrow as its values allow;
+- with costs (``cost`` per sample, every shard's), the cost order is each bucket's rows
+  sorted by cost, equal costs by row id (one stable sort), as offsets in the bucket.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ import numpy as np
 from ..errors import ConfigError, ShardError
 from ..io.redact import redact
 from ..core.dataset import bucket_order
-from .layout import column_dtypes, member_dtypes
+from .layout import column_dtypes, cost_dtype, cost_values, member_dtypes, narrowest_int
 from .record import Index, ShardInfo
 
-__all__ = ["ShardRows", "assemble", "fit_exts", "grouped_index", "make_index", "unreadable"]
+__all__ = ["ShardRows", "assemble", "cost_order", "fit_exts", "grouped_index", "make_index", "unreadable"]
 
 
 @dataclass
@@ -57,6 +59,7 @@ class ShardRows:
     member_ext: np.ndarray | None = None    # bit numbers of ``exts`` (uint8), samples back to back
     member_size: np.ndarray | None = None   # payload sizes
     member_offset: np.ndarray | None = None  # payload offsets from the sample's first byte
+    cost: np.ndarray | None = None  # each kept sample's cost (``cost_values``); None: no costs
 
 
 def unreadable(url: str, exc: Exception) -> ShardRows:
@@ -66,7 +69,10 @@ def unreadable(url: str, exc: Exception) -> ShardRows:
     return rows
 
 
-def assemble(parts: Sequence[ShardRows], bucket_by: Mapping[str, Any], skipped: list[dict[str, Any]], name: str) -> Index:
+def assemble(parts: Sequence[ShardRows], bucket_by: Mapping[str, Any], skipped: list[dict[str, Any]], name: str,
+             *, cost_kind: str | None = None, path: str | None = None) -> Index:
+    """The Index of the shards' rows (in shard order), at ``path`` (where it will be
+    written: its digest is of that file), with costs when ``cost_kind`` is given."""
     ext_table = sorted({e for p in parts for e in _present_exts(p)})
     if len(ext_table) > 64:
         raise ConfigError(f"{len(ext_table)} distinct member extensions; the index records at most 64")
@@ -74,7 +80,7 @@ def assemble(parts: Sequence[ShardRows], bucket_by: Mapping[str, Any], skipped: 
     bucket_keys: list[Hashable] = []
     bucket_id: dict[Hashable, int] = {}
     shard_col, offset, length, bucket, masks, keys = [], [], [], [], [], []
-    mcount, mext, msize, moffset = [], [], [], []
+    mcount, mext, msize, moffset, costs = [], [], [], [], []
     excluded_samples: list[dict[str, Any]] = []
     for si, p in enumerate(parts):
         n = len(p.keys)
@@ -99,6 +105,8 @@ def assemble(parts: Sequence[ShardRows], bucket_by: Mapping[str, Any], skipped: 
             mext.append(to[np.asarray(p.member_ext, np.intp)])
             msize.append(np.asarray(p.member_size, np.int64))
             moffset.append(np.asarray(p.member_offset, np.int64))
+        if cost_kind is not None:
+            costs.append(p.cost if p.cost is not None else np.zeros(0, np.int64))
         keys.extend(p.keys)
         excluded_samples.extend(p.excluded)
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
@@ -106,13 +114,16 @@ def assemble(parts: Sequence[ShardRows], bucket_by: Mapping[str, Any], skipped: 
             "length": cat(length, np.int64), "bucket": cat(bucket, np.int64), "exts": cat(masks, np.uint64),
             "member_count": cat(mcount, np.int64), "member_ext": cat(mext, np.uint8),
             "member_size": cat(msize, np.int64), "member_offset": cat(moffset, np.int64)}
+    if cost_kind is not None:
+        floats = any(c.dtype.kind == "f" for c in costs)
+        rows["cost"] = cat(costs, np.float64 if floats else np.int64)
     excluded = {"samples": excluded_samples, "shards": skipped,
                 "count": len(excluded_samples)}
     if len(excluded_samples) > 10_000:  # keep the header small; the count stays exact
         excluded["samples"] = excluded_samples[:10_000]
         excluded["truncated"] = True
     return make_index([p.info for p in parts], rows, bucket_keys, keys, bucket_by=bucket_by,
-                      exts=ext_table, excluded=excluded, name=name)
+                      exts=ext_table, excluded=excluded, name=name, cost_kind=cost_kind, path=path)
 
 
 def fit_exts(parts: list[ShardRows], on_error: str) -> list[ShardRows]:
@@ -158,21 +169,26 @@ def _remap_mask(p: ShardRows, bit: Mapping[str, int]) -> np.ndarray:
 def make_index(
     shards: Sequence[ShardInfo], rows: Mapping[str, np.ndarray], bucket_keys: Sequence[Hashable],
     keys: Sequence[str], *, bucket_by: Mapping[str, Any], exts: Sequence[str],
-    excluded: Mapping[str, Any] | None = None, name: str = "index",
+    excluded: Mapping[str, Any] | None = None, name: str = "index", cost_kind: str | None = None,
+    path: str | None = None,
 ) -> Index:
     """Assemble an Index from per-sample rows in shard order (``rows["bucket"]`` indexes
-    ``bucket_keys``): buckets re-numbered in canonical order, rows grouped by bucket."""
+    ``bucket_keys``): buckets re-numbered in canonical order, rows grouped by bucket.
+
+    With ``cost_kind``, ``rows["cost"]`` holds each sample's cost (non-negative, finite);
+    ``path`` is where the index will be written (its shard URLs stored relative to it)."""
     ordered = sorted(set(bucket_keys), key=bucket_order)
     remap = np.asarray([ordered.index(k) for k in bucket_keys], dtype=np.int32)
     bucket = remap[np.asarray(rows["bucket"], np.int64)] if len(bucket_keys) else np.zeros(0, np.int32)
     key_offsets, key_bytes = _pack_keys(keys)
     return grouped_index(shards, ordered, {**rows, "bucket": bucket}, key_offsets, key_bytes, bucket_by=bucket_by,
-                    exts=exts, excluded=excluded, name=name)
+                    exts=exts, excluded=excluded, name=name, cost_kind=cost_kind, path=path)
 
 
 def grouped_index(shards: Sequence[ShardInfo], buckets: Sequence[Hashable], rows: Mapping[str, np.ndarray],
              key_offsets: np.ndarray, keys: np.ndarray, *, bucket_by: Mapping[str, Any], exts: Sequence[str],
-             excluded: Mapping[str, Any] | None, name: str) -> Index:
+             excluded: Mapping[str, Any] | None, name: str, cost_kind: str | None = None,
+             path: str | None = None) -> Index:
     """An Index of rows given in shard order with canonical bucket ids: rows grouped by
     bucket (stable, so shard then byte order inside each), every column narrowed."""
     bucket = np.asarray(rows["bucket"])
@@ -204,8 +220,29 @@ def grouped_index(shards: Sequence[ShardInfo], buckets: Sequence[Hashable], rows
                             int(moff.max()) if moff.size else 0)
         arrays.update(member_start=new_start.astype(mdt["member_start"]), member_ext=ext,
                       member_size=size.astype(mdt["member_size"]), member_offset=moff.astype(mdt["member_offset"]))
+    if cost_kind is not None:
+        cost = cost_values(np.asarray(rows["cost"]))[order]
+        if n and not (bool(np.all(np.isfinite(cost))) and cost.min() >= 0):
+            raise ConfigError(f"index {name!r}: costs must be non-negative finite numbers (the smallest given is "
+                              f"{cost.min()!r})")
+        integral = cost.dtype.kind == "i"
+        arrays["cost"] = cost.astype(cost_dtype(integral, cost.max() if n else 0))
+        arrays["cost_order"] = cost_order(cost, bounds)
     return Index(shards=tuple(shards), buckets=tuple(buckets), arrays=arrays, bucket_by=dict(bucket_by),
-                 exts=tuple(exts), excluded=dict(excluded or {}), name=name)
+                 exts=tuple(exts), excluded=dict(excluded or {}), name=name, path=path, cost_kind=cost_kind)
+
+
+def cost_order(cost: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Each bucket's rows in cost order, equal costs by row id, as offsets from the
+    bucket's first row (``bounds``: the bucket offsets), in the narrowest signed type
+    holding the largest bucket."""
+    sizes = np.diff(bounds)
+    dt = narrowest_int(max(int(sizes.max()) - 1, 0) if sizes.size else 0)
+    if not cost.size:
+        return np.zeros(0, dt)
+    bucket = np.repeat(np.arange(sizes.size, dtype=np.int64), sizes)
+    order = np.lexsort((cost, bucket))  # stable: equal costs keep row order
+    return (order - np.repeat(bounds[:-1], sizes)).astype(dt)
 
 
 def _pack_keys(keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

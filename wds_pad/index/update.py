@@ -8,7 +8,9 @@ are unchanged from it (:func:`reusable_rows`) and scan only the others; ``wds-pa
 
 Invariants:
 - an update is refused when the previous index was bucketed otherwise than the
-  function given (ConfigError naming both);
+  function given, or recorded another cost (or none, or costs where none are asked
+  for): a ConfigError naming both, whose fix is a full rebuild; reused rows keep their
+  costs, rescanned ones get new ones;
 - a reused shard's rows are the ones a scan would give (byte order, the member table,
   its excluded samples): the updated index is the one a full build gives; a shard whose
   member table misses a sample is rescanned instead;
@@ -24,26 +26,42 @@ import numpy as np
 
 from ..errors import ConfigError, ShardError
 from .buckets.builtin import SingleBucket
+from .buckets.cost import CostFn, parse_cost
 from .buckets.protocol import BucketFn
 from .codec import load_index
+from .layout import cost_values
 from .record import Index
 from .rows import ShardRows
 from .shardfile import Stat, shard_info
 
-__all__ = ["bucket_fn_of", "previous_index", "reusable_rows"]
+__all__ = ["bucket_fn_of", "cost_fn_of", "previous_index", "reusable_rows"]
 
 
-def previous_index(update: Index | str | None, fn: BucketFn,
-                   storage_options: Mapping[str, Any] | None) -> Index | None:
+def previous_index(update: Index | str | None, fn: BucketFn, storage_options: Mapping[str, Any] | None,
+                   cost: CostFn | None = None) -> Index | None:
     """The index an update reuses rows from (a version-1 file converted in memory),
-    refused if it was bucketed otherwise than ``fn``."""
+    refused if it was bucketed otherwise than ``fn`` or recorded another cost than
+    ``cost`` (its rows' costs could not be reused)."""
     previous = load_index(update, storage_options=storage_options, convert=True) if isinstance(update, str) else update
     if previous is not None and dict(previous.bucket_by) != dict(fn.describe()):
         raise ConfigError(
             f"--update: the previous index was bucketed by {dict(previous.bucket_by)}, now by "
             f"{fn.describe()}; rebuild without --update to change how buckets are computed"
         )
+    kind = cost.describe() if cost is not None else None
+    if previous is not None and previous.cost_kind != kind:
+        was = f"recorded costs {previous.cost_kind!r}" if previous.cost_kind else "recorded no costs"
+        now = f"--cost {kind}" if kind else "no --cost (Python: cost=None)"
+        raise ConfigError(
+            f"--update: the previous index {was}, this update asks for {now}; rebuild without --update to "
+            "change what costs are recorded (every shard is scanned again)"
+        )
     return previous
+
+
+def cost_fn_of(index: Index) -> CostFn | None:
+    """The cost function ``index`` recorded its costs with (None: it has none)."""
+    return parse_cost(index.cost_kind) if index.cost_kind is not None else None
 
 
 class _ReuseOnly:
@@ -127,6 +145,8 @@ def reusable_rows(previous: Index, urls: Sequence[str], storage_options: Mapping
         rows.keys = [previous.key(int(i)) for i in ids]
         rows.buckets = [previous.buckets[int(b)] for b in previous.bucket[ids]]
         rows.exts, rows.mask = list(previous.exts), previous.arrays["exts"][ids]
+        if previous.cost is not None:
+            rows.cost = cost_values(previous.cost[ids])
         if previous.has_members:  # the member table, in the same byte order
             ms = previous.arrays["member_start"]
             starts, ends = ms[ids].astype(np.int64), ms[ids + 1].astype(np.int64)

@@ -8,9 +8,9 @@ Invariants:
 - ``PlanSpec`` holds everything the plan depends on; :meth:`PlanSpec.plan_kwargs` lists
   the plan's arguments once, for the epoch's plan (``plan_epoch``) and the elastic
   remainder (``plan_remainder``) alike, so both plan the same epoch;
-- it pickles its indexes loaded from local files as their paths (workers re-map the
-  pages, and refuse an index that changed) and recomputes the identical plan in every
-  process;
+- it pickles its indexes loaded from local files as their paths and relocations
+  (workers re-map the pages, resolve the same shard URLs, and refuse an index that
+  changed) and recomputes the identical plan in every process;
 - the same spec on another data-parallel layout is ``dataclasses.replace(spec,
   topology=...)``: a new spec with a plan cache of its own;
 - :meth:`PlanSpec.fingerprint_fields` are a state's ``plan`` block, byte for byte as
@@ -149,18 +149,20 @@ class PlanSpec:
 
 
 class _IndexRef:
-    """Pickles an Index loaded from a local file as its path (workers re-map the pages)."""
+    """Pickles an Index loaded from a local file as its path and relocation (workers
+    re-map the pages and resolve its shard URLs as the main process did)."""
 
     def __init__(self, index: Index) -> None:
         local = index.path is not None and is_local(index.path)
         self.path = index.path if local else None
+        self.relocate = dict(index.relocate)
         self.digest = index.digest
         self.index = None if local else index
 
     def get(self) -> Index:
         if self.index is not None:
             return self.index
-        index = load_index(self.path, verify=False)  # type: ignore[arg-type]
+        index = load_index(self.path, verify=False, relocate=self.relocate)  # type: ignore[arg-type]
         if index.digest != self.digest:
             raise WdsPadError(f"index {self.path!r} changed while the job was running; restart the job")
         return index

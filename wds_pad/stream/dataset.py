@@ -91,6 +91,10 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             sample) or ``shard`` (each rank reads its own shards whole, through a window
             of ``window`` shards; docs/object-storage.md).
         window: shards a rank visits at once with ``locality="shard"``.
+        relocate: ``{old prefix: new prefix}`` for the shards of indexes given as paths
+            (``load_index(..., relocate=...)``): shards moved since they were indexed.
+            It travels into DataLoader workers and leaves the plan's fingerprint as it
+            was, so a state saved before the move resumes after it.
     """
 
     def __init__(
@@ -117,13 +121,17 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         cp_size: int = 1,
         locality: str = "none",
         window: int = 8,
+        relocate: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         items = list(index) if isinstance(index, (list, tuple)) else [index]
         if not items:
             raise ConfigError("BucketedWebDataset needs at least one index")
-        indexes = tuple(load_index(i, storage_options=storage_options) if isinstance(i, str) else i
-                        for i in items)
+        if relocate and not all(isinstance(i, str) for i in items):
+            raise ConfigError("BucketedWebDataset(relocate=...) applies to indexes given as paths; load an Index "
+                              "with load_index(path, relocate=...) instead")
+        indexes = tuple(load_index(i, storage_options=storage_options, relocate=relocate) if isinstance(i, str)
+                        else i for i in items)
         for ix in indexes:
             if not isinstance(ix, Index):
                 raise ConfigError(f"index must be a wds_pad Index or a path, got {type(ix).__name__}")

@@ -191,13 +191,13 @@ class Equalize:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         if self.index.path is not None:  # workers map the file instead of receiving a copy
-            state["index"] = (self.index.path, self.index.digest)
+            state["index"] = (self.index.path, self.index.digest, dict(self.index.relocate))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if isinstance(state["index"], tuple):
-            path, digest = state["index"]
-            state["index"] = load_index(path, verify=False)
+            path, digest, relocate = state["index"]
+            state["index"] = load_index(path, verify=False, relocate=relocate)
             if state["index"].digest != digest:
                 raise StaleShardError(f"index {path!r} changed while the pipeline was running; restart it")
         self.__dict__.update(state)

@@ -44,6 +44,8 @@ from ..io.redact import redact
 from ..core.seed import shared_seed
 from .live import OpenIterators, refuse_resplitting
 from ..core.shardsplit import WorkerPlan, worker_plan
+from ..index.location import is_relative
+from ..io.urls import canonical_url
 from .shards import dealing_order, local_path, shard_counts
 from ..state import fingerprint_of
 from ..state.cursor import Cursor, ShardProgress, WorkerPosition
@@ -66,6 +68,10 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         cp_size: ranks per data-parallel replica when detecting the topology.
         storage_options: fsspec options for remote shards (and a remote index).
         open_options: extra ``fs.open`` arguments (``block_size``, ``cache_type``).
+        relocate: ``{old prefix: new prefix}`` for the shards of an index given as a
+            path (``load_index(..., relocate=...)``). The shards are dealt and the state
+            fingerprinted by their URLs as the index stores them, so a state saved
+            before a move (or a relocation) resumes after it.
 
     With DataLoader workers, iterate it through :class:`ShardLoader`: a plain DataLoader
     works, but then only the workers know the position and ``state_dict`` cannot.
@@ -74,9 +80,13 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
     def __init__(self, index: Index | str, *, topology: Topology | None = None, seed: int | None = None,
                  epoch: int = 0, group: Any = None, cp_size: int = 1,
                  storage_options: Mapping[str, Any] | None = None,
-                 open_options: Mapping[str, Any] | None = None) -> None:
+                 open_options: Mapping[str, Any] | None = None,
+                 relocate: Mapping[str, str] | None = None) -> None:
         super().__init__()
-        ix = load_index(index, storage_options=storage_options) if isinstance(index, str) else index
+        if relocate and not isinstance(index, str):
+            raise ConfigError("ShardStream(relocate=...) applies to an index given as a path; load an Index with "
+                              "load_index(path, relocate=...) instead")
+        ix = load_index(index, storage_options=storage_options, relocate=relocate) if isinstance(index, str) else index
         if not isinstance(ix, Index):
             raise ConfigError(f"ShardStream needs a wds_pad Index or index path, got {type(index).__name__}")
         self.counts = shard_counts(ix, "ShardStream")  # no Index kept: workers get a small pickle
@@ -90,7 +100,8 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         self.stages: list[Callable[[Any], Any]] = []
         self._cursor = Cursor(check_epoch(epoch))  # the epoch and each worker's place in its shards
         self._tag = False   # under ShardLoader: yield (worker, position, item)
-        shards = [[s.url, s.size, s.stamp, s.samples] for s in ix.shards]
+        self._order = _dealing_order(ix)
+        shards = [[u, s.size, s.stamp, s.samples] for u, s in zip(ix.stored_urls, ix.shards)]
         self._fields, self._legacy_fingerprint = shard_plan_fields(
             self.seed, shards, sum(self.counts.values()), int(self.topology.dp_size))
         self._fingerprint = fingerprint_of(self._fields)
@@ -148,7 +159,7 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
     def plan(self, worker: int = 0, num_workers: int = 1) -> WorkerPlan:
         """What logical ``worker`` of this rank streams in the current epoch."""
         return worker_plan(self.counts, self.seed, self._cursor.epoch, self.topology, worker, num_workers,
-                           order=dealing_order(list(self.counts)))
+                           order=self._order)
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -177,7 +188,7 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
             self._check_workers(progress, num_workers)
         epoch, n = cursor.epoch, len(progress.positions)
         for w, pos in enumerate(progress.positions):
-            plan = worker_plan(self.counts, self.seed, epoch, self.topology, w, n, order=dealing_order(list(self.counts)))
+            plan = worker_plan(self.counts, self.seed, epoch, self.topology, w, n, order=self._order)
             if pos.yielded > plan.target:
                 raise StateMismatchError(f"worker {w} of the state yielded {pos.yielded} samples, more than "
                                          f"its {plan.target} in epoch {epoch}; the state is not of this stream")
@@ -303,6 +314,18 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
                                           "not know; the shard changed, re-index it")
                 sample: dict[str, Any] = {"__key__": s.key, "__url__": url, **meta, **s.data, "__pad__": pad}
                 yield sample, offset + s.offset + s.length
+
+
+def _dealing_order(index: Index) -> list[str]:
+    """The index's shard URLs in the order they are dealt: sorted by the URL the index
+    stores (relative to its folder where it does so, else canonical), which a moved
+    folder or a relocation leaves as it was; for an index that was not moved, the order
+    of ``dealing_order`` (a common folder prefix does not change an order)."""
+    urls = dealing_order(list(index.urls))  # refuses a shard listed twice
+    stored = dict(zip(index.urls, index.stored_urls))
+    relative = index.relative
+    key = {u: stored[u] if relative and is_relative(stored[u]) else canonical_url(stored[u]) for u in urls}
+    return sorted(urls, key=key.__getitem__)
 
 
 class _Batcher:

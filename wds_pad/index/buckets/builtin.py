@@ -29,10 +29,10 @@ from .imagesize import image_size_or_none
 from .protocol import BucketKey, check_member
 from .ratios import RatioLike, format_number, normalize_ratios, quantize
 
-__all__ = ["AspectBuckets", "ImageBuckets", "JsonField", "SingleBucket"]
+__all__ = ["AspectBuckets", "ImageBuckets", "ImageMember", "JsonField", "SingleBucket", "get_path", "load_json"]
 
 
-def _load_json(key: str, data: Mapping[str, bytes], member: str) -> Any:
+def load_json(key: str, data: Mapping[str, bytes], member: str) -> Any:
     raw = data.get(member)
     if raw is None:
         raise BucketError(
@@ -51,7 +51,7 @@ def _load_json(key: str, data: Mapping[str, bytes], member: str) -> Any:
 _json_decode = json.JSONDecoder().decode
 
 
-def _get_path(doc: Any, path: str, key: str, member: str) -> Any:
+def get_path(doc: Any, path: str, key: str, member: str) -> Any:
     node = doc
     for part in path.split("."):
         if not isinstance(node, Mapping) or part not in node:
@@ -68,7 +68,7 @@ def _positive_number(doc: Any, path: str, key: str, member: str) -> float:
     if type(value) is int or type(value) is float:
         if value > 0 and value != math.inf:
             return float(value)
-    value = _get_path(doc, path, key, member)
+    value = get_path(doc, path, key, member)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BucketError(f"sample {key!r}: field {path!r} = {value!r} is not a number")
     if not (math.isfinite(value) and value > 0):
@@ -143,7 +143,7 @@ class AspectBuckets(_OneMember, AspectColumns):
         object.__setattr__(self, "_logs", logs)
 
     def __call__(self, key: str, data: Mapping[str, bytes]) -> str:
-        doc = _load_json(key, data, self.member)
+        doc = load_json(key, data, self.member)
         width = _positive_number(doc, self.width_field, key, self.member)
         height = _positive_number(doc, self.height_field, key, self.member)
         return quantize(width / height, self.ratios, self._logs, self.step)  # type: ignore[arg-type]
@@ -203,7 +203,7 @@ class JsonField(_OneMember):
         return f">={format_number(bounds[-1])}"
 
     def __call__(self, key: str, data: Mapping[str, bytes]) -> BucketKey:
-        value = _get_path(_load_json(key, data, self.member), self.field, key, self.member)
+        value = get_path(load_json(key, data, self.member), self.field, key, self.member)
         if self.boundaries is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise BucketError(
@@ -233,43 +233,23 @@ class JsonField(_OneMember):
         }
 
 
-@dataclass(frozen=True)
-class ImageBuckets:
-    """Aspect buckets from the image member's own header (no JSON, no decoding).
+class ImageMember:
+    """What reads an image member's header (:class:`ImageBuckets`, the ``image:pixels``
+    cost): the first of ``exts`` present in a sample, its first ``head_bytes``, and its
+    stored width and height (:func:`image_size_or_none`, nothing decoded)."""
 
-    Keys are as for :class:`AspectBuckets`. The first of ``exts`` present in the sample
-    is used. If the size lies beyond ``head_bytes`` (a JPEG with a large EXIF or ICC
-    segment before its SOF), :meth:`needs_more` is true: the indexer should re-read the
-    whole member and call again; a call on the short read raises a BucketError that
-    says so.
+    exts: tuple[str, ...]
+    head_bytes: int | None
 
-    Args:
-        ratios: Candidate ratios, as for :class:`AspectBuckets`.
-        step: Round the ratio to this multiple instead.
-        exts: Image member extensions, in order of preference.
-        head_bytes: Bytes of the member to read first (None: the whole member).
-    """
-
-    ratios: Sequence[RatioLike] | str | None = None
-    step: float | None = None
-    exts: tuple[str, ...] = ("png", "jpg", "jpeg", "webp")
-    head_bytes: int | None = 65536
-    _logs: tuple[float, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
+    def _check_image_fields(self, what: str) -> None:
         if isinstance(self.exts, str) or not self.exts:
-            raise ConfigError(
-                f"ImageBuckets.exts must be a non-empty tuple like ('png', 'jpg'), got {self.exts!r}"
-            )
+            raise ConfigError(f"{what}.exts must be a non-empty tuple like ('png', 'jpg'), got {self.exts!r}")
         object.__setattr__(self, "exts", tuple(self.exts))
         for ext in self.exts:
-            check_member(ext, "ImageBuckets.exts item")
+            check_member(ext, f"{what}.exts item")
         hb = self.head_bytes
         if hb is not None and (isinstance(hb, bool) or not isinstance(hb, int) or hb < 64):
-            raise ConfigError(f"ImageBuckets.head_bytes must be None or an int >= 64, got {hb!r}")
-        labels, logs = normalize_ratios(self.ratios, self.step, "ImageBuckets")
-        object.__setattr__(self, "ratios", labels)
-        object.__setattr__(self, "_logs", logs)
+            raise ConfigError(f"{what}.head_bytes must be None or an int >= 64, got {hb!r}")
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -297,7 +277,13 @@ class ImageBuckets:
                     return False
         return False
 
-    def __call__(self, key: str, data: Mapping[str, bytes]) -> str:
+    def image_size(self, key: str, data: Mapping[str, bytes]) -> tuple[int, int]:
+        """(width, height) of the sample's image member, from its header.
+
+        Raises:
+            BucketError: no image member, a damaged header, or the size not within the
+                bytes read (naming the sample and the member).
+        """
         ext, raw = self._pick(key, data)
         try:
             size = image_size_or_none(raw)
@@ -313,7 +299,41 @@ class ImageBuckets:
             raise BucketError(
                 f"sample {key!r}: .{ext} member is truncated after {len(raw)} bytes, before its size"
             )
-        return quantize(size[0] / size[1], self.ratios, self._logs, self.step)  # type: ignore[arg-type]
+        return size
+
+
+@dataclass(frozen=True)
+class ImageBuckets(ImageMember):
+    """Aspect buckets from the image member's own header (no JSON, no decoding).
+
+    Keys are as for :class:`AspectBuckets`. The first of ``exts`` present in the sample
+    is used. If the size lies beyond ``head_bytes`` (a JPEG with a large EXIF or ICC
+    segment before its SOF), :meth:`needs_more` is true: the indexer should re-read the
+    whole member and call again; a call on the short read raises a BucketError that
+    says so.
+
+    Args:
+        ratios: Candidate ratios, as for :class:`AspectBuckets`.
+        step: Round the ratio to this multiple instead.
+        exts: Image member extensions, in order of preference.
+        head_bytes: Bytes of the member to read first (None: the whole member).
+    """
+
+    ratios: Sequence[RatioLike] | str | None = None
+    step: float | None = None
+    exts: tuple[str, ...] = ("png", "jpg", "jpeg", "webp")
+    head_bytes: int | None = 65536
+    _logs: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_image_fields("ImageBuckets")
+        labels, logs = normalize_ratios(self.ratios, self.step, "ImageBuckets")
+        object.__setattr__(self, "ratios", labels)
+        object.__setattr__(self, "_logs", logs)
+
+    def __call__(self, key: str, data: Mapping[str, bytes]) -> str:
+        width, height = self.image_size(key, data)
+        return quantize(width / height, self.ratios, self._logs, self.step)  # type: ignore[arg-type]
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -323,4 +343,3 @@ class ImageBuckets:
             "ratios": list(self.ratios) if self.ratios else None,  # type: ignore[arg-type]
             "step": self.step,
         }
-
