@@ -34,7 +34,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Topology:
     """A frozen record of this rank's place in the job.
 
@@ -114,6 +114,10 @@ class Topology:
         object.__setattr__(self, "dp_size", dp)
         object.__setattr__(self, "dp_rank", dp_rank)
         object.__setattr__(self, "cp_rank", cp_rank)
+
+    def __repr__(self) -> str:
+        shown = [f"{k}={v!r}" for k, v in asdict(self).items() if k != "local_world_size" or v is not None]
+        return f"Topology({', '.join(shown)})"
 
     # -- conversions -------------------------------------------------------------------
     def to_dict(self) -> dict[str, int]:
