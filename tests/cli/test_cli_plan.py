@@ -382,3 +382,7 @@ def test_summary_reports_shuffle_quality_and_the_gets_of_the_ranks_node(tmp_path
         assert reading[locality] == {**asdict(f), "foreign_fraction": f.foreign_fraction,
                                      "node": {**asdict(node), "gets_per_shard": node.gets_per_shard}}
     assert reading["none"]["node"]["gets"] == sum(p.samples.size for p in plans("none", 8, range(0, 4), 4))
+    lonely = wds_pad("inspect", str(index), "--world-size", "8", "--batch-size", "4", "--local-world-size", "4")
+    assert lonely.returncode == 2 and lonely.stdout == ""
+    assert lonely.stderr == ("wds-pad inspect: error: --local-world-size L needs --locality (with --world-size and "
+                             "--batch-size): it adds node 0's reading cost to the locality lines\n")

@@ -106,6 +106,9 @@ def _summary(index: Any, pad: dict[Hashable, Any] | None) -> dict[str, Any]:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ..index.codec import load_index
 
+    if args.local_world_size is not None and args.locality is None:
+        raise _usage("inspect", "--local-world-size L needs --locality (with --world-size and --batch-size): "
+                                "it adds node 0's reading cost to the locality lines")
     index = load_index(args.index)
     pad = _padding_stats(args, index)
     what_if = _what_if_locality(index, args) if pad is not None and args.locality is not None else None
