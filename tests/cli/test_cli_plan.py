@@ -145,6 +145,8 @@ def test_summary_for_every_rank_ends_with_every_rank() -> None:
         (["--buckets", "a=4", "--batch-size", "0"], "expected a positive integer, got 0"),
         (["--buckets", "a=4", "--pad", "weird"], "invalid choice: 'weird'"),
         (["--buckets", "a=4", "--mode", "steps"], "--mode steps needs --steps K"),
+        (["--buckets", "a=4", "--locality", "bogus"], "unknown locality 'bogus'; expected one of: none, shard"),
+        (["--buckets", "a=4", "--local-world-size", "3"], "world_size 2 is not divisible by local_world_size 3"),
         (["--buckets", "a=4", "--summary"], "not allowed with argument"),
         ([], "give either INDEX file(s) or --buckets"),
         (["--buckets", "a=4", "--seed", "18446744073709551616"], "seed must be in [0, 2**64), got 18446744073709551616"),
@@ -366,3 +368,60 @@ def test_planning_doc_prose_names_the_windows_its_command_prints(policy: str) ->
         order = _listed(re.search(r"shuffled order for seed 3 is `\[([^\]]*)\]`", " ".join(text.split()))[1])
         lost = re.search(r"loses the other (\d+) \(`\[([^\]]*)\]`\)", section)
         assert c == order[: len(c)] and _listed(lost[2]) == order[len(c):] and int(lost[1]) == len(order) - len(c)
+
+
+def test_summary_reports_shuffle_quality_and_the_gets_of_the_ranks_node(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    from wds_pad import load_index
+    from wds_pad.core.localfigures import figures, node_figures
+    from wds_pad.core.locality import shard_map_of
+    from wds_pad.io.options import ReadOptions
+
+    index = _blob_index(tmp_path)
+    ix = load_index(str(index))
+    reads = ([ix.shard], [ix.length], [[s.size for s in ix.shards]], ReadOptions().block_bytes)
+    sources = {"none": ix.to_dataset(), "shard": shard_map_of(ix, ix.to_dataset())}
+
+    def plans(locality: str, world: int, ranks: range, local: int) -> list[Any]:
+        return [plan_epoch(sources[locality], Topology(world, r, local_world_size=local), seed=3, batch_size=4,
+                           locality=locality, window=2, warn=False) for r in ranks]
+
+    args = [str(index), "--world-size", "4", "--rank", "2", "--batch-size", "4", "--seed", "3", "--window", "2"]
+    out = wds_pad("plan", *args, "--summary", "--locality", "shard", "--local-world-size", "2")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    at = [i for i, line in enumerate(lines) if line.startswith("locality ")]
+    assert [lines[i].split(":")[0] for i in at] == ["locality shard", "locality none (the other choice)"]
+    for i, locality in zip(at, ("shard", "none")):
+        node_plans = plans(locality, 4, range(2, 4), 2)
+        f = figures(node_plans[0], *reads)
+        assert f"{f.distinct_per_batch:.1f} distinct shards per batch, shuffle quality {f.shuffle_quality:.2f} bits, " \
+            f"{f.gets} GETs per epoch" in lines[i]
+        node = node_figures(node_plans, *reads)
+        head = f"  node 1 (ranks 2-3, one copy of each shard): holds {node.shards} shards, {node.gets} GETs per epoch"
+        if locality == "shard":
+            assert node.shards > 0
+            assert lines[i + 1] == (f"{head} = {node.gets / node.shards:.2f} x the shards it holds ({node.single} "
+                                    f"single reads of shards it does not hold, {node.served} served by its copy); "
+                                    f"{node.alone} without sharing")
+        else:
+            assert lines[i + 1] == f"{head} (every sample a single read); {node.alone} without sharing"
+    alone = wds_pad("plan", *args, "--summary", "--locality", "shard")
+    assert alone.returncode == 0 and not any(line.startswith("  node ") for line in alone.stdout.splitlines())
+    # inspect --json carries the same figures, rank 0's and node 0's
+    got = wds_pad("inspect", str(index), "--world-size", "8", "--batch-size", "4", "--seed", "3", "--window", "2",
+                  "--locality", "shard", "--local-world-size", "4", "--json")
+    assert got.returncode == 0, got.stderr
+    reading = json.loads(got.stdout)["reading"]
+    assert list(reading) == ["shard", "none"]
+    for locality in ("shard", "none"):
+        node_plans = plans(locality, 8, range(0, 4), 4)
+        f, node = figures(node_plans[0], *reads), node_figures(node_plans, *reads)
+        assert reading[locality] == {**asdict(f), "foreign_fraction": f.foreign_fraction,
+                                     "node": {**asdict(node), "gets_per_shard": node.gets_per_shard}}
+    assert reading["none"]["node"]["gets"] == sum(p.samples.size for p in plans("none", 8, range(0, 4), 4))
+    lonely = wds_pad("inspect", str(index), "--world-size", "8", "--batch-size", "4", "--local-world-size", "4")
+    assert lonely.returncode == 2 and lonely.stdout == ""
+    assert lonely.stderr == ("wds-pad inspect: error: --local-world-size L needs --locality (with --world-size and "
+                             "--batch-size): it adds node 0's reading cost to the locality lines\n")

@@ -202,40 +202,15 @@ def _print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
               f"{plan.steps} steps per epoch, {_batches_per_rank(plan, all_ranks)}\n")
 
 
-def _print_locality(plan: Any, indexes: Sequence[Any], sources: Sequence[Any], topo: Any,
-                    args: argparse.Namespace, out: Any) -> None:
-    """What this rank's epoch costs to read (``plan --summary`` with index files): shards
-    read whole, single-range reads, distinct shards per batch, GETs and bytes read per
-    byte used, for the planned locality beside the other one."""
-    from ..core.locality import figures
-    from ..core.plan import plan_epoch
-    from ..io.options import ReadOptions
+def _locality_arg(text: str) -> str:
+    """``--locality``: any value of the library's ``Locality``, with its message otherwise."""
+    from ..core.locality import Locality
+    from ..core.policy import _enum
 
-    block = ReadOptions().block_bytes
-    shard_of = [ix.shard for ix in indexes]
-    lengths = [ix.length for ix in indexes]
-    shard_bytes = [[max(s.size, 0) for s in ix.shards] for ix in indexes]
-    other = "none" if plan.locality.value == "shard" else "shard"
-    plans = {plan.locality.value: plan}
-    if other == "none":
-        datasets = [getattr(s, "dataset", s) for s in sources]
-    else:
-        from ..core.locality import shard_map_of
-
-        datasets = [shard_map_of(ix, s) for ix, s in zip(indexes, sources)]
-    plans[other] = plan_epoch(datasets, topo, seed=args.seed, epoch=getattr(args, "epoch", 0),
-                              batch_size=args.batch_size, policy=args.pad, oversubscribe=args.oversubscribe,
-                              pad_to=getattr(args, "pad_to", "batch"), mode=getattr(args, "mode", "epochs"),
-                              warn=False, locality=other, window=args.window)
-    for name in (plan.locality.value, other):
-        f = figures(plans[name], shard_of, lengths, shard_bytes, block)
-        chosen = "" if name == plan.locality.value else " (the other choice)"
-        out.write(f"locality {name}{chosen}: rank {topo.rank} reads {f.shards} shards whole "
-                  f"(window {args.window}), {f.single} of {f.entries} samples by single reads "
-                  f"({100 * f.foreign_fraction:.1f}%; {f.foreign} foreign), "
-                  f"{f.distinct_per_batch:.1f} distinct shards per batch, "
-                  f"{f.gets} GETs per epoch (blocks of {_nbytes(block)}), bytes read / used "
-                  f"{f.bytes_read / max(f.bytes_used, 1):.2f}\n")
+    try:
+        return str(_enum(Locality, text, "locality").value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _batches_per_rank(plan: Any, all_ranks: bool) -> str:

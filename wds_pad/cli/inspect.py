@@ -2,7 +2,9 @@
 a job would get and a plot of it.
 
 Invariants:
-- ``--json`` prints exactly one JSON object on stdout, and nothing else;
+- ``--json`` prints exactly one JSON object on stdout, and nothing else; with
+  ``--locality`` its ``reading`` holds the figures the tables print (rank 0's, and node
+  0's with ``--local-world-size``), per locality;
 - the padding shown is what ``plan_epoch`` does with each bucket for the given job
   (it needs both ``--world-size`` and ``--batch-size``, else a usage error, exit 2);
 - loading the index and planning its padding never import torch;
@@ -22,11 +24,11 @@ import sys
 from typing import Any, Hashable
 
 from .common import (
+    _locality_arg,
     _nbytes,
     _non_negative,
     _plot,
     _positive,
-    _print_locality,
     _report_excluded,
     _usage,
     add_relocate,
@@ -35,6 +37,7 @@ from .common import (
     plot_path,
     relocation,
 )
+from .reading import print_reading, reading_figures, reading_json
 
 __all__ = ["add_parser"]
 
@@ -59,13 +62,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--pad", choices=["auto", "cyclic", "drop", "none"], default="auto", help="padding policy")
     p.add_argument("--repeats", type=_non_negative, default=0)
     p.add_argument("--oversubscribe", action="store_true")
-    p.add_argument("--locality", choices=["none", "shard"], default=None,
+    p.add_argument("--locality", type=_locality_arg, default=None,
                    help="with --world-size/--batch-size: also show what rank 0's epoch costs to read")
     p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
     p.add_argument("--budget", type=_budget_arg, metavar="B",
                    help="an index with costs: also count, per bucket, the samples dearer than B and name them "
                         "(each travels alone in a batch under a budget of B)")
     add_relocate(p)
+    p.add_argument("--local-world-size", type=_positive, metavar="L",
+                   help="with --locality: processes per node; also show what node 0's epoch costs to read "
+                        "when its processes share one copy of each shard")
     p.set_defaults(func=_cmd_inspect)
 
 
@@ -158,6 +164,9 @@ def _summary(index: Any, pad: dict[Hashable, Any] | None, budget: float | None =
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ..index.codec import load_index
 
+    if args.local_world_size is not None and args.locality is None:
+        raise _usage("inspect", "--local-world-size L needs --locality (with --world-size and --batch-size): "
+                                "it adds node 0's reading cost to the locality lines")
     if args.plot:  # a format matplotlib cannot write is refused before anything is loaded
         args.plot = plot_path(args.plot)
     index = load_index(args.index, relocate=relocation(args))
@@ -165,50 +174,39 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         raise _usage("inspect", f"--budget needs an index with costs; {args.index} has none (build it with "
                                 "`wds-pad index ... --cost json:FIELD|image:pixels|bytes`)")
     pad = _padding_stats(args, index)
+    what_if = _what_if_locality(index, args) if pad is not None and args.locality is not None else None
     if args.plot:
-        _plot(index, pad, args, _reading(index, args) if pad is not None and args.locality is not None else None)
+        _plot(index, pad, args, {name: f for name, (f, _) in what_if[1].items()} if what_if else None)
     if args.json:
-        sys.stdout.write(json.dumps(_summary(index, pad, args.budget)) + "\n")
+        record = _summary(index, pad, args.budget)
+        if what_if is not None:
+            record["reading"] = reading_json(what_if[1])
+        sys.stdout.write(json.dumps(record) + "\n")
         return 0
     _print_tables(index, pad, args, sys.stdout)
-    if pad is not None and args.locality is not None:
-        _what_if_locality(index, args, sys.stdout)
+    if what_if is not None:
+        plan, reading, ds, topo = what_if
+        sys.stdout.write("\n")
+        print_reading(plan, [index], [ds], topo, args, sys.stdout, reading)
     if args.plot:
         sys.stdout.write(f"plot written to {args.plot}\n")
     return 0
 
 
-def _reading(index: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """locality -> LocalityFigures of rank 0, for the plot's second panel."""
-    from ..core.locality import figures, shard_map_of
-    from ..core.plan import plan_epoch
-    from ..core.topology import Topology
-    from ..io.options import ReadOptions
-
-    topo = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size)
-    ds = index.to_dataset(repeats=args.repeats)
-    sizes = [[max(s.size, 0) for s in index.shards]]
-    out = {}
-    for name, source in (("none", ds), ("shard", shard_map_of(index, ds))):
-        plan = plan_epoch(source, topo, seed=args.seed, batch_size=args.batch_size, policy=args.pad,
-                          oversubscribe=args.oversubscribe, warn=False, locality=name, window=args.window)
-        out[name] = figures(plan, [index.shard], [index.length], sizes, ReadOptions().block_bytes)
-    return out
-
-
-def _what_if_locality(index: Any, args: argparse.Namespace, out: Any) -> None:
-    """``locality ...`` lines: rank 0's reading cost under both localities."""
+def _what_if_locality(index: Any, args: argparse.Namespace) -> tuple[Any, dict[str, Any], Any, Any]:
+    """Rank 0's plan under ``--locality``, what it and the other locality cost to read
+    (and node 0's, with ``--local-world-size``), its dataset and topology."""
     from ..core.locality import shard_map_of
     from ..core.plan import plan_epoch
     from ..core.topology import Topology
 
-    topo = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size)
+    topo = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size,
+                    local_world_size=args.local_world_size)
     ds = index.to_dataset(repeats=args.repeats)
-    source = shard_map_of(index, ds) if args.locality == "shard" else ds
+    source = ds if args.locality == "none" else shard_map_of(index, ds)
     plan = plan_epoch(source, topo, seed=args.seed, batch_size=args.batch_size, policy=args.pad,
                       oversubscribe=args.oversubscribe, warn=False, locality=args.locality, window=args.window)
-    out.write("\n")
-    _print_locality(plan, [index], [ds], topo, args, out)
+    return plan, reading_figures(plan, [index], [ds], topo, args), ds, topo
 
 
 def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Namespace, out: Any) -> None:

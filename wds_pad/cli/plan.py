@@ -10,7 +10,9 @@ Invariants:
 - ``--summary`` prints one table per bucket for the (first) rank; with ``--rank all``
   its last line speaks of every rank (each gets the same number of batches); with index
   files it ends with what the epoch costs to read on that rank, for the chosen
-  ``--locality`` beside the other one (``locality:`` lines);
+  ``--locality`` beside the other one (``locality:`` lines: GETs, distinct shards per
+  batch, the shuffle quality), and with ``--local-world-size`` under each the GETs of the
+  rank's node when its processes share one copy of each shard;
 - a bad combination of options is a usage error (exit 2) before anything is planned,
   and so is an index given twice (the same file, or one with the same digest and
   shards): its samples would silently appear twice per epoch.
@@ -26,15 +28,16 @@ from typing import Any
 from .common import (
     _epoch_arg,
     _int_at_least,
+    _locality_arg,
     _non_negative,
     _positive,
-    _print_locality,
     _print_summary,
     _seed_arg,
     _usage,
     add_relocate,
     relocation,
 )
+from .reading import print_reading
 
 __all__ = ["add_parser", "synthetic_dataset"]
 
@@ -100,11 +103,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--oversubscribe", action="store_true")
     p.add_argument("--mode", choices=["epochs", "steps"], default="epochs")
     p.add_argument("--steps", type=_positive, help="steps mode: how many global steps to print")
-    p.add_argument("--locality", choices=["none", "shard"], default="none",
+    p.add_argument("--locality", type=_locality_arg, default="none",
                    help="none: buckets shuffled over all shards; shard: each rank reads its own shards "
                         "(needs index files)")
     p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
     add_relocate(p)
+    p.add_argument("--local-world-size", type=_positive, metavar="L",
+                   help="processes per node (torchrun's --nproc-per-node), the node layout; --summary adds the "
+                        "GETs of the planned rank's node when its processes share one copy of each shard")
     out = p.add_mutually_exclusive_group(required=True)
     out.add_argument("--json", action="store_true", help="one JSON object per batch")
     out.add_argument("--summary", action="store_true", help="a table per bucket")
@@ -119,7 +125,7 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
         raise _usage("plan", "give either INDEX file(s) or --buckets, not both and not neither")
     if args.buckets:
         if args.locality != "none":
-            raise _usage("plan", "--locality shard needs INDEX file(s): --buckets has no shards")
+            raise _usage("plan", f"--locality {args.locality} needs INDEX file(s): --buckets has no shards")
         ds = synthetic_dataset(args.buckets)
         return [Dataset(ds.name, ds.buckets, repeats=args.repeats)], [None]
     from ..index.codec import load_index  # lazily: only when an index file is planned
@@ -182,13 +188,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   window=args.window)
     out = sys.stdout
     for i, rank in enumerate(ranks):
-        topo = Topology(world_size=args.world_size, rank=rank, cp_size=args.cp_size)
+        topo = Topology(world_size=args.world_size, rank=rank, cp_size=args.cp_size,
+                        local_world_size=args.local_world_size)
         warn = i == 0
         if args.summary:
             plan = plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=True, **common)
             _print_summary(plan, out, all_ranks=args.rank == "all")  # equal on every rank
             if args.index:
-                _print_locality(plan, getattr(args, "loaded", []), sources, topo, args, out)
+                print_reading(plan, getattr(args, "loaded", []), sources, topo, args, out)
             return 0
         if args.mode == Mode.EPOCHS.value:
             plans: Any = [plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=warn, **common)]
