@@ -51,14 +51,13 @@ from .progress import Progress
 from .record import Index, ShardInfo
 from .layout import cost_values
 from .rows import ShardRows, assemble, fit_exts, unreadable
-from .shardfile import Stat, directory_error, is_missing, open_for_scan, shard_info, stat_shard, stat_shards
+from .shardfile import Stat, directory_error, open_for_scan, shard_info, stat_first, stat_shard
 from .update import bucket_fn_of, previous_index, reusable_rows
 
 # bucket_fn_of, expand_urls and shard_info are offered here too, where callers have long found them
 __all__ = ["bucket_fn_of", "build_index", "expand_urls", "scan_shard", "shard_info"]
 
 _GROUP = 32  # shards scanned by one task (see _scan_group)
-_NAMED = 4  # missing shards named besides the first
 
 
 def scan_shard(url: str, fn: BucketFn, on_error: str,
@@ -357,7 +356,7 @@ def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_err
     """Every shard's rows, in shard order: reused from ``previous`` where unchanged, else
     scanned (``workers`` concurrently). ``stats`` are shards' known (size, stamp, is a
     directory): they are not asked for again. ``cost``: each sample's cost too."""
-    stats = _stat_first(shard_urls, workers, on_error, storage_options, stats)
+    stats = stat_first(shard_urls, workers, on_error, storage_options, stats)
     reused = reusable_rows(previous, shard_urls, storage_options, stats) if previous is not None else {}
     todo = [u for u in shard_urls if u not in reused]
     if todo and getattr(fn, "reuse_only", False):
@@ -399,42 +398,6 @@ def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_err
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
     return [results[u] for u in shard_urls]
-
-
-def _stat_first(shard_urls: Sequence[str], workers: int, on_error: str, storage_options: Mapping[str, Any] | None,
-                stats: Mapping[str, Stat] | None) -> dict[str, Stat]:
-    """Every shard's stat before any is scanned (``workers`` at a time; those in ``stats``
-    are not asked again): with ``on_error="raise"``, missing or unreadable shards are one
-    error now, not after the scan of the others, saying how many and naming the first in
-    URL order. The scan then asks for none of them again."""
-    known = dict(stats or {})
-    todo = [u for u in shard_urls if u not in known]
-    faults = []
-    for url, st in zip(todo, stat_shards(todo, workers, storage_options)):
-        if isinstance(st, ShardError):
-            faults.append((url, st))
-        else:
-            known[url] = st
-    if faults and on_error != "skip":
-        raise missing_shards(faults, len(shard_urls))
-    return known  # a failed shard is not in it: its scan reports it, per on_error
-
-
-def missing_shards(faults: Sequence[tuple[str, ShardError]], total: int) -> ShardError:
-    """One error for the shards that cannot be stat-ed: how many of ``total``, the first
-    (in URL order) with its own message, a few others by name, and the fix."""
-    n = len(faults)
-    if total == 1:
-        return faults[0][1]
-    what = "missing" if all(is_missing(e) for _, e in faults) else "missing or unreadable"
-    head = (f"all {n} shards are" if n == total else f"{n} of {total} shards {'is' if n == 1 else 'are'}") + f" {what}"
-    skip = "" if n == total else f"; or index with on_error='skip' to leave {'it' if n == 1 else 'them'} out"
-    first = str(faults[0][1])
-    if n == 1:
-        return ShardError(f"{head}: {first}{skip}")
-    others = ", ".join(repr(redact(u)) for u, _ in faults[1:1 + _NAMED])
-    more = f" and {n - 1 - _NAMED} more" if n - 1 > _NAMED else ""
-    return ShardError(f"{head}, e.g. the first in URL order: {first} (also: {others}{more}){skip}")
 
 
 def rows_index(parts: list[ShardRows], fn: BucketFn, on_error: str, name: str, *, cost: CostFn | None = None,

@@ -34,8 +34,8 @@ from ..io.redact import redact
 from ..io.stale import change_stamp as _stamp  # one definition: the reader checks against it
 from ..io.urls import is_local
 
-__all__ = ["Stat", "directory_error", "is_missing", "not_a_prefix", "open_for_scan", "plain_local", "shard_info",
-           "stat_shard", "stat_shards"]
+__all__ = ["Stat", "directory_error", "is_missing", "missing_shards", "not_a_prefix", "open_for_scan",
+           "plain_local", "shard_info", "stat_first", "stat_shard", "stat_shards"]
 
 Stat = tuple[int, str, bool]  # (size, change stamp, is a directory): what stat_shard gives
 
@@ -168,3 +168,42 @@ def open_for_scan(url: str, storage_options: Mapping[str, Any] | None,
             details["ETag"] = stamp[len("ETag="):]
         f._details = details
     return f, False
+
+
+_NAMED = 4  # missing shards named besides the first
+
+
+def stat_first(shard_urls: Sequence[str], workers: int, on_error: str, storage_options: Mapping[str, Any] | None,
+                stats: Mapping[str, Stat] | None) -> dict[str, Stat]:
+    """Every shard's stat before any is scanned (``workers`` at a time; those in ``stats``
+    are not asked again): with ``on_error="raise"``, missing or unreadable shards are one
+    error now, not after the scan of the others, saying how many and naming the first in
+    URL order. The scan then asks for none of them again."""
+    known = dict(stats or {})
+    todo = [u for u in shard_urls if u not in known]
+    faults = []
+    for url, st in zip(todo, stat_shards(todo, workers, storage_options)):
+        if isinstance(st, ShardError):
+            faults.append((url, st))
+        else:
+            known[url] = st
+    if faults and on_error != "skip":
+        raise missing_shards(faults, len(shard_urls))
+    return known  # a failed shard is not in it: its scan reports it, per on_error
+
+
+def missing_shards(faults: Sequence[tuple[str, ShardError], total: int) -> ShardError:
+    """One error for the shards that cannot be stat-ed: how many of ``total``, the first
+    (in URL order) with its own message, a few others by name, and the fix."""
+    n = len(faults)
+    if total == 1:
+        return faults[0][1]
+    what = "missing" if all(is_missing(e) for _, e in faults) else "missing or unreadable"
+    head = (f"all {n} shards are" if n == total else f"{n} of {total} shards {'is' if n == 1 else 'are'}") + f" {what}"
+    skip = "" if n == total else f"; or index with on_error='skip' to leave {'it' if n == 1 else 'them'} out"
+    first = str(faults[0][1])
+    if n == 1:
+        return ShardError(f"{head}: {first}{skip}")
+    others = ", ".join(repr(redact(u)) for u, _ in faults[1:1 + _NAMED])
+    more = f" and {n - 1 - _NAMED} more" if n - 1 > _NAMED else ""
+    return ShardError(f"{head}, e.g. the first in URL order: {first} (also: {others}{more}){skip}")
