@@ -192,7 +192,7 @@ def stat_first(shard_urls: Sequence[str], workers: int, on_error: str, storage_o
     return known  # a failed shard is not in it: its scan reports it, per on_error
 
 
-def missing_shards(faults: Sequence[tuple[str, ShardError], total: int) -> ShardError:
+def missing_shards(faults: Sequence[tuple[str, ShardError]], total: int) -> ShardError:
     """One error for the shards that cannot be stat-ed: how many of ``total``, the first
     (in URL order) with its own message, a few others by name, and the fix."""
     n = len(faults)
