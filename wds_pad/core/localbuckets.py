@@ -199,11 +199,14 @@ class LocalBuckets:
             for di, key, ids, n, passes, length in kept]
         self.kept_dataset = [k[0] for k in kept]
         self.dp, self.d, self.window = dp, d, window
-        total = int(schedule.size)
+        self.set_steps(int(schedule.size))
+
+    def set_steps(self, total: int) -> None:
+        """Give each window its span of the epoch's ``total`` global steps: its share of its
+        rank's samples (every bucket), in steps (what the reader holds its shards for)."""
         self.win_step: list[np.ndarray] = []
         for di, dealt in enumerate(self.dealt):
             mine = [bk for bk, kd in zip(self.buckets, self.kept_dataset) if kd == di]
-            # a window's step span: its share of its rank's samples (every bucket), in steps
             samples = np.zeros(dealt.win_start.size - 1, np.int64)
             for bk in mine:
                 samples += bk.win_samples
