@@ -42,6 +42,8 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from ..errors import StateError, StateMismatchError
+from .budget import Budget
+from .budgetremainder import plan_budget_remainder
 from .dataset import _as_datasets
 from .locality import Locality
 from .plan import plan_epoch
@@ -289,9 +291,9 @@ def _digest(segments: Sequence[Segment], top: _Level, table: Sequence[tuple[int,
 
 
 def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment], *, seed: int, epoch: int,
-                   batch_size: int, policy: Policy | str, mode: Any = "epochs", oversubscribe: bool = False,
+                   batch_size: int | Budget, policy: Policy | str, mode: Any = "epochs", oversubscribe: bool = False,
                    pad_to: PadTo | str = PadTo.BATCH, locality: Locality | str = Locality.NONE,
-                   window: int = 8) -> Remainder:
+                   window: int = 8, accumulation_steps: int = 1) -> Remainder:
     """This rank's plan of what ``segments`` left of ``epoch`` (see the module docstring).
 
     Args:
@@ -306,10 +308,18 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     """
     if not segments:
         raise StateError("plan_remainder needs at least one segment")
+    if isinstance(batch_size, Budget):  # batches by cost: core/budgetremainder.py
+        plan, digest = plan_budget_remainder(
+            datasets, topology, segments, seed=seed, epoch=epoch, batch_size=batch_size, policy=policy, mode=mode,
+            oversubscribe=oversubscribe, pad_to=pad_to, locality=locality, window=window,
+            accumulation_steps=accumulation_steps)
+        return Remainder(plan, digest)
     locality = _enum(Locality, locality, "locality")
     pad_to = _enum(PadTo, pad_to, "pad_to")
+    k = int(accumulation_steps)
     common = dict(seed=seed, epoch=epoch, batch_size=batch_size, policy=policy, mode=mode,
-                  oversubscribe=oversubscribe, pad_to=pad_to, warn=False, locality=locality, window=window)
+                  oversubscribe=oversubscribe, pad_to=pad_to, warn=False, locality=locality, window=window,
+                  accumulation_steps=k)
     base = plan_epoch(datasets, Topology(world_size=segments[0].dp_size, rank=0), **common)  # type: ignore[arg-type]
     dss = _as_datasets(datasets)
     bs, pol = base.batch_size, base.policy
@@ -324,11 +334,11 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     for j, seg in enumerate(segments):
         lv = levels[-1]
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
-        unit = pad_to.unit(dp, bs)
+        unit = pad_to.unit(dp, bs) * k
         one_run = seg.steps is not None and deal == RR and lv.deal == RR
         nxt, steps = _next_level(lv, seg, epoch, one_run, dp, deal, bs, unit, pad)
         table = [base.bucket_table[int(t)] for t in nxt.tab]
-        nxt.schedule, nxt.window = _schedule(dss, table, steps, seed, epoch)
+        nxt.schedule, nxt.window = _schedule(dss, table, steps, seed, epoch, group=k)
         levels.append(nxt)
     top = levels[-1]
     table = tuple(base.bucket_table[int(t)] for t in top.tab)
@@ -350,6 +360,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     plan = Plan(epoch=base.epoch, topology=topology, batch_size=bs, policy=pol, mode=base.mode,
                 pad_to=pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
                 schedule=top.schedule, window=top.window, batch_step=batch_step, offsets=offsets,
-                stats=stats, buckets=buckets, locality=locality, shard_window=base.shard_window)  # type: ignore[arg-type]
+                stats=stats, buckets=buckets, locality=locality, shard_window=base.shard_window,  # type: ignore[arg-type]
+                accumulation=k)
     buckets.plan = plan
     return Remainder(plan, _digest(segments, top, table))
