@@ -34,6 +34,7 @@ from .errors import (
     WorkerStartWarning,
 )
 from . import _moved
+from .core.budget import Budget, BudgetModel
 from .core.dataset import Dataset, IdRange
 from .core.locality import Locality, ShardMap
 from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
@@ -79,6 +80,8 @@ __all__ = [
     "BucketError",
     "BucketStats",
     "BucketedWebDataset",
+    "Budget",
+    "BudgetModel",
     "ConfigError",
     "Dataset",
     "DroppedBucketWarning",
