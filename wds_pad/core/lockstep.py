@@ -67,7 +67,9 @@ def lockstep_cuts(costs: np.ndarray, counts: np.ndarray, budget: Budget,
     if top > budget.limit or budget.model is BudgetModel.MAX:
         return even(rounded(-(-r // per)))
     totals = c.sum(axis=1)
-    s = rounded(max(int(math.ceil(float(totals.max()) / (budget.limit - top))), -(-r // cap)))
+    room = budget.limit - top  # what a batch may hold beyond its largest entry
+    need = int(math.ceil(float(totals.max()) / room)) if room > 0 else r
+    s = rounded(max(need, -(-r // cap)))
     cum = np.cumsum(c, axis=1)
     cuts = np.zeros((dp, s + 1), np.int64)
     for d in range(dp):
