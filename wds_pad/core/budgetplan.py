@@ -125,7 +125,7 @@ def _sorted_cost(ds: Dataset, order: Any) -> Any:
 
 def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, policy: Policy,
                  oversubscribe: bool, top_up: bool, accumulation: int, seed: int, epoch: int,
-                 dp: int, d: int, local: bool, window: int) -> BudgetedBuckets:
+                 dp: int, d: int, local: bool, window: int, group: int = 0) -> BudgetedBuckets:
     """Kept buckets, their steps and this rank's entries and batches under ``budget``.
 
     Args:
@@ -136,7 +136,8 @@ def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, 
         top_up: ``pad_to="batch"``: a bucket's last batch topped up with copies.
         accumulation: micro-batches per optimizer step (each bucket's steps a multiple).
         seed, epoch, dp, d: as for ``plan_epoch`` (``d`` this rank's dp_rank).
-        local: ``locality="shard"``; ``window``: its window.
+        local: ``locality="shard"`` or ``"node"``; ``window``: its window; ``group``: DP
+            ranks per node for ``"node"`` (0: ``"shard"``).
 
     Raises:
         ConfigError: a dataset without costs (named).
@@ -146,7 +147,8 @@ def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, 
             ds.sorted_by_cost(next(iter(ds.buckets), None))  # raises the ConfigError naming it
     if local:
         return _shard_local(raw, dss, budget=budget, policy=policy, oversubscribe=oversubscribe,
-                            accumulation=accumulation, seed=seed, epoch=epoch, dp=dp, d=d, window=window)
+                            accumulation=accumulation, seed=seed, epoch=epoch, dp=dp, d=d, window=window,
+                            group=group)
     table: list[tuple[int, Hashable]] = []
     stats: list[BucketStats] = []
     batches: list[BucketBatches] = []
@@ -190,7 +192,7 @@ def _stats(ds: Dataset, key: Hashable, n: int, planned: int, real: int, truncate
 
 def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, policy: Policy,
                  oversubscribe: bool, accumulation: int, seed: int, epoch: int, dp: int, d: int,
-                 window: int) -> BudgetedBuckets:
+                 window: int, group: int) -> BudgetedBuckets:
     unit = dp * accumulation
     table: list[tuple[int, Hashable]] = []
     stats: list[BucketStats] = []
@@ -211,7 +213,7 @@ def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, 
             if length:
                 table.append((di, key))
                 kept_local.append((di, key, ids, n, passes, length))
-    local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, window, np.zeros(0, np.int64), 1)
+    local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, window, np.zeros(0, np.int64), 1, group)
     steps: list[int] = []
     starts: list[np.ndarray] = []
     counts = np.zeros(len(kept_local), np.int64)

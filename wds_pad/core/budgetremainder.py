@@ -232,11 +232,11 @@ def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[
     from .plan import plan_epoch
 
     budget, k = batch_size, int(accumulation_steps)
-    base = plan_epoch(datasets, Topology(world_size=segments[0].dp_size, rank=0), seed=seed, epoch=epoch,
+    base = plan_epoch(datasets, segments[0].topology(), seed=seed, epoch=epoch,
                       batch_size=budget, policy=policy, mode=mode, oversubscribe=oversubscribe, pad_to=pad_to,
                       warn=False, locality=locality, window=window, accumulation_steps=k)
     dss = _as_datasets(datasets)
-    shard = base.locality is Locality.SHARD
+    shard = base.locality.dealt
     pol = "none" if base.policy is Policy.NONE else "cyclic"
     top_up = base.pad_to is PadTo.BATCH
     nb0 = len(base.bucket_table)
@@ -390,7 +390,8 @@ def _next_shard(cut: RankCuts, taken: np.ndarray, dp: int, cost: Any, budget: Bu
 
 
 def _digest(segments: Sequence[Any], top: _Level, table: Sequence[tuple[int, Hashable]]) -> str:
-    doc = {"kind": "wds_pad.budget_remainder/1", "segments": [s.to_json()[:2] for s in segments], "dp": top.dp,
+    doc = {"kind": "wds_pad.budget_remainder/1",
+           "segments": [s.to_json()[:2] + ([s.node_ranks] if s.node_ranks else []) for s in segments], "dp": top.dp,
            "table": [[int(di), repr(key)] for di, key in table],
            "steps": [int(bb.batches) for bb in top.batches],
            "schedule": np.asarray(top.schedule, np.int64).tolist()}

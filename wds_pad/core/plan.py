@@ -48,7 +48,7 @@ import numpy as np
 from ..errors import ConfigError, DroppedBucketWarning
 from .dataset import Dataset, _as_datasets, bucket_order  # noqa: F401 - also the old wds_pad.plan names
 from .localbuckets import LocalBuckets
-from .locality import Locality
+from .locality import Locality, node_group
 from .permute import round_keys
 from .budget import Budget
 from .budgetplan import plan_buckets
@@ -134,10 +134,12 @@ def plan_epoch(
         pad_to: ``batch`` (unit dp_size * batch_size; under a budget, a bucket's last
             batch topped up with copies) or ``rank`` (unit dp_size).
         warn: emit a DroppedBucketWarning naming each dropped bucket.
-        locality: ``none`` (every bucket shuffled across all shards) or ``shard`` (each
-            rank reads its own shards, dealt per epoch, through a window of shards;
-            core/locality.py). ``shard`` needs an Index or a ShardMap per dataset.
-        window: shards a rank visits at once with ``locality="shard"`` (int >= 1).
+        locality: ``none`` (every bucket shuffled across all shards), ``shard`` (each
+            rank reads its own shards, dealt per epoch, through a window of shards) or
+            ``node`` (shards dealt to nodes for good, read by a node's ranks together;
+            needs ``topology.local_world_size``); core/locality.py. ``shard`` and ``node``
+            need an Index or a ShardMap per dataset.
+        window: shards a rank (a node) visits at once with ``locality="shard"`` (``"node"``).
         accumulation_steps: K micro-batches per optimizer step: every rank's batch count
             is a multiple of K and each run of K steps reads one bucket.
 
@@ -159,19 +161,20 @@ def plan_epoch(
     locality = _enum(Locality, locality, "locality")
     shard_window = _check_positive("window", window)
     k = _check_accumulation(accumulation_steps, policy, pad_to, budget)
+    group = node_group(topology) if locality is Locality.NODE else 0  # DP ranks per node
     raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
     dss = _as_datasets(datasets)
     dp, d = int(topology.dp_size), int(topology.dp_rank)  # type: ignore[arg-type]
     if budget is not None:
         got = plan_buckets(raw, dss, budget=budget, policy=policy, oversubscribe=bool(oversubscribe),
                            top_up=pad_to is PadTo.BATCH, accumulation=k, seed=seed, epoch=epoch, dp=dp, d=d,
-                           local=locality is Locality.SHARD, window=shard_window)
+                           local=locality.dealt, window=shard_window, group=group)
         _warn_dropped(warn, got.dropped, got.dropped_samples, sum(st.samples for st in got.stats), epoch)
         table, stats, bucket_steps = got.table, got.stats, got.steps
         schedule, window_of = _schedule(dss, table, bucket_steps, seed, epoch, group=k)
         buckets = _Buckets([], dp, d)
         buckets.counts = got.counts
-        if locality is Locality.SHARD:
+        if locality.dealt:
             got.source.set_steps(int(schedule.size))
             buckets.local = got.source
         else:
@@ -234,8 +237,8 @@ def plan_epoch(
     _warn_dropped(warn, dropped_names, dropped_samples, total_samples, epoch)
 
     schedule, window_ = _schedule(dss, table_, steps_, seed, epoch, group=k)
-    if locality is Locality.SHARD:  # the order inside each bucket; the schedule is the same
-        buckets.local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window, schedule, bs)
+    if locality.dealt:  # the order inside each bucket; the schedule is the same
+        buckets.local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window, schedule, bs, group)
     batch_step, offsets = _rank_batches(counts, steps_, schedule, window_, bs)
     return Plan(
         epoch=epoch, topology=topology, batch_size=bs, policy=policy, mode=mode, pad_to=pad_to,

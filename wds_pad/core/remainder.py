@@ -67,12 +67,15 @@ class Segment:
         positions: batches each DP rank took, indexed by dp_rank (policy ``none``), or None.
         fingerprint: the fingerprint of the remainder this segment left (as planned on the
             next layout), as saved; "" if not known. Not part of the remainder's digest.
+        node_ranks: DP ranks per node of that layout (``locality="node"``: how its shards
+            were dealt); 0 for the other localities.
     """
 
     dp_size: int
     steps: int | None = None
     positions: tuple[int, ...] | None = None
     fingerprint: str = ""
+    node_ranks: int = 0
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.positions is None):
@@ -82,9 +85,16 @@ class Segment:
                              "per-rank positions; it needs one per DP rank")
 
     def to_json(self) -> list[Any]:
-        """``[dp_size, steps or [index per dp_rank]]``, plus the fingerprint when known."""
+        """``[dp_size, steps or [index per dp_rank]]``, plus the fingerprint when known, plus
+        the DP ranks per node of a node-local layout."""
         out: list[Any] = [self.dp_size, self.steps if self.positions is None else list(self.positions)]
+        if self.node_ranks:
+            return out + [self.fingerprint, self.node_ranks]
         return out + [self.fingerprint] if self.fingerprint else out
+
+    def topology(self) -> Topology:
+        """Rank 0 of this segment's layout (as planned: its DP ranks, its nodes)."""
+        return Topology(world_size=self.dp_size, rank=0, local_world_size=self.node_ranks or None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -283,7 +293,8 @@ class _RemainderBuckets:
 
 def _digest(segments: Sequence[Segment], top: _Level, table: Sequence[tuple[int, Hashable]]) -> str:
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr(("wds_pad.remainder", 1, [s.to_json()[:2] for s in segments], top.dp, top.deal,
+    h.update(repr(("wds_pad.remainder", 1, [s.to_json()[:2] + ([s.node_ranks] if s.node_ranks else [])
+                                            for s in segments], top.dp, top.deal,
                    [(int(di), repr(key)) for di, key in table])).encode())
     for a in (top.real, top.length, top.schedule):
         h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
@@ -320,7 +331,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     common = dict(seed=seed, epoch=epoch, batch_size=batch_size, policy=policy, mode=mode,
                   oversubscribe=oversubscribe, pad_to=pad_to, warn=False, locality=locality, window=window,
                   accumulation_steps=k)
-    base = plan_epoch(datasets, Topology(world_size=segments[0].dp_size, rank=0), **common)  # type: ignore[arg-type]
+    base = plan_epoch(datasets, segments[0].topology(), **common)  # type: ignore[arg-type]
     dss = _as_datasets(datasets)
     bs, pol = base.batch_size, base.policy
     by_name = {(s.dataset, s.bucket): s for s in base.stats}
@@ -329,7 +340,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     real0 = np.minimum(np.asarray([s.length for s in stats0], np.int64), length0)
     levels = [_Level(tab=np.arange(len(stats0), dtype=np.int64), real=real0, length=length0,
                      dp=segments[0].dp_size, deal=RR, schedule=base.schedule, window=base.window)]
-    deal = BLOCK if locality is Locality.SHARD else RR
+    deal = BLOCK if locality.dealt else RR
     pad = pol is not Policy.NONE
     for j, seg in enumerate(segments):
         lv = levels[-1]
@@ -347,7 +358,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     steps = (-(-top.length // (top.dp * bs))).tolist()
     batch_step, offsets = _rank_batches(counts, steps, top.schedule, top.window, bs)
     shard_map = None
-    if locality is Locality.SHARD:
+    if locality.dealt:
         shard_map = [dealt.layout.shard for dealt in base.buckets.local.dealt]  # type: ignore[union-attr]
     buckets = _RemainderBuckets(levels, base.buckets, d, shard_map)
     stats = tuple(

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..core.budget import Budget
 from ..core.dataset import Dataset
-from ..core.locality import Locality, ShardMap, shard_map_of
+from ..core.locality import EXPORT, Locality, ShardMap, node_group, shard_map_of
 from ..core.plan import Plan, plan_epoch
 from ..core.policy import Mode, PadTo, Policy, resolve_policy
 from ..core.seed import stable_digest
@@ -99,7 +99,7 @@ class PlanSpec:
                for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)]
         if isinstance(self.batch_size, Budget):  # a budget plans by each sample's cost
             out = [_with_costs(ix, ds) for ix, ds in zip(self.indexes, out)]
-        if self.locality is Locality.SHARD:
+        if self.locality.dealt:
             return [shard_map_of(ix, ds) for ix, ds in zip(self.indexes, out)]
         return list(out)
 
@@ -160,6 +160,9 @@ class PlanSpec:
             fields["locality"] = self.locality.value
             fields["window"] = self.window
             fields["shard_order"] = "fifo"  # a rank's windows first in, first out (core/locality.py)
+        if self.locality is Locality.NODE:  # how the shards were dealt: to nodes of this many DP ranks
+            fields["node_ranks"] = node_group(self.topology)
+            fields["export"] = EXPORT
         if self.accumulation_steps > 1:  # absent at 1: the fingerprints of earlier versions
             fields["accumulation_steps"] = self.accumulation_steps
         return fields

@@ -306,7 +306,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         if _all_local(self.spec, fetcher.reader):
             yield from self._iterate_batches(source, fetcher)
             return
-        if self.spec.locality is Locality.SHARD:  # whole remote shards, as planned (io/shardcache.py)
+        if self.spec.locality.dealt:  # whole remote shards, as planned (io/shardcache.py)
             fetcher.reader.follow(shard_schedule(source), source._worker(), max_shards=self.spec.window + 1)
         stages, collate = self.stages, self.collation_fn
         batch: list[Any] = []
