@@ -201,7 +201,8 @@ def _print_budget(sources: Sequence[Any], topo: Any, args: argparse.Namespace, c
     costs = [getattr(s, "dataset", s).cost for s in sources]
     per: dict[tuple[str, Any], dict[int, list[float]]] = {}
     for d in range(topo.dp_size):
-        plan = plan_epoch(sources, Topology(topo.world_size, d * topo.cp_size, cp_size=topo.cp_size),
+        plan = plan_epoch(sources, Topology(topo.world_size, d * topo.cp_size, cp_size=topo.cp_size,
+                                            local_world_size=topo.local_world_size),
                           epoch=args.epoch, mode=args.mode, warn=False, **common)
         for b in plan:
             c = costs[plan.datasets.index(b.dataset)]
@@ -234,7 +235,7 @@ def _print_locality(plan: Any, indexes: Sequence[Any], sources: Sequence[Any], t
     shard_of = [ix.shard for ix in indexes]
     lengths = [ix.length for ix in indexes]
     shard_bytes = [[max(s.size, 0) for s in ix.shards] for ix in indexes]
-    other = "none" if plan.locality.value == "shard" else "shard"
+    other = "none" if plan.locality.value != "none" else "shard"
     plans = {plan.locality.value: plan}
     if other == "none":
         datasets = [getattr(s, "dataset", s) for s in sources]

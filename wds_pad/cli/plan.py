@@ -107,9 +107,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--oversubscribe", action="store_true")
     p.add_argument("--mode", choices=["epochs", "steps"], default="epochs")
     p.add_argument("--steps", type=_positive, help="steps mode: how many global steps to print")
-    p.add_argument("--locality", choices=["none", "shard"], default="none",
-                   help="none: buckets shuffled over all shards; shard: each rank reads its own shards "
-                        "(needs index files)")
+    p.add_argument("--locality", choices=["none", "shard", "node"], default="none",
+                   help="none: buckets shuffled over all shards; shard: each rank reads its own shards; "
+                        "node: shards dealt to nodes for good (needs --local-world-size); both need index files")
+    p.add_argument("--local-world-size", type=_positive, default=None,
+                   help="processes per node (torchrun's --nproc-per-node): the node layout of --locality node")
     p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
     out = p.add_mutually_exclusive_group(required=True)
     out.add_argument("--json", action="store_true", help="one JSON object per batch")
@@ -129,7 +131,7 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
         raise _usage("plan", "--budget-model and --max-samples go with --budget LIMIT")
     if args.buckets:
         if args.locality != "none":
-            raise _usage("plan", "--locality shard needs INDEX file(s): --buckets has no shards")
+            raise _usage("plan", f"--locality {args.locality} needs INDEX file(s): --buckets has no shards")
         ds = synthetic_dataset(args.buckets)
         return [Dataset(ds.name, ds.buckets, repeats=args.repeats)], [None]
     from ..index.codec import load_index  # lazily: only when an index file is planned
@@ -181,7 +183,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   window=args.window, accumulation_steps=args.accumulation_steps)
     out = sys.stdout
     for i, rank in enumerate(ranks):
-        topo = Topology(world_size=args.world_size, rank=rank, cp_size=args.cp_size)
+        topo = Topology(world_size=args.world_size, rank=rank, cp_size=args.cp_size,
+                        local_world_size=args.local_world_size)
         warn = i == 0
         if args.summary:
             plan = plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=True, **common)
