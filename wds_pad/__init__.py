@@ -35,6 +35,7 @@ from .errors import (
     WriteError,
 )
 from . import _moved
+from .core.budget import Budget, BudgetModel
 from .core.dataset import Dataset, IdRange
 from .core.locality import Locality, ShardMap
 from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
@@ -80,6 +81,8 @@ __all__ = [
     "BucketError",
     "BucketStats",
     "BucketedWebDataset",
+    "Budget",
+    "BudgetModel",
     "ConfigError",
     "Dataset",
     "DroppedBucketWarning",

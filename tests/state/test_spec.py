@@ -82,7 +82,8 @@ def test_plan_kwargs_are_the_arguments_of_the_plan_and_of_the_remainder(index: I
     spec = _spec(index, topology=Topology(world_size=3, rank=1), pad_to=PadTo.RANK, repeats=(1,),
                  locality=Locality(locality), window=2, policy=Policy.CYCLIC)
     kw = spec.plan_kwargs()
-    assert set(kw) == {"seed", "batch_size", "policy", "mode", "oversubscribe", "pad_to", "locality", "window"}
+    assert set(kw) == {"seed", "batch_size", "policy", "mode", "oversubscribe", "pad_to", "locality", "window",
+                       "accumulation_steps"}
     direct = plan_epoch(spec.datasets(), spec.topology, epoch=1, **kw)
     assert np.array_equal(direct.samples, spec.plan(1).samples)
     segments = (Segment(2, steps=3),)

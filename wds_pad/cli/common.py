@@ -90,6 +90,19 @@ def _non_negative(text: str) -> int:
     return _int_at_least(0, "an integer >= 0", text)
 
 
+def _positive_number(text: str) -> float:
+    """A finite number > 0 (a budget: ``8192``, ``1.5e6``)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
 def _library_int(check: Callable[[Any], int], what: str, text: str) -> int:
     """Parse ``text`` as an int and validate it with the library's own ``check``.
 
@@ -191,9 +204,15 @@ def _print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
                      s.padded_copies, pct, s.truncated, status, s.steps])
     headers = ["dataset", "bucket", "samples", "repeats", "padded len", "pad copies", "pad %",
                "truncated", "status", "steps/epoch"]
+    if plan.budget is not None:  # batches by cost: a stratum (one sample per DP rank) is the pad unit
+        size = f"budget {plan.budget.limit:g} ({plan.budget.model.value})"
+        unit = topo.dp_size
+    else:
+        size = f"batch {plan.batch_size}"
+        unit = plan.pad_to.unit(topo.dp_size, plan.batch_size) * plan.accumulation
+    accumulation = f", accumulation {plan.accumulation}" if plan.accumulation > 1 else ""
     out.write(f"epoch {plan.epoch}: world_size {topo.world_size}, dp_size {topo.dp_size}, "
-              f"cp_size {topo.cp_size}, batch {plan.batch_size}, policy {plan.policy.value}, "
-              f"pad unit {plan.topology.dp_size * (plan.batch_size if plan.pad_to.value == 'batch' else 1)}\n")
+              f"cp_size {topo.cp_size}, {size}, policy {plan.policy.value}, pad unit {unit}{accumulation}\n")
     out.write(format_table(headers, rows, align="llrrrrrrlr") + "\n")
     total = sum(s.samples for s in plan.stats)
     padded = sum(s.padded_copies for s in plan.stats)
@@ -211,6 +230,43 @@ def _locality_arg(text: str) -> str:
         return str(_enum(Locality, text, "locality").value)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _print_budget(sources: Sequence[Any], topo: Any, args: argparse.Namespace, common: dict[str, Any],
+                  out: Any) -> None:
+    """How full and how even a budgeted epoch's steps are, per bucket (``plan --summary
+    --budget``): its steps, the mean fill (a rank's batch cost over the budget, copies
+    included), the worst balance (the costliest DP rank's batch over the step's mean) and
+    the batches over the budget (a sample dearer than it, alone). Plans every DP rank."""
+    import numpy as np
+
+    from ..core.budget import batch_cost
+    from ..core.plan import plan_epoch
+    from ..core.topology import Topology
+
+    budget = common["batch_size"]
+    costs = [getattr(s, "dataset", s).cost for s in sources]
+    per: dict[tuple[str, Any], dict[int, list[float]]] = {}
+    for d in range(topo.dp_size):
+        plan = plan_epoch(sources, Topology(topo.world_size, d * topo.cp_size, cp_size=topo.cp_size,
+                                            local_world_size=topo.local_world_size),
+                          epoch=args.epoch, mode=args.mode, warn=False, **common)
+        for b in plan:
+            c = costs[plan.datasets.index(b.dataset)]
+            per.setdefault((b.dataset, b.bucket), {}).setdefault(b.step, []).append(
+                batch_cost(np.asarray(c[b.samples], np.float64), budget.model))
+    rows = []
+    for (ds, bucket), steps in per.items():
+        fills = [x / budget.limit for v in steps.values() for x in v]
+        worst = max((max(v) / (sum(v) / len(v)) if sum(v) else 1.0) for v in steps.values())
+        over = sum(x > budget.limit for v in steps.values() for x in v)
+        rows.append([ds, str(bucket), len(steps), f"{100 * np.mean(fills):.1f}%", f"{worst:.3f}x", over])
+    out.write(format_table(["dataset", "bucket", "steps", "mean fill", "worst balance", "over budget"], rows,
+                           align="llrrrr") + "\n")
+    every = [x for steps in per.values() for v in steps.values() for x in v]
+    out.write(f"budget {budget.limit:g} ({budget.model.value}): mean fill "
+              f"{100 * np.mean(every) / budget.limit if every else 0:.1f}% over {len(every)} batches of "
+              f"{topo.dp_size} DP ranks\n")
 
 
 def _batches_per_rank(plan: Any, all_ranks: bool) -> str:

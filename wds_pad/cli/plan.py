@@ -31,6 +31,8 @@ from .common import (
     _locality_arg,
     _non_negative,
     _positive,
+    _positive_number,
+    _print_budget,
     _print_summary,
     _seed_arg,
     _usage,
@@ -93,7 +95,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--world-size", type=_positive, required=True)
     p.add_argument("--rank", type=_rank_arg, required=True, help="a rank, or 'all'")
     p.add_argument("--cp-size", type=_positive, default=1)
-    p.add_argument("--batch-size", type=_positive, required=True)
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--batch-size", type=_positive, help="samples per batch per DP rank")
+    size.add_argument("--budget", type=_positive_number, metavar="LIMIT",
+                      help="a cost budget per batch instead of a batch size (index files built with --cost)")
+    p.add_argument("--budget-model", choices=["sum", "max"], default="sum",
+                   help="sum: a batch costs its samples' costs summed; max: its count x its largest cost")
+    p.add_argument("--max-samples", type=_positive, help="with --budget: at most this many samples a batch")
+    p.add_argument("--accumulation-steps", type=_positive, default=1,
+                   help="micro-batches per optimizer step: every rank's batch count a multiple of it, "
+                        "each run of it from one bucket")
     p.add_argument("--seed", type=_seed_arg, required=True, help="an integer in [0, 2**64)")
     p.add_argument("--epoch", type=_epoch_arg, default=0, help="an integer in [0, 2**31 - 1]")
     p.add_argument("--pad", choices=["auto", "cyclic", "drop", "none"], default="auto")
@@ -123,6 +134,10 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
 
     if bool(args.index) == bool(args.buckets):
         raise _usage("plan", "give either INDEX file(s) or --buckets, not both and not neither")
+    if args.buckets and args.budget is not None:
+        raise _usage("plan", "--budget needs INDEX file(s) built with --cost: --buckets has no costs")
+    if args.budget is None and (args.max_samples is not None or args.budget_model != "sum"):
+        raise _usage("plan", "--budget-model and --max-samples go with --budget LIMIT")
     if args.buckets:
         if args.locality != "none":
             raise _usage("plan", f"--locality {args.locality} needs INDEX file(s): --buckets has no shards")
@@ -143,9 +158,10 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     for i, (path, weight) in enumerate(zip(args.index, weights)):
         idx = load_index(path, relocate=relocation(args))
         _refuse_twice(i, path, idx, seen)
-        ds = idx.to_dataset(repeats=args.repeats, weight=weight)
+        ds = idx.to_dataset(repeats=args.repeats, weight=weight, costs=args.budget is not None)
         if ds.name in names:
-            ds = Dataset(f"{ds.name}#{i}", ds.buckets, repeats=ds.repeats, weight=ds.weight)
+            ds = Dataset(f"{ds.name}#{i}", ds.buckets, repeats=ds.repeats, weight=ds.weight, cost=ds.cost,
+                         cost_order=ds.cost_order)
         names.add(ds.name)
         if args.locality != "none":
             from ..core.locality import shard_map_of
@@ -153,7 +169,7 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
             ds = shard_map_of(idx, ds)
         args.loaded = [*getattr(args, "loaded", []), idx]
         datasets.append(ds)
-        lookups.append(idx.describe_samples)
+        lookups.append(_describe(idx, args))
     return datasets, lookups
 
 
@@ -179,13 +195,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if args.mode == "steps" and args.steps is None and args.json:
         raise _usage("plan", "--mode steps needs --steps K (how many global steps to print)")
+    if args.budget is not None:
+        from ..core.budget import Budget
+
+        args.batch_size = Budget(args.budget, args.budget_model, args.max_samples)
     sources, lookups = _plan_sources(args)
     ranks = range(args.world_size) if args.rank == "all" else [args.rank]
     if args.rank != "all" and args.rank >= args.world_size:
         raise _usage("plan", f"--rank {args.rank} is out of range for --world-size {args.world_size}")
     common = dict(seed=args.seed, batch_size=args.batch_size, policy=args.pad,
                   oversubscribe=args.oversubscribe, pad_to=args.pad_to, locality=args.locality,
-                  window=args.window)
+                  window=args.window, accumulation_steps=args.accumulation_steps)
     out = sys.stdout
     for i, rank in enumerate(ranks):
         topo = Topology(world_size=args.world_size, rank=rank, cp_size=args.cp_size,
@@ -194,6 +214,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.summary:
             plan = plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=True, **common)
             _print_summary(plan, out, all_ranks=args.rank == "all")  # equal on every rank
+            if args.budget is not None:
+                _print_budget(sources, topo, args, common, out)
             if args.index:
                 print_reading(plan, getattr(args, "loaded", []), sources, topo, args, out)
             return 0
@@ -205,6 +227,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _describe(index: Any, args: argparse.Namespace) -> Any:
+    """``ids -> (urls, keys, cost)`` of an index's samples: the batch's cost under the
+    budget's model (or summed) when the index records costs, else None."""
+    from ..core.budget import batch_cost
+
+    model = args.budget_model if args.budget is not None else "sum"
+
+    def lookup(ids: Any) -> tuple[Any, Any, Any]:
+        urls, keys = index.describe_samples(ids)
+        cost = None if index.cost is None else batch_cost(index.cost[ids], model)
+        return urls, keys, cost
+    return lookup
+
+
 def _print_json(plans: Any, topo: Any, max_steps: int | None, lookups: list[Any], out: Any) -> None:
     done = 0
     for plan in plans:
@@ -214,7 +250,9 @@ def _print_json(plans: Any, topo: Any, max_steps: int | None, lookups: list[Any]
             record = batch.to_json(topo)
             lookup = lookups[plan.datasets.index(batch.dataset)]
             if lookup is not None:
-                record["urls"], record["keys"] = lookup(batch.samples)
+                record["urls"], record["keys"], cost = lookup(batch.samples)
+                if cost is not None:
+                    record["cost"] = cost
             out.write(json.dumps(record) + "\n")
         done += plan.steps
         if max_steps is None:

@@ -56,7 +56,8 @@ def reading_figures(plan: Any, indexes: Sequence[Any], sources: Sequence[Any], t
                 by_dp[t.dp_rank] = plan_epoch(
                     datasets, t, seed=args.seed, epoch=getattr(args, "epoch", 0), batch_size=args.batch_size,
                     policy=args.pad, oversubscribe=args.oversubscribe, pad_to=getattr(args, "pad_to", "batch"),
-                    mode=getattr(args, "mode", "epochs"), warn=False, locality=name, window=args.window)
+                    mode=getattr(args, "mode", "epochs"), warn=False, locality=name, window=args.window,
+                    accumulation_steps=getattr(args, "accumulation_steps", 1))
             return by_dp[t.dp_rank]
 
         f = figures(plan_of(topo), shard_of, lengths, shard_bytes, block)

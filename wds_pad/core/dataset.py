@@ -18,8 +18,8 @@ Index turns itself into one through its duck-typed ``to_dataset()``). Invariants
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Mapping
 
 import numpy as np
 
@@ -131,12 +131,19 @@ class Dataset:
             two integers). Keys are str, int, float or tuples of them.
         repeats: each sample appears 1 + repeats times per epoch.
         weight: rate at which this dataset's steps are drawn relative to the others.
+        cost: each sample's cost (tokens, pixels, seconds: a finite number >= 0), indexed
+            by sample id; what a :class:`~wds_pad.core.budget.Budget` batches by. None:
+            the dataset cannot be planned under a budget.
+        cost_order: bucket key -> the bucket's sample ids in cost order (ties by id), as an
+            index stores it; None: sorted here, once per bucket, when a budget asks.
     """
 
     name: str
     buckets: Mapping[Hashable, Any]
     repeats: int = 0
     weight: float = 1.0
+    cost: Any = field(default=None, compare=False, repr=False)
+    cost_order: Callable[[Hashable], Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -163,6 +170,49 @@ class Dataset:
                 raise ConfigError(f"dataset {self.name!r} bucket {key!r}: sample id {dup} occurs twice")
             canon[key] = ids
         object.__setattr__(self, "buckets", canon)
+        if self.cost is not None:
+            self._check_cost(canon)
+
+    def _check_cost(self, canon: Mapping[Hashable, Any]) -> None:
+        c = self.cost if hasattr(self.cost, "dtype") and hasattr(self.cost, "shape") else np.asarray(self.cost)
+        if c.ndim != 1 or not (np.issubdtype(c.dtype, np.integer) or np.issubdtype(c.dtype, np.floating)):
+            raise ConfigError(f"dataset {self.name!r}: cost must be a 1-D array of numbers indexed by sample "
+                              f"id, got {type(self.cost).__name__} of shape {getattr(c, 'shape', '?')}")
+        top = max((_max_id(ids) for ids in canon.values()), default=-1)
+        if top >= c.shape[0]:
+            raise ConfigError(f"dataset {self.name!r}: cost has {c.shape[0]} entries but the dataset holds "
+                              f"sample id {top}; give one cost per sample id")
+        if self.cost_order is None and c.size:  # an index checked its costs when it was built
+            v = np.asarray(c, dtype=np.float64)
+            bad = np.flatnonzero(~np.isfinite(v) | (v < 0))
+            if bad.size:
+                raise ConfigError(f"dataset {self.name!r}: the cost of sample {int(bad[0])} is {v[bad[0]]!r}; "
+                                  "costs must be finite numbers >= 0")
+        object.__setattr__(self, "cost", c)
+
+    def sorted_by_cost(self, key: Hashable) -> Any:
+        """Bucket ``key``'s sample ids in cost order (ties by id): the index's order, or
+        sorted once here (O(n log n), cached).
+
+        Raises:
+            ConfigError: the dataset has no costs.
+        """
+        if self.cost is None:
+            raise ConfigError(f"dataset {self.name!r} has no costs, so it cannot be planned under a budget: "
+                              "index it with --cost (build_index(..., cost=...)), or pass cost= to Dataset")
+        if self.cost_order is not None:
+            return self.cost_order(key)
+        cache = self.__dict__.setdefault("_by_cost", {})
+        if key not in cache:
+            ids = np.asarray(self.buckets[key], dtype=np.int64)
+            cache[key] = ids[np.argsort(np.asarray(self.cost[ids], dtype=np.float64), kind="stable")]
+        return cache[key]
+
+
+def _max_id(ids: Any) -> int:
+    if isinstance(ids, IdRange):
+        return ids.stop - 1
+    return int(ids[-1]) if len(ids) else -1
 
 
 def _as_datasets(source: Any) -> list[Dataset]:

@@ -93,7 +93,7 @@ class _LocalBucket:
     """
 
     def __init__(self, dealt: _DealtDataset, ids: Any, passes: int, m: int, length: int,
-                 dp: int, base_key: int) -> None:
+                 dp: int, base_key: int, group: int = 1) -> None:
         sh, s = dealt.layout.shard, int(dealt.layout.shard_bytes.size)
         if isinstance(ids, IdRange) and dealt.layout.grouped:
             self.sorted_ids = ids
@@ -115,15 +115,17 @@ class _LocalBucket:
         own = np.diff(self._cum_at(dealt.rank_start)) * passes
         real = min(m, length)
         d = np.arange(dp, dtype=np.int64)
-        self.need = np.maximum(0, -(-(real - d) // dp))
+        # an owner (a rank, or a node of ``group`` consecutive DP ranks) needs its ranks' shares
+        self.need = np.maximum(0, -(-(real - d) // dp)).reshape(-1, group).sum(axis=1)
         self.own = own
         self.keep = np.minimum(own, self.need)            # own entries a rank yields itself
-        self.surplus_cum = np.zeros(dp + 1, np.int64)
+        self.surplus_cum = np.zeros(self.need.size + 1, np.int64)
         np.cumsum(np.maximum(own - self.need, 0), out=self.surplus_cum[1:])
         self.deficit = np.maximum(self.need - own, 0)
-        self.deficit_cum = np.zeros(dp + 1, np.int64)
+        self.deficit_cum = np.zeros(self.deficit.size + 1, np.int64)
         np.cumsum(self.deficit, out=self.deficit_cum[1:])
         self.passes, self.m, self.base_key, self.dealt, self.dp = passes, m, base_key, dealt, dp
+        self.group = group
 
     def _cum_at(self, vpos: np.ndarray) -> np.ndarray:
         """Samples of b at visit positions before each of ``vpos`` (int64)."""
@@ -179,31 +181,44 @@ class _LocalBucket:
         return out
 
     def entries(self, pos: np.ndarray, dp: int) -> np.ndarray:
-        """Sample ids at global positions ``pos`` (padded ones wrap to the front)."""
+        """Sample ids at global positions ``pos`` (padded ones wrap to the front): rank
+        ``q mod dp``'s entry ``q // dp``, which is its owner's entry ``j + k * group`` (the
+        ranks of a node take its entries in turn; ``j`` the rank's place on its node)."""
         q = pos % self.m
-        return self.rank_entries(q % dp, q // dp)
+        d, k = q % dp, q // dp
+        return self.rank_entries(d // self.group, d % self.group + k * self.group)
 
 
 class LocalBuckets:
-    """The kept buckets of a shard-local plan: what ``Plan`` computes entries from."""
+    """The kept buckets of a shard-local plan: what ``Plan`` computes entries from.
+
+    With ``group`` g > 1 (``locality="node"``) the shards are dealt to nodes of g
+    consecutive DP ranks for good, the tables below are a node's, and a node's ranks take
+    its entries in turn: everything said of "a rank" is said of its node."""
 
     def __init__(self, raw: Sequence[Any], dss: Sequence[Dataset],
                  kept: Sequence[tuple[int, Hashable, Any, int, int, int]],
                  seed: int, epoch: int, dp: int, d: int, window: int,
-                 schedule: np.ndarray, batch_size: int) -> None:
+                 schedule: np.ndarray, batch_size: int, group: int = 0) -> None:
         lays = layouts(raw, dss)
-        self.dealt = [_DealtDataset(lay, ds.name, seed, epoch, dp, window) for lay, ds in zip(lays, dss)]
+        stable = group > 0  # locality="node": dealt to nodes, the same every epoch
+        group = max(group, 1)
+        self.dealt = [_DealtDataset(lay, ds.name, seed, epoch, dp // group, window, stable=stable)
+                      for lay, ds in zip(lays, dss)]
         self.buckets = [
             _LocalBucket(self.dealt[di], ids, passes, n * passes, length, dp,
-                         derive_seed(seed, epoch, dss[di].name, key, "window"))
+                         derive_seed(seed, epoch, dss[di].name, key, "window"), group)
             for di, key, ids, n, passes, length in kept]
         self.kept_dataset = [k[0] for k in kept]
-        self.dp, self.d, self.window = dp, d, window
-        total = int(schedule.size)
+        self.dp, self.d, self.window, self.group = dp, d, window, group
+        self.set_steps(int(schedule.size))
+
+    def set_steps(self, total: int) -> None:
+        """Give each window its span of the epoch's ``total`` global steps: its share of its
+        rank's samples (every bucket), in steps (what the reader holds its shards for)."""
         self.win_step: list[np.ndarray] = []
         for di, dealt in enumerate(self.dealt):
             mine = [bk for bk, kd in zip(self.buckets, self.kept_dataset) if kd == di]
-            # a window's step span: its share of its rank's samples (every bucket), in steps
             samples = np.zeros(dealt.win_start.size - 1, np.int64)
             for bk in mine:
                 samples += bk.win_samples
@@ -235,19 +250,29 @@ class LocalBuckets:
 
     # -- facts for summaries (pure) ----------------------------------------------------
     def rank_shards(self, di: int, d: int | None = None) -> np.ndarray:
-        """Shard numbers of dataset ``di`` dealt to rank d (default: this rank), in visit order."""
+        """Shard numbers of dataset ``di`` dealt to rank d (default: this rank; with nodes,
+        its node), in visit order."""
         dealt = self.dealt[di]
-        d = self.d if d is None else d
-        return dealt.visit[dealt.rank_start[d]:dealt.rank_start[d + 1]]
+        o = (self.d if d is None else d) // self.group
+        return dealt.visit[dealt.rank_start[o]:dealt.rank_start[o + 1]]
 
     def foreign(self, d: int | None = None) -> int:
-        """Foreign entries of rank d (default: this rank) over every kept bucket."""
+        """Foreign entries of rank d (default: this rank) over every kept bucket: with
+        nodes, those of its node's foreign entries that fall to it."""
         d = self.d if d is None else d
-        return int(sum(int(bk.deficit[d]) for bk in self.buckets))
+        o, j = d // self.group, d % self.group
+        if self.group == 1:
+            return int(sum(int(bk.deficit[o]) for bk in self.buckets))
+        total = 0
+        for bk in self.buckets:
+            k = np.arange(j, int(bk.need[o]), self.group, dtype=np.int64)
+            r, f = np.full(k.size, bk.need[o]), np.full(k.size, bk.deficit[o])
+            total += int(np.count_nonzero(_floor_mul_div(k + 1, f, r) > _floor_mul_div(k, f, r)))
+        return total
 
     def window_of_step(self, di: int, steps: np.ndarray, d: int | None = None) -> np.ndarray:
-        """Rank d's window (0, 1, ... in its visit order) whose step span holds each step."""
-        d = self.d if d is None else d
+        """Rank d's window (0, 1, ... in its (node's) visit order) whose step span holds each step."""
+        d = (self.d if d is None else d) // self.group
         dealt = self.dealt[di]
         lo, hi = int(dealt.win_base[d]), int(dealt.win_base[d + 1])
         if hi == lo:
@@ -258,6 +283,7 @@ class LocalBuckets:
         """Whether entries k (real, not padded) of kept bucket b on rank d are foreign."""
         d = self.d if d is None else d
         bk = self.buckets[b]
-        dd = np.full(k.size, d, np.int64)
+        k = d % self.group + np.asarray(k, np.int64) * self.group  # its owner's entries
+        dd = np.full(k.size, d // self.group, np.int64)
         r, f = bk.need[dd], bk.deficit[dd]
         return _floor_mul_div(k + 1, f, r) > _floor_mul_div(k, f, r)

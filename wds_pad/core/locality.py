@@ -72,13 +72,21 @@ from .dataset import Dataset, IdRange
 from .localfigures import LocalityFigures, figures  # noqa: F401 - also core.locality names
 from .seed import derive_rng
 
-__all__ = ["Locality", "LocalityFigures", "ShardMap", "figures", "shard_map_of"]
+__all__ = ["Locality", "LocalityFigures", "ShardMap", "figures", "node_group", "shard_map_of"]
 
 class Locality(str, Enum):
-    """How a bucket's global order is drawn: ``none`` (all shards) or ``shard`` (per rank)."""
+    """How a bucket's global order is drawn: ``none`` (all shards), ``shard`` (each epoch's
+    shards dealt to the DP ranks) or ``node`` (shards dealt to nodes for good, each
+    epoch's order on a node shared by its ranks)."""
 
     NONE = "none"
     SHARD = "shard"
+    NODE = "node"
+
+    @property
+    def dealt(self) -> bool:
+        """Whether shards are dealt (to ranks or nodes): each sample's shard is needed."""
+        return self is not Locality.NONE
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,11 +175,20 @@ def layouts(raw: Sequence[Any], dss: Sequence[Dataset]) -> list[_Layout]:
 
 
 class _DealtDataset:
-    """One dataset's shard deal and windows for an epoch: identical on every rank."""
+    """One dataset's shard deal and windows for an epoch: identical on every rank.
 
-    def __init__(self, layout: _Layout, name: str, seed: int, epoch: int, dp: int, window: int) -> None:
+    The shards are dealt to ``owners``: the DP ranks (``locality="shard"``: a new deal
+    every epoch) or the nodes (``locality="node"``: the deal is the same every epoch, so a
+    node's shards stay on it; each epoch only the order a node visits them changes, but
+    for its last window, which stays last, so what a node gives away to keep the buckets'
+    shares equal comes from the same shards every epoch).
+    """
+
+    def __init__(self, layout: _Layout, name: str, seed: int, epoch: int, owners: int, window: int,
+                 stable: bool = False) -> None:
         s = int(layout.shard_bytes.size)
-        self.visit = derive_rng(seed, epoch, name, "locality", "deal").permutation(s).astype(np.int64)
+        parts = (name, "locality", "node-deal") if stable else (epoch, name, "locality", "deal")
+        self.visit = derive_rng(seed, *parts).permutation(s).astype(np.int64)
         weight = layout.shard_bytes[self.visit] if s else np.zeros(0, np.int64)
         if s and int(weight.sum()) == 0:
             weight = np.ones(s, np.int64)
@@ -179,21 +196,58 @@ class _DealtDataset:
         if s:
             np.cumsum(weight[:-1], out=before[1:])
         total = int(weight.sum())
-        # rank d owns the shards whose byte midpoint falls in [total*d/dp, total*(d+1)/dp)
-        thresholds = np.asarray([-(-2 * total * d // dp) for d in range(dp)], dtype=np.int64)
+        # owner d owns the shards whose byte midpoint falls in [total*d/owners, total*(d+1)/owners)
+        thresholds = np.asarray([-(-2 * total * d // owners) for d in range(owners)], dtype=np.int64)
         owner = np.searchsorted(thresholds, 2 * before + weight, side="right") - 1 if s else np.zeros(0, np.int64)
-        self.rank_start = np.searchsorted(owner, np.arange(dp + 1), side="left").astype(np.int64)
+        self.rank_start = np.searchsorted(owner, np.arange(owners + 1), side="left").astype(np.int64)
+        if stable:  # this epoch's visit order inside each node; its export shards stay last
+            for d in range(owners):
+                lo, hi = int(self.rank_start[d]), int(self.rank_start[d + 1])
+                cut = max(lo, hi - EXPORT)
+                if cut - lo > 1:
+                    order = derive_rng(seed, epoch, name, d, "locality", "visit").permutation(cut - lo)
+                    self.visit[lo:cut] = self.visit[lo:cut][order]
         per_rank = np.diff(self.rank_start)
-        nwin = -(-per_rank // window)
-        self.win_base = np.zeros(dp + 1, np.int64)
+        # a node's last window is its EXPORT shards alone: what it gives away comes from them
+        tail = np.minimum(per_rank, EXPORT) if stable else np.zeros(owners, np.int64)
+        nwin = -(-(per_rank - tail) // window) + (tail > 0)
+        self.win_base = np.zeros(owners + 1, np.int64)
         np.cumsum(nwin, out=self.win_base[1:])
         # visit position where each global window starts (plus the end)
-        starts = [self.rank_start[d] + window * np.arange(int(nwin[d]), dtype=np.int64) for d in range(dp)]
+        starts = [np.append(self.rank_start[d] + window * np.arange(int(nwin[d] - (tail[d] > 0)), dtype=np.int64),
+                            [self.rank_start[d + 1] - tail[d]] if tail[d] else []).astype(np.int64)
+                  for d in range(owners)]
         self.win_start = np.concatenate(starts + [np.asarray([s], np.int64)]).astype(np.int64)
         self.visit_pos = np.empty(s, np.int64)  # shard number -> its visit position
         self.visit_pos[self.visit] = np.arange(s, dtype=np.int64)
-        self.rank_of = np.repeat(np.arange(dp, dtype=np.int64), nwin)  # rank of each global window
+        self.rank_of = np.repeat(np.arange(owners, dtype=np.int64), nwin)  # owner of each global window
         self.layout = layout
+
+
+#: Shards a node visits last every epoch, in a window of their own, with ``locality="node"``:
+#: what it gives to other nodes to keep the buckets' shares equal comes from them first, the
+#: same shards every epoch, so the receiving node can keep them.
+EXPORT = 4
+
+
+def node_group(topology: Any) -> int:
+    """DP ranks per node for ``locality="node"``: ``local_world_size / cp_size`` (1 when a
+    data-parallel replica spans several nodes: each node then owns the shards of one DP rank).
+
+    Raises:
+        ConfigError: no node layout, or one that does not line up with the CP layout.
+    """
+    local, cp = topology.local_world_size, int(topology.cp_size)
+    if not local:
+        raise ConfigError(
+            "locality='node' needs the node layout: run under torchrun (LOCAL_WORLD_SIZE) or pass "
+            "topology=Topology(..., local_world_size=<processes per node>)")
+    if local % cp and cp % local:
+        raise ConfigError(
+            f"locality='node': local_world_size {local} and cp_size {cp} do not divide one another, so a "
+            "node does not hold whole data-parallel replicas; choose a cp_size that divides the processes "
+            "per node (or a multiple of it)")
+    return max(1, local // cp)
 
 
 def shard_map_of(index: Any, dataset: Dataset) -> ShardMap:

@@ -48,9 +48,11 @@ import numpy as np
 from ..errors import ConfigError, DroppedBucketWarning
 from .dataset import Dataset, _as_datasets, bucket_order  # noqa: F401 - also the old wds_pad.plan names
 from .localbuckets import LocalBuckets
-from .locality import Locality
+from .locality import Locality, node_group
 from .permute import round_keys
-from .planrecord import Batch, BucketStats, Plan, _Buckets, _rank_batches
+from .budget import Budget
+from .budgetplan import plan_buckets
+from .planrecord import Batch, Bins, BucketStats, Plan, _Buckets, _rank_batches
 from .policy import (  # noqa: F401 - MAX_EPOCH and resolve_policy: also the old wds_pad.plan names
     MAX_EPOCH,
     MAX_PLANNED_ENTRIES,
@@ -106,7 +108,7 @@ def plan_epoch(
     *,
     seed: int,
     epoch: int = 0,
-    batch_size: int,
+    batch_size: int | Budget,
     policy: Policy | str = Policy.AUTO,
     mode: Mode | str = Mode.EPOCHS,
     oversubscribe: bool = False,
@@ -114,6 +116,7 @@ def plan_epoch(
     warn: bool = True,
     locality: Locality | str = Locality.NONE,
     window: int = 8,
+    accumulation_steps: int = 1,
 ) -> Plan:
     """Plan one epoch for this rank.
 
@@ -123,16 +126,22 @@ def plan_epoch(
         topology: this rank's Topology.
         seed: the shared seed (identical on every rank), an int in [0, 2**64).
         epoch: the epoch number, an int in [0, MAX_EPOCH].
-        batch_size: samples per batch per DP rank.
+        batch_size: samples per batch per DP rank, or a :class:`~wds_pad.core.budget.Budget`
+            (batches sized by the samples' costs: every dataset needs costs).
         policy: ``auto`` | ``cyclic`` | ``drop`` | ``none``.
         mode: ``epochs`` | ``steps`` (only matters for ``auto``).
         oversubscribe: keep buckets smaller than one pad unit, filled cyclically.
-        pad_to: ``batch`` (unit dp_size * batch_size) or ``rank`` (unit dp_size).
+        pad_to: ``batch`` (unit dp_size * batch_size; under a budget, a bucket's last
+            batch topped up with copies) or ``rank`` (unit dp_size).
         warn: emit a DroppedBucketWarning naming each dropped bucket.
-        locality: ``none`` (every bucket shuffled across all shards) or ``shard`` (each
-            rank reads its own shards, dealt per epoch, through a window of shards;
-            core/locality.py). ``shard`` needs an Index or a ShardMap per dataset.
-        window: shards a rank visits at once with ``locality="shard"`` (int >= 1).
+        locality: ``none`` (every bucket shuffled across all shards), ``shard`` (each
+            rank reads its own shards, dealt per epoch, through a window of shards) or
+            ``node`` (shards dealt to nodes for good, read by a node's ranks together;
+            needs ``topology.local_world_size``); core/locality.py. ``shard`` and ``node``
+            need an Index or a ShardMap per dataset.
+        window: shards a rank (a node) visits at once with ``locality="shard"`` (``"node"``).
+        accumulation_steps: K micro-batches per optimizer step: every rank's batch count
+            is a multiple of K and each run of K steps reads one bucket.
 
     Returns:
         The Plan of ``topology.rank`` for ``epoch``.
@@ -144,22 +153,48 @@ def plan_epoch(
         raise ConfigError(f"topology must be a wds_pad.Topology, got {type(topology).__name__}")
     seed = check_seed(seed)
     epoch = check_epoch(epoch)
-    bs = _check_positive("batch_size", batch_size)
+    budget = batch_size if isinstance(batch_size, Budget) else None
+    bs = 1 if budget is not None else _check_positive("batch_size", batch_size)
     mode = _enum(Mode, mode, "mode")
     pad_to = _enum(PadTo, pad_to, "pad_to")
     policy = resolve_policy(policy, mode, bool(oversubscribe))
     locality = _enum(Locality, locality, "locality")
     shard_window = _check_positive("window", window)
+    k = _check_accumulation(accumulation_steps, policy, pad_to, budget)
+    group = node_group(topology) if locality is Locality.NODE else 0  # DP ranks per node
     raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
     dss = _as_datasets(datasets)
     dp, d = int(topology.dp_size), int(topology.dp_rank)  # type: ignore[arg-type]
-    unit = pad_to.unit(dp, bs)
+    if budget is not None:
+        got = plan_buckets(raw, dss, budget=budget, policy=policy, oversubscribe=bool(oversubscribe),
+                           top_up=pad_to is PadTo.BATCH, accumulation=k, seed=seed, epoch=epoch, dp=dp, d=d,
+                           local=locality.dealt, window=shard_window, group=group)
+        _warn_dropped(warn, got.dropped, got.dropped_samples, sum(st.samples for st in got.stats), epoch)
+        table, stats, bucket_steps = got.table, got.stats, got.steps
+        schedule, window_of = _schedule(dss, table, bucket_steps, seed, epoch, group=k)
+        buckets = _Buckets([], dp, d)
+        buckets.counts = got.counts
+        if locality.dealt:
+            got.source.set_steps(int(schedule.size))
+            buckets.local = got.source
+        else:
+            buckets.budget = got.source
+        bins = Bins(got.starts)
+        batch_step, offsets = _rank_batches(got.counts, bucket_steps, schedule, window_of, 1, bins)
+        widest = int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1
+        return Plan(
+            epoch=epoch, topology=topology, batch_size=max(1, widest), policy=policy, mode=mode, pad_to=pad_to,
+            oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss), bucket_table=tuple(table),
+            schedule=schedule, window=window_of, batch_step=batch_step, offsets=offsets, stats=tuple(stats),
+            buckets=buckets, locality=locality, shard_window=shard_window, budget=budget, bins=bins,
+            accumulation=k)
+    unit = pad_to.unit(dp, bs) * k
 
-    table: list[tuple[int, Hashable]] = []
-    stats: list[BucketStats] = []
+    table_: list[tuple[int, Hashable]] = []
+    stats_: list[BucketStats] = []
     kept: list[tuple[np.ndarray, int, int, int, list[list[int]]]] = []  # ids, n, m, length, keys
     kept_local: list[tuple[int, Hashable, Any, int, int, int]] = []  # di, key, ids, n, passes, length
-    bucket_steps: list[int] = []
+    steps_: list[int] = []
     dropped_names: list[str] = []
     dropped_samples = total_samples = 0
     planned = 0  # entries of the whole epoch over all buckets, checked before allocating
@@ -174,7 +209,7 @@ def plan_epoch(
             planned += length
             dropped = n > 0 and length == 0
             steps = -(-length // (dp * bs)) if length else 0
-            stats.append(BucketStats(
+            stats_.append(BucketStats(
                 dataset=ds.name, bucket=key, samples=n, repeats=ds.repeats, length=m,
                 padded_length=length, padded_copies=max(length - m, 0),
                 truncated=max(m - length, 0) if n else 0, dropped=dropped,
@@ -185,12 +220,12 @@ def plan_epoch(
                 dropped_samples += n
             if not length:
                 continue  # empty or dropped: never reaches the arithmetic below
-            table.append((di, key))
+            table_.append((di, key))
             # one keyed permutation per pass: the bucket's global order, evaluated pointwise
             keys = [round_keys(derive_seed(seed, epoch, ds.name, key, "shuffle", j)) for j in range(passes)]
             kept.append((ids, n, m, length, keys))
             kept_local.append((di, key, ids, n, passes, length))
-            bucket_steps.append(steps)
+            steps_.append(steps)
     if planned > MAX_PLANNED_ENTRIES:
         raise ConfigError(
             f"epoch {epoch} would plan {planned} entries over all buckets and datasets, above the "
@@ -199,35 +234,56 @@ def plan_epoch(
         )
     buckets = _Buckets(kept, dp, d)
     counts = buckets.counts
-    if warn and dropped_names:
-        warnings.warn(
-            f"{len(dropped_names)} bucket(s) smaller than one global step were dropped from "
-            f"epoch {epoch}: {', '.join(dropped_names[:10])}{' ...' if len(dropped_names) > 10 else ''}; "
-            f"they hold {dropped_samples} of the epoch's {total_samples} samples "
-            f"({100 * dropped_samples / max(total_samples, 1):.1f}%), which this epoch does not train on. "
-            "Pass oversubscribe=True (--oversubscribe) to keep them: each is then filled cyclically "
-            "to one global step, so its samples appear more often than the others'",
-            DroppedBucketWarning,
-            stacklevel=user_stacklevel(),
-        )
+    _warn_dropped(warn, dropped_names, dropped_samples, total_samples, epoch)
 
-    schedule, window = _schedule(dss, table, bucket_steps, seed, epoch)
-    if locality is Locality.SHARD:  # the order inside each bucket; the schedule is the same
-        buckets.local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window, schedule, bs)
-    batch_step, offsets = _rank_batches(counts, bucket_steps, schedule, window, bs)
+    schedule, window_ = _schedule(dss, table_, steps_, seed, epoch, group=k)
+    if locality.dealt:  # the order inside each bucket; the schedule is the same
+        buckets.local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window, schedule, bs, group)
+    batch_step, offsets = _rank_batches(counts, steps_, schedule, window_, bs)
     return Plan(
         epoch=epoch, topology=topology, batch_size=bs, policy=policy, mode=mode, pad_to=pad_to,
         oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss),
-        bucket_table=tuple(table), schedule=schedule, window=window, batch_step=batch_step,
-        offsets=offsets, stats=tuple(stats), buckets=buckets, locality=locality,
-        shard_window=shard_window,
+        bucket_table=tuple(table_), schedule=schedule, window=window_, batch_step=batch_step,
+        offsets=offsets, stats=tuple(stats_), buckets=buckets, locality=locality,
+        shard_window=shard_window, accumulation=k,
+    )
+
+
+def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, budget: Budget | None) -> int:
+    k = _check_positive("accumulation_steps", value)
+    if k > 1 and policy is Policy.NONE:
+        raise ConfigError(
+            f"accumulation_steps={k} with padding policy 'none': 'none' gives ranks different batch "
+            "counts, so an epoch could not end on a whole optimizer step on every rank; use pad='cyclic' "
+            "or 'drop', or accumulation_steps=1")
+    if k > 1 and budget is None and pad_to is PadTo.RANK:
+        raise ConfigError(
+            f"accumulation_steps={k} with pad_to='rank': a bucket's last batch may then be short, so its "
+            "optimizer step would mix a short micro-batch with full ones; use pad_to='batch' (a bucket "
+            "padded to whole optimizer steps), or accumulation_steps=1")
+    return k
+
+
+def _warn_dropped(warn: bool, names: list[str], dropped: int, total: int, epoch: int) -> None:
+    if not (warn and names):
+        return
+    warnings.warn(
+        f"{len(names)} bucket(s) smaller than one global step were dropped from "
+        f"epoch {epoch}: {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}; "
+        f"they hold {dropped} of the epoch's {total} samples "
+        f"({100 * dropped / max(total, 1):.1f}%), which this epoch does not train on. "
+        "Pass oversubscribe=True (--oversubscribe) to keep them: each is then filled cyclically "
+        "to one global step, so its samples appear more often than the others'",
+        DroppedBucketWarning,
+        stacklevel=user_stacklevel(),
     )
 
 
 def iter_steps(
-    datasets: Any, topology: Topology, *, seed: int, batch_size: int, start_epoch: int = 0,
+    datasets: Any, topology: Topology, *, seed: int, batch_size: int | Budget, start_epoch: int = 0,
     policy: Policy | str = Policy.AUTO, oversubscribe: bool = False,
     pad_to: PadTo | str = PadTo.BATCH, locality: Locality | str = Locality.NONE, window: int = 8,
+    accumulation_steps: int = 1,
 ) -> Iterator[Plan]:
     """Steps mode: an endless sequence of epoch plans, each with the same policy.
 
@@ -240,7 +296,8 @@ def iter_steps(
     while True:
         plan = plan_epoch(dss, topology, seed=seed, epoch=epoch, batch_size=batch_size,
                           policy=policy, mode=Mode.STEPS, oversubscribe=oversubscribe,
-                          pad_to=pad_to, warn=epoch == start_epoch, locality=locality, window=window)
+                          pad_to=pad_to, warn=epoch == start_epoch, locality=locality, window=window,
+                          accumulation_steps=accumulation_steps)
         if plan.steps == 0:
             raise ConfigError(
                 "steps mode has nothing to stream: every bucket is smaller than one global "

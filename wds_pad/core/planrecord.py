@@ -115,6 +115,15 @@ class Plan:
     buckets: _Buckets = field(repr=False)
     locality: Locality = Locality.NONE
     shard_window: int = 8  # shards a rank visits at once (locality="shard")
+    budget: Any = None  # a core.budget.Budget: batches sized by cost (``bins`` says where each starts)
+    bins: Bins | None = field(default=None, repr=False)
+    accumulation: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
+
+    def _first(self, b: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """Where window ``w`` of kept bucket ``b`` starts among this rank's entries of it."""
+        if self.bins is None:
+            return np.asarray(w, np.int64) * self.batch_size
+        return self.bins.start(b, w)
 
     @property
     def steps(self) -> int:
@@ -135,7 +144,7 @@ class Plan:
         b = int(self.schedule[step])
         ds, key = self.bucket_table[b]
         size = int(self.offsets[i + 1] - self.offsets[i])
-        first = int(self.window[step]) * self.batch_size
+        first = int(self._first(np.asarray([b]), np.asarray([int(self.window[step])]))[0])
 
         def batch() -> tuple[np.ndarray, np.ndarray]:
             k = np.arange(first, first + size, dtype=np.int64)
@@ -164,7 +173,8 @@ class Plan:
 
         def entries() -> tuple[np.ndarray, np.ndarray]:
             b = np.repeat(self.schedule[steps], sizes)
-            k = np.repeat(self.window[steps].astype(np.int64) * self.batch_size - before, sizes) + np.arange(total, dtype=np.int64)
+            first = self._first(self.schedule[steps].astype(np.int64), self.window[steps].astype(np.int64))
+            k = np.repeat(first - before, sizes) + np.arange(total, dtype=np.int64)
             return _entries(self.buckets, b, k)
 
         samples, pad = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
@@ -186,8 +196,9 @@ class Plan:
             def share() -> tuple[np.ndarray, np.ndarray]:
                 sizes = np.diff(self.offsets)
                 b = np.repeat(self.schedule[self.batch_step], sizes)
-                k = (np.repeat(self.window[self.batch_step].astype(np.int64) * self.batch_size - self.offsets[:-1], sizes)
-                     + np.arange(int(self.offsets[-1]), dtype=np.int64))
+                first = self._first(self.schedule[self.batch_step].astype(np.int64),
+                                    self.window[self.batch_step].astype(np.int64))
+                k = np.repeat(first - self.offsets[:-1], sizes) + np.arange(int(self.offsets[-1]), dtype=np.int64)
                 return _entries(self.buckets, b, k)
 
             cached = _within_memory(share, int(self.offsets[-1]), "this rank's share")
@@ -223,15 +234,43 @@ class _Buckets:
         np.cumsum([len(k[4]) for k in kept][:-1], out=self.first_row[1:])
         self.dp, self.d = dp, d
         self.local: LocalBuckets | None = None  # set for locality="shard"
+        self.budget: Any = None  # set under a budget with locality="none" (core/budgetplan.py)
         # entries of this rank per kept bucket
         self.counts = np.asarray([max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
 
 
+class Bins:
+    """Where each batch of each kept bucket starts among a rank's entries of that bucket,
+    when batches are not ``batch_size`` entries each (a budget): batch w of kept bucket b
+    is entries ``[start(b, w), start(b, w + 1))``. O(the rank's batches)."""
+
+    def __init__(self, starts: Sequence[np.ndarray]) -> None:
+        sizes = np.asarray([len(x) for x in starts], np.int64)
+        self.base = np.zeros(len(starts), np.int64)
+        np.cumsum(sizes[:-1], out=self.base[1:])
+        self.flat = np.concatenate([np.asarray(x, np.int64) for x in starts]) if starts else np.zeros(0, np.int64)
+
+    def start(self, b: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return self.flat[self.base[np.asarray(b, np.int64)] + np.asarray(w, np.int64)]
+
+
 def _rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.ndarray, window: np.ndarray,
-                  bs: int) -> tuple[np.ndarray, np.ndarray]:
+                  bs: int, bins: Bins | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(batch_step, offsets) of a rank with ``counts`` entries per kept bucket: its batch for
-    global step s is its entries [k*bs, (k+1)*bs) of bucket schedule[s], k = window[s]."""
+    global step s is its entries [k*bs, (k+1)*bs) of bucket schedule[s], k = window[s]
+    (with ``bins``: [bins.start(b, k), bins.start(b, k + 1)))."""
     step_dtype = np.int32 if schedule.size < 2**31 else np.int64
+    if bins is not None:
+        sched = schedule.astype(np.int64)
+        win = window.astype(np.int64)
+        lo = bins.start(sched, win) if schedule.size else np.zeros(0, np.int64)
+        hi = np.minimum(bins.start(sched, win + 1), counts[sched]) if schedule.size else np.zeros(0, np.int64)
+        sizes = np.maximum(hi - lo, 0)
+        has = sizes > 0
+        batch_step = np.flatnonzero(has).astype(step_dtype)
+        offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
+        np.cumsum(sizes[has], out=offsets[1:])
+        return batch_step, offsets
     if np.array_equal(counts, np.asarray(bucket_steps, dtype=np.int64) * bs):
         # every bucket fills whole global steps (cyclic, drop, or lengths that happen to
         # divide): this rank has a full batch at every step; nothing per step to compute
@@ -262,6 +301,9 @@ def _within_memory(compute: Any, entries: int, what: str) -> tuple[np.ndarray, n
 
 def _entries(bk: _Buckets, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` (parallel arrays)."""
+    budget = getattr(bk, "budget", None)  # the elastic remainder's buckets have none
+    if budget is not None:
+        return budget.entries(b, k)  # type: ignore[no-any-return]
     if bk.local is not None:
         return bk.local.entries(b, k)
     if not k.size:

@@ -42,6 +42,8 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from ..errors import StateError, StateMismatchError
+from .budget import Budget
+from .budgetremainder import plan_budget_remainder
 from .dataset import _as_datasets
 from .locality import Locality
 from .plan import plan_epoch
@@ -65,12 +67,15 @@ class Segment:
         positions: batches each DP rank took, indexed by dp_rank (policy ``none``), or None.
         fingerprint: the fingerprint of the remainder this segment left (as planned on the
             next layout), as saved; "" if not known. Not part of the remainder's digest.
+        node_ranks: DP ranks per node of that layout (``locality="node"``: how its shards
+            were dealt); 0 for the other localities.
     """
 
     dp_size: int
     steps: int | None = None
     positions: tuple[int, ...] | None = None
     fingerprint: str = ""
+    node_ranks: int = 0
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.positions is None):
@@ -80,9 +85,16 @@ class Segment:
                              "per-rank positions; it needs one per DP rank")
 
     def to_json(self) -> list[Any]:
-        """``[dp_size, steps or [index per dp_rank]]``, plus the fingerprint when known."""
+        """``[dp_size, steps or [index per dp_rank]]``, plus the fingerprint when known, plus
+        the DP ranks per node of a node-local layout."""
         out: list[Any] = [self.dp_size, self.steps if self.positions is None else list(self.positions)]
+        if self.node_ranks:
+            return out + [self.fingerprint, self.node_ranks]
         return out + [self.fingerprint] if self.fingerprint else out
+
+    def topology(self) -> Topology:
+        """Rank 0 of this segment's layout (as planned: its DP ranks, its nodes)."""
+        return Topology(world_size=self.dp_size, rank=0, local_world_size=self.node_ranks or None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -281,7 +293,8 @@ class _RemainderBuckets:
 
 def _digest(segments: Sequence[Segment], top: _Level, table: Sequence[tuple[int, Hashable]]) -> str:
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr(("wds_pad.remainder", 1, [s.to_json()[:2] for s in segments], top.dp, top.deal,
+    h.update(repr(("wds_pad.remainder", 1, [s.to_json()[:2] + ([s.node_ranks] if s.node_ranks else [])
+                                            for s in segments], top.dp, top.deal,
                    [(int(di), repr(key)) for di, key in table])).encode())
     for a in (top.real, top.length, top.schedule):
         h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
@@ -289,9 +302,9 @@ def _digest(segments: Sequence[Segment], top: _Level, table: Sequence[tuple[int,
 
 
 def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment], *, seed: int, epoch: int,
-                   batch_size: int, policy: Policy | str, mode: Any = "epochs", oversubscribe: bool = False,
+                   batch_size: int | Budget, policy: Policy | str, mode: Any = "epochs", oversubscribe: bool = False,
                    pad_to: PadTo | str = PadTo.BATCH, locality: Locality | str = Locality.NONE,
-                   window: int = 8) -> Remainder:
+                   window: int = 8, accumulation_steps: int = 1) -> Remainder:
     """This rank's plan of what ``segments`` left of ``epoch`` (see the module docstring).
 
     Args:
@@ -306,11 +319,19 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     """
     if not segments:
         raise StateError("plan_remainder needs at least one segment")
+    if isinstance(batch_size, Budget):  # batches by cost: core/budgetremainder.py
+        plan, digest = plan_budget_remainder(
+            datasets, topology, segments, seed=seed, epoch=epoch, batch_size=batch_size, policy=policy, mode=mode,
+            oversubscribe=oversubscribe, pad_to=pad_to, locality=locality, window=window,
+            accumulation_steps=accumulation_steps)
+        return Remainder(plan, digest)
     locality = _enum(Locality, locality, "locality")
     pad_to = _enum(PadTo, pad_to, "pad_to")
+    k = int(accumulation_steps)
     common = dict(seed=seed, epoch=epoch, batch_size=batch_size, policy=policy, mode=mode,
-                  oversubscribe=oversubscribe, pad_to=pad_to, warn=False, locality=locality, window=window)
-    base = plan_epoch(datasets, Topology(world_size=segments[0].dp_size, rank=0), **common)  # type: ignore[arg-type]
+                  oversubscribe=oversubscribe, pad_to=pad_to, warn=False, locality=locality, window=window,
+                  accumulation_steps=k)
+    base = plan_epoch(datasets, segments[0].topology(), **common)  # type: ignore[arg-type]
     dss = _as_datasets(datasets)
     bs, pol = base.batch_size, base.policy
     by_name = {(s.dataset, s.bucket): s for s in base.stats}
@@ -319,16 +340,16 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     real0 = np.minimum(np.asarray([s.length for s in stats0], np.int64), length0)
     levels = [_Level(tab=np.arange(len(stats0), dtype=np.int64), real=real0, length=length0,
                      dp=segments[0].dp_size, deal=RR, schedule=base.schedule, window=base.window)]
-    deal = BLOCK if locality is Locality.SHARD else RR
+    deal = BLOCK if locality.dealt else RR
     pad = pol is not Policy.NONE
     for j, seg in enumerate(segments):
         lv = levels[-1]
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
-        unit = pad_to.unit(dp, bs)
+        unit = pad_to.unit(dp, bs) * k
         one_run = seg.steps is not None and deal == RR and lv.deal == RR
         nxt, steps = _next_level(lv, seg, epoch, one_run, dp, deal, bs, unit, pad)
         table = [base.bucket_table[int(t)] for t in nxt.tab]
-        nxt.schedule, nxt.window = _schedule(dss, table, steps, seed, epoch)
+        nxt.schedule, nxt.window = _schedule(dss, table, steps, seed, epoch, group=k)
         levels.append(nxt)
     top = levels[-1]
     table = tuple(base.bucket_table[int(t)] for t in top.tab)
@@ -337,7 +358,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     steps = (-(-top.length // (top.dp * bs))).tolist()
     batch_step, offsets = _rank_batches(counts, steps, top.schedule, top.window, bs)
     shard_map = None
-    if locality is Locality.SHARD:
+    if locality.dealt:
         shard_map = [dealt.layout.shard for dealt in base.buckets.local.dealt]  # type: ignore[union-attr]
     buckets = _RemainderBuckets(levels, base.buckets, d, shard_map)
     stats = tuple(
@@ -350,6 +371,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     plan = Plan(epoch=base.epoch, topology=topology, batch_size=bs, policy=pol, mode=base.mode,
                 pad_to=pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
                 schedule=top.schedule, window=top.window, batch_step=batch_step, offsets=offsets,
-                stats=stats, buckets=buckets, locality=locality, shard_window=base.shard_window)  # type: ignore[arg-type]
+                stats=stats, buckets=buckets, locality=locality, shard_window=base.shard_window,  # type: ignore[arg-type]
+                accumulation=k)
     buckets.plan = plan
     return Remainder(plan, _digest(segments, top, table))

@@ -229,14 +229,29 @@ class Index:
         bo = self.bucket_offsets.tolist()
         return {k: np.arange(bo[b], bo[b + 1], dtype=np.int64) for b, k in enumerate(self.buckets)}
 
-    def to_dataset(self, name: str | None = None, repeats: int = 0, weight: float = 1.0) -> Dataset:
-        """This index as one planner Dataset (its buckets, these repeats and weight).
+    def to_dataset(self, name: str | None = None, repeats: int = 0, weight: float = 1.0,
+                   costs: bool = False) -> Dataset:
+        """This index as one planner Dataset (its buckets, these repeats and weight; with
+        ``costs``, each sample's cost and each bucket's cost order, what a budget plans by).
 
-        O(buckets): each bucket is the ``IdRange`` of its rows; no sample is read.
+        O(buckets): each bucket is the ``IdRange`` of its rows; no sample is read (the cost
+        order is read at the ranks the planner asks for).
+
+        Raises:
+            ConfigError: ``costs`` for an index built without ``--cost``.
         """
         bo = self.bucket_offsets.tolist()
-        return Dataset(name=name or self.name, buckets={k: IdRange(bo[b], bo[b + 1]) for b, k in enumerate(self.buckets)},
-                       repeats=repeats, weight=weight)
+        buckets = {k: IdRange(bo[b], bo[b + 1]) for b, k in enumerate(self.buckets)}
+        if not costs:
+            return Dataset(name=name or self.name, buckets=buckets, repeats=repeats, weight=weight)
+        if self.cost is None:
+            raise ConfigError(
+                f"index {self.path or self.name!r} records no costs, so it cannot be planned under a budget: "
+                "build it with --cost (build_index(..., cost='json:FIELD' | 'image:pixels' | 'bytes')), or give "
+                "an int batch_size")
+        rows = {k: (bo[b], bo[b + 1]) for b, k in enumerate(self.buckets)}
+        return Dataset(name=name or self.name, buckets=buckets, repeats=repeats, weight=weight, cost=self.cost,
+                       cost_order=lambda key: _ByCost(self, *rows[key]))
 
     # -- costs ---------------------------------------------------------------------------
     @property
@@ -347,3 +362,18 @@ class Index:
         out["shards+excluded"] = sum(len(b) for b in self.json_blobs().values()) / n
         out["total"] = sum(out.values())
         return out
+
+
+class _ByCost:
+    """One bucket's rows in cost order, read at the ranks asked for (``order[k]``)."""
+
+    __slots__ = ("index", "start", "stop")
+
+    def __init__(self, index: Index, start: int, stop: int) -> None:
+        self.index, self.start, self.stop = index, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, k: Any) -> np.ndarray:
+        return self.index.cost_order(self.start, self.stop, k)

@@ -48,7 +48,7 @@ KINDS = ("bucketed", "shards")
 MODES = ("epochs", "steps")
 #: Plan fields that describe the data-parallel layout: they differ, by design, on an
 #: elastic resume (allow_elastic=True), which then plans the rest of the epoch on the new layout.
-LAYOUT_FIELDS = ("dp_size", "pad_unit")
+LAYOUT_FIELDS = ("dp_size", "pad_unit", "node_ranks")
 #: Largest batch index or batch count a state may hold (far beyond any real epoch).
 MAX_INDEX = 2**53
 STATE_FILE_FORMAT = "wds_pad.state_file"
@@ -161,22 +161,22 @@ def elastic_segments(state: Mapping[str, Any]) -> tuple[Segment, ...]:
     segments = elastic.get("segments") if isinstance(elastic, Mapping) else None
 
     def ok(s: Any) -> bool:
-        if not (isinstance(s, (list, tuple)) and len(s) in (2, 3) and _is_count(s[0], 1)):
+        if not (isinstance(s, (list, tuple)) and len(s) in (2, 3, 4) and _is_count(s[0], 1)):
             return False
-        if len(s) == 3 and not isinstance(s[2], str):
+        if len(s) >= 3 and not isinstance(s[2], str):
+            return False
+        if len(s) == 4 and not _is_count(s[3], 1):
             return False
         if isinstance(s[1], list):
             return len(s[1]) == s[0] and all(_is_count(i) and i <= MAX_INDEX for i in s[1])
         return _is_count(s[1]) and s[1] <= MAX_INDEX
     if not isinstance(segments, list) or not all(ok(s) for s in segments):
         raise StateError(f"loader state field 'elastic' must be {{'segments': [[dp_size, steps or "
-                         f"[index per dp_rank], fingerprint], ...]}}, got {elastic!r}")
+                         f"[index per dp_rank], fingerprint(, DP ranks per node)], ...]}}, got {elastic!r}")
     return tuple(
-        (Segment(int(s[0]), steps=int(s[1])) if not isinstance(s[1], list)
-         else Segment(int(s[0]), positions=tuple(int(i) for i in s[1])))
-        if len(s) == 2 else
-        (Segment(int(s[0]), steps=int(s[1]), fingerprint=s[2]) if not isinstance(s[1], list)
-         else Segment(int(s[0]), positions=tuple(int(i) for i in s[1]), fingerprint=s[2]))
+        Segment(int(s[0]), **({"steps": int(s[1])} if not isinstance(s[1], list)
+                              else {"positions": tuple(int(i) for i in s[1])}),
+                fingerprint=s[2] if len(s) >= 3 else "", node_ranks=int(s[3]) if len(s) == 4 else 0)
         for s in segments)
 
 

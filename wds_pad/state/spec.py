@@ -22,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.budget import Budget
 from ..core.dataset import Dataset
-from ..core.locality import Locality, ShardMap, shard_map_of
+from ..core.locality import EXPORT, Locality, ShardMap, node_group, shard_map_of
 from ..core.plan import Plan, plan_epoch
 from ..core.policy import Mode, PadTo, Policy, resolve_policy
 from ..core.seed import stable_digest
@@ -34,7 +35,11 @@ from ..index.record import Index
 from ..io.urls import is_local
 from .schema import fingerprint_of
 
-__all__ = ["PlanSpec"]
+__all__ = ["PACKING", "PlanSpec"]
+
+#: How a budget packs batches (core/strata.py, core/lockstep.py), recorded in a state's plan
+#: block: a state saved under another packing is refused, not resumed onto other batches.
+PACKING = "strata-firstfit8/lockstep-1"
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,7 +54,7 @@ class PlanSpec:
     names: tuple[str, ...]
     topology: Topology
     seed: int
-    batch_size: int
+    batch_size: int | Budget
     policy: Policy = Policy.AUTO
     mode: Mode = Mode.EPOCHS
     pad_to: PadTo = PadTo.BATCH
@@ -58,6 +63,7 @@ class PlanSpec:
     weights: tuple[float, ...] = ()
     locality: Locality = Locality.NONE
     window: int = 8
+    accumulation_steps: int = 1
     # not an argument: a replaced spec (another layout) starts with a cache of its own
     _cache: dict[int, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -89,9 +95,10 @@ class PlanSpec:
 
     def datasets(self) -> list[Dataset | ShardMap]:
         """The planned datasets, one per index (with their shard maps for ``locality="shard"``)."""
-        out = [ix.to_dataset(name=n, repeats=r, weight=w)
+        costs = isinstance(self.batch_size, Budget)  # a budget plans by each sample's cost
+        out = [ix.to_dataset(name=n, repeats=r, weight=w, **({"costs": True} if costs else {}))
                for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)]
-        if self.locality is Locality.SHARD:
+        if self.locality.dealt:
             return [shard_map_of(ix, ds) for ix, ds in zip(self.indexes, out)]
         return list(out)
 
@@ -100,7 +107,7 @@ class PlanSpec:
         ``plan_epoch`` and ``plan_remainder`` take, listed once."""
         return dict(seed=self.seed, batch_size=self.batch_size, policy=self.policy, mode=self.mode,
                     oversubscribe=self.oversubscribe, pad_to=self.pad_to, locality=self.locality,
-                    window=self.window)
+                    window=self.window, accumulation_steps=self.accumulation_steps)
 
     def plan(self, epoch: int) -> Plan:
         """This rank's plan for ``epoch`` (cached: the last few epochs only)."""
@@ -119,8 +126,11 @@ class PlanSpec:
         checked through the topology saved beside it). Equal on every rank of a job."""
         return fingerprint_of(self.fingerprint_fields())
 
-    def legacy_fingerprint(self) -> str:
-        """The fingerprint as state version 1 computed it (no data-parallel layout)."""
+    def legacy_fingerprint(self) -> str | None:
+        """The fingerprint as state version 1 computed it (no data-parallel layout); None
+        for a plan version 1 could not make (a budget, gradient accumulation)."""
+        if isinstance(self.batch_size, Budget) or self.accumulation_steps > 1:
+            return None
         parts: list[Any] = ["wds_pad.plan/1", stable_digest(self.seed).hex(), self.batch_size,
                             self.resolved_policy.value, self.pad_to.value, self.oversubscribe]
         for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights):
@@ -129,14 +139,18 @@ class PlanSpec:
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """The fingerprint's ingredients, JSON-safe (saved in a state as ``plan``)."""
+        dp = int(self.topology.dp_size)
+        budget = self.batch_size if isinstance(self.batch_size, Budget) else None
         fields = {
             "seed_hash": stable_digest(self.seed, size=8).hex(),
-            "batch_size": self.batch_size,
+            # a budget: its limit, model and bound, and how batches are packed under it
+            "batch_size": self.batch_size if budget is None else {**budget.to_json(), "packing": PACKING},
             "policy": self.resolved_policy.value,
             "mode": self.mode.value,
             "pad_to": self.pad_to.value,
-            "dp_size": int(self.topology.dp_size),
-            "pad_unit": self.pad_to.unit(int(self.topology.dp_size), self.batch_size),
+            "dp_size": dp,
+            # under a budget a bucket is padded by strata (one entry per DP rank), then by batches
+            "pad_unit": dp if budget is not None else self.pad_to.unit(dp, self.batch_size) * self.accumulation_steps,
             "oversubscribe": self.oversubscribe,
             "datasets": [{"name": n, "index_digest": ix.digest, "repeats": r, "weight": float(w)}
                          for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)],
@@ -145,6 +159,11 @@ class PlanSpec:
             fields["locality"] = self.locality.value
             fields["window"] = self.window
             fields["shard_order"] = "fifo"  # a rank's windows first in, first out (core/locality.py)
+        if self.locality is Locality.NODE:  # how the shards were dealt: to nodes of this many DP ranks
+            fields["node_ranks"] = node_group(self.topology)
+            fields["export"] = EXPORT
+        if self.accumulation_steps > 1:  # absent at 1: the fingerprints of earlier versions
+            fields["accumulation_steps"] = self.accumulation_steps
         return fields
 
 

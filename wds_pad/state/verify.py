@@ -302,7 +302,9 @@ def restore(spec: PlanSpec, state: Mapping[str, Any], *, allow_elastic: bool = F
     if saved_topo is None:  # a single process (verify_state refuses it elsewhere): the plan's layout
         saved_topo = {**now.to_dict(), "dp_size": state["plan"]["dp_size"], "dp_rank": 0}
     lockstep = spec.resolved_policy.value != "none"  # every DP rank has a batch at every step
-    if saved_topo["dp_size"] == now.dp_size and (lockstep or saved_topo["dp_rank"] == now.dp_rank):
+    saved_nodes = int(state["plan"].get("node_ranks", 0) or 0)  # locality="node": DP ranks per node
+    same_nodes = saved_nodes == int(spec.fingerprint_fields().get("node_ranks", 0) or 0)
+    if saved_topo["dp_size"] == now.dp_size and same_nodes and (lockstep or saved_topo["dp_rank"] == now.dp_rank):
         view = _view(spec, epoch, segments, state) if segments else None
         n = epoch_length(spec, epoch, view)
         if index > n:
@@ -320,16 +322,16 @@ def restore(spec: PlanSpec, state: Mapping[str, Any], *, allow_elastic: bool = F
             return _finished(spec, epoch)
         if index == 0 and not segments:
             return Cursor(epoch, 0, pinned=True)
-        segment = Segment(old, steps=index)
+        segment = Segment(old, steps=index, node_ranks=saved_nodes)
     else:
         positions = _positions(raw, state, old, epoch)
         if all(p >= n for p, n in positions.values()):
             return _finished(spec, epoch)
         if not any(p for p, _ in positions.values()) and not segments:
             return Cursor(epoch, 0, pinned=True)
-        segment = Segment(old, positions=tuple(positions[d][0] for d in range(old)))
+        segment = Segment(old, positions=tuple(positions[d][0] for d in range(old)), node_ranks=saved_nodes)
     if segments:
-        _view(spec, epoch, segments, state, now_dp=old)  # the saved remainder is the one planned here
+        _view(spec, epoch, segments, state, now=Segment(old, steps=0, node_ranks=saved_nodes).topology())
     return Cursor(epoch, 0, elastic_view(spec, epoch, segments + (segment,)), pinned=True)
 
 
@@ -340,7 +342,7 @@ def _finished(spec: PlanSpec, epoch: int) -> Cursor:
 
 
 def _view(spec: PlanSpec, epoch: int, segments: tuple[Segment, ...], state: Mapping[str, Any],
-          now_dp: int | None = None) -> ElasticView:
+          now: Topology | None = None) -> ElasticView:
     """The view the state was saved in, checked against its saved fingerprint."""
     saved = elastic_fingerprint(state)
     if not saved:
@@ -349,7 +351,7 @@ def _view(spec: PlanSpec, epoch: int, segments: tuple[Segment, ...], state: Mapp
             "resumed elastically by an earlier wds_pad, whose remainder was planned differently; resume "
             "from the epoch's end (or start) or with the wds_pad that saved it")
     # the remainder as planned on the saved layout (its rank 0: every rank's fingerprint is the same)
-    at = spec if now_dp is None else replace(spec, topology=Topology(world_size=now_dp, rank=0))
+    at = spec if now is None else replace(spec, topology=now)
     view = elastic_view(at, epoch, segments)
     if view.fingerprint != saved:
         raise StateMismatchError(

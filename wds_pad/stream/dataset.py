@@ -35,6 +35,7 @@ from webdataset.filters import default_collation_fn
 from ..errors import ConfigError, WdsPadError
 from ..index.codec import load_index
 from ..index.record import Index
+from ..core.budget import Budget
 from ..core.locality import Locality
 from ..core.policy import Mode, PadTo, Policy, _enum, check_epoch
 from ..io.options import ReadOptions, ReadStats
@@ -66,7 +67,9 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
 
     Args:
         index: an Index or index path, or a list of them (one dataset each).
-        batch_size: samples per batch per data-parallel rank.
+        batch_size: samples per batch per data-parallel rank, or a ``wds_pad.Budget``:
+            batches sized by the samples' costs (an index built with ``--cost``;
+            docs/planning.md, "Budgets").
         topology: default ``Topology.detect(group=group, cp_size=cp_size)``.
         seed: default ``shared_seed(None, group)`` (drawn on rank 0, broadcast).
         epoch: the epoch to start with (epochs mode: change with ``set_epoch``).
@@ -95,13 +98,16 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             (``load_index(..., relocate=...)``): shards moved since they were indexed.
             It travels into DataLoader workers and leaves the plan's fingerprint as it
             was, so a state saved before the move resumes after it.
+        accumulation_steps: micro-batches per optimizer step (gradient accumulation): every
+            rank's epoch is a multiple of this many batches, and each run of them reads
+            one bucket.
     """
 
     def __init__(
         self,
         index: Index | str | Sequence[Index | str],
         *,
-        batch_size: int,
+        batch_size: int | Budget,
         topology: Topology | None = None,
         seed: int | None = None,
         epoch: int = 0,
@@ -122,6 +128,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         locality: str = "none",
         window: int = 8,
         relocate: Mapping[str, str] | None = None,
+        accumulation_steps: int = 1,
     ) -> None:
         super().__init__()
         items = list(index) if isinstance(index, (list, tuple)) else [index]
@@ -156,6 +163,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             oversubscribe=bool(oversubscribe), repeats=_per_index(repeats, n, "repeats", int),
             weights=tuple(float(w) for w in _per_index(weights, n, "weights", (int, float))),  # type: ignore[arg-type]
             locality=_enum(Locality, locality, "locality"), window=window,
+            accumulation_steps=accumulation_steps,
         )
         epoch = check_epoch(epoch)
         self.spec.plan(epoch)  # validates every argument now, in the main process
@@ -185,6 +193,10 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         one dict): every sample of a batch must then have the same members, or a
         ``ConfigError`` names the one that differs (see docs/streaming.md, "What a batch is").
         """
+        if batchsize is not None and isinstance(self.spec.batch_size, Budget):
+            raise ConfigError(f"batched({batchsize}): batches follow the plan's budget "
+                              f"{self.spec.batch_size.limit:g} ({self.spec.batch_size.model.value}); "
+                              "call batched() without a size")
         if batchsize is not None and batchsize != self.spec.batch_size:
             raise ConfigError(f"batched({batchsize}): batches follow the plan's batch_size "
                               f"{self.spec.batch_size}; call batched() without a size")
@@ -302,7 +314,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         if _all_local(self.spec, fetcher.reader):
             yield from self._iterate_batches(source, fetcher)
             return
-        if self.spec.locality is Locality.SHARD:  # whole remote shards, as planned (io/shardcache.py)
+        if self.spec.locality.dealt:  # whole remote shards, as planned (io/shardcache.py)
             fetcher.reader.follow(shard_schedule(source), source._worker(), max_shards=self.spec.window + 1)
         stages, collate = self.stages, self.collation_fn
         batch: list[Any] = []

@@ -1,0 +1,82 @@
+"""An epoch planned under a budget, resumed on other numbers of DP ranks: the remainder.
+
+Hypothesis properties over random costs, budgets, policies, accumulation steps, both
+localities and chains of two or three layouts: what every layout's ranks consumed is the
+epoch's real entries, each exactly once; the remainder's batches stay within the budget,
+equal in count (a multiple of K) on every new rank; the fingerprint is the same on all.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wds_pad import Budget, Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
+from wds_pad.core.budget import batch_cost
+from wds_pad.core.remainder import Segment, plan_remainder
+
+PROPERTY = settings(max_examples=120, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _consume(plans: list[Any], upto: list[int], into: Counter[int]) -> None:
+    for plan, n in zip(plans, upto):
+        for i in range(n):
+            b = plan[i]
+            into.update(b.samples[~b.pad].tolist())
+
+
+@PROPERTY
+@given(data=st.data(), sizes=st.lists(st.integers(0, 40), min_size=1, max_size=3), seed=st.integers(0, 2**32),
+       locality=st.sampled_from(["none", "shard"]), policy=st.sampled_from(["cyclic", "drop", "none"]),
+       model=st.sampled_from(["sum", "max"]), repeats=st.integers(0, 1),
+       layouts=st.lists(st.integers(1, 4), min_size=2, max_size=3))
+def test_a_budgeted_epoch_resumed_on_other_layouts_trains_each_entry_once(
+        data: Any, sizes: list[int], seed: int, locality: str, policy: str, model: str, repeats: int,
+        layouts: list[int]) -> None:
+    rng = np.random.default_rng(seed)
+    total = sum(sizes)
+    ids, cost = rng.permutation(total), rng.lognormal(3, 0.6, total)
+    buckets, at = {}, 0
+    for b, n in enumerate(sizes):
+        buckets[b] = ids[at:at + n]
+        at += n
+    ds = Dataset("d", buckets, repeats=repeats, cost=cost)
+    src = ds if locality == "none" else ShardMap(ds, shard=rng.integers(0, 5, max(total, 1)))
+    k = 1 if policy == "none" else data.draw(st.integers(1, 2))
+    budget = Budget(float((cost.max() if total else 1.0) * data.draw(st.floats(1, 4))), model)
+    kw = dict(seed=3, epoch=1, batch_size=budget, policy=policy, locality=locality, window=2,
+              accumulation_steps=k, oversubscribe=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DroppedBucketWarning)
+        first = [plan_epoch(src, Topology(layouts[0], r), **kw) for r in range(layouts[0])]
+    want: Counter[int] = Counter()
+    _consume(first, [len(p) for p in first], want)
+    got: Counter[int] = Counter()
+    plans, segments = first, []
+    for dp in layouts[1:]:
+        if policy == "none":
+            pos = [data.draw(st.integers(0, len(p))) for p in plans]
+            segments.append(Segment(len(plans), positions=tuple(pos)))
+        else:
+            steps = data.draw(st.integers(0, len(plans[0])))
+            pos = [steps] * len(plans)
+            segments.append(Segment(len(plans), steps=steps))
+        _consume(plans, pos, got)
+        rest = [plan_remainder(src, Topology(dp, r), segments, **kw) for r in range(dp)]
+        assert len({x.fingerprint for x in rest}) == 1
+        plans = [x.plan for x in rest]
+        if policy != "none":
+            assert len({len(p) for p in plans}) == 1 and len(plans[0]) % k == 0
+            assert all([b.step for b in p] == [b.step for b in plans[0]] for p in plans)
+        for p in plans:
+            for b in p:
+                c = cost[b.samples]
+                assert c.size <= 1 or batch_cost(c, budget.model) <= budget.limit * (1 + 1e-9)
+    _consume(plans, [len(p) for p in plans], got)
+    assert got == want
