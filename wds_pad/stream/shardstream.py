@@ -39,6 +39,7 @@ from ..index.codec import load_index
 from ..index.record import Index
 from ..core.policy import check_epoch
 from ..index.shardfile import shard_info
+from ..io.descriptors import out_of_descriptors, runs_out
 from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..core.seed import shared_seed
@@ -287,6 +288,11 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
             f = fs.open(path, "rb", **self.open_options)
         except FileNotFoundError:
             raise StaleShardError(f"shard {redact(url)!r} no longer exists; restore it or re-index") from None
+        except OSError as exc:  # one shard is open at a time: running out is the limit's fault
+            if runs_out(exc):
+                raise out_of_descriptors(f"cannot open shard {redact(url)!r}", exc,
+                                         fewer="DataLoader workers") from exc
+            raise
         with f:
             size = getattr(f, "size", None)
             size = fs.size(path) if size is None else size
