@@ -33,7 +33,7 @@ from webdataset.filters import default_collation_fn
 
 from .collate import run_collation
 from .loaderargs import check_loader_args, check_start_timeout
-from .workers import START_TIMEOUT, worker_batches
+from .workers import START_TIMEOUT, shut_down, worker_batches
 from ..errors import ConfigError, StaleShardError, StateMismatchError
 from ..index.codec import load_index
 from ..index.record import Index
@@ -386,9 +386,13 @@ class ShardLoader:
             return  # restored at the end of the epoch: nothing is left of it
         ds._check_workers(progress, n)
         positions = list(progress.positions or [WorkerPosition()] * n)
-        for logical, pos, item in worker_batches(ds._for_workers(progress), n, self.kwargs, owner="ShardLoader",
-                                                 start_timeout=self.worker_start_timeout):
-            positions[logical] = WorkerPosition(*(int(v) for v in pos))
-            ds.seek(ds.cursor.with_shards(ShardProgress(tuple(positions), (int(logical) + 1) % n, False)))
-            yield item
+        batches = worker_batches(ds._for_workers(progress), n, self.kwargs, owner="ShardLoader",
+                                 start_timeout=self.worker_start_timeout)
+        try:
+            for logical, pos, item in batches:
+                positions[logical] = WorkerPosition(*(int(v) for v in pos))
+                ds.seek(ds.cursor.with_shards(ShardProgress(tuple(positions), (int(logical) + 1) % n, False)))
+                yield item
+        finally:  # an error or an early stop too: no worker outlives the loop
+            shut_down(batches)
         ds.seek(ds.cursor.with_shards(ShardProgress(tuple(positions), 0, True)))
