@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 from collections.abc import Iterator
@@ -98,7 +99,7 @@ class _LocalFiles:
 
     def _evict(self, n: int) -> int:
         """Closes the ``n`` oldest descriptors no read-ahead thread is reading from; how many."""
-        idle = [u for u, d in self._fds.items() if d not in self._busy][:n]
+        idle = list(itertools.islice((u for u, d in self._fds.items() if d not in self._busy), n))
         for u in idle:
             os.close(self._fds.pop(u))
         return len(idle)
