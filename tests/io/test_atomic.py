@@ -6,6 +6,7 @@ import fnmatch
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 
@@ -136,3 +137,62 @@ def test_state_file_write_removes_the_temp_of_a_killed_save(tmp_path) -> None:
     assert temps(tmp_path) == [] and sorted(os.listdir(tmp_path)) == sorted(
         [os.path.basename(first), os.path.basename(other)])
     assert json.loads(open(first).read())["state"] == {"step": 3}
+
+
+# Every file the product writes through atomic_write, under the umask given: an index
+# built, one written, one updated (after an older version left it 0600), a state file,
+# and a distributed build's parts and merged index (a one-process gloo job). Each write is
+# recorded as it happens: the parts are gone once merged.
+UMASK_WRITES = """
+import json, os, stat, sys
+import torch.distributed as dist
+umask, root, shards = int(sys.argv[1], 8), sys.argv[2], sys.argv[3:]
+os.umask(umask)
+import wds_pad.index.distributed, wds_pad.index.output, wds_pad.state.files
+from wds_pad import BucketedWebDataset, Loader, Topology, build_index, load_index, save_state_file
+from wds_pad.cli.app import main
+from wds_pad.index.distributed import build_index_distributed
+from wds_pad.index.output import write_index
+from wds_pad.io.atomic import atomic_write
+
+modes = []
+def recording(path, parts, **kw):
+    out = atomic_write(path, parts, **kw)
+    modes.append((os.path.relpath(path, root), stat.S_IMODE(os.stat(path).st_mode)))
+    return out
+for module in (wds_pad.index.distributed, wds_pad.index.output, wds_pad.state.files):
+    module.atomic_write = recording
+
+built = build_index(shards, output=f"{root}/built.wdsidx")
+write_index(built, f"{root}/written.wdsidx")
+os.chmod(f"{root}/built.wdsidx", 0o600)  # as an earlier version wrote it
+assert main(["index", *shards, "-o", f"{root}/built.wdsidx", "--update", "--no-progress"]) == 0
+loader = Loader(BucketedWebDataset(f"{root}/built.wdsidx", batch_size=2, topology=Topology(world_size=1, rank=0),
+                                   seed=1, oversubscribe=True))
+save_state_file(loader.state_dict(), f"{root}/ckpt", rank=0)
+dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
+build_index_distributed(shards, output=f"{root}/dist.wdsidx", part_shards=1)
+dist.destroy_process_group()
+print(json.dumps(modes))
+"""
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)],
+                         ids=["umask-022", "umask-027", "umask-077"])
+def test_written_files_take_the_umask_as_any_new_file(tmp_path, umask: int, mode: int) -> None:
+    from wds_pad.cli.synth import make_image_shards
+
+    shards = make_image_shards(tmp_path / "shards", samples=12, shards=3, seed=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-c", UMASK_WRITES, oct(umask), str(out), *shards], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    written = json.loads(proc.stdout.splitlines()[-1])  # after what `wds-pad index` printed
+    names = [name for name, _ in written]
+    assert names[:3] == ["built.wdsidx", "written.wdsidx", "built.wdsidx"]  # build, write, --update
+    assert "ckpt/loader-rank00000.json" in names and names[-1] == "dist.wdsidx"
+    assert sum(name.startswith("dist.wdsidx.parts/") for name in names) == 3  # one part per shard
+    assert {name: oct(m) for name, m in written if m != mode} == {}
+    for name in ("built.wdsidx", "written.wdsidx", "ckpt/loader-rank00000.json", "dist.wdsidx"):
+        assert stat.S_IMODE(os.stat(out / name).st_mode) == mode, name

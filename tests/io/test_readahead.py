@@ -180,9 +180,9 @@ def test_dropped_read_ahead_stops_its_threads(local_files: dict[str, bytes]) -> 
 
 def test_read_ahead_never_reads_from_an_evicted_descriptor(local_files: dict[str, bytes],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import wds_pad.io.localfiles as localfiles_module
+    import wds_pad.io.ranges as ranges_module
 
-    monkeypatch.setattr(localfiles_module, "_MAX_OPEN_FDS", 2)  # 5 files: constant eviction
+    monkeypatch.setattr(ranges_module, "fd_budget", lambda: 2)  # 5 files: constant eviction
     urls = sorted(local_files)
 
     def parse(fd: int, url: str, offset: int, length: int, arg: Any) -> bytes:

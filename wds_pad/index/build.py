@@ -16,7 +16,8 @@ Invariants:
   function's and the cost's, one pass); a sample without a valid cost is an error
   naming shard, byte offset, key and field, or with ``on_error="skip"`` is left out;
 - shards are scanned concurrently, but rows come out in shard order, so the same
-  shards give the same index whatever the number of workers;
+  shards give the same index whatever the number of workers; the shards open at once
+  stay within a share of the descriptor limit (``io.descriptors.fd_budget``);
 - ``update`` reuses the rows of shards whose size and change stamp are unchanged
   (``index.update``);
 - the shards' rows are joined in shard order (``index.rows``);
@@ -35,7 +36,8 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import BucketError, ConfigError, ShardError
+from ..errors import BucketError, ConfigError, ReadError, ShardError
+from ..io.descriptors import fd_budget
 from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..io.urls import expand_urls
@@ -124,6 +126,8 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
                     f, seekable = open_for_scan(url, storage_options, size=size, stamp=stamp)
                     stack.enter_context(f)
                     scanned.append(scan_many([(f, redact(url), seekable)], **kw)[0])
+                except ReadError:
+                    raise  # not the shard's fault (out of descriptors, the store)
                 except (ShardError, OSError) as exc2:
                     out[i] = unreadable(url, exc2 if isinstance(exc2, ShardError) else ShardError(
                         f"shard {redact(url)!r} could not be opened again: {exc2}"))
@@ -379,8 +383,12 @@ def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_err
         return rows
 
     # consecutive shards form a group (their last headers are checked together); with
-    # several workers, groups are small enough to keep every worker busy
+    # several workers, groups are small enough to keep every worker busy; a group's shards
+    # are open at once, so all the groups in flight stay within a share of RLIMIT_NOFILE
+    room = fd_budget()
+    workers = min(workers, room)
     size = _GROUP if workers == 1 else max(1, min(_GROUP, len(todo) // (4 * workers)))
+    size = max(1, min(size, room // workers))
     groups = [todo[i : i + size] for i in range(0, len(todo), size)]
     if workers == 1 or len(groups) <= 1:
         for group in groups:

@@ -12,7 +12,8 @@ Invariants:
   shard's ``ShardError`` in its place, so what is missing is known, and said, the same
   way on every run;
 - a local shard opens unbuffered and seekable (the scan seeks past payloads); a remote
-  one opens as one read-ahead stream (the scan reads it through once);
+  one opens as one read-ahead stream (the scan reads it through once); a process out of
+  descriptors is a ``ReadError`` about the limit (``wds_pad.io.descriptors``), not the shard's;
 - a shard costs at most one request beyond its reads: ``stat_shard`` is one ``info``
   (a HEAD over HTTP and S3) that also says whether the URL is a prefix, and
   ``open_for_scan(..., size=...)`` hands that size to the filesystem, which then opens
@@ -28,6 +29,7 @@ import stat
 from typing import Any, Mapping, Sequence
 
 from ..errors import ShardError
+from ..io.descriptors import out_of_descriptors, runs_out
 from ..io.faults import call_store
 from ..io.fs import get_filesystem
 from ..io.redact import redact
@@ -149,11 +151,11 @@ def open_for_scan(url: str, storage_options: Mapping[str, Any] | None,
             opened at all.
     """
     if plain_local(url):
-        return open(url, "rb", buffering=0), True
+        return _open_local(url, url), True
     fs, path = get_filesystem(url, storage_options)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if protocol in ("file", "local"):
-        return open(path, "rb", buffering=0), True
+        return _open_local(url, path), True
     if size == 0:  # nothing to read: no request at all
         return io.BytesIO(b""), True
     kw: dict[str, Any] = {}
@@ -168,6 +170,17 @@ def open_for_scan(url: str, storage_options: Mapping[str, Any] | None,
             details["ETag"] = stamp[len("ETag="):]
         f._details = details
     return f, False
+
+
+def _open_local(url: str, path: str) -> Any:
+    """``path`` opened unbuffered; running out of descriptors is the limit's error."""
+    try:
+        return open(path, "rb", buffering=0)
+    except OSError as exc:
+        if runs_out(exc):
+            raise out_of_descriptors(f"cannot open shard {redact(url)!r} to scan it", exc,
+                                     fewer="--workers (Python: build_index(..., workers=))") from exc
+        raise
 
 
 _NAMED = 4  # missing shards named besides the first

@@ -8,6 +8,9 @@ Invariants:
   the prefix names the target (default ``.<target basename>.``) and ``<writer>`` is
   ``<host tag>-<pid>``; it ends in ``.tmp``, so no ``*.wdsidx`` / ``*.json`` glob
   mistakes it for the target;
+- the file gets the mode any new file gets: 0o666 less the process's umask (0644 under
+  umask 022, 0640 under 027), whether it is new or replaces one (whose mode, a chmod
+  included, is not kept): every rebuild gives the same mode;
 - a writer killed outright (SIGKILL, power loss) cannot remove its temp file; the next
   successful write of the same target removes the temps of earlier writers of that
   target that are no longer running on this machine (same host tag, pid not alive). It
@@ -113,7 +116,9 @@ def atomic_write(path: str, parts: Iterable[bytes | bytearray | memoryview], *,
     while True:
         tmp = os.path.join(directory, f"{prefix}{_host_tag()}-{os.getpid()}.{secrets.token_hex(_RANDOM // 2)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)  # as mkstemp
+            # 0o666 less the umask, as open() makes any file (0644 under umask 022): the
+            # index and state files are for other accounts to read as much as the shards
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         except FileExistsError:  # pragma: no cover - 2**32 random names
             continue
         break

@@ -7,7 +7,10 @@ Invariants:
       parent's dead IO thread), and the finalizers fsspec registered to close the
       parent's sessions are detached in the child: each would wait 0.1 s on the parent's
       event loop, which does not run there (seen as a stall of most of a second when a
-      DataLoader worker's first collection freed a few inherited filesystems).
+      DataLoader worker's first collection freed a few inherited filesystems), and their
+      aiohttp connectors (HTTP's session, each of aiobotocore's sessions behind s3fs)
+      marked closed, so a child collecting them neither closes the parent's connections
+      nor prints "Unclosed client session".
     * Options under a protocol name (``{"s3": {...}}``) reach that protocol only; those of
       protocols absent from the URL are dropped. The caller's options are never mutated
       (:func:`_copy_dicts`), and their credentials are registered for :func:`redact`.
@@ -59,13 +62,25 @@ def _forget_parent_sessions() -> None:
             continue
         ref.detach()
         for obj in getattr(info, "args", ())[1:]:
-            for path in (("_connector",), ("_client", "_endpoint", "http_session", "_connector"),
-                         ("_client", "_endpoint", "http_session", "_session", "_connector")):
-                connector = obj
-                for name in path:
-                    connector = getattr(connector, name, None)
-                if connector is not None and hasattr(connector, "_closed"):
-                    connector._closed = True  # its __del__ then closes nothing
+            for connector in _connectors(obj):
+                connector._closed = True  # its __del__, and its session's, then close nothing
+
+
+def _connectors(obj: Any) -> list[Any]:
+    """The aiohttp connectors behind one fsspec session: HTTP's ClientSession itself, or
+    s3fs's client (or the context that made it), whose aiobotocore HTTP session holds one
+    ClientSession (``_session``, older aiobotocore) or one per proxy (``_sessions``)."""
+    http = obj
+    for name in ("_client", "_endpoint", "http_session"):
+        http = getattr(http, name, None)
+    if http is None:  # the client itself, not the context that made it
+        http = getattr(getattr(obj, "_endpoint", None), "http_session", None)
+    sessions = [obj, http, getattr(http, "_session", None)]
+    more = getattr(http, "_sessions", None)
+    if isinstance(more, Mapping):
+        sessions.extend(more.values())
+    found = (getattr(s, "_connector", None) for s in sessions if s is not None)
+    return [c for c in found if c is not None and hasattr(c, "_closed")]
 
 
 if hasattr(os, "register_at_fork"):

@@ -9,7 +9,8 @@ Invariants:
       shorter answer raises :class:`StaleShardError`, a longer one (a server ignoring
       the Range header), for a sample or for a block of a whole shard, a
       :class:`ReadError` that says what works instead; it is never sliced.
-    * At most ``max_in_flight`` requests are outstanding, and the bytes requested but not
+    * At most ``max_in_flight`` requests are outstanding (fewer where a share of the
+      descriptor limit is smaller: each may hold a connection), and the bytes requested but not
       yet handed out never exceed ``max(max_bytes_in_flight, largest single range)``.
     * Consecutive ranges of one URL within ``merge_gap`` are fetched as one request of at
       most ``min(max_merged_bytes, max_bytes_in_flight)`` bytes and sliced; ranges of a
@@ -90,6 +91,7 @@ class _InFlight:
     _check: _ShardCheck
     _pool: concurrent.futures.ThreadPoolExecutor | None
     _cache: ShardCache | None
+    _fd_limit: int  # a share of the descriptor limit (wds_pad.io.descriptors.fd_budget)
 
     if TYPE_CHECKING:
         def _target(self, url: str) -> _Target: ...
@@ -205,7 +207,8 @@ class _InFlight:
         """Read-ahead loop for remote (or mixed) streams; see the module invariants."""
         opts, st, cache = self.options, self.stats, self._cache
         cap = min(opts.max_merged_bytes, opts.max_bytes_in_flight)
-        gap, max_n, max_b = opts.merge_gap, opts.max_in_flight, opts.max_bytes_in_flight
+        # each request may hold a connection (a descriptor): within the limit's share
+        gap, max_n, max_b = opts.merge_gap, min(opts.max_in_flight, self._fd_limit), opts.max_bytes_in_flight
         guard = (opts.retries + 1) * (opts.timeout + opts.backoff_max) + 30.0
         pending: deque[_Request] = deque()
         held: _Request | None = None  # being merged, not yet submitted

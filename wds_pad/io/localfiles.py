@@ -7,9 +7,13 @@ and nothing else.
 Invariants:
     * Local files are read inline with ``os.pread`` on cached descriptors: no threads, no
       fsspec call per read, a few microseconds per range.
-    * A reader keeps at most ``_MAX_OPEN_FDS`` descriptors (a quarter of the soft limit,
-      256 to 4096); past it the oldest one no read-ahead thread is reading from is closed.
-      A descriptor pinned in ``_busy`` (:mod:`wds_pad.io.readahead`) is never evicted.
+    * A reader keeps at most ``_fd_limit`` descriptors (:func:`~wds_pad.io.descriptors.fd_budget`:
+      a quarter of the soft ``RLIMIT_NOFILE``, read when the reader is made or forked);
+      past it the oldest one no read-ahead thread is reading from is closed. A descriptor
+      pinned in ``_busy`` (:mod:`wds_pad.io.readahead`) is never evicted.
+    * Opening a shard when the process has no descriptor left (``EMFILE``) closes every
+      idle descriptor of the reader and tries once more; if that fails too, the error is
+      the limit's (:func:`~wds_pad.io.descriptors.out_of_descriptors`), never the shard's.
     * A shard listed in the reader's ``expected`` is checked once, by one ``fstat`` when
       its descriptor is opened (:mod:`wds_pad.io.stale`); a changed one is closed again
       and raises :class:`StaleShardError`. A short read raises it too.
@@ -21,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 from collections.abc import Iterator
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError
 
+from .descriptors import out_of_descriptors, runs_out
 from .faults import _cause
 from .options import ReadStats
 from .redact import redact
@@ -35,20 +41,6 @@ from .stale import _short_read, _ShardCheck
 
 if TYPE_CHECKING:
     from .remote import _Target
-
-
-def _fd_budget() -> int:
-    """Shard descriptors a reader keeps open: a quarter of the soft limit, 256 to 4096."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
-        return 256
-    return 4096 if soft == resource.RLIM_INFINITY else max(256, min(4096, soft // 4))
-
-
-_MAX_OPEN_FDS = _fd_budget()
 
 
 def _check_range(rng: Any) -> tuple[str, int, int]:
@@ -84,6 +76,7 @@ class _LocalFiles:
     stats: ReadStats
     _check: _ShardCheck
     _fds: dict[str, int]  # shard URL -> its open descriptor
+    _fd_limit: int  # descriptors kept at most (idle ones beyond it are closed)
     _busy: dict[int, int]  # descriptor -> reads in flight on read-ahead threads
 
     if TYPE_CHECKING:
@@ -94,24 +87,41 @@ class _LocalFiles:
     def _fd(self, url: str, offset: int) -> int:
         fd = self._fds.get(url)
         if fd is None:
-            path = self._target(url).path
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise ShardError(f"cannot open shard {redact(url)!r} to read byte offset "
-                                 f"{offset}: {_cause(exc, 0)}; check the path, or rebuild the "
-                                 "index if shards moved") from exc
+            if len(self._fds) >= self._fd_limit:
+                self._evict(len(self._fds) + 1 - self._fd_limit)
+            fd = self._open(url, offset)
             verdict = self._check.local(url, fd)
             if verdict is not None:
                 os.close(fd)
                 raise StaleShardError(verdict)
-            if len(self._fds) >= _MAX_OPEN_FDS:
-                # the oldest descriptor no read-ahead thread is reading from
-                idle = next((u for u, d in self._fds.items() if d not in self._busy), None)
-                if idle is not None:
-                    os.close(self._fds.pop(idle))
             self._fds[url] = fd
         return fd
+
+    def _evict(self, n: int) -> int:
+        """Closes the ``n`` oldest descriptors no read-ahead thread is reading from; how many."""
+        idle = list(itertools.islice((u for u, d in self._fds.items() if d not in self._busy), n))
+        for u in idle:
+            os.close(self._fds.pop(u))
+        return len(idle)
+
+    def _open(self, url: str, offset: int) -> int:
+        path = self._target(url).path
+        try:
+            return os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            error = exc
+        # out of descriptors: close what this reader holds idle, then try once more
+        if runs_out(error) and self._evict(len(self._fds)):
+            try:
+                return os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                error = exc
+        what = f"cannot open shard {redact(url)!r} to read byte offset {offset}"
+        if runs_out(error):
+            raise out_of_descriptors(what, error, held=len(self._fds),
+                                     fewer="DataLoader workers or local_threads") from error
+        raise ShardError(f"{what}: {_cause(error, 0)}; check the path, or rebuild the index "
+                         "if shards moved") from error
 
     def _pread(self, url: str, offset: int, length: int) -> bytes:
         try:

@@ -42,6 +42,7 @@ from typing import Any
 
 from wds_pad.errors import ConfigError
 
+from .descriptors import fd_budget
 from .faults import call_store
 from .fs import get_filesystem
 from .inflight import _InFlight
@@ -88,6 +89,7 @@ class RangeReader(_LocalFiles, _InFlight):
         self._targets: dict[str, _Target] = {}
         self._fds: dict[str, int] = {}  # never replaced: the finalizer closes what it holds
         self._busy: dict[int, int] = {}  # descriptor -> reads in flight on read-ahead threads
+        self._fd_limit = fd_budget()  # a share of the soft RLIMIT_NOFILE, read now
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._cache: ShardCache | None = None
         # a reader per stream is common (BucketedWebDataset makes one per iteration): its
@@ -115,7 +117,7 @@ class RangeReader(_LocalFiles, _InFlight):
             self._pool.shutdown(wait=False, cancel_futures=True)
         _close_fds(self._fds)  # after a fork: the child's inherited copies
         self._targets, self._pool, self._busy = {}, None, {}
-        self._pid = os.getpid()
+        self._pid, self._fd_limit = os.getpid(), fd_budget()
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():

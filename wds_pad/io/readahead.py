@@ -11,7 +11,8 @@ Invariants:
     * The threads belong to one stream: they start on first use in a process and stop
       when it is closed or collected; after ``os.fork`` the child starts its own.
     * A descriptor in use by such a thread is pinned in the reader's ``_busy`` and never
-      evicted from its cache.
+      evicted from its cache; no more shards are pinned at once than the cache may hold
+      (its ``_fd_limit``, a share of the descriptor limit), besides the first item's.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class _Reader(Protocol):
     options: ReadOptions
     stats: ReadStats
     _busy: dict[int, int]  # descriptor -> reads in flight on read-ahead threads
+    _fd_limit: int  # descriptors its cache keeps at most
 
     def local_fd(self, url: str) -> int | None: ...
 
@@ -124,7 +126,8 @@ class LocalReadAhead:
           progress; a :meth:`run` abandoned half way drops the items no thread started.
           After ``os.fork`` the child starts its own threads and reads again what the
           parent's had not finished.
-        * A descriptor stays open (pinned in the reader's cache) while a thread may read it.
+        * A descriptor stays open (pinned in the reader's cache) while a thread may read it;
+          items of other shards wait while the pinned shards fill the cache's limit.
         * With 0 threads every item is parsed inline, in the consumer.
 
     Args:
@@ -240,7 +243,8 @@ class LocalReadAhead:
                         except Exception as exc:  # noqa: BLE001 - raised after the items before it
                             exhausted, failure = True, exc
                             break
-                    if window and (len(window) >= max_n or inflight + held[2] > max_b):
+                    if window and (len(window) >= max_n or inflight + held[2] > max_b
+                                   or len(self.reader._busy) >= self.reader._fd_limit):
                         break
                     window.append(self._submit(parse, *held))
                     inflight += held[2]

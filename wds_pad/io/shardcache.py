@@ -35,6 +35,7 @@ import os
 import threading
 from typing import Callable, Iterator
 
+from .descriptors import fd_budget
 from .sharddisk import fetch_to_file, finish, read_file, shard_file, sweep_dead_owners
 from .shardmemory import compact, from_kept, read_blocks
 from .shardplan import PlannedShard, _Entry
@@ -153,7 +154,8 @@ class ShardCache:
         if self._pool is None:
             # a thread per shard fetched ahead: each mostly waits, on its GETs or on the lock of
             # a shard another worker of the rank is fetching (the workers' orders are alike)
-            threads = 2 if self.max_shards is None else max(2, self.max_shards + 1)
+            # and holds three descriptors (its lock, its part, a connection): within the limit's share
+            threads = 2 if self.max_shards is None else max(2, min(self.max_shards + 1, fd_budget() // 3))
             self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wds_pad-shard")
         return self._pool
 

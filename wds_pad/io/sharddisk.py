@@ -8,6 +8,9 @@ Invariants:
       partial file, and the workers of a rank fetch it once.
     * Each user appends its worker id to ``<owner>-<digest>.done`` after its last range,
       under the same lock; the last of the planned users deletes the shard's files.
+    * A file is open only inside the call that needs it (a shard being fetched holds its
+      lock and its part); running out of descriptors is the limit's error
+      (:func:`~wds_pad.io.descriptors.out_of_descriptors`), not the shard's.
     * Files are named by their owner's pid, so what a crashed run left behind is known by
       its dead owner and removed (:func:`sweep_dead_owners`); files of live owners, and
       anything not named by the cache, are left alone.
@@ -19,9 +22,10 @@ import concurrent.futures
 import fcntl
 import hashlib
 import os
-from typing import Callable
+from typing import IO, Any, Callable
 
 from .atomic import _alive
+from .descriptors import out_of_descriptors, runs_out
 
 __all__ = ["sweep_dead_owners"]
 
@@ -32,12 +36,22 @@ def shard_file(folder: str, owner: int, key: str, url: str) -> str:
     return os.path.join(folder, f"{owner}-{name}")
 
 
+def _open(path: str, mode: str) -> IO[Any]:
+    try:
+        return open(path, mode)
+    except OSError as exc:
+        if runs_out(exc):
+            raise out_of_descriptors(f"cannot open the shard cache's file {path!r}", exc,
+                                     fewer="DataLoader workers") from exc
+        raise
+
+
 def fetch_to_file(path: str, url: str, size: int, block_bytes: int,
                   get: Callable[[str, int, int], concurrent.futures.Future[bytes]]) -> bool:
     """Makes ``path.shard`` the whole shard, fetched in blocks unless another worker of the
     rank has; True if this call fetched it."""
     data = path + ".shard"
-    with open(path + ".lock", "a+b") as lock:
+    with _open(path + ".lock", "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if os.path.exists(data) and os.path.getsize(data) == size:
@@ -45,7 +59,7 @@ def fetch_to_file(path: str, url: str, size: int, block_bytes: int,
             blocks = [get(url, off, min(block_bytes, size - off))
                       for off in range(0, size, block_bytes)]
             part = f"{data}.{os.getpid()}.part"
-            with open(part, "wb") as f:
+            with _open(part, "wb") as f:
                 for b in blocks:
                     f.write(b.result())
             os.replace(part, data)
@@ -56,18 +70,18 @@ def fetch_to_file(path: str, url: str, size: int, block_bytes: int,
 
 def read_file(path: str, start: int, length: int) -> bytes:
     """The bytes ``[start, start + length)`` of the complete shard file at ``path``."""
-    with open(path + ".shard", "rb") as f:
+    with _open(path + ".shard", "rb") as f:
         return os.pread(f.fileno(), length, start)
 
 
 def finish(path: str, worker: int, users: frozenset[int]) -> None:
     """Worker ``worker`` is done with the shard; the last of ``users`` deletes its files."""
-    with open(path + ".lock", "a+b") as lock:
+    with _open(path + ".lock", "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            with open(path + ".done", "a") as f:
+            with _open(path + ".done", "a") as f:
                 f.write(f"{worker}\n")
-            with open(path + ".done") as f:
+            with _open(path + ".done", "r") as f:
                 done = {int(x) for x in f.read().split()}
             if users <= done:
                 for suffix in (".shard", ".done", ".lock"):

@@ -3,10 +3,13 @@
 Invariants:
 - one small collective (``all_gather_object`` of a few fields) per call, over the job's
   group; a no-op without an initialised process group or with one rank;
-- ranks compare the plan fingerprint, the epoch, its batch count and the mode (and, in an
-  epoch resumed on another layout, the remainder's fingerprint); on any
-  difference every rank raises the same StateMismatchError, naming the ranks and each
-  differing leaf field of the plan (``datasets[0].index_digest``), before any batch;
+- ranks compare what must agree: the plan fingerprint (seed, datasets, batch size,
+  policy, data-parallel layout), the epoch, the mode and, in an epoch resumed on another
+  layout, the remainder's fingerprint; and the epoch's batch count under the lockstep
+  policies (``cyclic``, ``drop``), where a difference is a bug, never under ``none``,
+  which gives ranks different counts by design. On any difference every rank raises the
+  same StateMismatchError, naming the ranks and each differing leaf field of the plan
+  (``datasets[0].index_digest``), before any batch;
 - it never creates, changes or destroys a process group.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.policy import Policy
 from ..errors import StateMismatchError
 from ..state.schema import _flatten
 from ..state.cursor import Cursor
@@ -23,8 +27,9 @@ __all__ = ["check_agreement"]
 
 
 def check_agreement(spec: PlanSpec, cursor: Cursor, group: Any = None) -> None:
-    """All ranks compare plan fingerprint, epoch and batch count (one all_gather), and in an
-    epoch resumed on another layout (the cursor's elastic view) the remainder's fingerprint.
+    """All ranks compare plan fingerprint, epoch and mode (one all_gather), in an epoch
+    resumed on another layout (the cursor's elastic view) the remainder's fingerprint, and
+    the epoch's batch count unless the policy is ``none`` (uneven by design).
 
     Args:
         spec: this rank's PlanSpec.
@@ -44,13 +49,18 @@ def check_agreement(spec: PlanSpec, cursor: Cursor, group: Any = None) -> None:
             "epoch": cursor.epoch,
             "batches": cursor.length(spec),
             "mode": spec.mode.value, "plan": spec.fingerprint_fields(),
+            "lockstep": spec.resolved_policy is not Policy.NONE,
             "elastic": view.fingerprint if resumed else ""}  # type: ignore[union-attr]
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     ref = gathered[0]
+    # every rank decides from the same gathered values, so every rank raises alike
+    lockstep = any(x.get("lockstep", True) for x in gathered)
+    compared = ("fingerprint", "epoch", "batches", "mode", "elastic") if lockstep else (
+        "fingerprint", "epoch", "mode", "elastic")
     bad = []
     for other in gathered[1:]:
-        fields = [k for k in ("fingerprint", "epoch", "batches", "mode", "elastic") if other.get(k) != ref.get(k)]
+        fields = [k for k in compared if other.get(k) != ref.get(k)]
         if fields:
             detail = ", ".join(f"{k}: rank {ref['rank']} {ref[k]!r} vs rank {other['rank']} {other[k]!r}"
                                for k in fields if k != "fingerprint")

@@ -11,6 +11,8 @@ Invariants:
 - DataLoader arguments that would break exactness (batching, shuffling, samplers,
   persistent workers) are refused up front;
 - the next iteration is a seek to the saved position: no earlier sample is read again;
+- however an iteration with workers ends (exhausted, stopped early, or by an error), its
+  DataLoader workers are shut down before the loop is left (``workers.shut_down``);
 - ``state_dict()`` holds this rank's entry under ``per_rank`` (so torch.distributed.checkpoint,
   which keeps one copy of a key every rank has, gives each rank its own); with
   ``gather_state=True`` it holds every rank's (one all_gather over the dataset's group), so a
@@ -32,7 +34,7 @@ from typing import Any, Iterator, Mapping
 from .loaderargs import check_loader_args, check_start_timeout
 from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
-from .workers import START_TIMEOUT, worker_batches
+from .workers import START_TIMEOUT, shut_down, worker_batches
 from ..state import Cursor, make_state, restore
 from ..state.schema import PER_RANK
 
@@ -222,9 +224,12 @@ class Loader:
         # starts the workers, each with its copy of the pinned dataset; one stuck in the fork is replaced
         batches = worker_batches(ds, self.num_workers, self.kwargs, owner="Loader",
                                  start_timeout=self.worker_start_timeout)
-        _widen_pipe(batches)
-        ds.seek(replace(start, pinned=False))
-        for batch in batches:
-            self._cursor = self._cursor.forward(ds.spec, 1)
-            yield batch
+        try:
+            _widen_pipe(batches)
+            ds.seek(replace(start, pinned=False))
+            for batch in batches:
+                self._cursor = self._cursor.forward(ds.spec, 1)
+                yield batch
+        finally:  # an error or an early stop too: no worker outlives the loop
+            shut_down(batches)
         ds.seek(ds.cursor.at(self._cursor.epoch, self._cursor.index))

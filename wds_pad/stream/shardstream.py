@@ -33,12 +33,13 @@ from webdataset.filters import default_collation_fn
 
 from .collate import run_collation
 from .loaderargs import check_loader_args, check_start_timeout
-from .workers import START_TIMEOUT, worker_batches
+from .workers import START_TIMEOUT, shut_down, worker_batches
 from ..errors import ConfigError, StaleShardError, StateMismatchError
 from ..index.codec import load_index
 from ..index.record import Index
 from ..core.policy import check_epoch
 from ..index.shardfile import shard_info
+from ..io.descriptors import out_of_descriptors, runs_out
 from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..core.seed import shared_seed
@@ -298,6 +299,11 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
             f = fs.open(path, "rb", **self.open_options)
         except FileNotFoundError:
             raise StaleShardError(f"shard {redact(url)!r} no longer exists; restore it or re-index") from None
+        except OSError as exc:  # one shard is open at a time: running out is the limit's fault
+            if runs_out(exc):
+                raise out_of_descriptors(f"cannot open shard {redact(url)!r}", exc,
+                                         fewer="DataLoader workers") from exc
+            raise
         with f:
             size = getattr(f, "size", None)
             size = fs.size(path) if size is None else size
@@ -403,9 +409,13 @@ class ShardLoader:
             return  # restored at the end of the epoch: nothing is left of it
         ds._check_workers(progress, n)
         positions = list(progress.positions or [WorkerPosition()] * n)
-        for logical, pos, item in worker_batches(ds._for_workers(progress), n, self.kwargs, owner="ShardLoader",
-                                                 start_timeout=self.worker_start_timeout):
-            positions[logical] = WorkerPosition(*(int(v) for v in pos))
-            ds.seek(ds.cursor.with_shards(ShardProgress(tuple(positions), (int(logical) + 1) % n, False)))
-            yield item
+        batches = worker_batches(ds._for_workers(progress), n, self.kwargs, owner="ShardLoader",
+                                 start_timeout=self.worker_start_timeout)
+        try:
+            for logical, pos, item in batches:
+                positions[logical] = WorkerPosition(*(int(v) for v in pos))
+                ds.seek(ds.cursor.with_shards(ShardProgress(tuple(positions), (int(logical) + 1) % n, False)))
+                yield item
+        finally:  # an error or an early stop too: no worker outlives the loop
+            shut_down(batches)
         ds.seek(ds.cursor.with_shards(ShardProgress(tuple(positions), 0, True)))

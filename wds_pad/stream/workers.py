@@ -10,7 +10,11 @@ Invariants:
   from the same pinned dataset: no batch was handed out, so nothing is lost or repeated;
 - after ``ATTEMPTS`` attempts a :class:`WorkerStartError` says what to change;
 - ``spawn`` and ``forkserver`` workers are started from a process with one thread and
-  are not watched.
+  are not watched;
+- the loaders shut their DataLoader iterator down (:func:`shut_down`) however their loop
+  ends, an error included, in the process that started its workers: an iterator left to
+  the garbage collector may be collected in a later forked child, where torch's
+  ``__del__`` cannot test another process's children and prints an ignored error.
 
 Why: CPython 3.11.9 and older (gh-112275, fixed in 3.11.10 and 3.12) can deadlock a forked
 child when another thread holds the interpreter's thread-state lock at the moment of the
@@ -23,6 +27,7 @@ first batch never came, about once in fifteen two-rank jobs here. Other C librar
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 import warnings
 from typing import Any, Callable, Iterator
@@ -31,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import WorkerStartError, WorkerStartWarning
 
-__all__ = ["ATTEMPTS", "START_TIMEOUT", "worker_batches"]
+__all__ = ["ATTEMPTS", "START_TIMEOUT", "shut_down", "worker_batches"]
 
 START_TIMEOUT = 10.0  # seconds for a forked worker to reach its worker_init_fn
 ATTEMPTS = 3
@@ -82,6 +87,15 @@ def _shut_down(batches: Any) -> None:
         if w.is_alive():
             w.kill()
             w.join(timeout=5)
+
+
+def shut_down(batches: Any) -> None:
+    """Stop the workers of a DataLoader iterator now; nothing in any other process than
+    the one that started them (a forked child holds a copy it must leave alone)."""
+    workers = getattr(batches, "_workers", ())
+    if any(getattr(w, "_parent_pid", None) != os.getpid() for w in workers):
+        return
+    _shut_down(batches)
 
 
 def worker_batches(dataset: Any, num_workers: int, kwargs: dict[str, Any], *, owner: str,
