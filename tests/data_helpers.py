@@ -121,3 +121,37 @@ class NonSeekable(io.RawIOBase):
         chunk = self._f.read(n)
         b[: len(chunk)] = chunk
         return len(chunk)
+
+
+def write_pax_raw_path(path: str | os.PathLike[str], samples: Iterable[dict[str, Any]]) -> str:
+    """A shard whose members each follow a pax header holding the member's name as a raw
+    ``path`` record with no ``hdrcharset`` (as GNU tar 1.23 and older wrote names it could
+    not convert to UTF-8); the ustar name field holds a stand-in. A key's surrogate
+    escapes (``'k\\udcff1'``) become those raw bytes, as ``tarfile`` writes them."""
+
+    def header(name: bytes, size: int, kind: bytes) -> bytes:
+        h = bytearray(512)
+        h[: len(name)] = name
+        h[100:108], h[108:116], h[116:124] = b"0000444\0", b"0000000\0", b"0000000\0"
+        h[124:136], h[136:148], h[156:157], h[257:265] = b"%011o\0" % size, b"%011o\0" % 0, kind, b"ustar\x0000"
+        h[148:156] = b" " * 8
+        h[148:156] = b"%06o\0 " % sum(h)
+        return bytes(h)
+
+    def padded(b: bytes) -> bytes:
+        return b + bytes(-len(b) % 512)
+
+    out = []
+    for s in samples:
+        for ext, data in s.items():
+            if ext.startswith("__"):
+                continue
+            name = s["__key__"].encode("utf-8", "surrogateescape") + b"." + ext.encode()
+            body = b" path=" + name + b"\n"
+            digits = len(str(len(body)))
+            length = len(body) + digits + (len(str(len(body) + digits)) > digits)  # the length counts itself
+            record = b"%d" % length + body
+            out += [header(b"PaxHeader", len(record), b"x"), padded(record),
+                    header(b"stand-in." + ext.encode(), len(data), b"0"), padded(data)]
+    Path(path).write_bytes(b"".join(out) + bytes(1024))
+    return os.fspath(path)

@@ -20,6 +20,8 @@ from wds_pad.cli.app import main
 from wds_pad.index.codec import load_index, serialize
 from wds_pad.tar.scan import parse_sample
 
+pytest_plugins = ["conftest_servers"]
+
 
 @pytest.fixture()
 def shards(tmp_path) -> list[str]:
@@ -461,6 +463,43 @@ def test_inspect_damaged_index_is_one_line(tmp_path, capsys, built) -> None:
     bad.write_bytes(bytes(data))
     code, _, err = run(capsys, "inspect", str(bad))
     assert code == 2 and "is damaged (header checksum mismatch)" in one_error_line(err, "inspect")
+
+
+def _non_utf8_shards(root) -> list[str]:
+    """Shards whose member names are not UTF-8: raw bytes in ustar headers, a pax path
+    with hdrcharset=BINARY, a pax path of raw bytes without it."""
+    from wds_pad.cli.producers import write_samples
+    from data_helpers import write_pax_raw_path
+
+    samples = [{"__key__": k, "bin": b"x" * (10 + i), "json": b'{"width": 4, "height": 3}'}
+               for i, k in enumerate(["k0", "k\udcff1", "k2"])]
+    urls = [write_samples(root / form, [samples], form)[0] for form in ("tarfile-ustar", "tarfile-pax")]
+    return urls + [write_pax_raw_path(root / "raw.tar", samples)]
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_index_keeps_names_that_are_not_utf8(tmp_path, capsys, nginx_server, where) -> None:
+    import webdataset as wds
+
+    from data_helpers import serve_dir
+
+    urls = _non_utf8_shards(tmp_path / "shards")
+    if where == "http":
+        base = serve_dir(nginx_server, tmp_path / "shards", f"utf8-{tmp_path.name}")
+        urls = [base + u[len(str(tmp_path / "shards")):] for u in urls]
+    out = str(tmp_path / "k.wdsidx")
+    code, stdout, stderr = run(capsys, "index", *urls, "-o", out, "--bucket-by", "aspect", "--on-error", "skip",
+                               "--no-progress")
+    assert (code, stderr) == (0, "") and "indexed 3 shards" in stdout and "9 samples" in stdout
+    assert "skipped" not in stdout and "excluded" not in stdout
+    index = load_index(out)
+    order = np.lexsort((index.offset, index.shard))
+    want = [s["__key__"] for s in wds.WebDataset(urls, shardshuffle=False)]
+    assert [index.key(int(i)) for i in order] == want == ["k0", "k\udcff1", "k2"] * 3
+    code, stdout, _ = run(capsys, "plan", out, "--world-size", "1", "--rank", "0", "--batch-size", "9", "--seed", "0",
+                          "--json")
+    assert code == 0 and sorted(json.loads(stdout)["keys"]) == sorted(want)
+    assert run(capsys, "verify", out, "--deep")[:2] == (0, "3 shards OK (deep)\n")
 
 
 # -- verify ---------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from ..core.plan import Batch
 from ..errors import WdsPadError
 from ..index.record import Index
 from ..io.ranges import RangeReader
+from ..tar.members import KEY_ERRORS
 from ..tar.names import NAME, names_sample
 
 __all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES", "member_refs"]
@@ -76,7 +77,7 @@ def _key_lists(ko: np.ndarray, table: np.ndarray, ids: np.ndarray) -> tuple[list
         out[dst] = table[src]
     raw = out.tobytes()
     tokens = raw.split(b"\0")[:-1]
-    keys = raw.replace(b".\0", b"\0").decode("utf-8").split("\0")[:-1]
+    keys = raw.replace(b".\0", b"\0").decode("utf-8", KEY_ERRORS).split("\0")[:-1]
     if int(lens.max()) >= NAME:  # names longer than the field: compare what it holds
         tokens = [t[:NAME] for t in tokens]
     return keys, tokens

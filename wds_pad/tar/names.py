@@ -24,6 +24,8 @@ Invariants:
 
 from __future__ import annotations
 
+from .members import key_bytes
+
 __all__ = ["NAME", "names_sample", "slice_sample"]
 
 NAME = 100  # bytes of a ustar header's name field
@@ -47,7 +49,7 @@ def names_sample(data: bytes, h: int, key: str) -> bool:
     prefix = data[h + 345 : h + 500].split(b"\0", 1)[0] if data[h + 257 : h + 262] == b"ustar" else b""
     full = prefix + b"/" + name if prefix else name
     truncated = not prefix and len(name) == NAME  # the whole name is in a PAX or GNU record
-    for token in ((key + ".").encode("utf-8"), (key + ".").encode("ascii", "replace")):
+    for token in (key_bytes(key + "."), (key + ".").encode("ascii", "replace")):
         if full.startswith(token[:NAME] if truncated else token):
             return True
     return False
