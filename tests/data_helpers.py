@@ -155,3 +155,34 @@ def write_pax_raw_path(path: str | os.PathLike[str], samples: Iterable[dict[str,
                     header(b"stand-in." + ext.encode(), len(data), b"0"), padded(data)]
     Path(path).write_bytes(b"".join(out) + bytes(1024))
     return os.fspath(path)
+
+
+def rewrite_member_header(blob: bytearray, member: Any, how: str, size: int | None = None) -> None:
+    """Rewrite a member's headers in ``blob`` (a shard's bytes) in place, every offset kept,
+    checksums fixed: ``"size"``: its size field says ``size`` (default: 10 bytes more,
+    within the same padding); ``"ext"``: its extension ``x`` becomes ``bix`` (3 letters);
+    ``"key"``: its key's last character becomes ``~``. ``member`` is a scanned
+    ``wds_pad.tar.scan.Member``; the name is changed wherever the headers spell it (the
+    name field, or its ``?`` form for a non-ASCII name; a pax ``path`` record; a GNU long
+    name; the name field under a ustar prefix)."""
+    own = member.data_offset - 512
+    heads, pos = [], member.header_offset  # every header block from the member's first to its own
+    while pos <= own:
+        heads.append(pos)
+        pos += 512 + (int(blob[pos + 124 : pos + 135], 8) + 511) // 512 * 512
+    if how == "size":
+        blob[own + 124 : own + 136] = b"%011o\0" % (member.size + 10 if size is None else size)
+    else:
+        raw = member.name.encode("utf-8", "surrogateescape")
+        stem, ext = raw.rsplit(b".", 1)
+        new = stem + b".bix" if how == "ext" else stem[:-1] + b"~." + ext
+        for tail in (b"\0", b"\n"):
+            for old, repl in ((raw, new), (raw.replace(b"\xc3\xa9", b"?"), new.replace(b"\xc3\xa9", b"?"))):
+                blob[member.header_offset : own + 512] = bytes(blob[member.header_offset : own + 512]).replace(
+                    old + tail, repl + tail)
+        if b"/" in raw:  # under a ustar prefix the name field holds the file name only
+            base, renamed = raw.rsplit(b"/", 1)[1], new.rsplit(b"/", 1)[1]
+            blob[own : own + 100] = bytes(blob[own : own + 100]).replace(base + b"\0", renamed + b"\0")
+    for h in heads:
+        blob[h + 148 : h + 156] = b" " * 8
+        blob[h + 148 : h + 156] = b"%06o\0 " % sum(blob[h : h + 512])

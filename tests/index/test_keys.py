@@ -108,6 +108,8 @@ def test_stream_yields_webdataset_keys_and_bytes_local(urls: list[str], tmp_path
     ds = _dataset(str(tmp_path / "k.wdsidx"))
     batches = list(Loader(ds, num_workers=workers)) if workers else list(ds)
     _same_as_webdataset(batches, urls)
+    if not workers:
+        assert ds.read_stats.exact_batches == 0  # the fast path read every one
 
 
 @pytest.mark.parametrize("workers", [0, 2])

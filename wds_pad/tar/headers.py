@@ -47,6 +47,9 @@ _NO_PAYLOAD = frozenset((b"1", b"2", b"3", b"4", b"5", b"6"))  # links, devices,
 FIELDS = struct.Struct("100s24x12s12x8sc188xB")
 _EXTENSION = frozenset((b"L", b"K", b"x", b"X", b"g"))  # headers that describe the next one
 HINT = "re-create the shard, or index with on_error='skip' to keep the samples before the fault"
+# what to do about a shard whose bytes are no longer what its index says ({url} filled
+# in): a rewrite in place may keep the size and mtime that a plain --update compares
+REINDEX = "re-index it: `wds-pad index --update -o INDEX --rescan {url}` (or restore the shard)"
 _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
 
 
@@ -247,6 +250,18 @@ class Reader:
         self.buf, self.base = b"".join(parts) if len(parts) > 1 else parts[0], base
         rel = off - base
         return self.buf[rel : rel + n]
+
+
+class FdFile:
+    """A file-like over a descriptor, for a :class:`Reader` in seek mode (reads use ``os.pread``)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
 
 
 # (header_offset, data_offset, size, next_header_offset, name, is_regular)
