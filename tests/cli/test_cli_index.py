@@ -683,6 +683,55 @@ def test_update_without_urls_rescans_only_changed_shards_bucketed_as_before(tmp_
     assert after.shards[1].stamp != before.shards[1].stamp
 
 
+def test_verify_deep_prints_the_command_that_fixes_a_shard_rewritten_in_place(tmp_path, shards, capsys,
+                                                                            monkeypatch) -> None:
+    """A shard regenerated with its size and mtime pinned: --update alone keeps its rows
+    (it decides on size and stamp); verify --deep says so and prints the command with
+    --rescan, which, run as printed, makes verify --deep pass."""
+    import shlex
+
+    from data_helpers import rewrite_member_header
+    from wds_pad.tar.scan import scan_tar
+
+    out = str(tmp_path / "train.wdsidx")
+    assert run(capsys, "index", pattern(shards), "-o", out, "--bucket-by", "aspect", "--no-progress")[0] == 0
+    with open(shards[1], "rb") as f:
+        sample = next(iter(scan_tar(f, shards[1])))
+    st = os.stat(shards[1])
+    blob = bytearray(open(shards[1], "rb").read())
+    rewrite_member_header(blob, sample.members[0], "size", size=sample.members[0].size - 1)
+    open(shards[1], "r+b").write(blob)
+    os.utime(shards[1], ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert run(capsys, "index", "--update", "-o", out, "--no-progress")[1].splitlines()[1] == \
+        "update: 0 shards scanned, 3 unchanged"
+    code, stdout, _ = run(capsys, "verify", out, "--deep")
+    lines = stdout.splitlines()
+    assert code == 1 and lines[0].startswith(f"STALE {shards[1]}: sample {sample.key!r}: member ")
+    assert lines[0].endswith(f"now holds {sample.members[0].size - 1} bytes, {sample.members[0].size} indexed")
+    command = re.search(r"`([^`]*)`", lines[1]).group(1)  # type: ignore[union-attr]
+    assert command == f"wds-pad index --update -o {out} --rescan {shards[1]}"
+    scanned: list[str] = []
+    real = indexer_mod.scan_many
+    monkeypatch.setattr(indexer_mod, "scan_many",
+                        lambda sources, **kw: scanned.extend(u for _, u, *_ in sources) or real(sources, **kw))
+    code, stdout, _ = run(capsys, *shlex.split(command)[1:], "--no-progress")
+    assert code == 0 and scanned == [shards[1]] and "update: 1 shard scanned, 2 unchanged" in stdout
+    assert run(capsys, "verify", out, "--deep")[:2] == (0, "3 shards OK (deep)\n")
+
+
+def test_rescan_needs_update_and_one_process(tmp_path, shards, capsys, monkeypatch) -> None:
+    out = str(tmp_path / "train.wdsidx")
+    code, _, err = run(capsys, "index", *shards, "-o", out, "--rescan", shards[0], "--no-progress")
+    assert code == 2 and "--rescan scans shards again in an update: add --update" in one_error_line(err, "index")
+    assert run(capsys, "index", *shards, "-o", out, "--no-progress")[0] == 0
+    code, _, err = run(capsys, "index", "--update", "-o", out, "--rescan", str(tmp_path / "other.tar"),
+                       "--no-progress")
+    assert code == 2 and "to rescan (--rescan) is not one of the 3 shards" in one_error_line(err, "index")
+    code, _, err = run(capsys, "index", "--update", "-o", out, "--rescan", shards[0], "--distributed",
+                       "--no-progress")
+    assert code == 2 and "--rescan runs in one process" in one_error_line(err, "index")
+
+
 def test_update_of_a_callable_index_reuses_rows_but_cannot_rescan(tmp_path, shards, capsys) -> None:
     from wds_pad.index.build import build_index
 

@@ -11,7 +11,7 @@ Invariants:
 - shards are scanned concurrently, but rows come out in shard order, so the same
   shards give the same index whatever the number of workers;
 - ``update`` reuses the rows of shards whose size and change stamp are unchanged
-  (``index.update``);
+  (``index.update``), except those named in ``rescan``;
 - the shards' rows are joined in shard order (``index.rows``);
 - an ``output`` is checked before any shard is scanned and written once, atomically,
   after the last one (``index.output``).
@@ -24,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -220,13 +220,14 @@ def build_index(
     output: str | None = None,
     workers: int = 8,
     on_error: str = "raise",
-    update: Index | str | None = None,
+    update: Index | str | bool | None = None,
     storage_options: Mapping[str, Any] | None = None,
     members: Sequence[str] | None = None,
     head_bytes: int | None = None,
     name: str | None = None,
     progress: bool | None = False,
     force: bool = False,
+    rescan: str | Iterable[str] | None = None,
 ) -> Index:
     """Index tar shards into buckets.
 
@@ -239,14 +240,18 @@ def build_index(
         workers: shards scanned concurrently.
         on_error: ``"raise"`` (default) or ``"skip"`` (leave the shard or sample out,
             recorded in ``index.excluded``).
-        update: a previous index (or its path): shards with unchanged size and change
-            stamp keep their rows; only new or changed shards are scanned.
+        update: a previous index (or its path; ``True``: the index at ``output``): shards
+            with unchanged size and change stamp keep their rows; only new or changed
+            shards, and those in ``rescan``, are scanned.
         storage_options: fsspec options (credentials, endpoint) for remote shards.
         members: for a plain callable, the member extensions it needs (default json).
         head_bytes: for a plain callable, read only this many bytes of each member.
         name: the dataset name the index plans under (default: output file stem).
         progress: show a progress bar on stderr (None: only when stderr is a tty).
         force: let ``output`` replace an existing file that is not a wds_pad index.
+        rescan: with ``update``, shards (URLs or patterns, among ``urls``) scanned again
+            whatever their size and change stamp: rewritten in place with both kept
+            (pinned mtimes, ``rsync -t``), as ``verify_index(..., deep=True)`` finds them.
 
     Returns:
         The Index (also written to ``output`` if given).
@@ -262,11 +267,12 @@ def build_index(
     shard_urls = expand_urls(urls, storage_options)
     if output is not None:
         check_output(output, shard_urls, force=force, storage_options=storage_options)
+    update, again = _update_and_rescan(update, rescan, output, shard_urls, storage_options)
     previous = previous_index(update, fn, storage_options)
     bar = Progress(total=len(shard_urls), enabled=progress, label="index")
     try:
         parts = scan_shards(shard_urls, fn, workers=workers, on_error=on_error, storage_options=storage_options,
-                            bar=bar, previous=previous)
+                            bar=bar, previous=previous, rescan=again)
     except BaseException:
         bar.close(failed=True)  # in a log, a failed build ends with its error line
         raise
@@ -276,6 +282,33 @@ def build_index(
         write_index(index, output, storage_options, force=force)
         object.__setattr__(index, "path", output)
     return index
+
+
+def _update_and_rescan(update: Index | str | bool | None, rescan: str | Iterable[str] | None, output: str | None,
+                       shard_urls: Sequence[str],
+                       storage_options: Mapping[str, Any] | None) -> tuple[Index | str | None, frozenset[str]]:
+    """``update`` resolved (``True``: the index at ``output``) and the shards to rescan,
+    checked: ``rescan`` needs an update and names shards being indexed."""
+    if update is True:
+        if output is None:
+            raise ConfigError("update=True updates the index at output, but no output is given; pass "
+                              "update=PATH (or an Index), or output=PATH")
+        update = output
+    elif update is False:
+        update = None
+    if rescan is None:
+        return update, frozenset()
+    if update is None:
+        raise ConfigError("rescan= names shards to scan again in an update; without update= every shard is "
+                          "scanned anyway (wds-pad index: --rescan needs --update)")
+    again = expand_urls(rescan, storage_options)
+    known = set(shard_urls)
+    unknown = [u for u in again if u not in known]
+    if unknown:
+        raise ConfigError(f"shard {redact(unknown[0])!r} to rescan (--rescan) is not one of the "
+                          f"{len(shard_urls)} shards being indexed (the first: {redact(shard_urls[0])!r}); name "
+                          "each as the index lists it (`wds-pad verify INDEX --deep` prints them)")
+    return update, frozenset(again)
 
 
 def check_options(on_error: str, workers: int) -> None:
@@ -288,11 +321,11 @@ def check_options(on_error: str, workers: int) -> None:
 
 def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_error: str,
                 storage_options: Mapping[str, Any] | None, bar: Progress, previous: Index | None = None,
-                stats: Mapping[str, Stat] | None = None) -> list[ShardRows]:
-    """Every shard's rows, in shard order: reused from ``previous`` where unchanged, else
-    scanned (``workers`` concurrently). ``stats`` are shards' known (size, stamp, is a
-    directory): they are not asked for again."""
-    reused = reusable_rows(previous, shard_urls, storage_options, stats) if previous is not None else {}
+                stats: Mapping[str, Stat] | None = None, rescan: Collection[str] = ()) -> list[ShardRows]:
+    """Every shard's rows, in shard order: reused from ``previous`` where unchanged (and
+    not in ``rescan``), else scanned (``workers`` concurrently). ``stats`` are shards'
+    known (size, stamp, is a directory): they are not asked for again."""
+    reused = reusable_rows(previous, shard_urls, storage_options, stats, rescan) if previous is not None else {}
     todo = [u for u in shard_urls if u not in reused]
     if todo and getattr(fn, "reuse_only", False):
         raise ConfigError(

@@ -3,22 +3,24 @@ rows of its unchanged shards.
 
 ``build_index(..., update=...)`` and ``build_index_distributed`` read the previous index
 with :func:`previous_index`, take the rows of every shard whose size and change stamp
-are unchanged from it (:func:`reusable_rows`) and scan only the others; ``wds-pad index
---update`` without ``--bucket-by`` buckets as the index was bucketed (:func:`bucket_fn_of`).
+are unchanged from it (:func:`reusable_rows`) and scan only the others, and the shards
+named to be rescanned (``rescan=``, ``--rescan``: rewritten in place, size and stamp
+kept, as ``verify --deep`` finds them); ``wds-pad index --update`` without
+``--bucket-by`` buckets as the index was bucketed (:func:`bucket_fn_of`).
 
 Invariants:
 - an update is refused when the previous index was bucketed otherwise than the
   function given (ConfigError naming both);
 - a reused shard's rows are the ones a scan would give (byte order, the member table,
   its excluded samples): the updated index is the one a full build gives; a shard whose
-  member table misses a sample is rescanned instead;
+  member table misses a sample, or one named in ``rescan``, is rescanned instead;
 - a bucketing that cannot be rebuilt from its description (a Python callable) reuses
   rows and refuses any shard to scan.
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Collection, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -98,13 +100,14 @@ def bucket_fn_of(index: Index) -> BucketFn:
 
 
 def reusable_rows(previous: Index, urls: Sequence[str], storage_options: Mapping[str, Any] | None,
-                  stats: Mapping[str, Stat] | None = None) -> dict[str, ShardRows]:
+                  stats: Mapping[str, Stat] | None = None, rescan: Collection[str] = ()) -> dict[str, ShardRows]:
     """The rows of ``previous`` for each of ``urls`` whose size and change stamp are
     unchanged (``stats``: shards' known (size, stamp, is a directory), not asked for
-    again), in byte order, with their member table and excluded samples."""
+    again), in byte order, with their member table and excluded samples; none for the
+    shards in ``rescan``."""
     by_url = {s.url: i for i, s in enumerate(previous.shards) if s.error is None}
     out: dict[str, ShardRows] = {}
-    candidates = [u for u in urls if u in by_url]
+    candidates = [u for u in urls if u in by_url and u not in rescan]
     if not candidates:
         return out
     # each shard's rows in byte order (the index groups rows by bucket): one sort for all
