@@ -211,7 +211,7 @@ class BatchReader:
                 "__step__": batch.step, "__batch__": batch.index}
         heads, size_list, ext_names = c.heads[mlo:mhi], c.sizes[mlo:mhi], c.exts[mlo:mhi]
         ntoks, stoks = c.ntoks[mlo:mhi], c.stoks[mlo:mhi]
-        pread = os.pread
+        pread, size_at = os.pread, SIZE
         out: list[dict[str, Any]] = []
         append = out.append
         m = 0
@@ -237,14 +237,17 @@ class BatchReader:
             data = pread(fd, nb, o)
             if len(data) != nb:
                 return None
+            at = data.startswith
             if cnt == 2:  # the common shape (a payload and its .json), unrolled
                 h, h2, n, n2 = heads[m], heads[m + 1], size_list[m], size_list[m + 1]
-                if not (data.startswith(ntoks[m], h) and data.startswith(stoks[m], h + SIZE)
-                        and data.startswith(ntoks[m + 1], h2) and data.startswith(stoks[m + 1], h2 + SIZE)):
+                if not (at(ntoks[m], h) and at(stoks[m], h + size_at) and at(ntoks[m + 1], h2)
+                        and at(stoks[m + 1], h2 + size_at)):
                     j = m + 2  # another header form, or a changed shard: read in full (raises)
-                    slice_sample(data, url, o, key, (ext_names[m:j], heads[m:j], size_list[m:j], ntoks[m:j], stoks[m:j]))
-                d[ext_names[m]] = data[h + 512 : h + 512 + n]
-                d[ext_names[m + 1]] = data[h2 + 512 : h2 + 512 + n2]
+                    d.update(slice_sample(data, url, o, key, (ext_names[m:j], heads[m:j], size_list[m:j],
+                                                              ntoks[m:j], stoks[m:j])))
+                else:
+                    d[ext_names[m]] = data[h + 512 : h + 512 + n]
+                    d[ext_names[m + 1]] = data[h2 + 512 : h2 + 512 + n2]
                 m += 2
                 append(d)
                 continue
@@ -252,7 +255,7 @@ class BatchReader:
             quick = True
             for x in range(m, j):
                 h = heads[x]
-                quick = quick and data.startswith(ntoks[x], h) and data.startswith(stoks[x], h + SIZE)
+                quick = quick and at(ntoks[x], h) and at(stoks[x], h + size_at)
                 d[ext_names[x]] = data[h + 512 : h + 512 + size_list[x]]
             if not quick:  # as above
                 slice_sample(data, url, o, key, (ext_names[m:j], heads[m:j], size_list[m:j], ntoks[m:j], stoks[m:j]))

@@ -15,19 +15,19 @@ Invariants:
       fits the ustar name field): the 512-byte ustar header right before the payload has
       the name field ``key + "." + ext`` (the extension as recorded: lowercase) padded
       with NUL, and the size field ``%011o`` then NUL. An extension header before it
-      whose records cannot rename or resize the member (webdataset's PAX ``mtime``
-      header, ``tar --format=posix``'s times: what the indexer found there) is not read.
+      (webdataset's PAX ``mtime`` header, ``tar --format=posix``'s times) is not read.
     * Any other form is read from the member's first header (the end of the member
-      before it, or the sample's first byte) with the indexer's rules
-      (``headers.read_entry``): a ustar prefix, a PAX ``path`` or ``size`` record (long or
-      non-ASCII names, ``hdrcharset=BINARY``, members of 8 GiB or more), a GNU long
-      name, an extension not in lowercase, another spelling of the size field. Its
-      verdict is final.
+      before it, or the sample's first byte) with the indexer's rules, checksums
+      included (``headers.member_name_size``, else ``headers.read_entry``): a ustar
+      prefix, a PAX ``path`` or ``size`` record (long or non-ASCII names,
+      ``hdrcharset=BINARY``, members of 8 GiB or more), a GNU long name, an extension
+      not in lowercase, another spelling of the size field. Its verdict is final.
     * A member whose headers say another key, another extension, another size or
       another payload offset, or cannot be read, is never read as the sample: the reason
       names it, and :func:`slice_sample` raises ``StaleShardError``.
-    * What it does not see: checksums and the other header fields (mode, mtime, ...),
-      the records of a PAX header before a common-form member, payload bytes.
+    * What the common form's check does not see: the checksum and the header's other
+      fields (mode, mtime, ...), the records of a PAX header before it; no form's check
+      sees payload bytes.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import StaleShardError, TarFormatError
-from .headers import HINT, REINDEX, FdFile, Reader, read_entry
+from .headers import HINT, REINDEX, Reader, member_name_size, read_entry
 from .members import KEY_RE, is_meta, key_bytes
 
 __all__ = ["NAME", "SIZE", "Members", "member_differs", "member_entry", "name_tokens", "size_tokens",
@@ -120,34 +120,45 @@ def size_tokens(sizes: np.ndarray) -> list[bytes]:
     return out.view("V12").ravel().tolist()  # type: ignore[no-any-return]
 
 
-def member_differs(r: Reader, first: int, h: int, key: str, ext: str, size: int) -> str:
+def member_differs(data: bytes, first: int, h: int, key: str, ext: str, size: int, where: str = "") -> str:
     """What the headers of one member say that its member table entry does not ("" when
-    they agree), read with the indexer's rules.
+    they agree), read with the indexer's rules: ``headers.member_name_size`` for the
+    common layouts (its own header, after at most one PAX or GNU long-name header), else
+    ``headers.read_entry`` from its first header.
 
     Args:
-        r: The bytes holding the member's headers (a sample's bytes, or its shard); its
-            ``url`` says what its offsets count from, for the message.
-        first: Where its first header starts in ``r`` (the end of the member before it,
-            or the sample's first byte; ``h`` when none comes before its own).
+        data: Bytes holding the member's headers (a sample's bytes, or a part of them:
+            its payload need not be there).
+        first: Where its first header starts in ``data`` (the end of the member before
+            it, or the sample's first byte; ``h`` when none comes before its own).
         h: Where its own (ustar) header starts: its payload starts at ``h + 512``.
         key, ext, size: The sample's key, the member's extension and payload size.
+        where: What ``data``'s offsets count from, for the message.
     """
-    pos, e = first, None
-    try:
-        while pos <= h:
-            e = read_entry(r, pos, e)
-            if e is None:
-                return f"the archive ends before the header of its {ext!r} member"
-            if e[1] == h + 512:
-                break
-            pos = e[3]
-        else:
-            return f"no member header ends where its {ext!r} payload starts"
-    except TarFormatError as exc:
-        detail = str(exc).removesuffix(f"; {HINT}").removeprefix(f"{r.url}: ")
-        return f"the headers of its {ext!r} member are unreadable ({detail}; {r.url})"
-    name, n = e[4], e[2]  # type: ignore[index]
-    m = KEY_RE.match(name) if e[5] and not is_meta(name) else None  # type: ignore[index]
+    got = member_name_size(data, first, h)
+    if got is None:
+        r, pos, e = Reader(None, where, True, data), first, None
+        r.eof = -1  # ``data`` may end before the member's payload does
+        try:
+            while pos <= h:
+                e = read_entry(r, pos, e)
+                if e is None:
+                    return f"the archive ends before the header of its {ext!r} member"
+                if e[1] == h + 512:
+                    break
+                pos = e[3]
+            else:
+                return f"no member header ends where its {ext!r} payload starts"
+        except TarFormatError as exc:
+            detail = str(exc).removesuffix(f"; {HINT}").removeprefix(f"{where}: ")
+            return f"the headers of its {ext!r} member are unreadable ({detail}; {where})"
+        if not e[5]:  # type: ignore[index]
+            return f"the header before its {ext!r} payload is not a regular file's (member {e[4]!r})"  # type: ignore[index]
+        got = (e[4], e[2])  # type: ignore[index]
+    name, n = got
+    if n == size and name == f"{key}.{ext}":  # the form only differed (a long name, a PAX path, ...)
+        return ""
+    m = None if is_meta(name) else KEY_RE.match(name)
     if m is None or m.group(1) != key:
         return f"the header before its {ext!r} payload names member {name!r}, not one of sample {key!r}"
     if m.group(2).lower() != ext:
@@ -176,13 +187,10 @@ def slice_sample(data: bytes, url: str, offset: int, key: str, members: Members)
             offset, or its payload runs past the range.
     """
     exts, heads, sizes, ntoks, stoks = members
-    out, first, r = {}, 0, None
+    out, first = {}, 0
     for e, h, n, nt, st in zip(exts, heads, sizes, ntoks, stoks):
         if not (data.startswith(nt, h) and data.startswith(st, h + SIZE)):
-            if r is None:
-                r = Reader(None, "offsets from the sample's first byte", True, data)
-                r.eof = -1  # the range may end before a member's payload does: checked below
-            reason = member_differs(r, first, h, key, e, n)
+            reason = member_differs(data, first, h, key, e, n, "offsets from the sample's first byte")
             if reason:
                 raise _stale(url, offset, key, reason)
         if h + 512 + n > len(data):
@@ -205,8 +213,8 @@ def slice_sample_at(fd: int, url: str, offset: int, key: str, members: Members,
     for e, h, n, nt, st in zip(exts, heads, sizes, ntoks, stoks):
         head = pread(fd, 512, offset + h)
         if not (head.startswith(nt) and head.startswith(st, SIZE)):
-            r = Reader(FdFile(fd), "offsets in the shard", True)  # type: ignore[arg-type]
-            reason = member_differs(r, offset + first, offset + h, key, e, n)
+            region = pread(fd, h + 512 - first, offset + first)  # its headers, from its first
+            reason = member_differs(region, 0, h - first, key, e, n, f"offsets from byte {offset + first}")
             if reason:
                 raise _stale(url, offset, key, reason)
         payload = pread(fd, n, offset + h + 512)
