@@ -5,9 +5,9 @@ records (``stream.batchread``, ``stream.fetch``), without parsing the headers; b
 trusts them, it checks each member's header against the table: the member is named
 ``key + "." + ext`` and holds ``size`` bytes. The common header form is checked with
 two ``bytes.startswith`` at offsets, against tokens made in numpy once per chunk of
-samples (:func:`name_tokens`, :func:`size_tokens`); every other form, and every
-mismatch, is decided by :func:`member_differs`, which reads the member's headers as the
-indexer reads them. :func:`slice_sample` and :func:`slice_sample_at` cut one sample into
+samples (:func:`name_tokens`, :func:`size_tokens`); a long name as the usual writers
+write it, as bytes; every other form, and every mismatch, is decided by
+:func:`member_differs`, which reads the member's headers as the indexer reads them. :func:`slice_sample` and :func:`slice_sample_at` cut one sample into
 ``{ext: payload}`` that way, and raise :class:`StaleShardError` naming what changed.
 
 Invariants:
@@ -16,18 +16,23 @@ Invariants:
       the name field ``key + "." + ext`` (the extension as recorded: lowercase) padded
       with NUL, and the size field ``%011o`` then NUL. An extension header before it
       (webdataset's PAX ``mtime`` header, ``tar --format=posix``'s times) is not read.
+    * A name the name field cannot hold (over 99 bytes, or not ASCII under PAX), as
+      ``tarfile``, webdataset's writers and GNU tar write it, is compared as bytes
+      (:func:`_long_name_agrees`): one PAX header of its ``path`` record (and at most one
+      record that changes nothing) or a GNU long name, then the ustar header with the
+      name's first 100 bytes and the size field.
     * Any other form is read from the member's first header (the end of the member
       before it, or the sample's first byte) with the indexer's rules, checksums
       included (``headers.member_name_size``, else ``headers.read_entry``): a ustar
-      prefix, a PAX ``path`` or ``size`` record (long or non-ASCII names,
-      ``hdrcharset=BINARY``, members of 8 GiB or more), a GNU long name, an extension
-      not in lowercase, another spelling of the size field. Its verdict is final.
+      prefix, a PAX ``size`` record (members of 8 GiB or more), another writer's
+      long-name layout, an extension not in lowercase, another spelling of the size
+      field. Its verdict is final.
     * A member whose headers say another key, another extension, another size or
       another payload offset, or cannot be read, is never read as the sample: the reason
       names it, and :func:`slice_sample` raises ``StaleShardError``.
-    * What the common form's check does not see: the checksum and the header's other
-      fields (mode, mtime, ...), the records of a PAX header before it; no form's check
-      sees payload bytes.
+    * What the common and long-name checks do not see: checksums and the headers' other
+      fields (mode, mtime, ...), a PAX record that changes nothing; no form's check sees
+      payload bytes.
 """
 
 from __future__ import annotations
@@ -39,14 +44,16 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import StaleShardError, TarFormatError
-from .headers import HINT, REINDEX, Reader, member_name_size, read_entry
+from .headers import ENC, HINT, REINDEX, Reader, member_name_size, read_entry
 from .members import KEY_RE, is_meta, key_bytes
+from .settle import PAX_MATTERS
 
 __all__ = ["NAME", "SIZE", "Members", "member_differs", "member_entry", "name_tokens", "size_tokens",
            "slice_sample", "slice_sample_at"]
 
 NAME = 100  # bytes of a ustar header's name field
 SIZE = 124  # where its size field starts
+_BINARY = b"21 hdrcharset=BINARY\n"  # tarfile's first pax record for a name that is not UTF-8
 
 #: A sample's member table entry, as the fast path carries it: per member its extension,
 #: header offset in the sample, payload size, name token and size token.
@@ -152,9 +159,10 @@ def member_differs(data: bytes, first: int, h: int, key: str, ext: str, size: in
         except TarFormatError as exc:
             detail = str(exc).removesuffix(f"; {HINT}").removeprefix(f"{where}: ")
             return f"the headers of its {ext!r} member are unreadable ({detail}; {where})"
-        if not e[5]:  # type: ignore[index]
-            return f"the header before its {ext!r} payload is not a regular file's (member {e[4]!r})"  # type: ignore[index]
-        got = (e[4], e[2])  # type: ignore[index]
+        name, n, regular = e[4], e[2], e[5]  # type: ignore[index]
+        if not regular:
+            return f"the header before its {ext!r} payload is not a regular file's (member {name!r})"
+        got = (name, n)
     name, n = got
     if n == size and name == f"{key}.{ext}":  # the form only differed (a long name, a PAX path, ...)
         return ""
@@ -166,6 +174,50 @@ def member_differs(data: bytes, first: int, h: int, key: str, ext: str, size: in
     if n != size:
         return f"member {name!r} now holds {n} bytes, {size} indexed"
     return ""
+
+
+def _long_name_agrees(data: bytes, first: int, h: int, key: str, ext: str) -> bool:
+    """Whether the member's headers before its own are, byte for byte, what ``tarfile`` (so
+    webdataset's writers) or GNU tar write for a name its header's name field cannot hold:
+    one PAX header whose records are the name's ``path`` (after ``hdrcharset=BINARY`` for
+    a name that is not UTF-8; at most one record that changes nothing after it, such as
+    ``wds.TarWriter``'s ``mtime``), or a GNU long name; and whether its own header, of a
+    regular file, holds the name's first 100 bytes (as ASCII with ``?`` under PAX, raw
+    under GNU). The caller has checked the size field. Checksums are not read, as for the
+    common form. False: anything else, read in full."""
+    if first >= h or h + 512 > len(data) or data[h + 156] != 48 or ENC != "utf-8":  # "0": a regular file
+        return False
+    try:
+        n = int(data[first + SIZE : first + SIZE + 12].rstrip(b"\0 "), 8)
+    except ValueError:
+        return False
+    if first + 512 + ((n + 511) & ~511) != h:
+        return False
+    name = f"{key}.{ext}"
+    raw, kind = key_bytes(name), data[first + 156]
+    if kind == 76:  # "L"
+        return n == len(raw) + 1 and data.startswith(raw, first + 512) and data[first + 512 + len(raw)] == 0 \
+            and _field_holds(data, h, raw)
+    if kind != 120 or not _field_holds(data, h, name.encode("ascii", "replace")):  # "x"
+        return False
+    body = b" path=" + raw + b"\n"
+    digits = len(str(len(body)))
+    record = b"%d" % (len(body) + digits + (len(str(len(body) + digits)) > digits)) + body  # its length counts itself
+    payload = data[first + 512 : first + 512 + n]
+    for head in (record, _BINARY + record):
+        if payload.startswith(head):
+            rest = payload[len(head) :]
+            if not rest:
+                return True
+            count = rest.split(b" ", 1)[0]  # one more record, as long as it says, that changes nothing
+            return count.isdigit() and int(count) == len(rest) and rest.endswith(b"\n") and \
+                rest.count(b"\n") == 1 and b"=" in rest and PAX_MATTERS.search(rest) is None
+    return False
+
+
+def _field_holds(data: bytes, h: int, name: bytes) -> bool:
+    """Whether the name field at ``h`` holds ``name``'s first 100 bytes (NUL-padded)."""
+    return data.startswith(name[:NAME], h) and (len(name) >= NAME or data[h + len(name)] == 0)
 
 
 def _stale(url: str, offset: int, key: str, reason: str) -> StaleShardError:
@@ -189,7 +241,8 @@ def slice_sample(data: bytes, url: str, offset: int, key: str, members: Members)
     exts, heads, sizes, ntoks, stoks = members
     out, first = {}, 0
     for e, h, n, nt, st in zip(exts, heads, sizes, ntoks, stoks):
-        if not (data.startswith(nt, h) and data.startswith(st, h + SIZE)):
+        if not (data.startswith(st, h + SIZE)
+                and (data.startswith(nt, h) or _long_name_agrees(data, first, h, key, e))):
             reason = member_differs(data, first, h, key, e, n, "offsets from the sample's first byte")
             if reason:
                 raise _stale(url, offset, key, reason)
@@ -214,9 +267,10 @@ def slice_sample_at(fd: int, url: str, offset: int, key: str, members: Members,
         head = pread(fd, 512, offset + h)
         if not (head.startswith(nt) and head.startswith(st, SIZE)):
             region = pread(fd, h + 512 - first, offset + first)  # its headers, from its first
-            reason = member_differs(region, 0, h - first, key, e, n, f"offsets from byte {offset + first}")
-            if reason:
-                raise _stale(url, offset, key, reason)
+            if not (head.startswith(st, SIZE) and _long_name_agrees(region, 0, h - first, key, e)):
+                reason = member_differs(region, 0, h - first, key, e, n, f"offsets from byte {offset + first}")
+                if reason:
+                    raise _stale(url, offset, key, reason)
         payload = pread(fd, n, offset + h + 512)
         if len(payload) != n:
             raise _stale(url, offset, key, f"its {e!r} payload is cut short: {len(payload)} of {n} bytes")
