@@ -62,8 +62,8 @@ def test_deep_verify_says_what_differs_in_plain_ints(tmp_path) -> None:
 def _producer_shards(root, producer: str) -> list[str]:
     from wds_pad.cli.producers import write_samples
 
-    shards = [[{"__key__": f"s{s}k{i}", "bin": bytes([i]) * 1000, "json": json.dumps({"width": 4, "height": 3}).encode()}
-               for i in range(4)] for s in range(2)]
+    meta = json.dumps({"width": 4, "height": 3}).encode()
+    shards = [[{"__key__": f"s{s}k{i}", "bin": bytes([i]) * 1000, "json": meta} for i in range(4)] for s in range(2)]
     return write_samples(root, shards, producer)
 
 

@@ -2,11 +2,11 @@
 
 Invariants:
 - ``verify_index`` reads nothing but each shard's (size, change stamp) unless ``deep``;
-  a difference only ``deep`` finds is a :class:`Problem` with ``rescan=True``: an update
-  scans that shard again only when named (``rescan=``);
   a stale, missing or unreachable shard is one :class:`Problem`, not an exception
   (reason ``"unreachable: ..."`` when the store, not the shard, failed; ``"missing: ..."``
   when the shard does not exist; ``"rescan failed: ..."`` when a deep rescan raised);
+- a difference only ``deep`` finds is a :class:`Problem` with ``rescan=True``: an update
+  scans that shard again only when named (``rescan=``);
 - a shard left out when indexed (``on_error="skip"``, size -1) has nothing to compare
   and is passed over;
 - ``deep`` rescans a shard's headers with the indexer's own scan (no bucket function
@@ -146,15 +146,15 @@ def _members_differ(index: Index, ids: np.ndarray, keys: list[str], rows: ShardR
     r_start = np.concatenate([[0], np.cumsum(rows.member_count)])
     now = r_start[js]
     now_n = r_start[js + 1] - now
-    bad = (count == 0) & ext_differs | (count > 0) & (count != now_n)
+    bad = ((count == 0) & ext_differs) | ((count > 0) & (count != now_n))
     same = ~bad & (count > 0)
     if same.any():  # members of samples with equal counts, side by side
         flat_i, flat_r = _flat(mine[same], count[same]), _flat(now[same], count[same])
+        r_ext, r_size, r_off = rows.member_ext, rows.member_size, rows.member_offset  # set with member_count
         ext_i = np.asarray([table[e] for e in index.exts], np.int64)[index.arrays["member_ext"][flat_i]]
-        ext_r = np.asarray([table[e] for e in rows.exts] or [0], np.int64)[rows.member_ext[flat_r]]  # type: ignore[index]
-        off_i = index.member_offsets(flat_i, count[same])
-        differ = ((ext_i != ext_r) | (index.arrays["member_size"][flat_i] != rows.member_size[flat_r])  # type: ignore[index]
-                  | (off_i != rows.member_offset[flat_r]))  # type: ignore[index]
+        ext_r = np.asarray([table[e] for e in rows.exts] or [0], np.int64)[r_ext[flat_r]]  # type: ignore[index]
+        differ = ((ext_i != ext_r) | (index.arrays["member_size"][flat_i] != r_size[flat_r])  # type: ignore[index]
+                  | (index.member_offsets(flat_i, count[same]) != r_off[flat_r]))  # type: ignore[index]
         owner = np.repeat(np.flatnonzero(same), count[same])
         bad[owner[differ]] = True
     first = np.flatnonzero(bad)
@@ -187,8 +187,9 @@ def _describe(index: Index, i: int, key: str, rows: ShardRows, j: int) -> str:
     was = list(zip((index.exts[e] for e in index.arrays["member_ext"][lo:hi].tolist()),
                    index.arrays["member_size"][lo:hi].tolist(),
                    index.member_offsets(np.arange(lo, hi), np.array([hi - lo])).tolist()))
-    now = list(zip((rows.exts[e] for e in rows.member_ext[a:b].tolist()), rows.member_size[a:b].tolist(),  # type: ignore[index]
-                   rows.member_offset[a:b].tolist()))  # type: ignore[index]
+    r_ext, r_size, r_off = rows.member_ext, rows.member_size, rows.member_offset  # set with member_count
+    now = list(zip((rows.exts[e] for e in r_ext[a:b].tolist()), r_size[a:b].tolist(),  # type: ignore[index]
+                   r_off[a:b].tolist()))  # type: ignore[index]
     if [e for e, _, _ in was] != [e for e, _, _ in now]:
         return _members_now(key, [e for e, _, _ in was], [e for e, _, _ in now])
     for (e, size, off), (_, size_now, off_now) in zip(was, now):

@@ -7,8 +7,9 @@ trusts them, it checks each member's header against the table: the member is nam
 two ``bytes.startswith`` at offsets, against tokens made in numpy once per chunk of
 samples (:func:`name_tokens`, :func:`size_tokens`); a long name as the usual writers
 write it, as bytes; every other form, and every mismatch, is decided by
-:func:`member_differs`, which reads the member's headers as the indexer reads them. :func:`slice_sample` and :func:`slice_sample_at` cut one sample into
-``{ext: payload}`` that way, and raise :class:`StaleShardError` naming what changed.
+:func:`member_differs`, which reads the member's headers as the indexer reads them.
+:func:`slice_sample` and :func:`slice_sample_at` cut one sample into ``{ext: payload}``
+that way, and raise :class:`StaleShardError` naming what changed.
 
 Invariants:
     * The common form (``tarfile``, GNU ``tar``, webdataset's writers, for a name that
