@@ -43,8 +43,9 @@ FORMS: dict[str, tuple[str, str, str]] = {
     "upper-ext": ("tarfile-ustar", "k{:03d}", "BIN"),
 }
 COMMON = ("ustar", "pax-per-member", "gnu", "ustar-non-utf8")  # the tokens cover them: no header parsed
-# long or non-ASCII names as tarfile, webdataset's writers and GNU tar write them: compared as bytes
-LONG = ("pax-non-ascii", "pax-long", "gnu-long", "wds-long", "pax-binary")
+# what the usual writers write, beyond the tokens (long or non-ASCII names, a ustar prefix, an
+# uppercase extension): compared as bytes
+LONG = ("pax-non-ascii", "pax-long", "gnu-long", "wds-long", "pax-binary", "ustar-prefix", "upper-ext")
 
 
 def _shard(tmp: Path, form: str) -> tuple[Path, list[ScannedSample]]:
@@ -79,8 +80,8 @@ def test_every_form_slices_as_webdataset_reads_it(tmp_path: Path, form: str, mon
     path, scanned = _shard(tmp_path, form)
     compared: list[str] = []  # members the tokens did not cover, compared as a long name's bytes
     parsed: list[str] = []  # members whose headers were parsed
-    real_long, real_parse = names._long_name_agrees, names.member_name_size
-    monkeypatch.setattr(names, "_long_name_agrees", lambda d, *a: compared.append(a[3]) or real_long(d, *a))
+    real_long, real_parse = names._spelled_as_written, names.member_name_size
+    monkeypatch.setattr(names, "_spelled_as_written", lambda d, *a: compared.append(a[3]) or real_long(d, *a))
     monkeypatch.setattr(names, "member_name_size", lambda *a: parsed.append(a[2]) or real_parse(*a))
     blob = path.read_bytes()
     reference = {d["__key__"]: d for d in wds.WebDataset(str(path), shardshuffle=False)}

@@ -5,8 +5,8 @@ records (``stream.batchread``, ``stream.fetch``), without parsing the headers; b
 trusts them, it checks each member's header against the table: the member is named
 ``key + "." + ext`` and holds ``size`` bytes. The common header form is checked with
 two ``bytes.startswith`` at offsets, against tokens made in numpy once per chunk of
-samples (:func:`name_tokens`, :func:`size_tokens`); a long name as the usual writers
-write it, as bytes; every other form, and every mismatch, is decided by
+samples (:func:`name_tokens`, :func:`size_tokens`); the other forms the usual writers
+write, as bytes too; every other form, and every mismatch, is decided by
 :func:`member_differs`, which reads the member's headers as the indexer reads them.
 :func:`slice_sample` and :func:`slice_sample_at` cut one sample into ``{ext: payload}``
 that way, and raise :class:`StaleShardError` naming what changed.
@@ -17,23 +17,23 @@ Invariants:
       the name field ``key + "." + ext`` (the extension as recorded: lowercase) padded
       with NUL, and the size field ``%011o`` then NUL. An extension header before it
       (webdataset's PAX ``mtime`` header, ``tar --format=posix``'s times) is not read.
-    * A name the name field cannot hold (over 99 bytes, or not ASCII under PAX), as
-      ``tarfile``, webdataset's writers and GNU tar write it, is compared as bytes
-      (:func:`_long_name_agrees`): one PAX header of its ``path`` record (and at most one
-      record that changes nothing) or a GNU long name, then the ustar header with the
-      name's first 100 bytes and the size field.
+    * A name the tokens do not cover, in a form the usual writers write, is compared as
+      bytes (:func:`_spelled_as_written`): the name field with the extension in another
+      case, a ustar prefix and name; a name the name field cannot hold (over 99 bytes,
+      or not ASCII under PAX) as ``tarfile``, webdataset's writers and GNU tar write it:
+      one PAX header of its ``path`` record (and at most one record that changes
+      nothing) or a GNU long name, then the ustar header with the name's first 100 bytes;
+      the size field in every case.
     * Any other form is read from the member's first header (the end of the member
       before it, or the sample's first byte) with the indexer's rules, checksums
-      included (``headers.member_name_size``, else ``headers.read_entry``): a ustar
-      prefix, a PAX ``size`` record (members of 8 GiB or more), another writer's
-      long-name layout, an extension not in lowercase, another spelling of the size
-      field. Its verdict is final.
+      included (``headers.member_name_size``, else ``headers.read_entry``): a PAX
+      ``size`` record (members of 8 GiB or more), another writer's long-name layout,
+      another spelling of the size field, a changed header. Its verdict is final.
     * A member whose headers say another key, another extension, another size or
       another payload offset, or cannot be read, is never read as the sample: the reason
       names it, and :func:`slice_sample` raises ``StaleShardError``.
-    * What the common and long-name checks do not see: checksums and the headers' other
-      fields (mode, mtime, ...), a PAX record that changes nothing; no form's check sees
-      payload bytes.
+    * What the checks as bytes do not see: checksums and the headers' other fields (mode,
+      mtime, ...), a PAX record that changes nothing; no form's check sees payload bytes.
 """
 
 from __future__ import annotations
@@ -86,6 +86,13 @@ def name_tokens(keys: np.ndarray, start: np.ndarray, end: np.ndarray, counts: np
     for i, e in enumerate(raw):
         table[i, : len(e)] = np.frombuffer(e, np.uint8)
     shortest, longest = int(klen.min()), int(klen.max())
+    mlen = klen.repeat(counts)
+    no_room: list[int] = []
+    if longest + wide >= NAME:  # some name may leave no room for its NUL
+        elen = np.fromiter(map(len, raw), np.int64, len(raw))
+        no_room = np.flatnonzero(mlen + 1 + elen[ext_ids] >= NAME).tolist()
+        if len(no_room) == nm:
+            return [()] * nm
     key_rows = np.zeros((len(start), longest), np.uint8)  # each sample's key, NUL-padded
     if longest:
         fits = start <= len(keys) - longest  # a full window from there: one row copy each
@@ -101,17 +108,14 @@ def name_tokens(keys: np.ndarray, start: np.ndarray, end: np.ndarray, counts: np
             key_rows[np.arange(longest) >= klen[:, None]] = 0
     out = np.zeros((nm, longest + 1 + wide), np.uint8)
     out[:, :longest] = key_rows.repeat(counts, axis=0)
-    mlen = klen.repeat(counts)
     for n in [longest] if shortest == longest else np.unique(klen).tolist():
         rows = slice(None) if shortest == longest else mlen == n  # one pass per key length
         out[rows, n] = 46  # "."
         out[rows, n + 1 : n + 1 + wide] = table[ext_ids[rows]]
     width = min(out.shape[1], NAME)
     tokens: list[bytes | tuple[()]] = np.ascontiguousarray(out[:, :width]).view(f"V{width}").ravel().tolist()
-    if longest + wide >= NAME:  # some name may leave no room for its NUL
-        elen = np.fromiter(map(len, raw), np.int64, len(raw))
-        for i in np.flatnonzero(mlen + 1 + elen[ext_ids] >= NAME).tolist():
-            tokens[i] = ()
+    for i in no_room:
+        tokens[i] = ()
     return tokens
 
 
@@ -177,16 +181,27 @@ def member_differs(data: bytes, first: int, h: int, key: str, ext: str, size: in
     return ""
 
 
-def _long_name_agrees(data: bytes, first: int, h: int, key: str, ext: str) -> bool:
-    """Whether the member's headers before its own are, byte for byte, what ``tarfile`` (so
-    webdataset's writers) or GNU tar write for a name its header's name field cannot hold:
-    one PAX header whose records are the name's ``path`` (after ``hdrcharset=BINARY`` for
-    a name that is not UTF-8; at most one record that changes nothing after it, such as
-    ``wds.TarWriter``'s ``mtime``), or a GNU long name; and whether its own header, of a
-    regular file, holds the name's first 100 bytes (as ASCII with ``?`` under PAX, raw
-    under GNU). The caller has checked the size field. Checksums are not read, as for the
-    common form. False: anything else, read in full."""
-    if first >= h or h + 512 > len(data) or data[h + 156] != 48 or ENC != "utf-8":  # "0": a regular file
+def _spelled_as_written(data: bytes, first: int, h: int, key: str, ext: str) -> bool:
+    """Whether the member's headers name it ``key + "." + ext``, byte for byte, in a form
+    the usual writers write and the tokens do not cover: its own header alone, of a
+    regular file, with the extension in another case or the name split into a ustar
+    prefix; or, for a name its header's name field cannot hold, as ``tarfile`` (so
+    webdataset's writers) or GNU tar write it: one PAX header whose records are the
+    name's ``path`` (after ``hdrcharset=BINARY`` for a name that is not UTF-8; at most one
+    record that changes nothing after it, such as ``wds.TarWriter``'s ``mtime``), or a GNU
+    long name, then the member's own header holding the name's first 100 bytes (as ASCII
+    with ``?`` under PAX, raw under GNU). The caller has checked the size field.
+    Checksums are not read, as for the common form. False: anything else, read in full."""
+    if h + 512 > len(data) or ENC != "utf-8":
+        return False
+    if first == h:  # its own header alone: what read_entry reads as its name
+        kind, raw = data[h + 156], key_bytes(key) + b"."
+        field = data[h : h + NAME].split(b"\0", 1)[0]
+        if data[h + 345]:
+            field = data[h + 345 : h + 500].split(b"\0", 1)[0] + b"/" + field
+        return (kind == 48 or (kind == 0 and not field.endswith(b"/"))) and field.startswith(raw) \
+            and field[len(raw) :].lower() == ext.encode("utf-8", "surrogateescape")
+    if first > h or data[h + 156] != 48:  # "0": a regular file
         return False
     try:
         n = int(data[first + SIZE : first + SIZE + 12].rstrip(b"\0 "), 8)
@@ -243,7 +258,7 @@ def slice_sample(data: bytes, url: str, offset: int, key: str, members: Members)
     out, first = {}, 0
     for e, h, n, nt, st in zip(exts, heads, sizes, ntoks, stoks):
         if not (data.startswith(st, h + SIZE)
-                and (data.startswith(nt, h) or _long_name_agrees(data, first, h, key, e))):
+                and (data.startswith(nt, h) or _spelled_as_written(data, first, h, key, e))):
             reason = member_differs(data, first, h, key, e, n, "offsets from the sample's first byte")
             if reason:
                 raise _stale(url, offset, key, reason)
@@ -268,7 +283,7 @@ def slice_sample_at(fd: int, url: str, offset: int, key: str, members: Members,
         head = pread(fd, 512, offset + h)
         if not (head.startswith(nt) and head.startswith(st, SIZE)):
             region = pread(fd, h + 512 - first, offset + first)  # its headers, from its first
-            if not (head.startswith(st, SIZE) and _long_name_agrees(region, 0, h - first, key, e)):
+            if not (head.startswith(st, SIZE) and _spelled_as_written(region, 0, h - first, key, e)):
                 reason = member_differs(region, 0, h - first, key, e, n, f"offsets from byte {offset + first}")
                 if reason:
                     raise _stale(url, offset, key, reason)
