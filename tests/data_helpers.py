@@ -121,3 +121,68 @@ class NonSeekable(io.RawIOBase):
         chunk = self._f.read(n)
         b[: len(chunk)] = chunk
         return len(chunk)
+
+
+def write_pax_raw_path(path: str | os.PathLike[str], samples: Iterable[dict[str, Any]]) -> str:
+    """A shard whose members each follow a pax header holding the member's name as a raw
+    ``path`` record with no ``hdrcharset`` (as GNU tar 1.23 and older wrote names it could
+    not convert to UTF-8); the ustar name field holds a stand-in. A key's surrogate
+    escapes (``'k\\udcff1'``) become those raw bytes, as ``tarfile`` writes them."""
+
+    def header(name: bytes, size: int, kind: bytes) -> bytes:
+        h = bytearray(512)
+        h[: len(name)] = name
+        h[100:108], h[108:116], h[116:124] = b"0000444\0", b"0000000\0", b"0000000\0"
+        h[124:136], h[136:148], h[156:157], h[257:265] = b"%011o\0" % size, b"%011o\0" % 0, kind, b"ustar\x0000"
+        h[148:156] = b" " * 8
+        h[148:156] = b"%06o\0 " % sum(h)
+        return bytes(h)
+
+    def padded(b: bytes) -> bytes:
+        return b + bytes(-len(b) % 512)
+
+    out = []
+    for s in samples:
+        for ext, data in s.items():
+            if ext.startswith("__"):
+                continue
+            name = s["__key__"].encode("utf-8", "surrogateescape") + b"." + ext.encode()
+            body = b" path=" + name + b"\n"
+            digits = len(str(len(body)))
+            length = len(body) + digits + (len(str(len(body) + digits)) > digits)  # the length counts itself
+            record = b"%d" % length + body
+            out += [header(b"PaxHeader", len(record), b"x"), padded(record),
+                    header(b"stand-in." + ext.encode(), len(data), b"0"), padded(data)]
+    Path(path).write_bytes(b"".join(out) + bytes(1024))
+    return os.fspath(path)
+
+
+def rewrite_member_header(blob: bytearray, member: Any, how: str, size: int | None = None) -> None:
+    """Rewrite a member's headers in ``blob`` (a shard's bytes) in place, every offset kept,
+    checksums fixed: ``"size"``: its size field says ``size`` (default: 10 bytes more,
+    within the same padding); ``"ext"``: its extension ``x`` becomes ``bix`` (3 letters);
+    ``"key"``: its key's last character becomes ``~``. ``member`` is a scanned
+    ``wds_pad.tar.scan.Member``; the name is changed wherever the headers spell it (the
+    name field, or its ``?`` form for a non-ASCII name; a pax ``path`` record; a GNU long
+    name; the name field under a ustar prefix)."""
+    own = member.data_offset - 512
+    heads, pos = [], member.header_offset  # every header block from the member's first to its own
+    while pos <= own:
+        heads.append(pos)
+        pos += 512 + (int(blob[pos + 124 : pos + 135], 8) + 511) // 512 * 512
+    if how == "size":
+        blob[own + 124 : own + 136] = b"%011o\0" % (member.size + 10 if size is None else size)
+    else:
+        raw = member.name.encode("utf-8", "surrogateescape")
+        stem, ext = raw.rsplit(b".", 1)
+        new = stem + b".bix" if how == "ext" else stem[:-1] + b"~." + ext
+        for tail in (b"\0", b"\n"):
+            for old, repl in ((raw, new), (raw.replace(b"\xc3\xa9", b"?"), new.replace(b"\xc3\xa9", b"?"))):
+                blob[member.header_offset : own + 512] = bytes(blob[member.header_offset : own + 512]).replace(
+                    old + tail, repl + tail)
+        if b"/" in raw:  # under a ustar prefix the name field holds the file name only
+            base, renamed = raw.rsplit(b"/", 1)[1], new.rsplit(b"/", 1)[1]
+            blob[own : own + 100] = bytes(blob[own : own + 100]).replace(base + b"\0", renamed + b"\0")
+    for h in heads:
+        blob[h + 148 : h + 156] = b" " * 8
+        blob[h + 148 : h + 156] = b"%06o\0 " % sum(blob[h : h + 512])

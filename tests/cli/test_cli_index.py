@@ -20,6 +20,8 @@ from wds_pad.cli.app import main
 from wds_pad.index.codec import load_index, serialize
 from wds_pad.tar.scan import parse_sample
 
+pytest_plugins = ["conftest_servers"]
+
 
 @pytest.fixture()
 def shards(tmp_path) -> list[str]:
@@ -463,6 +465,43 @@ def test_inspect_damaged_index_is_one_line(tmp_path, capsys, built) -> None:
     assert code == 2 and "is damaged (header checksum mismatch)" in one_error_line(err, "inspect")
 
 
+def _non_utf8_shards(root) -> list[str]:
+    """Shards whose member names are not UTF-8: raw bytes in ustar headers, a pax path
+    with hdrcharset=BINARY, a pax path of raw bytes without it."""
+    from wds_pad.cli.producers import write_samples
+    from data_helpers import write_pax_raw_path
+
+    samples = [{"__key__": k, "bin": b"x" * (10 + i), "json": b'{"width": 4, "height": 3}'}
+               for i, k in enumerate(["k0", "k\udcff1", "k2"])]
+    urls = [write_samples(root / form, [samples], form)[0] for form in ("tarfile-ustar", "tarfile-pax")]
+    return urls + [write_pax_raw_path(root / "raw.tar", samples)]
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_index_keeps_names_that_are_not_utf8(tmp_path, capsys, nginx_server, where) -> None:
+    import webdataset as wds
+
+    from data_helpers import serve_dir
+
+    urls = _non_utf8_shards(tmp_path / "shards")
+    if where == "http":
+        base = serve_dir(nginx_server, tmp_path / "shards", f"utf8-{tmp_path.name}")
+        urls = [base + u[len(str(tmp_path / "shards")):] for u in urls]
+    out = str(tmp_path / "k.wdsidx")
+    code, stdout, stderr = run(capsys, "index", *urls, "-o", out, "--bucket-by", "aspect", "--on-error", "skip",
+                               "--no-progress")
+    assert (code, stderr) == (0, "") and "indexed 3 shards" in stdout and "9 samples" in stdout
+    assert "skipped" not in stdout and "excluded" not in stdout
+    index = load_index(out)
+    order = np.lexsort((index.offset, index.shard))
+    want = [s["__key__"] for s in wds.WebDataset(urls, shardshuffle=False)]
+    assert [index.key(int(i)) for i in order] == want == ["k0", "k\udcff1", "k2"] * 3
+    code, stdout, _ = run(capsys, "plan", out, "--world-size", "1", "--rank", "0", "--batch-size", "9", "--seed", "0",
+                          "--json")
+    assert code == 0 and sorted(json.loads(stdout)["keys"]) == sorted(want)
+    assert run(capsys, "verify", out, "--deep")[:2] == (0, "3 shards OK (deep)\n")
+
+
 # -- verify ---------------------------------------------------------------------------------------
 def test_verify_ok_stale_missing(built, shards, capsys) -> None:
     code, out, _ = run(capsys, "verify", built)
@@ -642,6 +681,55 @@ def test_update_without_urls_rescans_only_changed_shards_bucketed_as_before(tmp_
     after = load_index(out)
     assert after.bucket_by == before.bucket_by and after.buckets == before.buckets
     assert after.shards[1].stamp != before.shards[1].stamp
+
+
+def test_verify_deep_prints_the_command_that_fixes_a_shard_rewritten_in_place(tmp_path, shards, capsys,
+                                                                            monkeypatch) -> None:
+    """A shard regenerated with its size and mtime pinned: --update alone keeps its rows
+    (it decides on size and stamp); verify --deep says so and prints the command with
+    --rescan, which, run as printed, makes verify --deep pass."""
+    import shlex
+
+    from data_helpers import rewrite_member_header
+    from wds_pad.tar.scan import scan_tar
+
+    out = str(tmp_path / "train.wdsidx")
+    assert run(capsys, "index", pattern(shards), "-o", out, "--bucket-by", "aspect", "--no-progress")[0] == 0
+    with open(shards[1], "rb") as f:
+        sample = next(iter(scan_tar(f, shards[1])))
+    st = os.stat(shards[1])
+    blob = bytearray(open(shards[1], "rb").read())
+    rewrite_member_header(blob, sample.members[0], "size", size=sample.members[0].size - 1)
+    open(shards[1], "r+b").write(blob)
+    os.utime(shards[1], ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert run(capsys, "index", "--update", "-o", out, "--no-progress")[1].splitlines()[1] == \
+        "update: 0 shards scanned, 3 unchanged"
+    code, stdout, _ = run(capsys, "verify", out, "--deep")
+    lines = stdout.splitlines()
+    assert code == 1 and lines[0].startswith(f"STALE {shards[1]}: sample {sample.key!r}: member ")
+    assert lines[0].endswith(f"now holds {sample.members[0].size - 1} bytes, {sample.members[0].size} indexed")
+    command = re.search(r"`([^`]*)`", lines[1]).group(1)  # type: ignore[union-attr]
+    assert command == f"wds-pad index --update -o {out} --rescan {shards[1]}"
+    scanned: list[str] = []
+    real = indexer_mod.scan_many
+    monkeypatch.setattr(indexer_mod, "scan_many",
+                        lambda sources, **kw: scanned.extend(u for _, u, *_ in sources) or real(sources, **kw))
+    code, stdout, _ = run(capsys, *shlex.split(command)[1:], "--no-progress")
+    assert code == 0 and scanned == [shards[1]] and "update: 1 shard scanned, 2 unchanged" in stdout
+    assert run(capsys, "verify", out, "--deep")[:2] == (0, "3 shards OK (deep)\n")
+
+
+def test_rescan_needs_update_and_one_process(tmp_path, shards, capsys, monkeypatch) -> None:
+    out = str(tmp_path / "train.wdsidx")
+    code, _, err = run(capsys, "index", *shards, "-o", out, "--rescan", shards[0], "--no-progress")
+    assert code == 2 and "--rescan scans shards again in an update: add --update" in one_error_line(err, "index")
+    assert run(capsys, "index", *shards, "-o", out, "--no-progress")[0] == 0
+    code, _, err = run(capsys, "index", "--update", "-o", out, "--rescan", str(tmp_path / "other.tar"),
+                       "--no-progress")
+    assert code == 2 and "to rescan (--rescan) is not one of the 3 shards" in one_error_line(err, "index")
+    code, _, err = run(capsys, "index", "--update", "-o", out, "--rescan", shards[0], "--distributed",
+                       "--no-progress")
+    assert code == 2 and "--rescan runs in one process" in one_error_line(err, "index")
 
 
 def test_update_of_a_callable_index_reuses_rows_but_cannot_rescan(tmp_path, shards, capsys) -> None:

@@ -14,7 +14,9 @@ Invariants:
 - ``--update -o INDEX`` without URLs re-indexes the shards INDEX lists, bucketed as
   INDEX was and with its costs (a version-1 INDEX is read converted: unchanged shards
   keep their rows); ``--relocate OLD=NEW`` reads INDEX's shards where they moved to,
-  and the updated INDEX records them there;
+  and the updated INDEX records them there; ``--rescan URL`` scans a shard again whatever
+  its size and change stamp (what ``wds-pad verify --deep`` advises for a shard rewritten
+  in place), and the report counts it among the scanned;
 - ``--distributed`` (implied under torchrun with more than one process) runs one job
   over every rank (``index.distributed``), in a gloo process group made from
   torchrun's environment; only rank 0 prints the report.
@@ -66,6 +68,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--update", action="store_true",
                    help="reuse the rows of shards unchanged since INDEX was written; scan only new or changed ones "
                         "(also converts a version-1 INDEX; without URLs: the shards INDEX lists)")
+    p.add_argument("--rescan", action="append", metavar="URL_OR_PATTERN",
+                   help="with --update: scan this shard again even if its size and change stamp are unchanged "
+                        "(rewritten in place; `wds-pad verify --deep` names such shards); repeatable")
     p.add_argument("--workers", type=_positive, default=8, help="shards scanned concurrently (default 8)")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise",
                    help="bad shard or sample: stop with an error (default), or leave it out and report it")
@@ -136,6 +141,9 @@ def _cmd_index(args: argparse.Namespace) -> int:
         raise _usage("index", "--relocate applies to the index --update reads (-o INDEX); shards given as URLs "
                               "are indexed where they are")
     cost = parse_cost(args.cost) if args.cost is not None else None
+    if args.rescan and not args.update:
+        raise _usage("index", "--rescan scans shards again in an update: add --update (without it every shard "
+                              "is scanned anyway)")
     if args.update:
         # refuse a bad -o before reading it as the previous index (build_index checks it
         # again, before scanning, in every case)
@@ -158,6 +166,9 @@ def _cmd_index(args: argparse.Namespace) -> int:
                              step=args.step)
     distributed = args.distributed or _under_torchrun()
     if distributed:
+        if args.rescan:
+            raise _usage("index", "--rescan runs in one process: leave out --distributed (or index again "
+                                  "without --update)")
         return _run_distributed(args, urls, fn, previous, cost)
     scan_log = logging.getLogger("wds_pad.tar.scan")
     level = scan_log.level
@@ -167,7 +178,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     try:
         index = build_index(urls, fn, output=args.output, workers=args.workers, on_error=args.on_error,
                             update=previous, name=args.name, progress=not args.no_progress, force=args.force,
-                            cost=cost)
+                            cost=cost, rescan=args.rescan if previous is not None else None)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the temp file is gone, the target untouched
         code, what = interrupt_exit(exc)
         if _stamp(args.output) == before:
@@ -177,11 +188,11 @@ def _cmd_index(args: argparse.Namespace) -> int:
         return code
     finally:
         scan_log.setLevel(level)
-    _report(index, args.output, time.monotonic() - start, previous)
+    _report(index, args.output, time.monotonic() - start, previous, expand_urls(args.rescan) if args.rescan else ())
     return 0
 
 
-def _report(index: Any, output: str, elapsed: float, previous: Any) -> None:
+def _report(index: Any, output: str, elapsed: float, previous: Any, rescanned: Any = ()) -> None:
     out = sys.stdout
     nbytes = sum(max(s.size, 0) for s in index.shards)
     out.write(f"indexed {_plural(len(index.shards), 'shard')} ({_nbytes(nbytes)}), "
@@ -189,7 +200,8 @@ def _report(index: Any, output: str, elapsed: float, previous: Any) -> None:
               f"in {elapsed:.2f} s -> {output}\n")
     if previous is not None:
         old = {(s.url, s.size, s.stamp) for s in previous.shards if s.error is None}
-        kept = sum((s.url, s.size, s.stamp) in old for s in index.shards if s.error is None)
+        again = set(rescanned)
+        kept = sum((s.url, s.size, s.stamp) in old and s.url not in again for s in index.shards if s.error is None)
         out.write(f"update: {_plural(len(index.shards) - kept, 'shard')} scanned, {kept} unchanged\n")
     counts = index.bucket_counts()
     if counts:

@@ -4,12 +4,17 @@ Invariants:
 - exit 1 if and only if it prints a stale, missing or unreachable shard (one line
   each, ``STALE`` / ``MISSING`` / ``UNREACHABLE``, then what to do); exit 0 with one
   ``OK`` line otherwise;
+- the advice for stale shards is a command that fixes them as printed: ``wds-pad index
+  --update -o INDEX``, with ``--rescan URL`` for each shard whose size and change stamp
+  are unchanged (only ``--deep`` found it: an update alone would keep its rows), and
+  ``--on-error skip`` when a shard is missing (left out, listed as skipped);
 - an unreachable store is reported apart from stale shards: re-indexing would not help.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from typing import Any
 
@@ -44,8 +49,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     unchecked = len(index.shards) - checked
     note = f" ({unchecked} missing when indexed, not checked)" if unchecked else ""
     if len(problems) > len(unreachable):
+        again = "".join(f" --rescan {shlex.quote(p.url)}" for p in problems if p.rescan)
+        gone = any(p.reason.startswith("missing") for p in problems)
+        skip = " --on-error skip" if gone else ""  # a missing shard is then left out, listed as skipped
+        why = " (--on-error skip leaves the missing ones out, listed as skipped: restore them first to keep them)"
         sys.stdout.write(f"{len(problems) - len(unreachable)} of {checked} shards stale or missing{note}; "
-                         f"re-index them with `wds-pad index ... -o {args.index} --update`\n")
+                         f"re-index them with `wds-pad index --update -o {shlex.quote(args.index)}{again}{skip}`"
+                         f"{why if gone else ''}\n")
     if unreachable:  # the store's fault, not the shards': re-indexing would not help
         sys.stdout.write(f"{len(unreachable)} of {checked} shards not checked: their store cannot be "
                          "reached or found no credentials (see above); fix that, then run "

@@ -19,7 +19,7 @@ Invariants:
   shards give the same index whatever the number of workers; the shards open at once
   stay within a share of the descriptor limit (``io.descriptors.fd_budget``);
 - ``update`` reuses the rows of shards whose size and change stamp are unchanged
-  (``index.update``);
+  (``index.update``), except those named in ``rescan``;
 - the shards' rows are joined in shard order (``index.rows``);
 - an ``output`` is checked before any shard is scanned and written once, atomically,
   after the last one (``index.output``).
@@ -32,7 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -54,7 +54,7 @@ from .record import Index, ShardInfo
 from .layout import cost_values
 from .rows import ShardRows, assemble, fit_exts, unreadable
 from .shardfile import Stat, directory_error, open_for_scan, shard_info, stat_first, stat_shard
-from .update import bucket_fn_of, previous_index, reusable_rows
+from .update import bucket_fn_of, previous_index, reusable_rows, update_and_rescan
 
 # bucket_fn_of, expand_urls and shard_info are offered here too, where callers have long found them
 __all__ = ["bucket_fn_of", "build_index", "expand_urls", "scan_shard", "shard_info"]
@@ -282,7 +282,7 @@ def build_index(
     output: str | None = None,
     workers: int = 8,
     on_error: str = "raise",
-    update: Index | str | None = None,
+    update: Index | str | bool | None = None,
     storage_options: Mapping[str, Any] | None = None,
     members: Sequence[str] | None = None,
     head_bytes: int | None = None,
@@ -290,6 +290,7 @@ def build_index(
     progress: bool | None = False,
     force: bool = False,
     cost: CostFn | str | None = None,
+    rescan: str | Iterable[str] | None = None,
 ) -> Index:
     """Index tar shards into buckets.
 
@@ -302,8 +303,9 @@ def build_index(
         workers: shards scanned concurrently.
         on_error: ``"raise"`` (default) or ``"skip"`` (leave the shard or sample out,
             recorded in ``index.excluded``).
-        update: a previous index (or its path): shards with unchanged size and change
-            stamp keep their rows; only new or changed shards are scanned.
+        update: a previous index (or its path; ``True``: the index at ``output``): shards
+            with unchanged size and change stamp keep their rows; only new or changed
+            shards, and those in ``rescan``, are scanned.
         storage_options: fsspec options (credentials, endpoint) for remote shards.
         members: for a plain callable, the member extensions it needs (default json).
         head_bytes: for a plain callable, read only this many bytes of each member.
@@ -313,6 +315,9 @@ def build_index(
         cost: also record each sample's cost: ``"json:FIELD"`` (a number in the
             ``.json`` member, FIELD a dotted path), ``"image:pixels"`` (width x height
             from the image header) or ``"bytes"`` (payload bytes); ``Index.cost``.
+        rescan: with ``update``, shards (URLs or patterns, among ``urls``) scanned again
+            whatever their size and change stamp: rewritten in place with both kept
+            (pinned mtimes, ``rsync -t``), as ``verify_index(..., deep=True)`` finds them.
 
     Returns:
         The Index (also written to ``output`` if given: shard URLs beside or below it
@@ -331,11 +336,12 @@ def build_index(
     shard_urls = expand_urls(urls, storage_options)
     if output is not None:
         check_output(output, shard_urls, force=force, storage_options=storage_options)
+    update, again = update_and_rescan(update, rescan, output, shard_urls, storage_options)
     previous = previous_index(update, fn, storage_options, cost_fn)
     bar = Progress(total=len(shard_urls), enabled=progress, label="index")
     try:
         parts = scan_shards(shard_urls, fn, workers=workers, on_error=on_error, storage_options=storage_options,
-                            bar=bar, previous=previous, cost=cost_fn)
+                            bar=bar, previous=previous, cost=cost_fn, rescan=again)
     except BaseException:
         bar.close(failed=True)  # in a log, a failed build ends with its error line
         raise
@@ -356,12 +362,14 @@ def check_options(on_error: str, workers: int) -> None:
 
 def scan_shards(shard_urls: Sequence[str], fn: BucketFn, *, workers: int, on_error: str,
                 storage_options: Mapping[str, Any] | None, bar: Progress, previous: Index | None = None,
-                stats: Mapping[str, Stat] | None = None, cost: CostFn | None = None) -> list[ShardRows]:
-    """Every shard's rows, in shard order: reused from ``previous`` where unchanged, else
-    scanned (``workers`` concurrently). ``stats`` are shards' known (size, stamp, is a
-    directory): they are not asked for again. ``cost``: each sample's cost too."""
+                stats: Mapping[str, Stat] | None = None, cost: CostFn | None = None,
+                rescan: Collection[str] = ()) -> list[ShardRows]:
+    """Every shard's rows, in shard order: reused from ``previous`` where unchanged (and
+    not in ``rescan``), else scanned (``workers`` concurrently). ``stats`` are shards'
+    known (size, stamp, is a directory): they are not asked for again. ``cost``: each
+    sample's cost too."""
     stats = stat_first(shard_urls, workers, on_error, storage_options, stats)
-    reused = reusable_rows(previous, shard_urls, storage_options, stats) if previous is not None else {}
+    reused = reusable_rows(previous, shard_urls, storage_options, stats, rescan) if previous is not None else {}
     todo = [u for u in shard_urls if u not in reused]
     if todo and getattr(fn, "reuse_only", False):
         raise ConfigError(

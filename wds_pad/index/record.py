@@ -36,6 +36,7 @@ import numpy as np
 
 from ..core.dataset import Dataset, IdRange
 from ..errors import ConfigError, IndexFormatError
+from ..tar.members import key_text
 from .layout import (
     ARRAYS,
     COST_ARRAYS,
@@ -199,9 +200,10 @@ class Index:
         return cached[1]
 
     def key(self, i: int) -> str:
-        """The webdataset ``__key__`` of sample ``i``."""
+        """The webdataset ``__key__`` of sample ``i`` (a name's undecodable bytes as the
+        surrogate escapes webdataset gives, ``tar.members.key_text``)."""
         ko = self.arrays["key_offsets"]
-        return bytes(self.arrays["keys"][int(ko[i]) : int(ko[i + 1])]).decode("utf-8")
+        return key_text(self.arrays["keys"][int(ko[i]) : int(ko[i + 1])])
 
     def url(self, i: int) -> str:
         return self.shards[int(self.arrays["shard"][i])].url

@@ -35,6 +35,7 @@ import numpy as np
 from ..errors import ConfigError, ShardError
 from ..io.redact import redact
 from ..core.dataset import bucket_order
+from ..tar.members import key_bytes
 from .layout import column_dtypes, cost_dtype, cost_values, member_dtypes, narrowest_int
 from .record import Index, ShardInfo
 
@@ -246,14 +247,15 @@ def cost_order(cost: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 
 
 def _pack_keys(keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, UTF-8 bytes) of ``keys`` back to back: key i is ``bytes[offsets[i]:offsets[i + 1]]``."""
+    """(offsets, bytes) of ``keys`` back to back: key i is ``bytes[offsets[i]:offsets[i + 1]]``,
+    each key's bytes those of ``key_bytes`` (UTF-8; a name's undecodable bytes as they were)."""
     offsets = np.zeros(len(keys) + 1, dtype=np.int64)
     if not keys:
         return offsets, np.zeros(0, np.uint8)
-    joined = np.frombuffer("\0".join(keys).encode("utf-8"), np.uint8)
+    joined = np.frombuffer(key_bytes("\0".join(keys)), np.uint8)
     ends = np.flatnonzero(joined == 0)
     if len(ends) != len(keys) - 1:  # a key holds a NUL (never one from a tar name): one by one
-        encoded = [k.encode("utf-8") for k in keys]
+        encoded = [key_bytes(k) for k in keys]
         np.cumsum([len(k) for k in encoded], out=offsets[1:])
         return offsets, np.frombuffer(b"".join(encoded), np.uint8)
     offsets[1:-1] = ends - np.arange(len(ends))

@@ -3,8 +3,10 @@ rows of its unchanged shards.
 
 ``build_index(..., update=...)`` and ``build_index_distributed`` read the previous index
 with :func:`previous_index`, take the rows of every shard whose size and change stamp
-are unchanged from it (:func:`reusable_rows`) and scan only the others; ``wds-pad index
---update`` without ``--bucket-by`` buckets as the index was bucketed (:func:`bucket_fn_of`).
+are unchanged from it (:func:`reusable_rows`) and scan only the others, and the shards
+named to be rescanned (``rescan=``, ``--rescan``: rewritten in place, size and stamp
+kept, as ``verify --deep`` finds them); ``wds-pad index --update`` without
+``--bucket-by`` buckets as the index was bucketed (:func:`bucket_fn_of`).
 
 Invariants:
 - an update is refused when the previous index was bucketed otherwise than the
@@ -13,18 +15,20 @@ Invariants:
   costs, rescanned ones get new ones;
 - a reused shard's rows are the ones a scan would give (byte order, the member table,
   its excluded samples): the updated index is the one a full build gives; a shard whose
-  member table misses a sample is rescanned instead;
+  member table misses a sample, or one named in ``rescan``, is rescanned instead;
 - a bucketing that cannot be rebuilt from its description (a Python callable) reuses
   rows and refuses any shard to scan.
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Collection, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, ShardError
+from ..io.redact import redact
+from ..io.urls import expand_urls
 from .buckets.builtin import SingleBucket
 from .buckets.cost import CostFn, parse_cost
 from .buckets.protocol import BucketFn
@@ -34,7 +38,7 @@ from .record import Index
 from .rows import ShardRows
 from .shardfile import Stat, shard_info
 
-__all__ = ["bucket_fn_of", "cost_fn_of", "previous_index", "reusable_rows"]
+__all__ = ["bucket_fn_of", "cost_fn_of", "previous_index", "reusable_rows", "update_and_rescan"]
 
 
 def previous_index(update: Index | str | None, fn: BucketFn, storage_options: Mapping[str, Any] | None,
@@ -116,13 +120,14 @@ def bucket_fn_of(index: Index) -> BucketFn:
 
 
 def reusable_rows(previous: Index, urls: Sequence[str], storage_options: Mapping[str, Any] | None,
-                  stats: Mapping[str, Stat] | None = None) -> dict[str, ShardRows]:
+                  stats: Mapping[str, Stat] | None = None, rescan: Collection[str] = ()) -> dict[str, ShardRows]:
     """The rows of ``previous`` for each of ``urls`` whose size and change stamp are
     unchanged (``stats``: shards' known (size, stamp, is a directory), not asked for
-    again), in byte order, with their member table and excluded samples."""
+    again), in byte order, with their member table and excluded samples; none for the
+    shards in ``rescan``."""
     by_url = {s.url: i for i, s in enumerate(previous.shards) if s.error is None}
     out: dict[str, ShardRows] = {}
-    candidates = [u for u in urls if u in by_url]
+    candidates = [u for u in urls if u in by_url and u not in rescan]
     if not candidates:
         return out
     # each shard's rows in byte order (the index groups rows by bucket): one sort for all
@@ -160,3 +165,30 @@ def reusable_rows(previous: Index, urls: Sequence[str], storage_options: Mapping
         rows.excluded = [e for e in samples if e.get("url") == url]
         out[url] = rows
     return out
+
+
+def update_and_rescan(update: Index | str | bool | None, rescan: str | Iterable[str] | None, output: str | None,
+                       shard_urls: Sequence[str],
+                       storage_options: Mapping[str, Any] | None) -> tuple[Index | str | None, frozenset[str]]:
+    """``update`` resolved (``True``: the index at ``output``) and the shards to rescan,
+    checked: ``rescan`` needs an update and names shards being indexed."""
+    if update is True:
+        if output is None:
+            raise ConfigError("update=True updates the index at output, but no output is given; pass "
+                              "update=PATH (or an Index), or output=PATH")
+        update = output
+    elif update is False:
+        update = None
+    if rescan is None:
+        return update, frozenset()
+    if update is None:
+        raise ConfigError("rescan= names shards to scan again in an update; without update= every shard is "
+                          "scanned anyway (wds-pad index: --rescan needs --update)")
+    again = expand_urls(rescan, storage_options)
+    known = set(shard_urls)
+    unknown = [u for u in again if u not in known]
+    if unknown:
+        raise ConfigError(f"shard {redact(unknown[0])!r} to rescan (--rescan) is not one of the "
+                          f"{len(shard_urls)} shards being indexed (the first: {redact(shard_urls[0])!r}); name "
+                          "each as the index lists it (`wds-pad verify INDEX --deep` prints them)")
+    return update, frozenset(again)

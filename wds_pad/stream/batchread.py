@@ -7,23 +7,23 @@ cost of its own), each sample is one ``os.pread`` (large ones: one per member, s
 into the payload's bytes), and each sample dict is a copy of one per-batch template.
 
 Invariants:
-- a batch read here is exactly what the exact path (``fetch``: parse every header) gives
-  for it: the same sample dicts, keys in the same order, members in archive order;
+- a batch read here is exactly what ``fetch`` gives for it: the same sample dicts, keys in
+  the same order, members in archive order;
 - it reads every sample the member table records, whatever headers lie before its
   payloads (the table holds each payload's offset from the sample's first byte), of
-  local shards; a batch with a sample the table does not record (an index from before
-  ``member_offset``, or without a table) or whose table does not cover its byte range,
-  a short read, or a header that does not name the sample is read on the exact path
-  instead, which raises or substitutes as it always did, and counts it in
-  ``ReadStats.exact_batches`` / ``exact_samples``; an ``OSError`` or our own error is such a fallback too
-  (the exact path reports it where it happens), any other exception is a bug and
-  propagates;
-- identity check, per member, on the 512-byte header right before its payload
-  (``wds_pad.tar.names``: the name field, or prefix and name, begins with ``key + "."``).
-  What it cannot see: the PAX or GNU long-name records themselves, the header's size
-  field and checksum, and payload bytes. Each shard is still checked against its indexed
-  size and change stamp once per stream, when first opened (``RangeReader``): that is
-  what catches a rewritten shard.
+  local shards. A batch with a sample the table does not record (an index from before
+  ``member_offset``, or without a table) or whose table does not cover its byte range
+  goes to ``fetch``'s exact path (every header parsed); a batch with a short read, an
+  ``OSError`` or our own error, or a header that does not say what the table says goes
+  to ``fetch`` with its member table (``fallback_members``), which reads it again,
+  checking every header, and raises (``StaleShardError`` naming what changed) or
+  substitutes. Either way it counts in ``ReadStats.exact_batches`` / ``exact_samples``;
+  any other exception is a bug and propagates;
+- each member's header is checked against the table (``wds_pad.tar.names``): its name is
+  the sample's key, a dot and the member's extension, its size field the recorded size;
+  the common header form costs two ``bytes.startswith`` a member, any other form is
+  read with the indexer's rules. Each shard is still checked against its indexed size
+  and change stamp once per stream, when first opened (``RangeReader``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from ..core.plan import Batch
 from ..errors import WdsPadError
 from ..index.record import Index
 from ..io.ranges import RangeReader
-from ..tar.names import NAME, names_sample
+from ..tar.members import KEY_ERRORS
+from ..tar.names import SIZE, Members, name_tokens, size_tokens, slice_sample, slice_sample_at
 
 __all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES", "member_refs"]
 
@@ -60,26 +61,18 @@ def _tables(ix: Index) -> tuple[Any, ...]:
     return t
 
 
-def _key_lists(ko: np.ndarray, table: np.ndarray, ids: np.ndarray) -> tuple[list[str], list[bytes]]:
-    """Each sample id's ``__key__`` and its name token ``(key + ".")[:100]`` (bytes), in one
-    numpy pass."""
-    a, b = ko[ids].astype(np.int64), ko[ids + 1].astype(np.int64)
+def _key_list(a: np.ndarray, b: np.ndarray, table: np.ndarray) -> list[str]:
+    """The ``__key__`` of each sample whose key is ``table[a:b]``, in one numpy pass (decoded
+    as ``Index.key`` decodes, ``tar.members.key_text``)."""
     lens = b - a
-    per = lens + 2  # key, ".", NUL
-    end = np.cumsum(per)
-    out = np.full(int(end[-1]), 46, np.uint8)
-    out[end - 1] = 0
+    end = np.cumsum(lens + 1)  # each key, then NUL
+    out = np.zeros(int(end[-1]), np.uint8)
     total = int(lens.sum())
     if total:
         src = np.repeat(a - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
-        dst = np.repeat(end - per - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
+        dst = np.repeat(end - lens - 1 - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
         out[dst] = table[src]
-    raw = out.tobytes()
-    tokens = raw.split(b"\0")[:-1]
-    keys = raw.replace(b".\0", b"\0").decode("utf-8").split("\0")[:-1]
-    if int(lens.max()) >= NAME:  # names longer than the field: compare what it holds
-        tokens = [t[:NAME] for t in tokens]
-    return keys, tokens
+    return out.tobytes().decode("utf-8", KEY_ERRORS).split("\0")[:-1]
 
 
 @dataclass
@@ -92,12 +85,13 @@ class _Chunk:
     lengths: list[int]
     counts: list[int]
     keys: list[str]
-    tokens: list[bytes]
     ids: list[int]
     pads: list[bool]
     heads: list[int]  # member header offsets in their sample
     sizes: list[int]
     exts: list[str]
+    ntoks: list[bytes | tuple[()]]  # each member's name token and size token (tar.names)
+    stoks: list[bytes]
 
 
 #: One batch's work: its chunk, its samples [lo, hi) and members [mlo, mhi) there, and its
@@ -120,6 +114,9 @@ class BatchReader:
         self.reader = reader  # type: ignore[assignment]
         self.by_name = {n: ix for n, ix in zip(names, indexes)}
         self._work: dict[tuple[int, int], _Work] = {}
+        #: after :meth:`read` returned None: the member table entries of that batch's
+        #: samples (None: it has a sample the table does not record), for the exact path
+        self.fallback_members: list[Members] | None = None
 
     def prepare(self, batches: list[Batch]) -> None:
         """Compute the member work of ``batches`` (a chunk of one plan) together: what a
@@ -140,7 +137,7 @@ class BatchReader:
         ids = np.concatenate([b.samples for b in group]) if len(group) > 1 else group[0].samples
         n = ids.size
         if not n:
-            empty = _Chunk(*([] for _ in range(11)))  # type: ignore[arg-type]
+            empty = _Chunk(*([] for _ in range(12)))  # type: ignore[arg-type]
             self._work.update(((b.epoch, b.index), (empty, 0, 0, 0, 0, 0)) for b in group)
             return
         ids = ids.astype(np.int64, copy=False)
@@ -162,10 +159,13 @@ class BatchReader:
         b_start = b_end - sizes_b
         bad_c = np.concatenate([[0], np.cumsum(~covered)])
         bad = bad_c[b_end] - bad_c[b_start]
-        keys_l, tokens = _key_lists(ko, keys, ids)
+        ka, kb = ko[ids].astype(np.int64), ko[ids + 1].astype(np.int64)
+        ext_ids = mext[at]
         chunk = _Chunk(list(map(urls.__getitem__, shard[ids].tolist())), off.tolist(), ln.tolist(), counts.tolist(),
-                       keys_l, tokens, ids.tolist(), np.concatenate([b.pad for b in group]).tolist(),
-                       (moff - 512).tolist(), sizes.tolist(), list(map(exts.__getitem__, mext[at].tolist())))
+                       _key_list(ka, kb, keys), ids.tolist(), np.concatenate([b.pad for b in group]).tolist(),
+                       (moff - 512).tolist(), sizes.tolist(), list(map(exts.__getitem__, ext_ids.tolist())),
+                       name_tokens(keys, ka, kb, counts, ext_ids, exts),
+                       size_tokens(sizes))
         mc = np.concatenate([[0], np.cumsum(counts)])
         bc = np.concatenate([[0], np.cumsum(ln)])
         work = self._work
@@ -183,13 +183,21 @@ class BatchReader:
         return None if work is _EXACT else work
 
     def read(self, batch: Batch) -> list[dict[str, Any]] | None:
-        """The sample dicts of ``batch``, or None: read it on the exact path instead (``fetch``
-        counts it in ``ReadStats.exact_batches`` and ``exact_samples``)."""
+        """The sample dicts of ``batch``, or None: read it with ``fetch`` instead, handing it
+        ``fallback_members`` (counted in ``ReadStats.exact_batches`` and ``exact_samples``:
+        here when the table records its samples, else by ``fetch``, which parses them)."""
         work = self.take(batch)
+        self.fallback_members = None
         try:
-            return None if work is None else self._read(batch, work)
+            got = None if work is None else self._read(batch, work)
         except (OSError, WdsPadError):  # the exact path reads it again and says what is wrong
-            return None
+            got = None
+        if got is None and work is not None:  # fetch reads it through the table, checking each
+            self.fallback_members = member_refs(work)  # header, parsing none: counted here
+            st = self.reader.stats
+            st.exact_batches += 1
+            st.exact_samples += work[2] - work[1]
+        return got
 
     def _read(self, batch: Batch, w: _Work) -> list[dict[str, Any]] | None:
         c, lo, hi, mlo, mhi, nbytes = w
@@ -202,13 +210,13 @@ class BatchReader:
                 "__dataset__": batch.dataset, "__pad__": False, "__epoch__": batch.epoch,
                 "__step__": batch.step, "__batch__": batch.index}
         heads, size_list, ext_names = c.heads[mlo:mhi], c.sizes[mlo:mhi], c.exts[mlo:mhi]
-        pread = os.pread
+        ntoks, stoks = c.ntoks[mlo:mhi], c.stoks[mlo:mhi]
+        pread, size_at = os.pread, SIZE
         out: list[dict[str, Any]] = []
         append = out.append
         m = 0
-        for url, o, nb, cnt, key, tok, i, p in zip(c.urls[lo:hi], c.offsets[lo:hi], c.lengths[lo:hi],
-                                                    c.counts[lo:hi], c.keys[lo:hi], c.tokens[lo:hi],
-                                                    c.ids[lo:hi], c.pads[lo:hi]):
+        for url, o, nb, cnt, key, i, p in zip(c.urls[lo:hi], c.offsets[lo:hi], c.lengths[lo:hi],
+                                               c.counts[lo:hi], c.keys[lo:hi], c.ids[lo:hi], c.pads[lo:hi]):
             fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
             if fd is None:
                 fd = local_fd(url)  # opens it: the stale-shard check, once per stream
@@ -219,37 +227,39 @@ class BatchReader:
             d["__key__"] = key
             d["__index__"] = i
             d["__pad__"] = p
-            if nb < BIG_SAMPLE:
-                data = pread(fd, nb, o)
-                if len(data) != nb:
-                    return None
-                if cnt == 2:  # the common shape (a payload and its .json), unrolled
-                    h, h2 = heads[m], heads[m + 1]
-                    if not (data.startswith(tok, h) or names_sample(data, h, key)) or \
-                            not (data.startswith(tok, h2) or names_sample(data, h2, key)):
-                        return None
-                    d[ext_names[m]] = data[h + 512 : h + 512 + size_list[m]]
-                    d[ext_names[m + 1]] = data[h2 + 512 : h2 + 512 + size_list[m + 1]]
-                    m += 2
-                    append(d)
-                    continue
-                for m in range(m, m + cnt):
-                    h = heads[m]
-                    if not (data.startswith(tok, h) or names_sample(data, h, key)):
-                        return None
-                    d[ext_names[m]] = data[h + 512 : h + 512 + size_list[m]]
-            else:  # each payload its own pread: no copy out of a sample buffer
-                h = heads[m]
-                head = pread(fd, 512, o + h)
-                if not (head.startswith(tok) or names_sample(head, 0, key)):
-                    return None
-                for m in range(m, m + cnt):
-                    size = size_list[m]
-                    payload = pread(fd, size, o + heads[m] + 512)
-                    if len(payload) != size:
-                        return None
-                    d[ext_names[m]] = payload
-            m += 1
+            if nb >= BIG_SAMPLE:  # each header and payload its own pread: no copy out of a buffer
+                j = m + cnt
+                members = (ext_names[m:j], heads[m:j], size_list[m:j], ntoks[m:j], stoks[m:j])
+                d.update(slice_sample_at(fd, url, o, key, members))  # StaleShardError: read() hands it to fetch
+                m = j
+                append(d)
+                continue
+            data = pread(fd, nb, o)
+            if len(data) != nb:
+                return None
+            at = data.startswith
+            if cnt == 2:  # the common shape (a payload and its .json), unrolled
+                h, h2, n, n2 = heads[m], heads[m + 1], size_list[m], size_list[m + 1]
+                if not (at(ntoks[m], h) and at(stoks[m], h + size_at) and at(ntoks[m + 1], h2)
+                        and at(stoks[m + 1], h2 + size_at)):
+                    j = m + 2  # another header form, or a changed shard: read in full (raises)
+                    d.update(slice_sample(data, url, o, key, (ext_names[m:j], heads[m:j], size_list[m:j],
+                                                              ntoks[m:j], stoks[m:j])))
+                else:
+                    d[ext_names[m]] = data[h + 512 : h + 512 + n]
+                    d[ext_names[m + 1]] = data[h2 + 512 : h2 + 512 + n2]
+                m += 2
+                append(d)
+                continue
+            j = m + cnt
+            quick = True
+            for x in range(m, j):
+                h = heads[x]
+                quick = quick and at(ntoks[x], h) and at(stoks[x], h + size_at)
+                d[ext_names[x]] = data[h + 512 : h + 512 + size_list[x]]
+            if not quick:  # as above
+                slice_sample(data, url, o, key, (ext_names[m:j], heads[m:j], size_list[m:j], ntoks[m:j], stoks[m:j]))
+            m = j
             append(d)
         st = reader.stats
         st.ranges += hi - lo
@@ -258,16 +268,18 @@ class BatchReader:
         return out
 
 
-def member_refs(work: _Work) -> list[tuple[bytes, list[str], list[int], list[int]]]:
-    """Per sample of a prepared batch, what slicing its bytes takes: its name token, its
-    members' extensions, header offsets (in the sample) and payload sizes (the
-    ``__members__`` of a reference, see ``fetch``)."""
+def member_refs(work: _Work) -> list[Members]:
+    """Per sample of a prepared batch, what slicing its bytes takes: its member table
+    entry (``tar.names.Members``: its members' extensions, header offsets in the sample,
+    payload sizes, name and size tokens; the ``__members__`` of a reference, see
+    ``fetch``)."""
     c, lo, hi, m, _, _ = work
     out = []
-    exts, heads, sizes = c.exts, c.heads, c.sizes
-    for tok, cnt in zip(c.tokens[lo:hi], c.counts[lo:hi]):
-        out.append((tok, exts[m : m + cnt], heads[m : m + cnt], sizes[m : m + cnt]))
-        m += cnt
+    exts, heads, sizes, ntoks, stoks = c.exts, c.heads, c.sizes, c.ntoks, c.stoks
+    for cnt in c.counts[lo:hi]:
+        j = m + cnt
+        out.append((exts[m:j], heads[m:j], sizes[m:j], ntoks[m:j], stoks[m:j]))
+        m = j
     return out
 
 

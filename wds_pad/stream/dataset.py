@@ -346,7 +346,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             batch = cache.get(plan, j)
             samples = fast.read(batch)
             if samples is None:
-                samples = list(fetcher(iter(batch_refs(spec, plan, j, batch))))
+                samples = list(fetcher(iter(batch_refs(spec, plan, j, batch, fast.fallback_members))))
             if not samples:
                 continue
             if stages:

@@ -33,7 +33,7 @@ from ..errors import WdsPadError
 from ..index.record import Index
 from ..io.ranges import LocalReadAhead, RangeReader, ReadOptions
 from ..core.seed import derive_rng
-from ..tar.names import names_sample, slice_sample
+from ..tar.names import slice_sample, slice_sample_at
 from ..tar.scan import parse_sample, parse_sample_at
 from .stages import PlanSpec
 
@@ -224,15 +224,12 @@ def _expand_at(fd: int, url: str, offset: int, length: int,
                ref: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """``expand`` reading straight from the shard (on a read-ahead thread, or inline):
     each payload its own pread, found through the member table when the reference has
-    it. Returns the sample and whether its headers were parsed (the exact path)."""
+    it (each header checked against it, ``tar.names``). Returns the sample and whether
+    its headers were parsed (the exact path)."""
     key = ref["__key__"]
     table = ref.get("__members__")
     if table is not None:
-        tok, exts, heads, sizes = table
-        if heads and names_sample(os.pread(fd, 512, offset + heads[0]), 0, key):
-            members = {e: os.pread(fd, n, offset + h + 512) for e, h, n in zip(exts, heads, sizes)}
-            if all(len(v) == n for v, n in zip(members.values(), sizes)):
-                return _sample(ref, members), False
+        return _sample(ref, slice_sample_at(fd, url, offset, key, table)), False
     return _sample(ref, parse_sample_at(fd, url, offset, length, key)), True
 
 
@@ -256,8 +253,9 @@ def expand(ref: Mapping[str, Any], data: bytes) -> dict[str, Any]:
     """A webdataset sample dict from a reference and its bytes (StaleShardError if they differ).
 
     With ``__members__`` (the reference's member table entry) the payloads are sliced out
-    of ``data`` where the table says, each header checked to name the sample
-    (batchread.py); without it, or when a header does not, every tar header is parsed.
+    of ``data`` where the table says, each header checked against it (``tar.names``:
+    another name, extension or size is a ``StaleShardError`` naming it); without it,
+    every tar header is parsed.
     """
     return _expand(ref, data)[0]
 
@@ -265,9 +263,8 @@ def expand(ref: Mapping[str, Any], data: bytes) -> dict[str, Any]:
 def _expand(ref: Mapping[str, Any], data: bytes) -> tuple[dict[str, Any], bool]:
     """:func:`expand`, and whether the headers were parsed (the exact path)."""
     table = ref.get("__members__")
-    members = None if table is None else slice_sample(data, ref["__key__"], table)
-    if members is not None:
-        return _sample(ref, members), False
+    if table is not None:
+        return _sample(ref, slice_sample(data, ref["__url__"], ref["__offset__"], ref["__key__"], table)), False
     return _sample(ref, parse_sample(data, ref["__url__"], ref["__offset__"], ref["__key__"])), True
 
 

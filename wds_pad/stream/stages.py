@@ -33,6 +33,7 @@ from ..errors import ConfigError
 from ..index.record import Index
 from ..state.cursor import Cursor, Position  # noqa: F401 - Position: also an old stream.stages name
 from ..state.spec import PlanSpec, _IndexRef  # noqa: F401 - also the old stream.stages names
+from ..tar.members import KEY_ERRORS
 from .batchread import BatchCache, BatchReader, member_refs
 from .collate import run_collation
 
@@ -140,10 +141,11 @@ def batch_refs(spec: PlanSpec, plan: Plan, j: int, batch: Any = None,
 
 
 def _keys(ix: Index, ids: np.ndarray) -> list[str]:
-    """``[ix.key(i) for i in ids]`` with one gather per batch instead of numpy calls per sample."""
+    """``[ix.key(i) for i in ids]`` with one gather per batch instead of numpy calls per sample
+    (decoded as ``Index.key`` decodes, ``tar.members.key_text``)."""
     ko = ix.arrays["key_offsets"]
     table = memoryview(ix.arrays["keys"])
-    return [str(table[a:b], "utf-8") for a, b in zip(ko[ids].tolist(), ko[ids + 1].tolist())]
+    return [str(table[a:b], "utf-8", KEY_ERRORS) for a, b in zip(ko[ids].tolist(), ko[ids + 1].tolist())]
 
 
 def plan_batched(collation_fn: Callable[[list[Any]], Any] | None = None) -> Callable[[Iterable[dict[str, Any]]], Iterator[Any]]:

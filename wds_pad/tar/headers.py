@@ -47,6 +47,9 @@ _NO_PAYLOAD = frozenset((b"1", b"2", b"3", b"4", b"5", b"6"))  # links, devices,
 FIELDS = struct.Struct("100s24x12s12x8sc188xB")
 _EXTENSION = frozenset((b"L", b"K", b"x", b"X", b"g"))  # headers that describe the next one
 HINT = "re-create the shard, or index with on_error='skip' to keep the samples before the fault"
+# what to do about a shard whose bytes are no longer what its index says ({url} filled
+# in): a rewrite in place may keep the size and mtime that a plain --update compares
+REINDEX = "re-index it: `wds-pad index --update -o INDEX --rescan {url}` (or restore the shard)"
 _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
 
 
@@ -69,6 +72,23 @@ def _num(b: bytes) -> int:
         raise ValueError(f"invalid number field {bytes(b)!r}") from None
 
 
+def _int(b: bytes) -> int:
+    """:func:`_num`, plain octal digits first (the common spelling, without its rules)."""
+    try:
+        return int(b.rstrip(b"\0 "), 8)
+    except ValueError:
+        return _num(b)
+
+
+def _byte_sum(hdr: bytes) -> int:
+    """The exact sum of a header's 512 bytes, from adler32 (its low half is 1 + sum mod
+    65521): one call when every byte is ASCII (sum <= 512 * 127 < 65521), else one per
+    256-byte half."""
+    if hdr.isascii():
+        return (zlib.adler32(hdr) & 0xFFFF) - 1
+    return (zlib.adler32(hdr[:256]) & 0xFFFF) + (zlib.adler32(hdr[256:]) & 0xFFFF) - 2
+
+
 def _checksum_ok(hdr: bytes, total: int) -> bool:
     """Check the header checksum; ``total`` is the exact sum of all 512 bytes."""
     stored = _num(hdr[148:156])
@@ -77,6 +97,14 @@ def _checksum_ok(hdr: bytes, total: int) -> bool:
         return True
     high = sum(1 for i, c in enumerate(hdr) if c >= 128 and not 148 <= i < 156)
     return stored == unsigned - 256 * high  # tarfile also accepts a signed-char sum
+
+
+def _sum_ok(hdr: bytes) -> bool:
+    """Whether a header's checksum is right, by tarfile's rules."""
+    try:
+        return _checksum_ok(hdr, _byte_sum(hdr))
+    except ValueError:
+        return False
 
 
 def _not_a_tar(r: Reader, head: bytes, why: str) -> TarFormatError:
@@ -249,6 +277,18 @@ class Reader:
         return self.buf[rel : rel + n]
 
 
+class FdFile:
+    """A file-like over a descriptor, for a :class:`Reader` in seek mode (reads use ``os.pread``)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+
 # (header_offset, data_offset, size, next_header_offset, name, is_regular)
 Entry = tuple[int, int, int, int, str, bool]
 
@@ -275,7 +315,7 @@ def read_entry(r: Reader, pos: int, prev: Entry | None) -> Entry | None:
     """Read the archive entry starting at ``pos``; ``None`` at the end of the archive.
 
     ``prev`` is the entry before it, if known (for messages)."""
-    start, name, size_override, adler, unpack = pos, None, None, zlib.adler32, FIELDS.unpack_from
+    start, name, size_override, unpack = pos, None, None, FIELDS.unpack_from
     while True:
         buf, rel = r.buf, pos - r.base
         if rel < 0 or rel + BLOCK > len(buf):
@@ -284,13 +324,8 @@ def read_entry(r: Reader, pos: int, prev: Entry | None) -> Entry | None:
                 _end_of_data(r, pos, start, got, name, prev)
                 return None
             buf, rel = r.buf, pos - r.base
-        # The exact byte sum from adler32 (its low half is 1 + sum mod 65521): one call
-        # when every byte is ASCII (sum <= 512 * 127 < 65521), else one per 256-byte half.
         hdr = buf[rel : rel + BLOCK]
-        if hdr.isascii():
-            total = (adler(hdr) & 0xFFFF) - 1
-        else:
-            total = (adler(hdr[:256]) & 0xFFFF) + (adler(hdr[256:]) & 0xFFFF) - 2
+        total = _byte_sum(hdr)
         if total == 0:
             if pos != start:
                 raise fault(r.url, pos, "end-of-archive block after a long-name or pax header")
@@ -331,6 +366,50 @@ def read_entry(r: Reader, pos: int, prev: Entry | None) -> Entry | None:
         return start, data, size, nxt, name, kind in _REGULAR and not (kind == b"\0" and raw.endswith("/"))
 
 
+def member_name_size(data: bytes, first: int, h: int) -> tuple[str, int] | None:
+    """The name and payload size of the regular member whose own header is at ``h`` in
+    ``data`` (its first header at ``first``), as :func:`read_entry` reads them, for the
+    common layouts only: no extension header before its own, or one PAX ``x`` or GNU
+    ``L`` header. ``None`` for anything else (another type, more headers, a sparse
+    record, an unreadable number, a bad checksum): :func:`read_entry` reads those (and
+    says what is wrong)."""
+    if first > h or h + BLOCK > len(data):
+        return None
+    raw, num, _, kind, prefixed = FIELDS.unpack_from(data, h)
+    if kind not in _REGULAR or not _sum_ok(data[h : h + BLOCK]):
+        return None
+    if first != h and not _sum_ok(data[first : first + BLOCK]):
+        return None
+    name = None
+    try:
+        size = _int(num)
+        if first != h:
+            _, xnum, _, xkind, _ = FIELDS.unpack_from(data, first)
+            n = _int(xnum)
+            if n < 0 or first + BLOCK + ((n + 511) & ~511) != h or xkind not in (b"L", b"x"):
+                return None
+            ext = data[first + BLOCK : first + BLOCK + n]
+            if xkind == b"L":
+                name = _nts(ext)
+            elif _PAX_KEYS.search(ext) is not None:
+                if b"GNU.sparse." in ext:
+                    return None  # sparse, or a record that names it: read_entry decides
+                pax = _pax(ext)
+                if "path" in pax:
+                    name = pax["path"].rstrip("/")
+                if "size" in pax:
+                    size = _pax_size(pax["size"])
+    except ValueError:
+        return None
+    i = raw.find(0)
+    field = raw[: 100 if i < 0 else i].decode(ENC, "surrogateescape")
+    if size < 0 or (kind == b"\0" and field.endswith("/")):
+        return None
+    if name is None:
+        name = field if not prefixed else f"{_nts(data[h + 345 : h + 500])}/{field}"
+    return name, size
+
+
 def _apply_pax(r: Reader, pos: int, kind: bytes, ext: bytes, size: int, name: str | None,
                size_override: int | None, start: int) -> tuple[str | None, int | None, int]:
     """Fold one pax header into the pending (name, size override, first header offset)."""
@@ -349,9 +428,13 @@ def _apply_pax(r: Reader, pos: int, kind: bytes, ext: bytes, size: int, name: st
     if name is None and "path" in pax:
         name = pax["path"].rstrip("/")
     if size_override is None and "size" in pax:
-        try:
-            size_override = int(pax["size"])
-        except ValueError:
-            size_override = 0  # what tarfile does with a malformed pax size
+        size_override = _pax_size(pax["size"])
     return name, size_override, start
+
+
+def _pax_size(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        return 0  # what tarfile does with a malformed pax size
 

@@ -12,6 +12,10 @@ Invariants:
       ``base_plus_ext`` regex, the extension lowercased; consecutive members with the
       same key form a sample; a sample holding a non-empty ``__bad__`` member is dropped;
       a repeated extension within a sample is an error.
+    * A key is the ``str`` webdataset gives (a name's bytes decoded as ``tarfile`` does:
+      the filesystem encoding, each undecodable byte a surrogate escape such as
+      ``'\\udcff'``); :func:`key_bytes` and :func:`key_text` turn it into the bytes an index
+      stores and back, exactly, for every key a tar name can give.
     * A sample's range ``[offset, offset + length)`` starts at the first header block of
       its first member (long-name and pax blocks included) and ends at the 512-padded end
       of its last member's payload; it parses on its own with ``parse_sample``.
@@ -36,6 +40,18 @@ from .headers import BLOCK, ENC, FIELDS, WINDOW, Reader, fault, read_entry, trun
 KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _SKIP_META_RE = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
 _RESERVED_EXTS = frozenset(("__key__", "__url__"))  # already in every webdataset sample
+KEY_ERRORS = "surrogateescape"  # a key's undecodable name bytes, stored as those bytes
+
+
+def key_bytes(key: str) -> bytes:
+    """A key's bytes as an index stores them: UTF-8, each surrogate escape (a byte of the
+    tar name that did not decode) as that byte again."""
+    return key.encode("utf-8", KEY_ERRORS)
+
+
+def key_text(raw: bytes | bytearray | memoryview) -> str:
+    """The key of bytes :func:`key_bytes` gave: the same ``str`` webdataset reads."""
+    return str(raw, "utf-8", KEY_ERRORS)
 
 
 class OnError(enum.Enum):

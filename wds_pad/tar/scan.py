@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 from ..errors import StaleShardError, TarFormatError
 
-from .headers import HINT, Reader, read_entry
+from .headers import HINT, REINDEX, FdFile, Reader, read_entry
 from .members import KEY_RE, Member, OnError, ScannedSample, check_options, is_meta, read_samples, split_key
 
 __all__ = ["Member", "OnError", "ScannedSample", "parse_sample", "parse_sample_at", "scan_tar", "split_key"]
@@ -103,23 +103,12 @@ def parse_sample(data: bytes, url: str, offset: int, key: str | None = None) -> 
     Raises:
         StaleShardError: The bytes are not that sample: a header is invalid, a payload
             runs past the range, the range holds another key or more than one, or a
-            suffix repeats. The shard changed since it was indexed; re-index it.
+            suffix repeats. The shard changed since it was indexed; re-index it (the
+            message gives the command).
     """
     if not isinstance(data, bytes):
         data = bytes(data)
     return _parse_range(Reader(None, url, True, data), url, 0, len(data), offset, key)
-
-
-class _Fd:
-    """A file-like over a descriptor for :class:`Reader` (reads use os.pread)."""
-
-    __slots__ = ("fd",)
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def fileno(self) -> int:
-        return self.fd
 
 
 def parse_sample_at(fd: int, url: str, offset: int, length: int, key: str | None = None) -> dict[str, bytes]:
@@ -132,7 +121,7 @@ def parse_sample_at(fd: int, url: str, offset: int, length: int, key: str | None
     Raises:
         StaleShardError: as :func:`parse_sample` (also when the file is now shorter).
     """
-    return _parse_range(Reader(_Fd(fd), url, True), url, offset, offset + length, 0, key)  # type: ignore[arg-type]
+    return _parse_range(Reader(FdFile(fd), url, True), url, offset, offset + length, 0, key)  # type: ignore[arg-type]
 
 
 def _parse_range(r: Reader, url: str, start: int, end: int, base: int, key: str | None) -> dict[str, bytes]:
@@ -168,6 +157,6 @@ def _parse_range(r: Reader, url: str, start: int, end: int, base: int, key: str 
         where = "offsets relative to the range" if base else "absolute offsets"
         raise StaleShardError(
             f"{url}: the {end - start} bytes at offset {base + start} are not sample {key!r} as indexed "
-            f"({detail}; {where}); the shard changed since it was indexed, re-index it"
+            f"({detail}; {where}); the shard changed since it was indexed, " + REINDEX.format(url=url)
         ) from exc
     return out
