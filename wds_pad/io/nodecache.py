@@ -183,10 +183,10 @@ class NodeCache:
                 if have != seen:
                     seen, since = have, time.monotonic()
                 if not entry.complete and nodefiles.writer_gone(fd):
-                    if os.fstat(fd).st_size < end:  # not finished meanwhile: the writer died
-                        self._close(entry)
-                        self._fetch(entry, urgent=True)
-                    continue
+                    if os.fstat(fd).st_size >= end:  # finished meanwhile
+                        continue
+                    self._close(entry)  # its writer died or gave up: this process takes it over
+                    self._fetch(entry, urgent=True)
             else:
                 self._fetch(entry, urgent=True)
             fetch = entry.fetch
@@ -282,7 +282,7 @@ class NodeCache:
             return "done"
         finally:
             if fd is not None:
-                nodefiles.release(fd)  # failed: its bytes stay for the next writer
+                nodefiles.abandon(self.folder, shard.name, fd)  # failed: what it wrote stays for the next writer
 
     def _room(self, shard: NodeShard, urgent: bool) -> bool:
         """Keeps the folder within ``cache_bytes`` for ``shard`` (its ``.part`` counted):
