@@ -91,10 +91,16 @@ def read(c: NodeCache, url: str, start: int, length: int) -> bytes:
     """One planned read through ``c``, once this process's fetch of the shard (if any) is over."""
     assert c.planned(url)
     data = c.read(url, start, length).result(timeout=60)
-    fetch = c._entries[url].fetch
-    if fetch is not None:
-        fetch.result(timeout=60)
+    settle(c)
     return data
+
+
+def settle(*caches: NodeCache) -> None:
+    """Waits for every fetch the caches have started (ahead of their reads, too)."""
+    for c in caches:
+        for entry in list(c._entries.values()):
+            if entry.fetch is not None:
+                entry.fetch.result(timeout=60)
 
 
 # -- the protocol ---------------------------------------------------------------------------------
@@ -212,7 +218,7 @@ def test_reclaim_removes_what_dead_processes_left_and_nothing_else(tmp_path: Pat
     (tmp_path / "notes.txt").write_text("mine")
     live = FORK.Process(target=_hold_part, args=(str(tmp_path), names["live"]))
     live.start()
-    while not (tmp_path / f"{names['live']}.part").exists():
+    while not (tmp_path / f"{names['live']}.part").exists() or list(tmp_path.glob("*.tmp")):
         time.sleep(0.01)
     try:
         assert nodefiles.reclaim(str(tmp_path), {names["known"]}) == 3
@@ -276,6 +282,7 @@ def test_a_shard_the_node_reads_next_epoch_stays_and_one_it_does_not_goes_with_i
         assert read(c, kept.url, 5, 5) == DATA[kept.url][5:10]
     read(users[0], dropped.url, 0, 5)
     read(users[0], dropped.url, 0, 5)  # user 0's last read: user 1 still reads it
+    settle(*users)
     assert (tmp_path / (dropped.name + ".shard")).exists()
     read(users[1], dropped.url, 0, 5)
     read(users[1], dropped.url, 10, 5)  # the last user's last read

@@ -27,8 +27,10 @@ Invariants:
       ``cache_bytes``, for the next epoch and for a restart on the same folder.
     * A read waits only for a live writer making progress: a ``.part`` whose writer died
       is taken over at once; no progress for ``guard`` seconds raises a ``ReadError``.
-    * A schedule is per epoch; the next one is taken when this process's planned reads
-      of the current one are all served.
+    * Reads keep their order: one read thread serves a read whose bytes are not all in the
+      file yet, and every read after it; a read whose bytes are there while that thread is
+      idle is read at once. A schedule is per epoch; the next one is taken when this
+      process's planned reads of the current one are all served.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ _FAR = 1 << 62  # the next use of a shard no plan reads again
 
 
 class _Entry:
-    __slots__ = ("shard", "epoch", "seen", "fd", "complete", "fetch", "present")
+    __slots__ = ("shard", "epoch", "seen", "fd", "complete", "fetch", "present", "finished")
 
     def __init__(self, shard: NodeShard, epoch: NodeEpoch) -> None:
         self.shard, self.epoch = shard, epoch
@@ -62,6 +64,7 @@ class _Entry:
         self.complete = False
         self.fetch: concurrent.futures.Future[str] | None = None
         self.present: bool | None = None  # a shard not held: is a complete copy here?
+        self.finished = False       # this process's planned reads of it are all counted
 
 
 class NodeCache:
@@ -73,17 +76,19 @@ class NodeCache:
         folder: the folder the node's processes share.
         block_bytes: size of each GET of a shard.
         cache_bytes: bound on the folder's shard bytes.
-        ahead: shards of this process's order fetched ahead of the one it reads.
+        ahead: how far this process fetches ahead, in shards of its order past the first
+            one it has not finished reading; None: all of them (within ``cache_bytes``).
         guard: seconds a read waits for a writer that makes no progress.
-        depth: GETs in flight per shard fetched, and shards fetched ahead at once.
+        depth: shards fetched ahead at once, and GETs in flight per shard fetched.
     """
 
     def __init__(self, fetch: Callable[[str, int, int], concurrent.futures.Future[bytes]],
                  schedule: Iterator[NodeEpoch], *, folder: str, block_bytes: int, cache_bytes: int,
-                 ahead: int = 2, guard: float = 600.0, depth: int = 2) -> None:
+                 ahead: int | None = None, guard: float = 600.0, depth: int = 2) -> None:
         self._get, self._schedule, self.folder = fetch, schedule, folder
         self.block_bytes, self.cache_bytes = block_bytes, cache_bytes
-        self.ahead, self.guard, self.depth = max(0, ahead), guard, max(1, depth)
+        self.ahead = 1 << 62 if ahead is None else max(0, ahead)
+        self.guard, self.depth = guard, max(1, depth)
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._reads: concurrent.futures.ThreadPoolExecutor | None = None  # one thread: its descriptors
@@ -93,18 +98,18 @@ class NodeCache:
         self._pos: dict[str, int] = {}
         self._left = 0        # this process's planned reads of the epoch not yet counted
         self._now = 0         # the step of its latest planned read
-        self._cur = 0         # its order's shard it reads now
+        self._cur = 0         # its order's first shard it has not finished reading
         self._next = 0        # its order's first shard not yet looked at for fetching ahead
         self._running: set[concurrent.futures.Future[str]] = set()  # fetches ahead
         self._pending: tuple[_Entry, bool] | None = None  # planned() -> read()
+        self._queued: concurrent.futures.Future[bytes] | None = None  # the last read handed to the read thread
         self._done = self._closed = False
         self.peak_bytes = 0       # most bytes seen in the folder when a fetch made room
         self.fetched_shards = 0   # shards this process fetched (or finished) whole
         self.evicted = 0          # shards it removed to make room
         self.finished = 0         # shards it removed after the node's last planned read
         self._take_epoch()
-        known = set(self._by_name) | set(self._epoch.later if self._epoch else ())
-        self.reclaimed = nodefiles.reclaim(folder, known)
+        self.reclaimed = nodefiles.reclaim(folder, set(self._by_name))  # partial copies of them stay
 
     # -- the schedule --------------------------------------------------------------------
     def _take_epoch(self) -> None:
@@ -141,6 +146,8 @@ class NodeCache:
         entry.seen += 1
         self._left -= 1
         last = entry.seen == mine.size
+        if last:
+            entry.finished = True
         if entry.shard.held:
             use = True
         else:
@@ -155,13 +162,21 @@ class NodeCache:
         """The bytes ``[start, start + length)`` of shard ``url``, from the node's copy."""
         pending, self._pending = self._pending, None
         entry, last = pending if pending is not None and pending[0].shard.url == url else (self._entries[url], False)
-        pos = self._pos.get(url)
-        if pos is not None and pos > self._cur:
-            self._cur = pos
-        self._prefetch()
+        if last:
+            self._prefetch()
+        queued = self._queued
+        if queued is None or queued.done():  # the read thread is idle: bytes already here are read now
+            fd = self._open(entry)
+            if fd is not None and os.fstat(fd).st_size >= min(start + length, entry.shard.size):
+                out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+                out.set_result(os.pread(fd, length, start))
+                if last:
+                    self._done_with(entry)
+                return out
         if self._reads is None:
             self._reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wds_pad-node-read")
-        return self._reads.submit(self._read, entry, start, length, last)
+        self._queued = self._reads.submit(self._read, entry, start, length, last)
+        return self._queued
 
     def _read(self, entry: _Entry, start: int, length: int, last: bool) -> bytes:
         data = self._wait_read(entry, start, length)
@@ -239,14 +254,17 @@ class NodeCache:
             return entry.fetch
 
     def _prefetch(self) -> None:
-        """Fetches ahead, in this process's order, up to ``ahead`` shards past the one it
-        reads, ``depth`` at a time."""
+        """Fetches ahead, in this process's order (of first use), the shards up to ``ahead``
+        past the first one it has not finished reading, ``depth`` at a time: the link goes
+        to the shards needed first, and the rest wait in line (a shard another process is
+        fetching counts as fetched)."""
         ep = self._epoch
         if ep is None:
             return
         with self._lock:
             self._running = {f for f in self._running if not f.done()}
-            self._next = max(self._next, self._cur)
+            while self._cur < len(ep.order) and self._entries[ep.order[self._cur]].finished:
+                self._cur += 1
             starts = []
             while (self._next < len(ep.order) and self._next <= self._cur + self.ahead
                    and len(self._running) + len(starts) < self.depth):
@@ -265,6 +283,8 @@ class NodeCache:
         """Makes the shard's copy complete, unless another process is at it: "done" (fetched
         here), "present", "busy" (another writer), "skipped" (fetched ahead: no room)."""
         shard = entry.shard
+        if entry.finished and not urgent:
+            return "skipped"  # read meanwhile: a copy now is no longer needed here
         status, fd = nodefiles.claim(self.folder, shard.name)
         if fd is None:
             return status

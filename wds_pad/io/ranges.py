@@ -195,8 +195,8 @@ class RangeReader(_LocalFiles, _InFlight):
         if first is not None:
             yield from self._read_general(it, first)
 
-    def follow(self, schedule: Iterator[list[PlannedShard]] | Iterator[NodeEpoch], worker: tuple[int, int] = (0, 1),
-               max_shards: int | None = None, folder: str | None = None) -> None:
+    def follow(self, schedule: Iterator[list[PlannedShard]] | Iterator[NodeEpoch], max_shards: int | None = None,
+               folder: str | None = None) -> None:
         """Reads the remote shards of ``schedule`` whole: in this process's memory
         (:class:`ShardCache`), or through the node's copies in ``folder`` (:class:`NodeCache`).
 
@@ -204,9 +204,9 @@ class RangeReader(_LocalFiles, _InFlight):
             schedule: per epoch, the stream's planned shards in order of first use
                 (``wds_pad.stream.stages.shard_schedule``); with ``folder``, what the node's
                 plans say of the epoch (``wds_pad.stream.stages.node_schedule``).
-            worker: (worker id, workers) of this process on its rank.
-            max_shards: shards held (memory) or fetched ahead (node) at most, besides the
-                one a read needs: the plan's window + 1.
+            max_shards: shards held at most in memory, besides the one a read needs (the
+                plan's window + 1). With ``folder`` every shard of the schedule is fetched
+                ahead, in order of first use, two at a time, within ``cache_bytes``.
             folder: the folder the node's processes share (``wds_pad.io.nodefolder``), or
                 None: memory.
         """
@@ -220,7 +220,7 @@ class RangeReader(_LocalFiles, _InFlight):
             return
         guard = (opts.retries + 1) * (opts.timeout + opts.backoff_max) + 30.0  # as a request in flight
         self._cache = NodeCache(self._get_block, schedule, folder=folder, block_bytes=opts.block_bytes,  # type: ignore[arg-type]
-                                cache_bytes=opts.cache_bytes, ahead=max_shards or 2, guard=guard)
+                                cache_bytes=opts.cache_bytes, depth=2, guard=guard)
 
     @property
     def shard_cache(self) -> ShardCache | NodeCache | None:

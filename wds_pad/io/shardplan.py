@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,7 +102,7 @@ class NodeEpoch:
     me: int
     shards: dict[str, NodeShard]
     order: tuple[str, ...]
-    later: dict[str, int]
+    later: Mapping[str, int]
 
 
 class _Entry:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -269,21 +271,58 @@ def node_schedule(source: Any) -> Iterator[NodeEpoch]:
         return [specs[d].plan(epoch) for d in dps]
 
     epoch, first, counter = source.start.epoch, source.start.index, 0
-    uses = node_uses(plans(epoch), local, first, counter, nw, me, shard_of)
-    while True:
+    uses: NodeUses | None = node_uses(plans(epoch), local, first, counter, nw, me, shard_of)
+    while uses is not None:
         counter += max(0, uses.length - first)
-        try:
-            after: NodeUses | None = node_uses(plans(epoch + 1), local, 0, counter, nw, me, shard_of)
-        except ConfigError:  # no epoch after the last one
-            after = None
-        yield _node_epoch(spec, epoch, uses, after, me_local * nw + wid)
-        if spec.mode is not Mode.STEPS or after is None:
+        later = _Later(spec, lambda e=epoch + 1, c=counter: node_uses(plans(e), local, 0, c, nw, me, shard_of))
+        yield _node_epoch(spec, epoch, uses, later, me_local * nw + wid)
+        if spec.mode is not Mode.STEPS:
             return
-        epoch, first, uses = epoch + 1, 0, after
+        epoch, first, uses = epoch + 1, 0, later.uses()
 
 
-def _node_epoch(spec: PlanSpec, epoch: int, uses: NodeUses, after: NodeUses | None, me: int) -> NodeEpoch:
-    """The io record of a node's epoch (and which shards it holds in the next one)."""
+class _Later(Mapping[str, int]):
+    """The shards the node holds in the next epoch (file stem -> the first step it reads
+    each), planned when first asked (by then the epoch's first reads are under way)."""
+
+    def __init__(self, spec: PlanSpec, make: Callable[[], NodeUses]) -> None:
+        self._spec, self._make = spec, make
+        self._lock = threading.Lock()
+        self._after: NodeUses | None = None
+        self._table: dict[str, int] | None = None
+
+    def uses(self) -> NodeUses | None:
+        """The next epoch's table (None: there is no next epoch)."""
+        self._stems()
+        return self._after
+
+    def _stems(self) -> dict[str, int]:
+        with self._lock:
+            if self._table is None:
+                table: dict[str, int] = {}
+                try:
+                    self._after = after = self._make()
+                except ConfigError:  # no epoch after the last one
+                    after = None
+                if after is not None:
+                    for r in np.flatnonzero(after.held).tolist():
+                        info = self._spec.indexes[int(after.dataset[r])].shards[int(after.shard[r])]
+                        table[shard_name(info.url, info.size, info.stamp)] = int(after.uses(r)[0])
+                self._table = table
+            return self._table
+
+    def __getitem__(self, stem: str) -> int:
+        return self._stems()[stem]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stems())
+
+    def __len__(self) -> int:
+        return len(self._stems())
+
+
+def _node_epoch(spec: PlanSpec, epoch: int, uses: NodeUses, later: Mapping[str, int], me: int) -> NodeEpoch:
+    """The io record of a node's epoch (``later``: the shards it holds in the next one)."""
     shards: dict[str, NodeShard] = {}
     firsts = []
     for r in range(len(uses)):
@@ -295,11 +334,6 @@ def _node_epoch(spec: PlanSpec, epoch: int, uses: NodeUses, after: NodeUses | No
         shards.setdefault(info.url, rec)
         if rec.held and mine.size:
             firsts.append((int(mine[0]), info.url))
-    later: dict[str, int] = {}
-    if after is not None:
-        for r in np.flatnonzero(after.held).tolist():
-            info = spec.indexes[int(after.dataset[r])].shards[int(after.shard[r])]
-            later[shard_name(info.url, info.size, info.stamp)] = int(after.uses(r)[0])
     return NodeEpoch(epoch=epoch, length=uses.length, me=me, shards=shards,
                      order=tuple(url for _, url in sorted(firsts)), later=later)
 
