@@ -76,6 +76,8 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     reference = {s["__key__"]: s for s in wds.WebDataset(shards, shardshuffle=False, nodesplitter=lambda x: x)}
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
+    run = os.environ.get("NODEJOB_RUN", "0")
+    (Path(args.state) / f"started-{run}-rank{rank}").write_text("")  # past the rendezvous
     opts = ReadOptions(cache_dir=args.cache_dir, block_bytes=args.block_bytes, cache_bytes=args.cache_bytes,
                        max_in_flight=8)
     warnings.simplefilter("ignore", DroppedBucketWarning)
@@ -86,7 +88,6 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     state = state_dir / f"rank{rank}.json"
     if state.exists():
         loader.load_state_dict(json.loads(state.read_text()))
-    run = os.environ.get("NODEJOB_RUN", "0")
     with open(state_dir / f"log-rank{rank}.jsonl", "a") as log:
         for epoch in range(loader.epoch, args.epochs):
             loader.set_epoch(epoch)  # the restored epoch keeps its position
@@ -172,6 +173,11 @@ class Job:
             if ppid in ranks and state != "Z":
                 out.append((ranks[ppid], int(entry), "worker"))
         return out
+
+    def started(self) -> bool:
+        """Whether every rank of this run is past the rendezvous (its process group made)."""
+        state = Path(self._arg("--state"))
+        return all((state / f"started-{self.run}-rank{r}").exists() for r in range(self.nprocs))
 
     def kill_one(self, rng: random.Random, kinds: Sequence[str] = ("rank", "worker")) -> str | None:
         """SIGKILL one process of the job chosen at random (a rank or a DataLoader worker)."""
