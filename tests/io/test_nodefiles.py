@@ -271,6 +271,14 @@ def test_eviction_removes_the_shard_whose_next_planned_use_is_furthest(tmp_path:
     c2._now = 5
     assert c2._fetch_file(c2._entries[d.url], urgent=False) == "skipped"
     assert not (tmp_path / (d.name + ".part")).exists() and c2.evicted == 2
+    # a shard a process is reading (it holds the complete file's shared lock) is never removed
+    ep = epoch([a, b, c, d, z], later={a.name: 3, c.name: 4, d.name: 5})
+    reader = cache(tmp_path, ep, Gets(log))
+    assert read(reader, a.url, 5, 5) == DATA[a.url][5:10]  # opens a's complete file: in use
+    tight = cache(tmp_path, ep, Gets(log), cache_bytes=1000)
+    tight._now = 50
+    assert read(tight, d.url, 0, 10) == DATA[d.url][:10]  # needs room: c goes, a (in use) stays
+    assert {p.name for p in tmp_path.glob("*.shard")} == {a.name + ".shard", d.name + ".shard"}
 
 
 def test_a_shard_the_node_reads_next_epoch_stays_and_one_it_does_not_goes_with_its_last_user(tmp_path: Path) -> None:

@@ -20,8 +20,9 @@ Invariants:
     * Bytes in the folder (complete shards, plus the full size of every ``.part``) stay
       within ``cache_bytes`` before each fetch: the shards whose next planned use (by any
       process of the node, this epoch or the next) is furthest are removed first, and a
-      shard is never removed for one needed later than itself. A shard fetched ahead is
-      fetched only within the bound; one a read needs is fetched in any case.
+      shard is never removed for one needed later than itself, nor while a process reads
+      it (its shared lock). A shard fetched ahead is fetched only within the bound; one a
+      read needs is fetched in any case.
     * A shard the node does not read in the next epoch is removed by the last of its
       users, after their last planned read of it; one it reads again stays, within
       ``cache_bytes``, for the next epoch and for a restart on the same folder.
@@ -194,7 +195,10 @@ class NodeCache:
             if fd is not None:
                 have = os.fstat(fd).st_size
                 if have >= end:
-                    return os.pread(fd, length, start)
+                    data = os.pread(fd, length, start)
+                    if not entry.complete and have == entry.shard.size and nodefiles.writer_gone(fd):
+                        self._close(entry)  # renamed complete: the next read opens it as such
+                    return data
                 if have != seen:
                     seen, since = have, time.monotonic()
                 if not entry.complete and nodefiles.writer_gone(fd):
@@ -220,6 +224,8 @@ class NodeCache:
             got = nodefiles.open_copy(self.folder, entry.shard.name)
             if got is not None:
                 entry.fd, entry.complete = got
+                if entry.complete:
+                    nodefiles.in_use(entry.fd)  # not evicted while this process reads it
         return entry.fd
 
     def _close(self, entry: _Entry) -> None:

@@ -17,7 +17,8 @@ Invariants:
     * A ``.shard`` is complete: renamed from a ``.part`` whose size is the indexed size.
       A file whose size is not the one its name carries is removed, never read.
     * Readers read a ``.part`` while it grows: a range is read once the file holds its end,
-      so no byte is read before it was written.
+      so no byte is read before it was written. A process reading a complete ``.shard``
+      holds a shared lock of it; eviction removes only shards nobody holds so.
     * A writer that creates or takes over a ``.part`` checks, holding the lock, that the
       path still names the file it locked, and that no ``.shard`` exists: a file removed
       meanwhile is never written into, and a shard is never fetched twice by this protocol.
@@ -167,6 +168,12 @@ def writer_gone(fd: int) -> bool:
     return True
 
 
+def in_use(fd: int) -> bool:
+    """Marks the complete shard open as ``fd`` as being read by this process (a shared lock,
+    gone with the descriptor or the process): :func:`remove` leaves it alone. Whether it did."""
+    return _try_lock(fd, fcntl.LOCK_SH)
+
+
 def present(folder: str, stem: str) -> bool:
     """Whether the complete shard is in the folder."""
     return _complete(folder, stem)
@@ -304,15 +311,9 @@ def scan(folder: str) -> list[tuple[str, str, int]]:
 
 
 def remove(folder: str, stem: str, suffix: str) -> bool:
-    """Removes a complete shard, or a stale ``.part`` (never one a live writer holds);
-    whether it was removed. A reader that has it open goes on reading it."""
+    """Removes a complete shard that no process is reading (none holds :func:`in_use` of
+    it), or a stale ``.part`` (never one a live writer holds); whether it was removed."""
     path = _path(folder, stem, suffix)
-    if suffix == SHARD:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        return True
     try:
         fd = os.open(path, os.O_RDONLY | _FLAGS)
     except FileNotFoundError:
