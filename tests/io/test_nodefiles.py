@@ -73,11 +73,11 @@ def shard(url: str, steps: list[int], mine: list[int] | None = None, users: froz
 
 
 def epoch(shards: list[NodeShard], me: int = 0, length: int = 100, later: dict[str, int] | None = None,
-          e: int = 0) -> NodeEpoch:
+          e: int = 0, span: int = 100) -> NodeEpoch:
     by = {s.url: s for s in shards}
     order = tuple(s.url for s in sorted((s for s in shards if s.held and s.mine.size), key=lambda s: int(s.mine[0])))
     return NodeEpoch(epoch=e, length=length, me=me, shards=by, order=order,
-                     later=later if later is not None else {s.name: 0 for s in shards})
+                     later=later if later is not None else {s.name: 0 for s in shards}, span=span)
 
 
 def cache(folder: Path, ep: NodeEpoch | list[NodeEpoch], fetch: Any, **kw: Any) -> NodeCache:
@@ -279,6 +279,14 @@ def test_eviction_removes_the_shard_whose_next_planned_use_is_furthest(tmp_path:
     tight._now = 50
     assert read(tight, d.url, 0, 10) == DATA[d.url][:10]  # needs room: c goes, a (in use) stays
     assert {p.name for p in tmp_path.glob("*.shard")} == {a.name + ".shard", d.name + ".shard"}
+    # until its next read, a window's steps (span) away: then it is no longer held
+    far = cache(tmp_path, epoch([a, b, c, d, z], later={a.name: 3, d.name: 5}, span=2), Gets(log))
+    assert read(far, a.url, 0, 5) == DATA[a.url][:5]  # next read of a at step 6: far off
+    reader.close()
+    tighter = cache(tmp_path, ep, Gets(log), cache_bytes=1000)
+    tighter._now = 50
+    assert read(tighter, b.url, 0, 10) == DATA[b.url][:10]  # b (step 40) needed now: a (next at 6 < 50: none) goes
+    assert {p.name for p in tmp_path.glob("*.shard")} == {b.name + ".shard"}
 
 
 def test_a_shard_the_node_reads_next_epoch_stays_and_one_it_does_not_goes_with_its_last_user(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ Invariants:
       within ``cache_bytes`` before each fetch: the shards whose next planned use (by any
       process of the node, this epoch or the next) is furthest are removed first, and a
       shard is never removed for one needed later than itself, nor while a process reads
-      it (its shared lock). A shard fetched ahead is fetched only within the bound; one a
+      it: from a read of it to the next, within a window's steps of each other, the
+      process holds the file's shared lock. A shard fetched ahead is fetched only within the bound; one a
       read needs is fetched in any case.
     * A shard the node does not read in the next epoch is removed by the last of its
       users, after their last planned read of it; one it reads again stays, within
@@ -102,7 +103,7 @@ class NodeCache:
         self._cur = 0         # its order's first shard it has not finished reading
         self._next = 0        # its order's first shard not yet looked at for fetching ahead
         self._running: set[concurrent.futures.Future[str]] = set()  # fetches ahead
-        self._pending: tuple[_Entry, bool] | None = None  # planned() -> read()
+        self._pending: tuple[_Entry, bool, bool] | None = None  # planned() -> read()
         self._queued: concurrent.futures.Future[bytes] | None = None  # the last read handed to the read thread
         self._done = self._closed = False
         self.peak_bytes = 0       # most bytes seen in the folder when a fetch made room
@@ -149,20 +150,23 @@ class NodeCache:
         last = entry.seen == mine.size
         if last:
             entry.finished = True
+        # a read long before this process's next one of the shard: it lets the file go meanwhile
+        pause = not last and mine.size > entry.seen and int(mine[entry.seen]) - self._now > self._epoch.span  # type: ignore[union-attr]
         if entry.shard.held:
             use = True
         else:
             if entry.present is None:
                 entry.present = nodefiles.present(self.folder, entry.shard.name)
             use = entry.present
-        self._pending = (entry, last) if use else None
+        self._pending = (entry, last, pause) if use else None
         return use
 
     # -- reading -------------------------------------------------------------------------
     def read(self, url: str, start: int, length: int, ranges: int = 1) -> concurrent.futures.Future[bytes]:
         """The bytes ``[start, start + length)`` of shard ``url``, from the node's copy."""
         pending, self._pending = self._pending, None
-        entry, last = pending if pending is not None and pending[0].shard.url == url else (self._entries[url], False)
+        entry, last, pause = (pending if pending is not None and pending[0].shard.url == url
+                              else (self._entries[url], False, False))
         if last:
             self._prefetch()
         queued = self._queued
@@ -171,19 +175,23 @@ class NodeCache:
             if fd is not None and os.fstat(fd).st_size >= min(start + length, entry.shard.size):
                 out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
                 out.set_result(os.pread(fd, length, start))
-                if last:
-                    self._done_with(entry)
+                self._after(entry, last, pause)
                 return out
         if self._reads is None:
             self._reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wds_pad-node-read")
-        self._queued = self._reads.submit(self._read, entry, start, length, last)
+        self._queued = self._reads.submit(self._read, entry, start, length, last, pause)
         return self._queued
 
-    def _read(self, entry: _Entry, start: int, length: int, last: bool) -> bytes:
+    def _read(self, entry: _Entry, start: int, length: int, last: bool, pause: bool) -> bytes:
         data = self._wait_read(entry, start, length)
+        self._after(entry, last, pause)
+        return data
+
+    def _after(self, entry: _Entry, last: bool, pause: bool) -> None:
         if last:
             self._done_with(entry)
-        return data
+        elif pause:
+            self._close(entry)  # its shared lock goes: evictable until this process reads it again
 
     def _wait_read(self, entry: _Entry, start: int, length: int) -> bytes:
         end = min(start + length, entry.shard.size)

@@ -95,6 +95,8 @@ class NodeEpoch:
         order: the held shards this process reads, in order of its first read of each.
         later: the file stem of every shard the node holds in the next epoch, with the
             first step it reads it at: such a shard is kept after this epoch's last read.
+        span: about the steps of one window of the plan: reads of a shard closer than this
+            are one visit of it.
     """
 
     epoch: int
@@ -103,6 +105,7 @@ class NodeEpoch:
     shards: dict[str, NodeShard]
     order: tuple[str, ...]
     later: Mapping[str, int]
+    span: int = 1
 
 
 class _Entry:

@@ -275,7 +275,7 @@ def node_schedule(source: Any) -> Iterator[NodeEpoch]:
     while uses is not None:
         counter += max(0, uses.length - first)
         later = _Later(spec, lambda e=epoch + 1, c=counter: node_uses(plans(e), local, 0, c, nw, me, shard_of))
-        yield _node_epoch(spec, epoch, uses, later, me_local * nw + wid)
+        yield _node_epoch(spec, epoch, uses, later, me_local * nw + wid, len(dps))
         if spec.mode is not Mode.STEPS:
             return
         epoch, first, uses = epoch + 1, 0, later.uses()
@@ -321,8 +321,10 @@ class _Later(Mapping[str, int]):
         return len(self._stems())
 
 
-def _node_epoch(spec: PlanSpec, epoch: int, uses: NodeUses, later: Mapping[str, int], me: int) -> NodeEpoch:
-    """The io record of a node's epoch (``later``: the shards it holds in the next one)."""
+def _node_epoch(spec: PlanSpec, epoch: int, uses: NodeUses, later: Mapping[str, int], me: int,
+                ranks: int) -> NodeEpoch:
+    """The io record of a node's epoch (``later``: the shards it holds in the next one;
+    ``ranks``: the node's DP ranks, whose held shards it shares out)."""
     shards: dict[str, NodeShard] = {}
     firsts = []
     for r in range(len(uses)):
@@ -334,8 +336,10 @@ def _node_epoch(spec: PlanSpec, epoch: int, uses: NodeUses, later: Mapping[str, 
         shards.setdefault(info.url, rec)
         if rec.held and mine.size:
             firsts.append((int(mine[0]), info.url))
+    per_rank = max(1, int(uses.held.sum()) // max(1, ranks))
     return NodeEpoch(epoch=epoch, length=uses.length, me=me, shards=shards,
-                     order=tuple(url for _, url in sorted(firsts)), later=later)
+                     order=tuple(url for _, url in sorted(firsts)), later=later,
+                     span=max(1, -(-uses.length * spec.window // per_rank)))
 
 
 @contextlib.contextmanager
