@@ -52,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--block-bytes", type=int, default=64 * 2**20)
     ap.add_argument("--cache-bytes", type=int, default=2 * 2**30)
+    ap.add_argument("--lockstep", action="store_true",
+                    help="a barrier of every rank after each batch, as a training step's all-reduce makes")
     ap.add_argument("--pause", action="store_true",
                     help="after each epoch, wait (all ranks) for <state>/go<epoch> once <state>/done<epoch> is written")
     return ap
@@ -97,6 +99,8 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
                                       "keys": [s["__key__"] for s in batch], "wrong": wrong}) + "\n")
                 log.flush()
                 atomic_write(str(state), [json.dumps(loader.state_dict()).encode()])
+                if args.lockstep:
+                    dist.barrier()
             if args.pause:
                 dist.barrier()
                 if rank == 0:

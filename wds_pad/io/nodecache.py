@@ -299,15 +299,11 @@ class NodeCache:
         shard = entry.shard
         if entry.finished and not urgent:
             return "skipped"  # read meanwhile: a copy now is no longer needed here
-        status, fd = nodefiles.claim(self.folder, shard.name)
+        status, fd = self._claim(shard, urgent)
         if fd is None:
             return status
         try:
             if os.fstat(fd).st_size < shard.size:
-                if not self._room(shard, urgent):
-                    nodefiles.abandon(self.folder, shard.name, fd)
-                    fd = None
-                    return "skipped"
                 nodefiles.write_rest(fd, shard.url, shard.size, self._get, self.block_bytes, self.depth)
                 with self._lock:
                     self.fetched_shards += 1
@@ -318,13 +314,17 @@ class NodeCache:
             if fd is not None:
                 nodefiles.abandon(self.folder, shard.name, fd)  # failed: what it wrote stays for the next writer
 
-    def _room(self, shard: NodeShard, urgent: bool) -> bool:
-        """Keeps the folder within ``cache_bytes`` for ``shard`` (its ``.part`` counted):
-        removes the shards used furthest ahead, never one used before ``shard``. Whether it
-        fits (a shard a read needs is fetched in any case)."""
+    def _claim(self, shard: NodeShard, urgent: bool) -> tuple[str, int | None]:
+        """Becomes the shard's writer if the folder has room for it within ``cache_bytes``
+        (every shard file counted at its full size), removing the shards used furthest ahead,
+        never one used before ``shard`` nor one being read; a shard a read needs is claimed
+        in any case. One process at a time decides, so what is fetched ahead stays within
+        the bound. (status, locked ``.part``) as :func:`nodefiles.claim`, or ("skipped", None)."""
         with nodefiles.folder_lock(self.folder):
             files = nodefiles.scan(self.folder)
-            used = sum(b for _, _, b in files)
+            if any(stem == shard.name and suffix == nodefiles.SHARD for stem, suffix, _ in files):
+                return "present", None
+            used = sum(b for stem, _, b in files if stem != shard.name) + shard.size
             if used > self.cache_bytes:
                 now = self._now
                 bar = now if urgent else self._next_use(shard.name, now)
@@ -336,8 +336,10 @@ class NodeCache:
                     if nodefiles.remove(self.folder, stem, suffix):
                         used -= b
                         self.evicted += 1
+            if used > self.cache_bytes and not urgent:
+                return "skipped", None
             self.peak_bytes = max(self.peak_bytes, used)
-            return used <= self.cache_bytes or urgent
+            return nodefiles.claim(self.folder, shard.name)
 
     def _next_use(self, stem: str, now: int) -> int:
         """The step of the node's next planned read of the shard ``stem`` (the next
