@@ -4,17 +4,19 @@ One node of ``--nprocs`` processes (default 4: dp 2 x cp 2, 2 DataLoader workers
 ``--shards`` shards over loopback HTTP (nginx, or the Python fallback, behind our FaultProxy,
 which counts the GETs) with ``locality="shard"`` through one ``cache_dir``, for ``--epochs``
 epochs (``tools/nodejob.py``). Over and over: start the job from the ranks' saved states,
-wait until every rank is past the rendezvous, then a random moment (0-2 s), SIGKILL one of
-its processes at random (a rank or one of its workers), wait for the rest to end; a job that completes is checked and a new one starts on
-the same (warm) cache. Every run must end: a run that outlives ``--timeout`` counts as a
-hang. Then it reports:
+wait until every rank is past the rendezvous (half the time: until every rank has received
+a batch), then a random moment (0-3 s), SIGKILL one of its processes at random (a rank or
+one of its workers), wait for the rest to end; a job that completes is checked, and a new
+one starts on an empty ``cache_dir``, so kills fall on downloads as well as on reads.
+Every run must end: a run that outlives ``--timeout`` counts as a hang. Then it reports:
 
 * restarts that failed (a rank other than the one hit exited with an error) or hung;
 * wrong bytes (every rank compares every sample with the shards on local disk), and batches
   missing, unplanned or differing from each rank's plan, over every job;
-* what the cache holds at the end beyond what it keeps by design (complete shards named by
-  the index, byte for byte the shards): partial files, temp files, done lists, anything else;
-* GETs per shard fetch over the whole run (every block of every shard = 1.0).
+* what each job's cache holds at its end beyond what it keeps by design (complete shards
+  named by the index, byte for byte the shards): partial files, temp files, done lists,
+  anything else;
+* GETs per shard fetch per job (every block of every shard once = 1.00).
 
 Usage::
 
@@ -80,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrong bytes: {report['wrong']} samples; batches missing {report['missing']}, unplanned "
               f"{report['unplanned']}, differing {report['differing']} (received twice, before a state was saved: "
               f"{report['repeated']})")
-        print(f"left in the cache beyond its complete shards: {report['left']}; complete shards "
-              f"{report['shards']} of {args.shards}, byte for byte the shards: {report['exact']}")
-        print(f"GETs per shard fetch over the whole run: {gets / blocks:.2f} ({gets} GETs, {blocks} blocks in all "
-              f"shards; one job alone makes 1.00)")
+        print(f"left in the jobs' caches beyond their complete shards: {report['left']}; complete shards "
+              f"{report['shards']} of {jobs} x {args.shards}, byte for byte the shards: {report['exact']}")
+        print(f"GETs per shard fetch per job: {gets / blocks / jobs:.2f} ({gets} GETs for {jobs} jobs of {blocks} "
+              f"blocks; a job without kills makes 1.00)")
         bad = report["failed"] + report["hung"] + report["wrong"] + report["missing"] + report["unplanned"] \
             + report["differing"] + len(report["left"]) + (not report["exact"])
         return 1 if bad else 0
@@ -91,18 +93,24 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def streaming(job: nodejob.Job, state: Path) -> bool:
+    """Whether every rank of the run has received a batch (all are in an epoch)."""
+    return job.started() and all(any(e["run"] == job.run for e in entries)
+                                 for entries in nodejob.logs(state, job.nprocs).values())
+
+
 def chaos(args: argparse.Namespace, rng: random.Random, root: Path, index: str, reference: Path) -> dict:
     kw = {"batch_size": 4, "seed": 5, "window": 2, "cp": args.cp}
     expected = nodejob.expected_batches(index, args.nprocs, args.epochs, **kw)
-    cache = root / "cache"
     out = dict.fromkeys(("runs", "failed", "hung", "wrong", "missing", "unplanned", "differing", "repeated"), 0)
     kinds = {"rank": 0, "worker": 0}
-    jobs, kills, left = 0, 0, []
+    jobs, kills, left, shards, exact = 0, 0, [], 0, True
     state = None
+    local = {p.read_bytes() for p in reference.glob("*.tar")}
     while (kills < args.kills or state is not None) and out["runs"] < 3 * args.kills + 10:
-        if state is None:
+        if state is None:  # a new job, on an empty cache_dir: kills fall on downloads too
             jobs += 1
-            state = root / f"state{jobs}"
+            state, cache = root / f"state{jobs}", root / f"cache{jobs}"
             state.mkdir()
         job_args = ["--index", index, "--reference", str(reference), "--cache-dir", str(cache), "--state", str(state),
                     "--epochs", str(args.epochs), "--workers", str(args.workers), "--cp", str(args.cp),
@@ -111,9 +119,11 @@ def chaos(args: argparse.Namespace, rng: random.Random, root: Path, index: str, 
         out["runs"] += 1
         victim = None
         if kills < args.kills:
-            while not job.started() and any(p.poll() is None for p in job.procs):
-                time.sleep(0.01)  # during the epoch: a kill in the rendezvous only stalls gloo's
-            until = time.monotonic() + rng.uniform(0.0, 2.0)
+            # during the epoch (a kill in the rendezvous only stalls gloo's): as shards arrive, or later
+            ready = job.started if rng.random() < 0.5 else (lambda: streaming(job, state))
+            while not ready() and any(p.poll() is None for p in job.procs):
+                time.sleep(0.01)
+            until = time.monotonic() + rng.uniform(0.0, 3.0)
             while time.monotonic() < until and any(p.poll() is None for p in job.procs):
                 time.sleep(0.01)
             victim = job.kill_one(rng)
@@ -135,12 +145,12 @@ def chaos(args: argparse.Namespace, rng: random.Random, root: Path, index: str, 
             counts = nodejob.check_logs(state, args.nprocs, expected)
             for k in ("wrong", "missing", "unplanned", "differing", "repeated"):
                 out[k] += counts[k]
-            state = None  # the job completed: the next one starts afresh on the warm cache
-    found = nodejob.cache_left(cache)
-    left = found["part"] + found["tmp"] + found["done"] + found["other"]
-    shards = {p.read_bytes() for p in reference.glob("*.tar")}
-    exact = {(cache / n).read_bytes() for n in found["shard"]} <= shards
-    return {**out, "jobs": jobs, "kinds": kinds, "left": left, "shards": len(found["shard"]), "exact": exact}
+            found = nodejob.cache_left(cache)  # the job completed: what its cache holds
+            left += found["part"] + found["tmp"] + found["done"] + found["other"]
+            shards += len(found["shard"])
+            exact = exact and {(cache / n).read_bytes() for n in found["shard"]} == local
+            state = None
+    return {**out, "jobs": jobs, "kinds": kinds, "left": left, "shards": shards, "exact": exact}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-import nodejob  # tools/ is on sys.path (tests/conftest.py)
+import nodechaos  # tools/ is on sys.path (tests/conftest.py)
+import nodejob
 from data_helpers import serve_dir
 from wds_pad.cli.synth import make_blob_shards
 from wds_pad.index.build import build_index
@@ -139,7 +140,7 @@ def test_random_kills_of_ranks_and_workers_never_break_a_restart_nor_the_bytes_n
     rng = random.Random(11)
     for k in range(kills):
         job = nodejob.Job(job_args(index, shard_dir, cache, state), NPROCS, run=f"kill{k}", timeout=240).start()
-        while not job.started() and any(p.poll() is None for p in job.procs):
+        while not nodechaos.streaming(job, state) and any(p.poll() is None for p in job.procs):
             time.sleep(0.02)  # during the epoch (a rank killed in the rendezvous stalls gloo, not the cache)
         deadline = time.monotonic() + rng.uniform(0.0, 2.0)
         while time.monotonic() < deadline and any(p.poll() is None for p in job.procs):

@@ -31,10 +31,6 @@ BLOCK = 100
 FORK = multiprocessing.get_context("fork")
 
 
-def data_of(url: str, size: int = 1000) -> bytes:
-    return bytes((hash(url) + i * 7) % 251 for i in range(size))
-
-
 DATA = {f"s{i}": bytes((i * 31 + k * 7) % 251 for k in range(1000)) for i in range(6)}
 
 
@@ -352,3 +348,20 @@ def test_a_read_whose_fetch_fails_raises_that_error(tmp_path: Path) -> None:
         c.read("s0", 0, 10).result(timeout=10)
     name = nodefiles.shard_name("s0", 1000, "ETag=1")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]  # the empty .part went with its writer
+
+
+def test_a_stream_over_two_epochs_takes_the_next_epochs_plan_and_reads_what_it_kept(tmp_path: Path) -> None:
+    """Steps mode: one cache follows epoch 0, then epoch 1 once epoch 0's planned reads
+    are served. What epoch 1 reads again (kept) costs no GET; a shard only epoch 0 read
+    goes after its last read."""
+    log = tmp_path.parent / f"{tmp_path.name}-gets"
+    a0, b0 = shard("s0", [0, 1]), shard("s1", [2])
+    a1, c1 = shard("s0", [0]), shard("s2", [1])
+    c = cache(tmp_path, [epoch([a0, b0], later={a0.name: 0, c1.name: 1}), epoch([a1, c1], e=1, later={})], Gets(log))
+    for url, start in (("s0", 0), ("s0", 10), ("s1", 0)):
+        assert read(c, url, start, 10) == DATA[url][start:start + 10]
+    assert c._epoch.epoch == 0 and not (tmp_path / (b0.name + ".shard")).exists()  # epoch 0 only: gone
+    assert read(c, "s0", 20, 10) == DATA["s0"][20:30]  # epoch 1 begins: s0 was kept
+    assert c._epoch.epoch == 1
+    assert read(c, "s2", 0, 10) == DATA["s2"][:10]
+    assert sorted({u for _, u, _, _ in gets(log)}) == ["s0", "s1", "s2"] and len(gets(log)) == 30

@@ -19,7 +19,8 @@ picks another). For each, GETs per shard fetch (every ``block_bytes`` GET of eve
   the bound);
 
 and the peak bytes in the cache folder (sampled every 10 ms) against ``cache_bytes``. The
-ranks run in lockstep (a barrier after each batch, as a training step's all-reduce makes).
+ranks run in lockstep (a barrier after each batch, as a training step's all-reduce makes),
+but for the killed job and its restart (each rank resumes where it saved its state).
 
 Usage::
 
@@ -100,10 +101,13 @@ def measure(name: str, env: dict[str, str], index: str, reference: Path, root: P
     """The GET figures of one reader (``env``: which wds_pad its ranks import)."""
     out: dict[str, Any] = {}
 
-    def args(cache: Path, state: Path, epochs: int, cache_bytes: int = 1 << 40, pause: bool = False) -> list[str]:
+    def args(cache: Path, state: Path, epochs: int, cache_bytes: int = 1 << 40, pause: bool = False,
+             lockstep: bool = True) -> list[str]:
+        # a job resumed after a kill resumes each rank where it saved: not in lockstep
         return (["--index", index, "--reference", str(reference), "--cache-dir", str(cache), "--state", str(state),
                  "--epochs", str(epochs), "--workers", str(WORKERS), "--cp", str(CP), "--block-bytes", str(block),
-                 "--cache-bytes", str(cache_bytes), "--lockstep"] + (["--pause"] if pause else []))
+                 "--cache-bytes", str(cache_bytes)] + (["--lockstep"] if lockstep else [])
+                + (["--pause"] if pause else []))
 
     def run(run: str, a: list[str]) -> nodejob.Job:
         job = nodejob.Job(a, NPROCS, run=run, env=env, timeout=300).start()
@@ -131,13 +135,13 @@ def measure(name: str, env: dict[str, str], index: str, reference: Path, root: P
     epochs("epoch", base / "cache", base / "state", 1 << 40)
     # killed mid-epoch, then restarted from the states on the same cache_dir
     proxy.reset_counters()
-    job = run("killed", args(base / "cache2", base / "state2", 1))
+    job = run("killed", args(base / "cache2", base / "state2", 1, lockstep=False))
     while min(len(v) for v in nodejob.logs(base / "state2", NPROCS).values()) < kill_after:
         if any(p.poll() is not None for p in job.procs):
             break
         time.sleep(0.01)
     job.kill_all()
-    restart = run("restart", args(base / "cache2", base / "state2", 1))
+    restart = run("restart", args(base / "cache2", base / "state2", 1, lockstep=False))
     if restart.wait() != [0] * NPROCS:
         raise SystemExit(f"{name}: the restart failed:\n{restart.outputs()}")
     out["restart"] = proxy.requests_seen / blocks
@@ -152,6 +156,13 @@ def measure(name: str, env: dict[str, str], index: str, reference: Path, root: P
                 for v in nodejob.logs(base / s, NPROCS).values() for e in v)
     out["wrong"] = wrong
     return out
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
 
 
 def optimal(index: str, epochs: int, capacity: int) -> list[float]:
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             blocks = sum(-(-s.size // args.block_bytes) for s in index.shards)
             total = sum(s.size for s in index.shards)
             print(f"{args.samples} samples in {args.shards} shards ({total / 1e6:.1f} MB, {blocks} blocks of "
-                  f"{args.block_bytes // 1024} KiB) over {server!r}; {NPROCS} processes (dp {NPROCS // CP} x cp {CP}), "
+                  f"at most {_size(args.block_bytes)}) over {server!r}; {NPROCS} processes (dp {NPROCS // CP} x cp {CP}), "
                   f"{WORKERS} workers each; per-rank reader: {rev}\n")
             figures = {
                 "node cache": measure("node", {}, str(root / "ix.wdsidx"), www / "d", root, proxy, blocks,

@@ -97,7 +97,6 @@ class NodeCache:
         self._epoch: NodeEpoch | None = None
         self._entries: dict[str, _Entry] = {}
         self._by_name: dict[str, NodeShard] = {}
-        self._pos: dict[str, int] = {}
         self._left = 0        # this process's planned reads of the epoch not yet counted
         self._now = 0         # the step of its latest planned read
         self._cur = 0         # its order's first shard it has not finished reading
@@ -122,12 +121,14 @@ class NodeCache:
                 self._done = True
                 return
             with self._lock:
+                done = list(self._entries.values())
                 self._epoch = ep
                 self._entries = {url: _Entry(s, ep) for url, s in ep.shards.items()}
                 self._by_name = {s.name: s for s in ep.shards.values()}
-                self._pos = {url: k for k, url in enumerate(ep.order)}
                 self._left = sum(int(s.mine.size) for s in ep.shards.values())
                 self._now = self._cur = self._next = 0
+            if self._reads is not None:  # after the epoch's reads still queued, its descriptors go
+                self._queued = self._reads.submit(lambda: [self._close(e) for e in done])  # type: ignore[func-returns-value]
             self._prefetch()
 
     def lists(self, url: str) -> bool:
@@ -272,10 +273,10 @@ class NodeCache:
         past the first one it has not finished reading, ``depth`` at a time: the link goes
         to the shards needed first, and the rest wait in line (a shard another process is
         fetching counts as fetched)."""
-        ep = self._epoch
-        if ep is None:
-            return
         with self._lock:
+            ep = self._epoch
+            if ep is None:
+                return
             self._running = {f for f in self._running if not f.done()}
             while self._cur < len(ep.order) and self._entries[ep.order[self._cur]].finished:
                 self._cur += 1

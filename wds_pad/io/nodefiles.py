@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import errno
 import fcntl
 import hashlib
 import os
@@ -49,7 +48,6 @@ from .stale import _short_read
 __all__ = ["shard_name"]
 
 SHARD, PART, DONE = ".shard", ".part", ".done"
-_NAME = re.compile(r"([0-9a-f]{32})-([0-9]+)")
 _FILE = re.compile(r"([0-9a-f]{32}-[0-9]+)(\.shard|\.part|\.done|\.[0-9a-f]{8}\.tmp)")
 _MODE = 0o666  # less the umask, as open() creates files
 _FLAGS = getattr(os, "O_CLOEXEC", 0)
@@ -400,12 +398,3 @@ def finish(folder: str, stem: str, epoch: int, user: int, users: Container[int] 
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_path(folder, stem, suffix))
     return True
-
-
-def is_stem(stem: str) -> bool:
-    """Whether ``stem`` is a shard file stem (:func:`shard_name`)."""
-    return _NAME.fullmatch(stem) is not None
-
-
-def _errno_is(exc: OSError, *codes: int) -> bool:  # pragma: no cover - kept for callers' clarity
-    return exc.errno in codes or exc.errno == errno.EEXIST
