@@ -6,7 +6,8 @@ HTTP through one ``ReadOptions(cache_dir=...)`` (``tools/nodejob.py``). GETs are
 the FaultProxy in front of the server; a shard is several ``block_bytes`` GETs, so the
 figures are GETs per shard fetch (all blocks of every shard = 1.0). Every rank checks
 every sample's bytes against the shards on local disk, and the logs of all runs must add
-up to each rank's plan, each batch once.
+up to each rank's plan, each batch once. Without a cache_dir the job shares a folder of its
+own in the temporary directory, gone when it ends.
 """
 
 from __future__ import annotations
@@ -160,3 +161,30 @@ def test_random_kills_of_ranks_and_workers_never_break_a_restart_nor_the_bytes_n
     local = {p.read_bytes() for p in shard_dir.glob("*.tar")}
     assert {(cache / n).read_bytes() for n in left["shard"]} == local
     shutil.rmtree(cache)
+
+
+def test_a_torchrun_job_without_cache_dir_shares_a_folder_of_its_own_and_removes_it_at_its_end(
+        served: tuple[Any, str, int], shard_dir: Path, tmp_path: Path) -> None:
+    """No cache_dir: the node's processes share ``wds_pad-node-<digest>`` in the temporary
+    directory (named after the job's MASTER_ADDR:MASTER_PORT here), one fetch per shard,
+    and the last process to leave removes it."""
+    proxy, index, blocks = served
+    tmp, state = tmp_path / "tmp", tmp_path / "state"
+    tmp.mkdir()
+    state.mkdir()
+    args = job_args(index, shard_dir, tmp_path / "unused", state, epochs=1)
+    at = args.index("--cache-dir")
+    del args[at:at + 2]
+    job = nodejob.Job(args, NPROCS, run="default", env={"TMPDIR": str(tmp)}).start()
+    seen: set[str] = set()
+    while any(p.poll() is None for p in job.procs):
+        seen |= {p.name for p in tmp.iterdir() if p.name.startswith("wds_pad-node-")}
+        time.sleep(0.02)
+    assert job.wait() == [0] * NPROCS, job.outputs()
+    assert len(seen) == 1  # one folder for the node's 4 ranks and 8 workers
+    assert proxy.requests_seen == blocks
+    assert not [p for p in tmp.iterdir() if p.name.startswith("wds_pad-node-")]
+    one = {r: {k: v for k, v in e.items() if k[0] == 0}
+           for r, e in nodejob.expected_batches(index, NPROCS, 1, **KW).items()}
+    counts = nodejob.check_logs(state, NPROCS, one)
+    assert counts["wrong"] == counts["missing"] == counts["unplanned"] == counts["differing"] == 0, counts

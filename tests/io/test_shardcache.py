@@ -387,3 +387,32 @@ def test_an_elastic_resume_reads_about_one_fetch_per_shard_still_needed(
     assert after < samples  # locality="none": one GET per sample
     print(f"elastic {old}->{new}: GETs before {before}, after {after} (blocks {blocks}, single {single}); "
           f"shards still needed {len(needed)}; samples left {samples}")
+
+
+def test_an_elastic_resume_through_a_cache_dir_reads_the_rest_once_with_no_more_gets_than_in_memory(
+        proxied: tuple[Any, Any], reference: dict[str, Any], tmp_path: Path) -> None:
+    """The node cache follows an epoch resumed on another layout (its elastic view): every
+    sample not yet trained on, once, byte for byte, and no more GETs than the memory cache
+    makes for the same view (its skipped reads come from the copy)."""
+    proxy, index = proxied
+    whole = 1 << 20
+    olds = [dataset(index, dp=4, rank=r, read_options=ReadOptions(block_bytes=whole)) for r in range(4)]
+    k = len(olds[0].plan(0)) // 2
+    states = [ds.state_dict() | {"index": k} for ds in olds]
+    rest = sorted(index.key(int(i)) for ds in olds for j in range(k, len(ds.plan(0)))
+                  for i, p in zip(ds.plan(0)[j].samples, ds.plan(0)[j].pad) if not p)
+    got: list[str] = []
+    gets = {}
+    for mode in ("memory", "cache_dir"):
+        proxy.reset_counters()
+        for r in range(2):
+            folder = str(tmp_path / "cache") if mode == "cache_dir" else None
+            ds = dataset(index, dp=2, rank=r, read_options=ReadOptions(block_bytes=whole, cache_dir=folder))
+            ds.load_state_dict(states[r * 2], allow_elastic=True)
+            batches = list(ds)
+            assert_same_bytes(batches, reference)
+            if mode == "cache_dir":
+                got += [s["__key__"] for b in batches for s in b if not s["__pad__"]]
+        gets[mode] = proxy.requests_seen
+    assert sorted(got) == rest
+    assert gets["cache_dir"] <= gets["memory"]
