@@ -31,6 +31,8 @@ Needs git (for the baseline) and nginx or the Python fallback; loopback only.
 
 from __future__ import annotations
 
+import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -208,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default=None, help="the per-rank reader's git revision")
     args = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="wds_pad_nodebench_"))
+    try:
+        return report(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def report(args: argparse.Namespace, root: Path) -> int:
     rev, tree = baseline_tree(args.baseline, root / "baseline")
     www = root / "www"
     make_blob_shards(www / "d", samples=args.samples, sample_bytes=args.sample_bytes, shards=args.shards, seed=1)
