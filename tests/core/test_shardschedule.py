@@ -70,3 +70,48 @@ def test_the_workers_together_read_every_own_shard_from_its_window(window: int) 
     listed = [shard_reads(plan, range(len(plan)), 0, 0, 2, w, [shard])[0] for w in range(2)]
     union = set().union(*[set(r.shard.tolist()) for r in listed])
     assert union <= set(plan.buckets.local.rank_shards(0).tolist()) and union
+
+
+# -- the node-wide table: every read of every rank of a node --------------------------------
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(20, 300), shards=st.integers(1, 16), dp=st.integers(1, 4), cp=st.integers(1, 2),
+       bs=st.integers(1, 4), window=st.integers(1, 3), nw=st.integers(1, 3), first=st.integers(0, 4),
+       counter=st.integers(0, 5), seed=st.integers(0, 2**32 - 1))
+def test_the_node_table_lists_every_read_of_every_rank_of_the_node(
+        n: int, shards: int, dp: int, cp: int, bs: int, window: int, nw: int, first: int, counter: int,
+        seed: int) -> None:
+    """Rows are the shards any DP rank of the node reads from ``first`` on, each once; a
+    row's steps are exactly the walk positions where one of them reads it; its users are
+    the (local rank, worker) processes that do (CP peers included); ``mine`` is one
+    process's own reads in walk order; ``held`` is what some rank's schedule reads whole."""
+    from wds_pad.core.shardschedule import node_uses
+
+    plans = [_plan(n, shards, dp, d, bs, window, seed) for d in range(dp)]
+    shard = plans[0][1]
+    first = min(first, len(plans[0][0]))
+    local = [[d * cp + c for c in range(cp)] for d in range(dp)]  # one node: every rank
+    me = (dp - 1, (dp - 1) * cp + cp - 1, nw - 1)
+    table = node_uses([p for p, _ in plans], local, first, counter, nw, me, [shard])
+    reads: dict[int, set[int]] = {}
+    users: dict[int, set[int]] = {}
+    mine: dict[int, list[int]] = {}
+    for d, (plan, _) in enumerate(plans):
+        for j in range(first, len(plan)):
+            w = (counter + j - first) % nw
+            for s in shard[plan[j].samples].tolist():
+                reads.setdefault(s, set()).add(j)
+                users.setdefault(s, set()).update(r * nw + w for r in local[d])
+                if d == me[0] and w == me[2]:
+                    mine.setdefault(s, []).append(j)
+    assert sorted(table.shard.tolist()) == sorted(reads) and np.all(table.dataset == 0)
+    assert table.length == len(plans[0][0])
+    held = set()
+    for plan, _ in plans:
+        held |= set(shard_reads(plan, range(len(plan)), first, 0, 1, 0, [shard])[0].shard.tolist())
+    for r in range(len(table)):
+        s = int(table.shard[r])
+        assert table.uses(r).tolist() == sorted(reads[s])
+        assert set(np.flatnonzero(table.users[r]).tolist()) == users[s]
+        assert table.mine(r).tolist() == mine.get(s, [])
+        assert bool(table.held[r]) == (s in held)

@@ -167,10 +167,15 @@ def test_resume_mid_window_in_a_fresh_reader_fetches_no_finished_shard(proxied: 
 
 
 @pytest.mark.parametrize("shared", ["cache_dir", "default"])
-def test_two_workers_fetch_each_shard_once_per_rank(proxied: tuple[Any, Any], tmp_path: Path,
-                                                    reference: dict[str, Any], shared: str) -> None:
-    """Workers share whole shards through a folder (cache_dir, or by default one in the
-    temporary directory named after their parent process): one fetch per rank."""
+def test_two_workers_share_the_rank_s_shards_through_the_node_folder(proxied: tuple[Any, Any], tmp_path: Path,
+                                                                     reference: dict[str, Any], shared: str) -> None:
+    """Workers share whole shards through the node's folder (cache_dir, or by default one in
+    the temporary directory named after the job): each shard the rank holds is fetched once,
+    every read of it comes from that copy, and what stays after the epoch is what the rank
+    holds again in the next one."""
+    from wds_pad.io.nodefolder import default_folder
+    from wds_pad.stream.stages import node_schedule
+
     proxy, index = proxied
     folder = tmp_path / "cache" if shared == "cache_dir" else None
     ds = dataset(index, read_options=ReadOptions(block_bytes=BLOCK, cache_dir=folder and str(folder)))
@@ -179,10 +184,15 @@ def test_two_workers_fetch_each_shard_once_per_rank(proxied: tuple[Any, Any], tm
     plan = ds.plan(0)
     assert batch_keys(batches) == plan_keys(plan, index)
     assert_same_bytes(batches, reference)
-    blocks, single = expected_gets(ds, workers=2)
-    assert proxy.requests_seen == blocks + single  # each listed shard once on the rank
-    if folder is not None:
-        assert not [p for p in folder.iterdir() if p.suffix in (".shard", ".part")]
+    node = next(node_schedule(PlannedSource(ds.spec, worker=(0, 2))))
+    held = [s for s in node.shards.values() if s.held]
+    urls = list(index.urls)
+    single = sum(int((index.shard[plan.samples] == urls.index(s.url)).sum()) for s in node.shards.values()
+                 if not s.held)  # reads of shards the node does not hold: one GET each
+    assert proxy.requests_seen == sum(-(-s.size // BLOCK) for s in held) + single  # each held shard once
+    left = Path(folder if folder is not None else default_folder())
+    names = {p.name for p in left.iterdir() if p.suffix in (".shard", ".part", ".done", ".tmp")}
+    assert names == {s.name + ".shard" for s in held if s.name in node.later}
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -319,41 +329,6 @@ def test_early_ranges_are_read_singly_while_the_cache_is_full() -> None:
     assert not cache.planned("c")
 
 
-def test_files_a_crashed_run_left_in_the_cache_dir_are_removed_when_a_cache_opens_it(tmp_path: Path) -> None:
-    """Shard files are named after their owner process (the DataLoader's parent); those of
-    an owner that is gone, and partial downloads of a dead writer, are removed when a
-    cache opens the folder. Live owners' files and foreign files are left alone."""
-    import subprocess
-    import sys
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    live = os.getpid()
-    names = [f"{dead.pid}-ab.shard", f"{dead.pid}-ab.lock", f"{dead.pid}-ab.done",
-             f"{live}-cd.shard.{dead.pid}.part", f"{live}-cd.shard", f"{live}-cd.lock", "notes.txt"]
-    for n in names:
-        (tmp_path / n).write_bytes(b"x")
-    cache = ShardCache(_counting_fetch({}, []), iter([[]]), block_bytes=1, cache_bytes=1, cache_dir=str(tmp_path))
-    assert cache.swept == 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{live}-cd.shard", f"{live}-cd.lock", "notes.txt"])
-
-
-def test_default_shard_folders_of_gone_parents_are_removed(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    from wds_pad.io.ranges import _sweep_dead_folders
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    for pid in (dead.pid, os.getpid()):
-        (tmp_path / f"wds_pad-shards-{pid}").mkdir()
-        (tmp_path / f"wds_pad-shards-{pid}" / "1-ab.shard").write_bytes(b"x")
-    (tmp_path / "wds_pad-shards-x").mkdir()
-    _sweep_dead_folders(str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"wds_pad-shards-{os.getpid()}", "wds_pad-shards-x"])
-
-
 @pytest.mark.parametrize("old,new", [(4, 2), (2, 3)])
 def test_an_elastic_resume_reads_about_one_fetch_per_shard_still_needed(
         proxied: tuple[Any, Any], reference: dict[str, Any], old: int, new: int) -> None:
@@ -412,3 +387,32 @@ def test_an_elastic_resume_reads_about_one_fetch_per_shard_still_needed(
     assert after < samples  # locality="none": one GET per sample
     print(f"elastic {old}->{new}: GETs before {before}, after {after} (blocks {blocks}, single {single}); "
           f"shards still needed {len(needed)}; samples left {samples}")
+
+
+def test_an_elastic_resume_through_a_cache_dir_reads_the_rest_once_with_no_more_gets_than_in_memory(
+        proxied: tuple[Any, Any], reference: dict[str, Any], tmp_path: Path) -> None:
+    """The node cache follows an epoch resumed on another layout (its elastic view): every
+    sample not yet trained on, once, byte for byte, and no more GETs than the memory cache
+    makes for the same view (its skipped reads come from the copy)."""
+    proxy, index = proxied
+    whole = 1 << 20
+    olds = [dataset(index, dp=4, rank=r, read_options=ReadOptions(block_bytes=whole)) for r in range(4)]
+    k = len(olds[0].plan(0)) // 2
+    states = [ds.state_dict() | {"index": k} for ds in olds]
+    rest = sorted(index.key(int(i)) for ds in olds for j in range(k, len(ds.plan(0)))
+                  for i, p in zip(ds.plan(0)[j].samples, ds.plan(0)[j].pad) if not p)
+    got: list[str] = []
+    gets = {}
+    for mode in ("memory", "cache_dir"):
+        proxy.reset_counters()
+        for r in range(2):
+            folder = str(tmp_path / "cache") if mode == "cache_dir" else None
+            ds = dataset(index, dp=2, rank=r, read_options=ReadOptions(block_bytes=whole, cache_dir=folder))
+            ds.load_state_dict(states[r * 2], allow_elastic=True)
+            batches = list(ds)
+            assert_same_bytes(batches, reference)
+            if mode == "cache_dir":
+                got += [s["__key__"] for b in batches for s in b if not s["__pad__"]]
+        gets[mode] = proxy.requests_seen
+    assert sorted(got) == rest
+    assert gets["cache_dir"] <= gets["memory"]

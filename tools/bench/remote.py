@@ -15,8 +15,9 @@ process) adding a fixed latency (default 20 ms) to every request. Then times, in
   random order, one ranged GET per sample, ``max_in_flight`` 32 and 64, iterated through
   ``Loader`` with 0 (main process) and 2 DataLoader workers;
 * ``wds_pad shard``  the same with ``locality="shard"``: each shard fetched whole in
-  ``block_bytes`` GETs ahead of its first use and dropped after its last
-  (io/shardcache.py); GETs are counted by the reader (0 workers) or from the plan;
+  ``block_bytes`` GETs ahead of its first use: in memory without workers and dropped
+  after its last use (io/shardcache.py), through an empty node folder with workers
+  (io/nodecache.py); GETs are counted by the reader (0 workers) or from the plan;
 * ``parallel download``  every shard fetched whole at once, nothing parsed: the limit;
 * on the ``--also-producer`` shards: ``webdataset sequential`` and ``wds_pad shard``
   (the fast path), each against webdataset on the same shards;
@@ -131,15 +132,22 @@ STATS: dict[str, Any] = {}  # the last run_ours: its reader's counters (0 worker
 
 def run_ours(index: Index, in_flight: int, workers: int, max_batches: int | None,
              batch_size: int, locality: str = "none", window: int = 8) -> tuple[int, int]:
+    # workers read whole shards through the node's folder: an empty one per run, so each run
+    # fetches its shards (a folder kept from an earlier run would serve them without a GET)
+    folder = tempfile.mkdtemp(prefix="wds_pad_remote_cache_") if workers and locality == "shard" else None
     ds = BucketedWebDataset(index, batch_size=batch_size, topology=Topology(world_size=1, rank=0),
                             seed=0, pad="drop", locality=locality, window=window,
-                            read_options=ReadOptions(max_in_flight=in_flight))
+                            read_options=ReadOptions(max_in_flight=in_flight, cache_dir=folder))
     n = nbytes = 0
-    for batch in itertools.islice(Loader(ds, num_workers=workers), max_batches):
-        for s in batch:
-            check(s["__key__"], s["bin"])
-            n += 1
-            nbytes += len(s["bin"]) + len(s["json"])
+    try:
+        for batch in itertools.islice(Loader(ds, num_workers=workers), max_batches):
+            for s in batch:
+                check(s["__key__"], s["bin"])
+                n += 1
+                nbytes += len(s["bin"]) + len(s["json"])
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     STATS["read"] = ds.read_stats if workers == 0 else None
     STATS["plan"] = ds.plan(0)
     return n, nbytes

@@ -1,4 +1,5 @@
-"""The per-window shard schedule: which of its own shards a worker reads whole, and when.
+"""The per-window shard schedule: which of its own shards a worker reads whole, and when;
+and, over a node, every read of every rank of it.
 
 With ``locality="shard"`` a rank reads its own shards whole, a window of them at a time
 (core/locality.py): the reader fetches a shard ahead of its first use and drops it after
@@ -6,6 +7,12 @@ its last. :func:`shard_reads` says, for one epoch of a DataLoader worker's walk 
 the plan, which shards those are, in order of first use, with each planned read, as
 int64 arrays; the stream side (stream/stages.py ``shard_schedule``) only turns them into
 the reader's records (io/shardcache.py ``PlannedShard``).
+
+The processes of a node share one copy of each shard (io/nodecache.py). :func:`node_uses`
+says, for one epoch, which shards the node's ranks read, which of them some rank reads
+whole (the node keeps a copy: every read of it comes from there), at which steps any rank
+of the node reads each one, which processes (local rank, worker) read it, and the reads of
+one of them in walk order: what the node cache counts uses and chooses evictions by.
 
 Invariants:
 - a shard is listed once per epoch per worker, after its first use; its reads are the
@@ -17,7 +24,10 @@ Invariants:
   early): the reader drops it after the last of them; foreign samples (shards dealt to
   other ranks) are never listed;
 - O(the rank's share) per epoch: every batch of the walk is evaluated once, in blocks,
-  for all workers; pure: the plan in, arrays out, no I/O.
+  for all workers; pure: the plan in, arrays out, no I/O;
+- ``node_uses`` lists every shard any rank of the node reads from the walk's start on,
+  once, with its steps sorted and unique; a shard is ``held`` iff the ``shard_reads`` of
+  one of the node's DP ranks lists it; O(the node's share) per epoch.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import numpy as np
 
 from .planrecord import Batch, Plan
 
-__all__ = ["ShardReads", "shard_reads"]
+__all__ = ["NodeUses", "ShardReads", "node_uses", "shard_reads"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,3 +169,109 @@ def _window_lag(shards: np.ndarray, visit: np.ndarray, window: int, step_window:
     pos_in_visit = np.zeros(int(max(visit.max(initial=0), shards.max())) + 1, np.int64)
     pos_in_visit[visit] = np.arange(visit.size)
     return step_window - pos_in_visit[shards] // window
+
+
+@dataclass(frozen=True, eq=False)
+class NodeUses:
+    """Every read the ranks of one node make in one epoch, a row per shard they read.
+
+    Attributes:
+        dataset, shard: the shard of each row (rows sorted by shard, then dataset).
+        held: some rank of the node reads it whole (its ``shard_reads`` lists it): the
+            node keeps one copy of it, and every read of it by the node comes from there.
+        bounds, steps: row r is read at the walk positions ``steps[bounds[r]:bounds[r + 1]]``
+            (sorted, unique): batch positions of the epoch, the same step on every rank.
+        users: (rows, processes) bool: process ``local_rank * num_workers + worker`` reads it.
+        mine_bounds, mine_steps: the walk positions of the reads of the process ``me``
+            (one per read, in walk order) of each row.
+        length: positions in the walk (the epoch's batches on every rank).
+    """
+
+    dataset: np.ndarray
+    shard: np.ndarray
+    held: np.ndarray
+    bounds: np.ndarray
+    steps: np.ndarray
+    users: np.ndarray
+    mine_bounds: np.ndarray
+    mine_steps: np.ndarray
+    length: int
+
+    def __len__(self) -> int:
+        return int(self.shard.size)
+
+    def uses(self, r: int) -> np.ndarray:
+        """The walk positions at which any rank of the node reads row ``r``."""
+        return self.steps[int(self.bounds[r]):int(self.bounds[r + 1])]
+
+    def mine(self, r: int) -> np.ndarray:
+        """The walk positions of the reads of process ``me`` of row ``r`` (one per read)."""
+        return self.mine_steps[int(self.mine_bounds[r]):int(self.mine_bounds[r + 1])]
+
+
+def node_uses(plans: Sequence[Plan], local_ranks: Sequence[Sequence[int]], first: int, counter: int,
+              num_workers: int, me: tuple[int, int, int], shard_of: Sequence[Any]) -> NodeUses:
+    """Every read of the ranks of one node in one epoch, from walk position ``first`` on.
+
+    Args:
+        plans: per DP rank of the node, its plan of the epoch (or of the epoch's elastic
+            remainder), each walked whole from ``first`` (the ranks are in lockstep).
+        local_ranks: per plan, the node's local ranks (0 .. processes per node - 1) that
+            read it: its own rank and its context-parallel peers.
+        counter: batches walked before this epoch (worker w reads the batches with
+            counter mod num_workers == w), the same on every rank.
+        num_workers: DataLoader workers per rank (1: the rank reads in its main process).
+        me: (plan, local rank, worker) of the process whose own reads ``mine`` lists.
+        shard_of: per dataset, the shard number of each sample id.
+
+    Returns:
+        The node's reads (see :class:`NodeUses`).
+    """
+    nd = max(1, len(shard_of))
+    nw = max(1, int(num_workers))
+    keys, pos, procs, held = [], [], [], []
+    mine_keys, mine_pos = np.zeros(0, np.int64), np.zeros(0, np.int64)
+    length = 0
+    for i, plan in enumerate(plans):
+        n = len(plan)
+        length = max(length, n)
+        if first >= n:
+            continue
+        sizes = np.diff(plan.offsets)[first:]
+        table = np.asarray([t[0] for t in plan.bucket_table], np.int64)
+        ds = np.repeat(table[plan.schedule[plan.batch_step[first:]]], sizes) if table.size else np.zeros(0, np.int64)
+        samples = plan.samples[int(plan.offsets[first]):]
+        shard = np.empty(samples.size, np.int64)
+        for di in np.unique(ds).tolist():
+            sel = ds == di
+            shard[sel] = np.asarray(shard_of[di][samples[sel]], np.int64)
+        key = shard * nd + ds
+        at = np.repeat(np.arange(first, n, dtype=np.int64), sizes)
+        worker = (counter + at - first) % nw
+        for r in local_ranks[i]:
+            keys.append(key)
+            pos.append(at)
+            procs.append(int(r) * nw + worker)
+        if i == me[0]:
+            own = worker == me[2]
+            mine_keys, mine_pos = key[own], at[own]
+        reads, _ = shard_reads(plan, range(n), first, 0, 1, 0, shard_of)
+        held.append(reads.shard * nd + reads.dataset)
+    key = np.concatenate(keys) if keys else np.zeros(0, np.int64)
+    at = np.concatenate(pos) if pos else np.zeros(0, np.int64)
+    proc = np.concatenate(procs) if procs else np.zeros(0, np.int64)
+    rows = np.unique(key)
+    span = max(length, 1)
+    pairs = np.unique(np.searchsorted(rows, key) * span + at)
+    row_of_pair = pairs // span
+    bounds = np.searchsorted(row_of_pair, np.arange(rows.size + 1)).astype(np.int64)
+    top = max((int(r) for ranks in local_ranks for r in ranks), default=0)
+    users = np.zeros((rows.size, (top + 1) * nw), bool)
+    users[np.searchsorted(rows, key), proc] = True
+    order = np.argsort(mine_keys, kind="stable")  # each row's reads, in walk order
+    mine_rows = np.searchsorted(rows, mine_keys[order])
+    mine_bounds = np.searchsorted(mine_rows, np.arange(rows.size + 1)).astype(np.int64)
+    return NodeUses(dataset=rows % nd, shard=rows // nd,
+                    held=np.isin(rows, np.concatenate(held)) if held else np.zeros(rows.size, bool),
+                    bounds=bounds, steps=(pairs % span).astype(np.int64), users=users,
+                    mine_bounds=mine_bounds, mine_steps=mine_pos[order].astype(np.int64), length=int(length))

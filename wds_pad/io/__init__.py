@@ -1,6 +1,7 @@
 """io: everything that touches bytes in a filesystem or store: filesystems and URL
 patterns, credentials and their redaction, error classification of stores, range
-reads (many in flight), local read-ahead, atomic local writes.
+reads (many in flight), local read-ahead, atomic local writes, whole shards of a
+shard-local plan (one process's memory, or one copy per node on disk).
 
 Owns: ``RangeReader``, ``ReadOptions``, ``get_filesystem``, ``expand_urls``, ``redact``,
 ``atomic_write``.

@@ -51,11 +51,14 @@ class ReadOptions:
         block_bytes: With a shard-local plan (``locality="shard"``), each remote shard a
             rank reads whole is fetched in requests of this many bytes (the last one
             shorter), ahead of its first use (:mod:`wds_pad.io.shardcache`).
-        cache_dir: Where whole shards are kept between their first and last planned use:
-            None keeps them in memory; a local folder keeps them on disk, shared by the
-            DataLoader workers of a rank (one fetch per shard per rank, under a file lock).
-        cache_bytes: Bound on the cached and in-flight shard bytes of a stream; shards
-            are fetched ahead while they fit (at least the one in use is always fetched).
+        cache_dir: A folder on a local disk of the node for whole shards, shared by every
+            process of the job there (local ranks, DataLoader workers, context-parallel
+            peers: one fetch per shard per node) and kept across epochs and jobs
+            (:mod:`wds_pad.io.nodecache`). None: the job's own folder in the temporary
+            directory when the node runs several of its processes, else memory.
+        cache_bytes: Bound on the whole-shard bytes: of one process's memory (fetched and
+            held, besides the one in use), or of the node folder's shard files (a shard a
+            read needs is fetched in any case).
     """
 
     max_in_flight: int = 32

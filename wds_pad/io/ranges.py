@@ -5,7 +5,8 @@ contiguous byte range ``(url, offset, length)`` recorded by the tar index. This 
 is the reader's face: its options, lifecycle and the choice of path; the local files and
 their fast path are in :mod:`wds_pad.io.localfiles`, the remote ranges in flight in
 :mod:`wds_pad.io.inflight`, whole shards of a shard-local plan in
-:mod:`wds_pad.io.shardcache`.
+:mod:`wds_pad.io.shardcache` (one process's memory) or :mod:`wds_pad.io.nodecache` (one
+copy per node).
 
 Invariants:
     * ``read_many`` yields exactly one ``bytes`` per input range, in input order, each
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import tempfile
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -49,7 +49,9 @@ from .inflight import _InFlight
 from .localfiles import _close_fds, _LocalFiles
 from .options import ReadOptions, ReadStats
 from .readahead import LocalReadAhead
+from .nodecache import NodeCache
 from .shardcache import PlannedShard, ShardCache
+from .shardplan import NodeEpoch
 from .redact import redact
 from .remote import _Target
 from .stale import _ShardCheck, change_stamp
@@ -91,7 +93,7 @@ class RangeReader(_LocalFiles, _InFlight):
         self._busy: dict[int, int] = {}  # descriptor -> reads in flight on read-ahead threads
         self._fd_limit = fd_budget()  # a share of the soft RLIMIT_NOFILE, read now
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._cache: ShardCache | None = None
+        self._cache: ShardCache | NodeCache | None = None
         # a reader per stream is common (BucketedWebDataset makes one per iteration): its
         # descriptors must not outlive it, or every epoch leaks one per shard
         weakref.finalize(self, _close_fds, self._fds)
@@ -195,59 +197,34 @@ class RangeReader(_LocalFiles, _InFlight):
         if first is not None:
             yield from self._read_general(it, first)
 
-    def follow(self, schedule: Iterator[list[PlannedShard]], worker: tuple[int, int] = (0, 1),
-               max_shards: int | None = None) -> None:
-        """Reads the remote shards of ``schedule`` whole, through a :class:`ShardCache`.
+    def follow(self, schedule: Iterator[list[PlannedShard]] | Iterator[NodeEpoch], max_shards: int | None = None,
+               folder: str | None = None) -> None:
+        """Reads the remote shards of ``schedule`` whole: in this process's memory
+        (:class:`ShardCache`), or through the node's copies in ``folder`` (:class:`NodeCache`).
 
         Args:
             schedule: per epoch, the stream's planned shards in order of first use
-                (``wds_pad.stream.stages.shard_schedule``).
-            worker: (worker id, workers) of this process on its rank. With several
-                workers and no ``cache_dir`` the shards go to a folder in the temporary
-                directory named after the workers' parent process, so each is fetched
-                once per rank.
-            max_shards: shards held at once at most (the plan's window + 1), besides
-                the one a read needs.
+                (``wds_pad.stream.stages.shard_schedule``); with ``folder``, what the node's
+                plans say of the epoch (``wds_pad.stream.stages.node_schedule``).
+            max_shards: shards held at most in memory, besides the one a read needs (the
+                plan's window + 1). With ``folder`` every shard of the schedule is fetched
+                ahead, in order of first use, two at a time, within ``cache_bytes``.
+            folder: the folder the node's processes share (``wds_pad.io.nodefolder``), or
+                None: memory.
         """
         self._check_fork()
         opts = self.options
-        cache_dir = opts.cache_dir
-        in_worker = _in_dataloader_worker()
-        if cache_dir is None and worker[1] > 1:
-            cache_dir = os.path.join(tempfile.gettempdir(), f"wds_pad-shards-{os.getppid()}")
-            _sweep_dead_folders(tempfile.gettempdir())
         if self._cache is not None:
             self._cache.close()
-        self._cache = ShardCache(self._get_block, schedule, block_bytes=opts.block_bytes,
-                                 cache_bytes=opts.cache_bytes, cache_dir=cache_dir, worker=worker[0],
-                                 max_shards=max_shards, owner=os.getppid() if in_worker else os.getpid())
+        if folder is None:
+            self._cache = ShardCache(self._get_block, schedule, block_bytes=opts.block_bytes,  # type: ignore[arg-type]
+                                     cache_bytes=opts.cache_bytes, max_shards=max_shards)
+            return
+        guard = (opts.retries + 1) * (opts.timeout + opts.backoff_max) + 30.0  # as a request in flight
+        self._cache = NodeCache(self._get_block, schedule, folder=folder, block_bytes=opts.block_bytes,  # type: ignore[arg-type]
+                                cache_bytes=opts.cache_bytes, depth=2, guard=guard)
 
     @property
-    def shard_cache(self) -> ShardCache | None:
+    def shard_cache(self) -> ShardCache | NodeCache | None:
         """The cache of :meth:`follow`, or None."""
         return self._cache
-
-
-def _in_dataloader_worker() -> bool:
-    try:
-        from torch.utils.data import get_worker_info
-    except ImportError:  # pragma: no cover
-        return False
-    return get_worker_info() is not None
-
-
-def _sweep_dead_folders(tmp: str) -> None:
-    """Removes the default shard folders (``wds_pad-shards-<pid>`` in the temporary
-    directory) of parent processes that are gone: what a crashed run left behind."""
-    import shutil
-
-    from .atomic import _alive
-
-    try:
-        names = os.listdir(tmp)
-    except OSError:
-        return
-    for name in names:
-        pid = name[len("wds_pad-shards-"):]
-        if name.startswith("wds_pad-shards-") and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)

@@ -1,4 +1,4 @@
-"""A plan-aware cache of whole remote shards (``locality="shard"``).
+"""A plan-aware cache of whole remote shards in one process's memory (``locality="shard"``).
 
 The plan knows which shards a stream reads, in which order, and how many of its ranges
 each one serves. :class:`ShardCache` follows that schedule: each planned shard is fetched
@@ -9,20 +9,17 @@ range — the future is known, so eviction is optimal, not LRU. Ranges of shards
 schedule does not list (foreign samples) are none of its business: the reader reads
 them with single ranged GETs.
 
-This module holds the schedule and the bound; the records are in
-:mod:`wds_pad.io.shardplan`, the shard files of disk mode in :mod:`wds_pad.io.sharddisk`,
-the blocks of memory mode in :mod:`wds_pad.io.shardmemory`.
+This is the cache of a single process without a ``cache_dir``. Processes that share a
+node (local ranks, DataLoader workers, context-parallel peers) share one copy of each
+shard on disk instead: :mod:`wds_pad.io.nodecache`. This module holds the schedule and
+the bound; the records are in :mod:`wds_pad.io.shardplan`, the blocks in
+:mod:`wds_pad.io.shardmemory`.
 
 Invariants:
     * a range served from the cache is byte-for-byte the range a ranged GET returns; the
       blocks are fetched by the reader's own retried, timed, stale-checked GET;
-    * memory mode (``cache_dir=None``): one stream holds at most ``cache_bytes`` of shards
-      plus the one in use; nothing is shared between processes;
-    * disk mode (``cache_dir``): a shard is one file ``<owner>-<digest>.shard`` written under an
-      exclusive ``flock`` of ``<owner>-<digest>.lock`` and renamed into place when complete, so
-      the DataLoader workers of a rank (every process that plans the same epoch for the
-      same DP rank) fetch it once; each user appends its worker id to ``<owner>-<digest>.done``
-      after its last range, and the last of the planned users deletes the files;
+    * one stream holds at most ``cache_bytes`` of shards plus the one in use; nothing is
+      shared between processes;
     * a schedule is per epoch; the next epoch's is taken when the current one's planned
       ranges are all served, so a resumed stream (whose schedule starts at the restored
       position) fetches no shard it had finished.
@@ -31,16 +28,12 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import threading
 from typing import Callable, Iterator
 
-from .descriptors import fd_budget
-from .sharddisk import fetch_to_file, finish, read_file, shard_file, sweep_dead_owners
 from .shardmemory import compact, from_kept, read_blocks
 from .shardplan import PlannedShard, _Entry
 
-__all__ = ["PlannedShard", "ShardCache", "sweep_dead_owners"]
+__all__ = ["PlannedShard", "ShardCache"]
 
 
 class ShardCache:
@@ -51,12 +44,6 @@ class ShardCache:
         schedule: per epoch, the stream's shards in order of first use.
         block_bytes: size of each GET of a shard.
         cache_bytes: bound on cached plus in-flight shard bytes.
-        cache_dir: a local folder shared by the rank's workers, or None (memory).
-        owner: disk mode: the pid of the process whose workers share the files (the
-            DataLoader's parent; this process without workers). It prefixes their names,
-            so files a crashed run left behind are known by their dead owner and removed
-            when a cache opens the folder; a resumed run never reuses them.
-        worker: this process's DataLoader worker id.
         max_shards: at most this many of the epoch's largest shards' bytes held at once
             (fetched ahead, in use, or compacted), besides the one a read needs; None:
             only ``cache_bytes`` bounds them.
@@ -64,11 +51,10 @@ class ShardCache:
 
     def __init__(self, fetch: Callable[[str, int, int], concurrent.futures.Future[bytes]],
                  schedule: Iterator[list[PlannedShard]], *, block_bytes: int, cache_bytes: int,
-                 cache_dir: str | None = None, worker: int = 0, max_shards: int | None = None,
-                 owner: int | None = None) -> None:
+                 max_shards: int | None = None) -> None:
         self._get, self._schedule = fetch, schedule
         self.block_bytes, self.cache_bytes = block_bytes, cache_bytes
-        self.cache_dir, self.worker, self.max_shards = cache_dir, worker, max_shards
+        self.max_shards = max_shards
         self._count = 0             # shards started, not yet dropped
         self._order: list[PlannedShard] = []
         self._next = 0              # first shard of _order not yet started
@@ -76,20 +62,12 @@ class ShardCache:
         self._left = 0              # planned ranges of the epoch not yet served
         self._held = 0              # bytes of started, not yet dropped shards
         self.peak_bytes = 0
-        self.fetched_shards = 0     # shards this process fetched (not found on disk)
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._reads: concurrent.futures.ThreadPoolExecutor | None = None  # one thread: reads in order
-        self._lock = threading.Lock()
+        self.fetched_shards = 0     # shards this process fetched
         self._done = False
         self._limit = cache_bytes   # bytes held at most besides the shard a read needs
         self.compacted = 0          # shards compacted to their late ranges
         self.early_singles = 0      # early ranges read singly (the cache was full)
         self._largest = 0
-        self.owner = os.getpid() if owner is None else owner
-        self.swept = 0              # files of dead owners removed when the folder was opened
-        if cache_dir is not None:
-            os.makedirs(cache_dir, exist_ok=True)
-            self.swept = sweep_dead_owners(cache_dir)
         self._take_epoch()
 
     # -- the schedule --------------------------------------------------------------------
@@ -142,27 +120,9 @@ class ShardCache:
         self._held += size
         entry.held = size
         self.peak_bytes = max(self.peak_bytes, self._held)
-        if self.cache_dir is None:
-            self.fetched_shards += 1
-            entry.blocks = [self._get(url, off, min(self.block_bytes, size - off))
-                            for off in range(0, size, self.block_bytes)]
-            return
-        entry.path = shard_file(self.cache_dir, self.owner, entry.shard.key, url)
-        entry.ready = self._threads().submit(self._ensure_file, entry)
-
-    def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._pool is None:
-            # a thread per shard fetched ahead: each mostly waits, on its GETs or on the lock of
-            # a shard another worker of the rank is fetching (the workers' orders are alike)
-            # and holds three descriptors (its lock, its part, a connection): within the limit's share
-            threads = 2 if self.max_shards is None else max(2, min(self.max_shards + 1, fd_budget() // 3))
-            self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wds_pad-shard")
-        return self._pool
-
-    def _ensure_file(self, entry: _Entry) -> None:
-        if fetch_to_file(entry.path, entry.shard.url, entry.shard.size, self.block_bytes, self._get):
-            with self._lock:
-                self.fetched_shards += 1
+        self.fetched_shards += 1
+        entry.blocks = [self._get(url, off, min(self.block_bytes, size - off))
+                        for off in range(0, size, self.block_bytes)]
 
     def _ahead(self, needed: _Entry) -> None:
         """Start ``needed`` (if not yet), then what comes next while it fits."""
@@ -189,37 +149,16 @@ class ShardCache:
         entry.served += ranges
         entry.left -= ranges
         self._left -= ranges
-        last = entry.left <= 0
-        if self.cache_dir is None:
-            out = read_blocks(entry.blocks, self.block_bytes, start, length)
-            if last:
-                self._drop(entry)
-            return out
-        if last:
+        out = read_blocks(entry.blocks, self.block_bytes, start, length)
+        if entry.left <= 0:
             self._drop(entry)
-        return self._from_disk(entry, start, length, last)
-
-    def _from_disk(self, entry: _Entry, start: int, length: int, last: bool) -> concurrent.futures.Future[bytes]:
-        """A range read from the shard's file once it is complete (``last``: this
-        worker's last read of it, after which it says so for the shared deletion)."""
-        ready: concurrent.futures.Future[None] = entry.ready  # type: ignore[assignment]
-
-        def from_disk() -> bytes:
-            ready.result()
-            data = read_file(entry.path, start, length)
-            if last:
-                finish(entry.path, self.worker, entry.shard.users)
-            return data
-        if self._reads is None:
-            self._reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wds_pad-shard-read")
-        return self._reads.submit(from_disk)
+        return out
 
     def _read_ranged(self, entry: _Entry, url: str, start: int, length: int,
                      ranges: int) -> concurrent.futures.Future[bytes]:
         """A shard with planned ranges: from its first read it counts in the bound as the
-        bytes of its ranges still to be read, each freed after its last planned read. In
-        memory it is held as just those bytes; on disk the file stays until its last range
-        (disk, not memory, so the bound counts what this worker still reads of it)."""
+        bytes of its ranges still to be read (held as just those bytes, sliced out when
+        its blocks arrive), each freed after its last planned read."""
         if not entry.compacted:  # its first read: from now on it counts as its ranges' bytes
             entry.compacted = True
             for r in entry.shard.ranges:
@@ -227,9 +166,8 @@ class ShardCache:
             kept_bytes = sum(n for _, n in entry.remaining)
             self._held += kept_bytes - entry.held
             entry.held = kept_bytes
-            if self.cache_dir is None:  # memory: just those bytes, once the blocks arrive
-                entry.kept = compact(entry.blocks, self.block_bytes, list(entry.remaining))
-                entry.blocks = []
+            entry.kept = compact(entry.blocks, self.block_bytes, list(entry.remaining))
+            entry.blocks = []
             self.compacted += 1
         entry.served += ranges
         entry.left -= ranges
@@ -243,13 +181,9 @@ class ShardCache:
             self._held -= length
         elif count:
             entry.remaining[key] = count - 1
-        last = entry.left <= 0
-        if last:
+        if entry.left <= 0:
             self._drop(entry)
-        if self.cache_dir is None:
-            out = from_kept(self._get, url, entry.kept, start, length, pop=freed)  # type: ignore[arg-type]
-        else:
-            out = self._from_disk(entry, start, length, last)
+        out = from_kept(self._get, url, entry.kept, start, length, pop=freed)  # type: ignore[arg-type]
         self._ahead(entry)  # the room it freed goes to the next shards now
         return out
 
@@ -257,12 +191,7 @@ class ShardCache:
         self._held -= entry.held
         entry.held = 0
         self._count -= 1
-        if self.cache_dir is None:
-            entry.blocks = []
+        entry.blocks = []
 
     def close(self) -> None:
-        """Stops the helper threads (cached blocks are dropped with the cache)."""
-        for pool in (self._pool, self._reads):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-        self._pool = self._reads = None
+        """Nothing to stop: the blocks are dropped with the cache."""

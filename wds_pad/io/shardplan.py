@@ -1,13 +1,16 @@
-"""What the plan tells the shard cache: one record per planned shard, and the cache's
+"""What the plan tells the shard caches: one record per planned shard, and the cache's
 running account of it.
 
 :class:`PlannedShard` is made by the shard-level path from the plan (one epoch's schedule,
 ``wds_pad.stream.stages.shard_schedule``); :class:`_Entry` is what a
 :class:`~wds_pad.io.shardcache.ShardCache` keeps of each while it serves the epoch.
+:class:`NodeEpoch` (of :class:`NodeShard` records) is what the node's plans say of one
+epoch (``wds_pad.stream.stages.node_schedule``), for the node cache
+(:mod:`wds_pad.io.nodecache`).
 
 Invariants:
-    * A ``PlannedShard`` is frozen: the plan's word for one epoch, never changed by the
-      cache.
+    * ``PlannedShard``, ``NodeShard`` and ``NodeEpoch`` are frozen: the plan's word for one
+      epoch, never changed by a cache.
     * An ``_Entry`` starts with every planned range of its shard still to serve
       (``left == uses``), its ``skip`` single reads still to skip, nothing held and
       nothing fetched; the cache alone changes it.
@@ -16,9 +19,12 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["PlannedShard"]
+import numpy as np
+
+__all__ = ["NodeEpoch", "NodeShard", "PlannedShard"]
 
 
 @dataclass(frozen=True)
@@ -30,14 +36,13 @@ class PlannedShard:
         size: its size in bytes (from the index).
         uses: ranges this stream reads from it this epoch.
         users: the DataLoader workers (of this rank) that read from it this epoch.
-        key: what names the shared file (the plan fingerprint, epoch and rank).
+        key: the plan fingerprint, epoch and rank it was planned under.
         skip: ranges of it this stream reads singly before the ``uses`` cached ones (uses
             far before its window's time, so the shard is not held long for them).
         ranges: (start, length) of its cached ranges. From its first read the shard
             counts in the bound as the bytes of these ranges still to be read, each freed
-            after its last planned read, so the room goes to the shards fetched next; in
-            memory mode it is held as just those bytes (sliced out when its blocks arrive,
-            the blocks dropped). Empty: held (and counted) whole until its last range.
+            after its last planned read, so the room goes to the shards fetched next; it is
+            held as just those bytes (sliced out when its blocks arrive, the blocks dropped). Empty: held (and counted) whole until its last range.
         early: how many of the first cached ranges come before the shard's window (the
             plan's windows): when the shard is not fetched yet and fetching it would
             pass the bound, such a range is read singly instead.
@@ -53,20 +58,68 @@ class PlannedShard:
     early: int = 0
 
 
+@dataclass(frozen=True, eq=False)
+class NodeShard:
+    """One shard the ranks of a node read in an epoch.
+
+    Attributes:
+        url: the shard URL.
+        size: its size in bytes (from the index).
+        name: the stem of its files, from its URL, size and change stamp
+            (:func:`wds_pad.io.nodefiles.shard_name`).
+        held: the node keeps a copy of it this epoch (some rank of the node reads it
+            whole): every read of it comes from there.
+        steps: the steps at which any process of the node reads it (sorted).
+        users: the processes of the node that read it (``local rank x workers + worker``).
+        mine: the steps of this process's reads of it, one per read, in order.
+    """
+
+    url: str
+    size: int
+    name: str
+    held: bool
+    steps: np.ndarray
+    users: frozenset[int]
+    mine: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class NodeEpoch:
+    """What the plans of a node's ranks say of one epoch, for one process of the node.
+
+    Attributes:
+        epoch: the epoch.
+        length: its steps (batches of every rank).
+        me: this process (``local rank x workers + worker``).
+        shards: every shard the node reads in the epoch, by URL.
+        order: the held shards this process reads, in order of its first read of each.
+        later: the file stem of every shard the node holds in the next epoch, with the
+            first step it reads it at: such a shard is kept after this epoch's last read.
+        span: about the steps of one window of the plan: reads of a shard closer than this
+            are one visit of it.
+    """
+
+    epoch: int
+    length: int
+    me: int
+    shards: dict[str, NodeShard]
+    order: tuple[str, ...]
+    later: Mapping[str, int]
+    span: int = 1
+
+
 class _Entry:
-    __slots__ = ("shard", "blocks", "ready", "left", "path", "started", "skip", "served", "kept", "held",
+    __slots__ = ("shard", "blocks", "left", "started", "skip", "served", "kept", "held",
                  "compacted", "remaining")
 
     def __init__(self, shard: PlannedShard) -> None:
         self.shard = shard
         self.blocks: list[concurrent.futures.Future[bytes]] = []
-        self.ready: concurrent.futures.Future[None] | None = None  # disk mode: the file exists
         self.left = shard.uses
-        self.path = ""
         self.started = False
         self.skip = shard.skip
         self.served = 0
-        # compacted (memory mode): the late ranges' bytes, once the blocks have arrived
+        # compacted: the late ranges' bytes, once the blocks have arrived
         self.kept: concurrent.futures.Future[dict[tuple[int, int], bytes]] | None = None
         self.held = 0            # the bytes it counts in the bound: its size, then its ranges' still to come
         self.compacted = False

@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -45,7 +46,7 @@ from .batchread import BatchCache, BatchReader
 from .collate import run_collation
 from .fetch import Counters, fetch, substitute
 from .live import OpenIterators, refuse_resplitting
-from .stages import PlannedSource, batch_refs, shard_schedule
+from .stages import PlannedSource, batch_refs, join_node_folder, whole_shards
 from ..state import Cursor, PlanSpec, epoch_length, make_state, restore
 from ..core.topology import Topology
 
@@ -168,6 +169,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         epoch = check_epoch(epoch)
         self.spec.plan(epoch)  # validates every argument now, in the main process
         self.read_options = read_options
+        join_node_folder(self.spec, read_options)  # a default shard folder lives as long as the job
         self.handler = handler
         self.collation_fn = collation_fn
         self.check_agreement = check_agreement
@@ -314,22 +316,23 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         if _all_local(self.spec, fetcher.reader):
             yield from self._iterate_batches(source, fetcher)
             return
-        if self.spec.locality.dealt:  # whole remote shards, as planned (io/shardcache.py)
-            fetcher.reader.follow(shard_schedule(source), source._worker(), max_shards=self.spec.window + 1)
+        # whole remote shards, as planned: the node's copies, or this process's memory (stages.whole_shards)
+        shards = whole_shards(fetcher.reader, source) if self.spec.locality is not Locality.NONE else nullcontext()
         stages, collate = self.stages, self.collation_fn
         batch: list[Any] = []
         refs: list[dict[str, Any]] = []  # the fetched samples: their keys name them in errors
         current: tuple[int, int] | None = None
-        for sample in fetcher(iter(source)):
-            key = (sample["__epoch__"], sample["__batch__"])
-            if key != current and batch:
-                out = run_collation(collate, batch, _where(refs))
-                self._advance(current)  # type: ignore[arg-type]
-                yield out
-                batch, refs = [], []
-            current = key
-            refs.append(sample)
-            batch.append(self._transform(sample, fetcher) if stages else sample)
+        with shards:
+            for sample in fetcher(iter(source)):
+                key = (sample["__epoch__"], sample["__batch__"])
+                if key != current and batch:
+                    out = run_collation(collate, batch, _where(refs))
+                    self._advance(current)  # type: ignore[arg-type]
+                    yield out
+                    batch, refs = [], []
+                current = key
+                refs.append(sample)
+                batch.append(self._transform(sample, fetcher) if stages else sample)
         if batch:
             out = run_collation(collate, batch, _where(refs))
             self._advance(current)  # type: ignore[arg-type]

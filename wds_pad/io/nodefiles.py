@@ -1,0 +1,400 @@
+"""The node cache's files: one copy of each shard in a folder that a node's processes share.
+
+A shard's file is named by the shard's identity, the URL, size and change stamp that the
+index records (:func:`shard_name`): ``<digest>-<size>.shard`` once complete,
+``<digest>-<size>.part`` while it is written. Who writes, and whether that writer still
+lives, is the kernel's word: ``flock`` locks, which it releases when their process dies.
+No process id names anything, and nothing lives in shared memory.
+
+Invariants:
+    * A ``.part`` appears already locked: its writer creates it as ``<stem>.<random>.tmp``,
+      takes an exclusive ``flock`` of it, then links it to its ``.part`` name (failing if
+      one exists). The writer holds the lock until it renames the file to ``.shard``
+      (complete) or gives up. So a ``.part`` whose lock is free is stale: the next process
+      that needs the shard takes it over and goes on from its last byte. Its bytes are a
+      prefix of the shard: written in order, from GETs checked against the same size and
+      stamp (which the name carries).
+    * A ``.shard`` is complete: renamed from a ``.part`` whose size is the indexed size.
+      A file whose size is not the one its name carries is removed, never read.
+    * Readers read a ``.part`` while it grows: a range is read once the file holds its end,
+      so no byte is read before it was written. A process reading a complete ``.shard``
+      holds a shared lock of it; eviction removes only shards nobody holds so.
+    * A writer that creates or takes over a ``.part`` checks, holding the lock, that the
+      path still names the file it locked, and that no ``.shard`` exists: a file removed
+      meanwhile is never written into, and a shard is never fetched twice by this protocol.
+    * The folder's other files: ``.lock`` (held while the folder's bytes are counted and
+      evicted) and ``<stem>.done`` (the users that finished with a shard in an epoch).
+      Nothing else is created, and nothing not named like these is removed.
+    * Files are created with mode 0o666 less the umask (as ``open`` does); a forked child
+      closes its copies of the descriptors that hold a writer's lock, so the lock dies with
+      the writer, not with the last of its children.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+import threading
+from collections import deque
+from typing import Callable, Container, Iterator
+
+from .stale import _short_read
+
+__all__ = ["shard_name"]
+
+SHARD, PART, DONE = ".shard", ".part", ".done"
+_FILE = re.compile(r"([0-9a-f]{32}-[0-9]+)(\.shard|\.part|\.done|\.[0-9a-f]{8}\.tmp)")
+_MODE = 0o666  # less the umask, as open() creates files
+_FLAGS = getattr(os, "O_CLOEXEC", 0)
+
+Get = Callable[[str, int, int], "concurrent.futures.Future[bytes]"]
+
+# descriptors that hold a writer's lock in this process: a forked child closes its copies
+_LOCKED: set[int] = set()
+_LOCKED_GUARD = threading.Lock()
+
+
+def _forget_locks() -> None:
+    for fd in list(_LOCKED):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCKED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks)
+
+
+def shard_name(url: str, size: int, stamp: str) -> str:
+    """The stem of a shard's files: a digest of its URL, size and change stamp, then its size."""
+    digest = hashlib.blake2b(f"{url}\0{size}\0{stamp}".encode("utf-8", "surrogateescape"),
+                             digest_size=16).hexdigest()
+    return f"{digest}-{int(size)}"
+
+
+def size_of(stem: str) -> int:
+    """The shard size a stem carries."""
+    return int(stem.rpartition("-")[2])
+
+
+def parse(filename: str) -> tuple[str, str] | None:
+    """(stem, suffix) of one of the cache's file names (suffix ``.tmp`` for a writer's temp
+    file); None for anything else."""
+    m = _FILE.fullmatch(filename)
+    if m is None:
+        return None
+    suffix = m.group(2)
+    return m.group(1), (".tmp" if suffix.endswith(".tmp") else suffix)
+
+
+def _path(folder: str, stem: str, suffix: str) -> str:
+    return os.path.join(folder, stem + suffix)
+
+
+def _same(fd: int, path: str) -> bool:
+    """Whether ``path`` names the file open as ``fd``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev)
+
+
+def _complete(folder: str, stem: str) -> bool:
+    try:
+        return os.stat(_path(folder, stem, SHARD)).st_size == size_of(stem)
+    except FileNotFoundError:
+        return False
+
+
+def _try_lock(fd: int, how: int) -> bool:
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _hold(fd: int) -> int:
+    with _LOCKED_GUARD:
+        _LOCKED.add(fd)
+    return fd
+
+
+def release(fd: int) -> None:
+    """Gives up a writer's lock and its descriptor."""
+    with _LOCKED_GUARD:
+        _LOCKED.discard(fd)
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+# -- reading -----------------------------------------------------------------------------
+def open_copy(folder: str, stem: str) -> tuple[int, bool] | None:
+    """A read-only descriptor of the shard's file: ``(fd, True)`` for the complete
+    ``.shard``, ``(fd, False)`` for a ``.part`` being written (or stale); None if neither
+    exists. A ``.shard`` of the wrong size is removed first."""
+    for suffix in (SHARD, PART):
+        path = _path(folder, stem, suffix)
+        try:
+            fd = os.open(path, os.O_RDONLY | _FLAGS)
+        except FileNotFoundError:
+            continue
+        if suffix == SHARD and os.fstat(fd).st_size != size_of(stem):
+            if _same(fd, path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # not the indexed size: never read
+            os.close(fd)
+            continue
+        return fd, suffix == SHARD
+    return None
+
+
+def writer_gone(fd: int) -> bool:
+    """Whether nobody holds the writer's lock of the file open as ``fd`` (a ``.part``
+    whose writer died or gave up, or a file that was renamed complete)."""
+    if not _try_lock(fd, fcntl.LOCK_SH):
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def in_use(fd: int) -> bool:
+    """Marks the complete shard open as ``fd`` as being read by this process (a shared lock,
+    gone with the descriptor or the process): :func:`remove` leaves it alone. Whether it did."""
+    return _try_lock(fd, fcntl.LOCK_SH)
+
+
+def present(folder: str, stem: str) -> bool:
+    """Whether the complete shard is in the folder."""
+    return _complete(folder, stem)
+
+
+# -- writing -----------------------------------------------------------------------------
+def claim(folder: str, stem: str) -> tuple[str, int | None]:
+    """Becomes the writer of shard ``stem``: ``("mine", fd)`` with its ``.part`` locked
+    (created, or a stale one taken over: its bytes kept), ``("busy", None)`` while another
+    process writes it, ``("present", None)`` once it is complete."""
+    part = _path(folder, stem, PART)
+    while True:
+        if _complete(folder, stem):
+            return "present", None
+        try:
+            fd = os.open(part, os.O_RDWR | _FLAGS)
+        except FileNotFoundError:
+            fd = _create(folder, stem)
+            if fd is None:
+                continue  # another writer linked its .part first, or a sweep took the temp file
+        else:
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                os.close(fd)
+                return "busy", None
+        if not _same(fd, part):  # removed, or renamed complete, after it was opened
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            continue
+        if _complete(folder, stem):  # finished by another writer before this one took the lock
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            return "present", None
+        return "mine", _hold(fd)
+
+
+def _create(folder: str, stem: str) -> int | None:
+    """A new ``.part``, locked before it has its name; None if one was linked first."""
+    tmp = _path(folder, stem, f".{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FLAGS, _MODE)
+    except FileExistsError:  # pragma: no cover - 2**32 random names
+        return None
+    try:
+        if not _try_lock(fd, fcntl.LOCK_EX):  # a sweep probing it: it may remove it
+            os.close(fd)
+            return None
+        try:
+            os.link(tmp, _path(folder, stem, PART))
+        except FileExistsError:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            return None
+        except FileNotFoundError:  # the sweep removed the temp file before the lock
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            return None
+        return fd
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: int) -> int:
+    """Fetches what the locked ``.part`` lacks, in GETs of ``block_bytes`` (``depth`` in
+    flight), written in order; the number of GETs."""
+    have = os.fstat(fd).st_size
+    if have > size:  # longer than the shard: not ours to keep
+        os.ftruncate(fd, 0)
+        have = 0
+    offsets = list(range(have, size, block_bytes))
+    pending: deque[tuple[int, int, concurrent.futures.Future[bytes]]] = deque()
+    i = 0
+    try:
+        while i < len(offsets) or pending:
+            while i < len(offsets) and len(pending) < depth:
+                off = offsets[i]
+                n = min(block_bytes, size - off)
+                pending.append((off, n, get(url, off, n)))
+                i += 1
+            off, n, fut = pending.popleft()
+            data = fut.result()
+            if len(data) != n:
+                raise _short_read(url, off, n, len(data))
+            view = memoryview(data)
+            while view:
+                written = os.pwrite(fd, view, off)
+                view, off = view[written:], off + written
+    finally:
+        for _, _, fut in pending:
+            fut.cancel()
+    return len(offsets)
+
+
+def publish(folder: str, stem: str, fd: int) -> None:
+    """Renames the locked, complete ``.part`` to ``.shard``, then lets its lock go."""
+    try:
+        if os.fstat(fd).st_size == size_of(stem) and _same(fd, _path(folder, stem, PART)):
+            os.rename(_path(folder, stem, PART), _path(folder, stem, SHARD))
+    finally:
+        release(fd)
+
+
+def abandon(folder: str, stem: str, fd: int) -> None:
+    """Gives up writing: an empty ``.part`` is removed, a started one kept for a later writer."""
+    try:
+        if os.fstat(fd).st_size == 0 and _same(fd, _path(folder, stem, PART)):
+            os.unlink(_path(folder, stem, PART))
+    finally:
+        release(fd)
+
+
+# -- the folder --------------------------------------------------------------------------
+@contextlib.contextmanager
+def folder_lock(folder: str) -> Iterator[None]:
+    """Held while the folder's bytes are counted and files evicted (one process at a time)."""
+    fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT | _FLAGS, _MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def scan(folder: str) -> list[tuple[str, str, int]]:
+    """(stem, suffix, bytes it takes: its full size for a ``.part``) of each shard file."""
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(folder):
+            parsed = parse(name)
+            if parsed is not None and parsed[1] in (SHARD, PART):
+                out.append((parsed[0], parsed[1], size_of(parsed[0])))
+    return out
+
+
+def remove(folder: str, stem: str, suffix: str) -> bool:
+    """Removes a complete shard that no process is reading (none holds :func:`in_use` of
+    it), or a stale ``.part`` (never one a live writer holds); whether it was removed."""
+    path = _path(folder, stem, suffix)
+    try:
+        fd = os.open(path, os.O_RDONLY | _FLAGS)
+    except FileNotFoundError:
+        return False
+    try:
+        if not _try_lock(fd, fcntl.LOCK_EX) or not _same(fd, path):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+def reclaim(folder: str, known: Container[str]) -> int:
+    """What dead processes left: stale ``.part`` files of shards not in ``known`` (those in
+    it are kept, for the next writer to finish), temp files of dead writers, shards of the
+    wrong size and ``.done`` lists of shards no longer here; the number removed."""
+    removed = 0
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return 0
+    stems = {p[0] for p in map(parse, names) if p is not None and p[1] in (SHARD, PART)}
+    for name in names:
+        parsed = parse(name)
+        if parsed is None:
+            continue
+        stem, suffix = parsed
+        path = os.path.join(folder, name)
+        if suffix == PART and stem not in known:
+            removed += remove(folder, stem, PART)
+        elif suffix == ".tmp":
+            removed += _remove_unlocked(path)
+        elif suffix == SHARD:
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_size != size_of(stem):
+                    os.unlink(path)
+                    removed += 1
+        elif suffix == DONE and stem not in stems:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed += 1
+    return removed
+
+
+def _remove_unlocked(path: str) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY | _FLAGS)
+    except FileNotFoundError:
+        return 0
+    try:
+        if not _try_lock(fd, fcntl.LOCK_EX):
+            return 0
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            return 1
+        return 0
+    finally:
+        os.close(fd)
+
+
+def finish(folder: str, stem: str, epoch: int, user: int, users: Container[int] | frozenset[int]) -> bool:
+    """User ``user`` has made its last planned read of the shard in ``epoch``; the last of
+    ``users`` removes the shard (which nobody plans to read again). True if it did."""
+    done = _path(folder, stem, DONE)
+    fd = os.open(done, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _FLAGS, _MODE)
+    try:
+        os.write(fd, f"{epoch} {user}\n".encode())  # one small append: whole or not at all
+    finally:
+        os.close(fd)
+    try:
+        with open(done, encoding="ascii", errors="replace") as f:
+            lines = f.read().split("\n")
+    except FileNotFoundError:
+        return False
+    finished = set()
+    for line in lines:
+        e, _, u = line.partition(" ")
+        if e == str(epoch) and u.isdigit():
+            finished.add(int(u))
+    if not all(u in finished for u in users):  # type: ignore[union-attr]
+        return False
+    for suffix in (SHARD, DONE):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_path(folder, stem, suffix))
+    return True
