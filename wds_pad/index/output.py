@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError, WriteError
 from ..io.atomic import atomic_write
+from ..io.descriptors import out_of_descriptors, runs_out
 from ..io.urls import local_path as _local
 from .codec import serialize
 from .layout import MAGIC
@@ -131,6 +132,9 @@ def _check_parent(path: str, directory: str) -> None:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     except OSError as exc:
+        if runs_out(exc):  # not the directory's fault: the process holds too many files
+            raise out_of_descriptors(f"cannot create the index output {path!r}", exc,
+                                     fewer="--workers (Python: build_index(..., workers=))") from exc
         raise _refuse(path, f"cannot be created: {_why_not(exc, ancestor)}", _fix(exc)) from exc
     try:
         os.write(fd, b"\0")  # a full filesystem takes an empty file, not a byte
