@@ -126,6 +126,7 @@ class _LocalBucket:
         np.cumsum(self.deficit, out=self.deficit_cum[1:])
         self.passes, self.m, self.base_key, self.dealt, self.dp = passes, m, base_key, dealt, dp
         self.group = group
+        self.local_pad = False  # locality="node": a node pads a bucket with its own entries
 
     def _cum_at(self, vpos: np.ndarray) -> np.ndarray:
         """Samples of b at visit positions before each of ``vpos`` (int64)."""
@@ -181,9 +182,29 @@ class _LocalBucket:
         return out
 
     def entries(self, pos: np.ndarray, dp: int) -> np.ndarray:
-        """Sample ids at global positions ``pos`` (padded ones wrap to the front): rank
-        ``q mod dp``'s entry ``q // dp``, which is its owner's entry ``j + k * group`` (the
-        ranks of a node take its entries in turn; ``j`` the rank's place on its node)."""
+        """Sample ids at global positions ``pos``: rank ``p mod dp``'s entry ``p // dp``,
+        which is its owner's entry ``j + k * group`` (the ranks of a node take its entries
+        in turn; ``j`` the rank's place on its node). A padded position (``p >= m``) copies
+        the front of the bucket's global order (shard locality) or, with nodes, the front
+        of its node's own entries, so that a node's copies are of its own shards (a node
+        with no entry of the bucket copies the global front)."""
+        if self.local_pad:
+            d, k = pos % dp, pos // dp
+            o, x = d // self.group, d % self.group + k * self.group
+            need = self.need[o]
+            over = (x >= need) & (need > 0)
+            x = np.where(over, (x - need) % np.maximum(need, 1), x)
+            out = np.empty(pos.size, np.int64)
+            inside = (pos < self.m) | over
+            if inside.any():
+                out[inside] = self.rank_entries(o[inside], x[inside])
+            if (~inside).any():
+                out[~inside] = self.entries_global(pos[~inside], dp)
+            return out
+        return self.entries_global(pos, dp)
+
+    def entries_global(self, pos: np.ndarray, dp: int) -> np.ndarray:
+        """Sample ids at global positions ``pos``, padded ones wrapping to the global front."""
         q = pos % self.m
         d, k = q % dp, q // dp
         return self.rank_entries(d // self.group, d % self.group + k * self.group)
@@ -209,6 +230,8 @@ class LocalBuckets:
             _LocalBucket(self.dealt[di], ids, passes, n * passes, length, dp,
                          derive_seed(seed, epoch, dss[di].name, key, "window"), group)
             for di, key, ids, n, passes, length in kept]
+        for bk in self.buckets:
+            bk.local_pad = stable
         self.kept_dataset = [k[0] for k in kept]
         self.dp, self.d, self.window, self.group = dp, d, window, group
         self.set_steps(int(schedule.size))

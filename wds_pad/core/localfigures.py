@@ -154,6 +154,18 @@ def _figures(plan: Any, reads: list[_Reads], shard_of: Sequence[Any], shard_byte
                            shuffle_quality=shuffle_quality(sample_at, shard_at))
 
 
+#: With ``locality="node"``, a shard of another node that a node reads this many times or
+#: more in an epoch is fetched whole for the node and kept: the samples that cross between
+#: nodes come from the same few shards every epoch, so after the first they cost no GET.
+IMPORT_READS = 2
+
+
+def imported(shards: np.ndarray) -> np.ndarray:
+    """The shards (numbers, with repeats: one per read) read at least ``IMPORT_READS`` times."""
+    uniq, count = np.unique(np.asarray(shards, np.int64), return_counts=True)
+    return uniq[count >= IMPORT_READS]
+
+
 def node_figures(plans: Sequence[Any], shard_of: Sequence[Any], lengths: Sequence[Any],
                  shard_bytes: Sequence[Any], block_bytes: int) -> NodeFigures:
     """The reading cost of one node's epoch when its processes share one copy of each shard.
@@ -173,9 +185,13 @@ def node_figures(plans: Sequence[Any], shard_of: Sequence[Any], lengths: Sequenc
         plan, count = counted.get(id(p), (p, 0))
         counted[id(p)] = (plan, count + 1)
     reads = [(_reads(plan, shard_of, lengths), count) for plan, count in counted.values()]
+    imports = any(getattr(getattr(plan, "locality", None), "value", None) == "node" for plan, _ in counted.values())
     gets = shards = single = served = alone = 0
     for di in range(len(shard_of)):
         held = np.unique(np.concatenate([r[di].whole for r, _ in reads] + [np.zeros(0, np.int64)]))
+        if imports:  # locality="node": another node's shard the node reads again is held too
+            held = np.union1d(held, imported(np.concatenate([r[di].shard[r[di].single] for r, _ in reads]
+                                                            + [np.zeros(0, np.int64)])))
         shards += int(held.size)
         gets += _blocks(shard_bytes[di], held, block_bytes)[0]
         for r, count in reads:

@@ -37,6 +37,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from .localfigures import IMPORT_READS
 from .planrecord import Batch, Plan
 
 __all__ = ["NodeUses", "ShardReads", "node_uses", "shard_reads"]
@@ -271,7 +272,11 @@ def node_uses(plans: Sequence[Plan], local_ranks: Sequence[Sequence[int]], first
     order = np.argsort(mine_keys, kind="stable")  # each row's reads, in walk order
     mine_rows = np.searchsorted(rows, mine_keys[order])
     mine_bounds = np.searchsorted(mine_rows, np.arange(rows.size + 1)).astype(np.int64)
-    return NodeUses(dataset=rows % nd, shard=rows // nd,
-                    held=np.isin(rows, np.concatenate(held)) if held else np.zeros(rows.size, bool),
+    whole = np.isin(rows, np.concatenate(held)) if held else np.zeros(rows.size, bool)
+    if any(getattr(plan.locality, "value", None) == "node" for plan in plans):
+        # another node's shard read at several steps is fetched whole and kept (the same few
+        # every epoch): core/localfigures.py IMPORT_READS
+        whole |= np.diff(bounds) >= IMPORT_READS
+    return NodeUses(dataset=rows % nd, shard=rows // nd, held=whole,
                     bounds=bounds, steps=(pairs % span).astype(np.int64), users=users,
                     mine_bounds=mine_bounds, mine_steps=mine_pos[order].astype(np.int64), length=int(length))
