@@ -52,6 +52,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--block-bytes", type=int, default=64 * 2**20)
     ap.add_argument("--cache-bytes", type=int, default=2 * 2**30)
+    ap.add_argument("--locality", choices=["shard", "node"], default="shard")
+    ap.add_argument("--local-world-size", type=int, default=0,
+                    help="processes per simulated node (0: every process on one node); each node then "
+                         "has its own folder under --cache-dir")
     ap.add_argument("--lockstep", action="store_true",
                     help="a barrier of every rank after each batch, as a training step's all-reduce makes")
     ap.add_argument("--pause", action="store_true",
@@ -79,11 +83,13 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     run = os.environ.get("NODEJOB_RUN", "0")
+    if args.local_world_size and args.cache_dir:  # a simulated node: its own folder, as another machine has
+        args.cache_dir = os.path.join(args.cache_dir, f"node{rank // args.local_world_size}")
     (Path(args.state) / f"started-{run}-rank{rank}").write_text("")  # past the rendezvous
     opts = ReadOptions(cache_dir=args.cache_dir, block_bytes=args.block_bytes, cache_bytes=args.cache_bytes,
                        max_in_flight=8)
     warnings.simplefilter("ignore", DroppedBucketWarning)
-    ds = BucketedWebDataset(args.index, batch_size=args.batch_size, seed=args.seed, locality="shard",
+    ds = BucketedWebDataset(args.index, batch_size=args.batch_size, seed=args.seed, locality=args.locality,
                             window=args.window, cp_size=args.cp, read_options=opts, check_agreement=False)
     loader = Loader(ds, num_workers=args.workers)
     state_dir = Path(args.state)
@@ -144,8 +150,9 @@ class Job:
 
     def start(self) -> "Job":
         port = free_port()
+        local = int(self._arg("--local-world-size")) if "--local-world-size" in self.args else 0
         base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(self.nprocs),
-                "LOCAL_WORLD_SIZE": str(self.nprocs), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                "LOCAL_WORLD_SIZE": str(local or self.nprocs), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1", "NODEJOB_RUN": self.run, **self.env}
         state = Path(self._arg("--state"))
         for rank in range(self.nprocs):
@@ -276,8 +283,10 @@ def expected_batches(index: str, nprocs: int, epochs: int, **kw: Any) -> dict[in
     ix = load_index(index)
     out: dict[int, dict[tuple[int, int], list[str]]] = {}
     for r in range(nprocs):
-        ds = BucketedWebDataset(ix, batch_size=kw["batch_size"], seed=kw["seed"], locality="shard", window=kw["window"],
-                                topology=Topology(nprocs, r, cp_size=kw["cp"]), check_agreement=False)
+        local = kw.get("local_world_size") or nprocs
+        ds = BucketedWebDataset(ix, batch_size=kw["batch_size"], seed=kw["seed"], locality=kw.get("locality", "shard"),
+                                window=kw["window"], topology=Topology(nprocs, r, cp_size=kw["cp"], local_world_size=local),
+                                check_agreement=False)
         out[r] = {(e, j): [ix.key(int(i)) for i in ds.plan(e)[j].samples] for e in range(epochs)
                   for j in range(len(ds.plan(e)))}
     return out

@@ -188,3 +188,31 @@ def test_a_torchrun_job_without_cache_dir_shares_a_folder_of_its_own_and_removes
            for r, e in nodejob.expected_batches(index, NPROCS, 1, **KW).items()}
     counts = nodejob.check_logs(state, NPROCS, one)
     assert counts["wrong"] == counts["missing"] == counts["unplanned"] == counts["differing"] == 0, counts
+
+
+def test_two_nodes_with_node_locality_fetch_nothing_again_after_the_first_epoch(
+        served: tuple[Any, str, int], shard_dir: Path, tmp_path: Path) -> None:
+    """2 simulated nodes x 2 ranks (LOCAL_WORLD_SIZE=2, each node its own cache_dir),
+    ``locality="node"``: a node keeps its shards, and the few other nodes' shards it reads,
+    every epoch, so from epoch 1 on the job makes (almost) no GET; bytes exact."""
+    proxy, index, blocks = served
+    kw = {**KW, "cp": 1, "locality": "node", "local_world_size": 2}
+    expected = nodejob.expected_batches(index, NPROCS, EPOCHS, **kw)
+    cache, state = tmp_path / "cache", tmp_path / "state"
+    state.mkdir()
+    args = job_args(index, shard_dir, cache, state, pause=True)
+    args[args.index("--cp") + 1] = "1"
+    job = nodejob.Job(args + ["--locality", "node", "--local-world-size", "2"], NPROCS, run="nodes").start()
+    wait_for(state / "done0", job)
+    epoch0 = proxy.requests_seen
+    (state / "go0").write_text("")
+    wait_for(state / "done1", job)
+    epoch1 = proxy.requests_seen - epoch0
+    (state / "go1").write_text("")
+    finished(job)
+    counts = nodejob.check_logs(state, NPROCS, expected)
+    assert counts["wrong"] == counts["missing"] == counts["repeated"] == counts["unplanned"] == 0, counts
+    print(f"GETs per shard, two nodes: epoch 0 {epoch0 / blocks:.2f}, epoch 1 {epoch1 / blocks:.2f}")
+    assert epoch0 <= 2 * blocks  # each node its own shards, and a few of the other's
+    assert epoch1 <= 0.05 * blocks
+    assert sorted(p.name for p in cache.iterdir()) == ["node0", "node1"]

@@ -127,6 +127,7 @@ class _LocalBucket:
         self.passes, self.m, self.base_key, self.dealt, self.dp = passes, m, base_key, dealt, dp
         self.group = group
         self.local_pad = False  # locality="node": a node pads a bucket with its own entries
+        self.stable_key = base_key  # locality="node": the key of what a node gives away, the same every epoch
 
     def _cum_at(self, vpos: np.ndarray) -> np.ndarray:
         """Samples of b at visit positions before each of ``vpos`` (int64)."""
@@ -164,7 +165,37 @@ class _LocalBucket:
         supply = self.win_cum.astype(np.int64) * self.passes   # pool entries before each window
         pos = supply[self.dealt.win_base[d]] + j
         g = np.searchsorted(supply, pos, side="right") - 1
-        return self._pool_entries(g, pos - supply[g])
+        u = pos - supply[g]
+        if not self.local_pad:
+            return self._pool_entries(g, u)
+        # a node's last window (its export shards): what it keeps in an order of the epoch,
+        # what it gives away the same samples in the same order every epoch
+        last = g == self.dealt.win_base[d + 1] - 1
+        out = np.empty(u.size, np.int64)
+        if (~last).any():
+            out[~last] = self._pool_entries(g[~last], u[~last])
+        if last.any():
+            gl, dl = g[last], d[last] if np.ndim(d) else np.full(int(last.sum()), d)
+            kept = np.clip(self.keep[dl] + supply[self.dealt.win_base[dl]] - supply[gl], 0, None)
+            out[last] = self._export_entries(gl, u[last], kept)
+        return out
+
+    def _export_entries(self, g: np.ndarray, u: np.ndarray, kept: np.ndarray) -> np.ndarray:
+        """Sample ids of pool entries u of a node's last window g, whose first ``kept``
+        entries the node keeps: one permutation of the pool that does not depend on the
+        epoch (so the entries past ``kept``, given to other nodes, are the same samples every
+        epoch), the kept ones shuffled again by an epoch's permutation."""
+        first = self.win_cum[g]
+        n_w = self.win_cum[g + 1] - first
+        inner = u < kept
+        v = u.copy()
+        if inner.any():
+            v[inner] = permute(u[inner], kept[inner], _window_keys(self.base_key ^ 0xE59, g[inner]))
+        s = permute(v, n_w * self.passes, _window_keys(self.stable_key, g))
+        vpos = first + s % n_w
+        i = np.searchsorted(self.v_cum, vpos, side="right") - 1
+        rows = self.v_row[i].astype(np.int64) + (vpos - self.v_cum[i].astype(np.int64))
+        return np.asarray(self.sorted_ids[rows], dtype=np.int64)
 
     def rank_entries(self, d: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Sample ids of entries k of ranks d, k < need[d]: own ones with foreign spread in."""
@@ -230,8 +261,9 @@ class LocalBuckets:
             _LocalBucket(self.dealt[di], ids, passes, n * passes, length, dp,
                          derive_seed(seed, epoch, dss[di].name, key, "window"), group)
             for di, key, ids, n, passes, length in kept]
-        for bk in self.buckets:
+        for bk, (di, key, *_rest) in zip(self.buckets, kept):
             bk.local_pad = stable
+            bk.stable_key = derive_seed(seed, dss[di].name, key, "export")
         self.kept_dataset = [k[0] for k in kept]
         self.dp, self.d, self.window, self.group = dp, d, window, group
         self.set_steps(int(schedule.size))
