@@ -395,9 +395,13 @@ def _elastic_phase(params: dict[str, Any]) -> dict[str, Any]:
 
     from wds_pad import BucketedWebDataset, Loader, load_state_file, save_state_file
 
+    from wds_pad import Budget
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    ds = BucketedWebDataset(params["index"], batch_size=params["batch_size"], seed=params["seed"],
-                            oversubscribe=True, locality=params.get("locality", "none"))
+    size = Budget(params["budget"]) if params.get("budget") else params["batch_size"]
+    ds = BucketedWebDataset(params["index"], batch_size=size, seed=params["seed"],
+                            oversubscribe=True, locality=params.get("locality", "none"),
+                            accumulation_steps=params.get("accumulation_steps", 1))
     loader = Loader(ds)
     if params.get("resume_from"):
         old = params["old_world"]

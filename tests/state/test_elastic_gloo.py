@@ -72,3 +72,43 @@ def test_killed_on_4_resumed_on_3_then_on_2_trains_every_sample_once(
     never = set(every) - set(trained)
     assert not twice and not never, f"trained twice: {sorted(twice)[:10]}, never: {sorted(never)[:10]}"
     assert sorted(trained) == sorted(every)
+
+
+def test_under_a_budget_killed_on_4_resumed_on_3_then_on_2_trains_every_sample_once(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """The same resized job with batches sized by a budget of payload bytes (an index built
+    with --cost bytes) and 2 micro-batches per optimizer step: every batch within the
+    budget, equal batch counts (a whole number of optimizer steps) and lockstep buckets in
+    every job, and every sample of the epoch trained exactly once over the three jobs."""
+    from wds_pad import build_index, load_index
+
+    data = session_dataset(tmp_path_factory)
+    index = str(tmp_path / "costed.wdsidx")
+    build_index(list(load_index(data["index"]).urls), "aspect:width,height", output=index, cost="bytes")
+    ix = load_index(index)
+    cost = {ix.key(i): float(ix.cost[i]) for i in range(len(ix))}
+    budget = 4 * float(sorted(cost.values())[len(cost) // 2])
+    common = {"index": index, "batch_size": 0, "budget": budget, "seed": 7, "accumulation_steps": 2}
+    jobs = [(4, {"save_at": 6}), (3, {"save_at": 4, "old_world": 4}), (2, {"old_world": 3})]
+    trained: Counter[str] = Counter()
+    for j, (world, extra) in enumerate(jobs):
+        params = {**common, **extra, "state_dir": str(tmp_path / f"state{j}")}
+        if j:
+            params["resume_from"] = str(tmp_path / f"state{j - 1}")
+        _run(world, tmp_path / f"job{j}", params, kill="save_at" in extra)
+        logs = [_log(tmp_path / f"job{j}", r) for r in range(world)]
+        if "save_at" in extra:
+            logs = [log[:extra["save_at"]] for log in logs]
+        else:
+            assert all(len(log) % 2 == 0 for log in logs), f"job {j}: not whole optimizer steps"
+        assert len({len(log) for log in logs}) == 1, f"job {j}: unequal batch counts"
+        for i in range(len(logs[0])):
+            assert len({(log[i]["step"], log[i]["bucket"]) for log in logs}) == 1, f"job {j} batch {i}: not lockstep"
+        for log in logs:
+            for b in log:
+                assert len(b["keys"]) == 1 or sum(cost[k] for k in b["keys"]) <= budget, f"job {j}: over the budget"
+        trained.update(k for log in logs for b in log for k, pad in zip(b["keys"], b["pad"]) if not pad)
+    every = [k for keys in bucket_keys_of(index).values() for k in keys]
+    twice = {k: n for k, n in trained.items() if n > 1}
+    never = set(every) - set(trained)
+    assert not twice and not never, f"trained twice: {sorted(twice)[:10]}, never: {sorted(never)[:10]}"
