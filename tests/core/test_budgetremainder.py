@@ -80,3 +80,36 @@ def test_a_budgeted_epoch_resumed_on_other_layouts_trains_each_entry_once(
                 assert c.size <= 1 or batch_cost(c, budget.model) <= budget.limit * (1 + 1e-9)
     _consume(plans, [len(p) for p in plans], got)
     assert got == want
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), seed=st.integers(0, 2**32), small=st.integers(1, 6), dp=st.integers(1, 3))
+def test_a_budgeted_shard_remainder_reads_whole_the_shards_of_each_dataset_it_visits_twice(
+        data: Any, seed: int, small: int, dp: int) -> None:
+    # two datasets; the first one's small bucket is used up early, so the remainder's bucket
+    # table is shorter than the epoch's and its indices no longer line up with it
+    rng = np.random.default_rng(seed)
+    sizes = {"a": [small, 30], "b": [30]}
+    srcs, costs = [], {}
+    for name, ns in sizes.items():
+        n = sum(ns)
+        cost = rng.lognormal(3, 0.4, n)
+        ids, at, buckets = rng.permutation(n), 0, {}
+        for b, m in enumerate(ns):
+            buckets[b], at = ids[at:at + m], at + m
+        srcs.append(ShardMap(Dataset(name, buckets, cost=cost), shard=rng.integers(0, 4, n)))
+        costs[name] = cost
+    budget = Budget(float(max(c.max() for c in costs.values()) * 2.5), "sum")
+    kw = dict(seed=5, epoch=0, batch_size=budget, policy="cyclic", locality="shard", window=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DroppedBucketWarning)
+        first = [plan_epoch(srcs, Topology(2, r), **kw) for r in range(2)]
+        steps = data.draw(st.integers(0, len(first[0])))
+        for r in range(dp):
+            plan = plan_remainder(srcs, Topology(dp, r), [Segment(2, steps=steps)], **kw).plan
+            for di, src in enumerate(srcs):
+                shard = np.concatenate([src.shard[b.samples] for b in plan if b.dataset == src.dataset.name] or
+                                       [np.zeros(0, np.int64)])
+                uniq, first_use, count = np.unique(shard, return_index=True, return_counts=True)
+                want = uniq[count >= 2][np.argsort(first_use[count >= 2], kind="stable")]
+                assert plan.buckets.local.rank_shards(di).tolist() == want.tolist()

@@ -36,10 +36,11 @@ import numpy as np
 from ..errors import StateError, StateMismatchError
 from .budget import Budget
 from .budgetplan import RankCuts, shard_cut
-from .dataset import Dataset, _as_datasets
+from .dataset import _as_datasets
 from .lockstep import lockstep_cuts
 from .locality import Locality
 from .planrecord import Bins, BucketStats, Plan, _Buckets, _rank_batches
+from .shardschedule import PlannedShardUses
 from .policy import Policy, PadTo
 from .schedule import _schedule
 from .seed import derive_seed, json_digest
@@ -168,12 +169,11 @@ class _StrataRemainder:
         return samples, pad
 
 
-class _ExplicitRemainder:
+class _ExplicitRemainder(PlannedShardUses):
     """The top level's entries of this rank (locality shard), and the shards it reads."""
 
-    def __init__(self, top: _Level, d: int, shard_map: Sequence[Any], datasets: Sequence[int],
-                 window: int) -> None:
-        self.top, self.d, self._shard_map, self._ds, self.window = top, d, shard_map, datasets, window
+    def __init__(self, top: _Level, d: int, shard_map: Sequence[Any]) -> None:
+        self.top, self.d, self._shard_map = top, d, shard_map
         self.local = self
         self.plan: Plan | None = None
         self._uses: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -187,35 +187,6 @@ class _ExplicitRemainder:
             samples[sel] = cut.ids[self.d][k[sel]]
             pad[sel] = cut.pad[self.d][k[sel]]
         return samples, pad
-
-    def _shard_uses(self, di: int) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's shards of dataset ``di`` read at least twice, in order of first use,
-        and the step of each first use (what the shard reader fetches whole)."""
-        if di not in self._uses:
-            plan = self.plan
-            assert plan is not None
-            sizes = np.diff(plan.offsets)
-            bk = np.repeat(plan.schedule[plan.batch_step], sizes)
-            ds_of = np.asarray(self._ds, np.int64)
-            sel = np.flatnonzero(ds_of[bk] == di) if bk.size else np.zeros(0, np.int64)
-            steps = np.repeat(plan.batch_step, sizes)[sel]
-            shard = np.asarray(self._shard_map[di][plan.samples[sel]], np.int64)
-            uniq, first, cnt = np.unique(shard, return_index=True, return_counts=True)
-            many = cnt >= 2
-            order = np.argsort(first[many], kind="stable")
-            self._uses[di] = (uniq[many][order], steps[first[many][order]].astype(np.int64))
-        return self._uses[di]
-
-    def rank_shards(self, di: int, d: int | None = None) -> np.ndarray:
-        return self._shard_uses(di)[0]
-
-    def window_of_step(self, di: int, steps: np.ndarray, d: int | None = None) -> np.ndarray:
-        first = self._shard_uses(di)[1]
-        j = np.searchsorted(first, np.asarray(steps, np.int64), side="right") - 1
-        return np.maximum(j, 0) // max(self.window, 1)
-
-    def foreign(self, d: int | None = None) -> int:
-        return 0
 
 
 def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[Any], *, seed: int, epoch: int,
@@ -289,7 +260,7 @@ def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[
     buckets.counts = counts_d
     if shard:
         shard_map = [dealt.layout.shard for dealt in base.buckets.local.dealt]
-        src = _ExplicitRemainder(top, d, shard_map, [di for di, _ in base.bucket_table], base.shard_window)
+        src = _ExplicitRemainder(top, d, shard_map)
         buckets.local = src
     else:
         orders = [dss[di].sorted_by_cost(key) for di, key in base.bucket_table]

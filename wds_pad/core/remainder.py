@@ -48,6 +48,7 @@ from .dataset import _as_datasets
 from .locality import Locality
 from .plan import plan_epoch
 from .planrecord import BucketStats, Plan, _at, _rank_batches
+from .shardschedule import PlannedShardUses
 from .policy import PadTo, Policy, _enum
 from .schedule import _schedule
 from .topology import Topology
@@ -224,7 +225,7 @@ def _next_level(lv: _Level, seg: Segment, epoch: int, one_run: bool, dp: int, de
     return nxt, steps
 
 
-class _RemainderBuckets:
+class _RemainderBuckets(PlannedShardUses):
     """What a remainder Plan computes its entries from (the ``local`` hook of core/plan.py)."""
 
     def __init__(self, levels: list[_Level], base: Any, d: int, shard_map: Any) -> None:
@@ -253,42 +254,6 @@ class _RemainderBuckets:
             b = lv.up[b]  # type: ignore[index]
         samples, _ = _at(self.base, b, idx)
         return samples, pad
-
-    # -- shard locality: what the shard cache reads whole (core/shardschedule.py shard_reads)
-    def _shard_uses(self, di: int) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's shards of dataset ``di`` read at least twice, in order of first use,
-        and the step of each first use. O(the rank's share)."""
-        if di not in self._uses:
-            plan = self.plan
-            assert plan is not None
-            sizes = np.diff(plan.offsets)
-            b = np.repeat(plan.schedule[plan.batch_step], sizes)
-            ds_of = np.asarray([t[0] for t in plan.bucket_table], np.int64)
-            sel = np.flatnonzero(ds_of[b] == di) if b.size else np.zeros(0, np.int64)
-            steps = np.repeat(plan.batch_step, sizes)[sel]
-            shard = np.asarray(self._shard_map[di][plan.samples[sel]], np.int64)
-            uniq, first, cnt = np.unique(shard, return_index=True, return_counts=True)
-            many = cnt >= 2  # one read of a shard: a single ranged GET costs less than the shard
-            order = np.argsort(first[many], kind="stable")
-            self._uses[di] = (uniq[many][order], steps[first[many][order]].astype(np.int64))
-        return self._uses[di]
-
-    def rank_shards(self, di: int, d: int | None = None) -> np.ndarray:
-        return self._shard_uses(di)[0]
-
-    def window_of_step(self, di: int, steps: np.ndarray, d: int | None = None) -> np.ndarray:
-        """The window (of ``rank_shards`` in visit order) that is current at each step: that
-        of the first shard first used there, else of the last one first used before."""
-        first = self._shard_uses(di)[1]
-        steps = np.asarray(steps, np.int64)
-        j = np.searchsorted(first, steps, side="left")
-        exact = (j < first.size) & (first[np.minimum(j, max(first.size - 1, 0))] == steps) if first.size else j < 0
-        at = np.where(exact, j, j - 1)
-        window = self.plan.shard_window if self.plan is not None else 1
-        return np.maximum(at, 0) // window
-
-    def foreign(self, d: int | None = None) -> int:
-        return 0
 
 
 def _digest(segments: Sequence[Segment], top: _Level, table: Sequence[tuple[int, Hashable]]) -> str:

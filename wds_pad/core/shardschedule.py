@@ -172,6 +172,51 @@ def _window_lag(shards: np.ndarray, visit: np.ndarray, window: int, step_window:
     return step_window - pos_in_visit[shards] // window
 
 
+class PlannedShardUses:
+    """Shard locality of a remainder's Plan, read off the plan itself: what the shard cache
+    reads whole (core/shardschedule.py shard_reads). O(the rank's share). The class using it
+    sets ``plan`` (once planned), ``_shard_map`` (per dataset: sample id -> shard) and ``_uses``."""
+
+    plan: Plan | None
+    _shard_map: Any
+    _uses: dict[int, tuple[np.ndarray, np.ndarray]]
+
+    def _shard_uses(self, di: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's shards of dataset ``di`` read at least twice, in order of first use,
+        and the step of each first use. O(the rank's share)."""
+        if di not in self._uses:
+            plan = self.plan
+            assert plan is not None
+            sizes = np.diff(plan.offsets)
+            b = np.repeat(plan.schedule[plan.batch_step], sizes)
+            ds_of = np.asarray([t[0] for t in plan.bucket_table], np.int64)
+            sel = np.flatnonzero(ds_of[b] == di) if b.size else np.zeros(0, np.int64)
+            steps = np.repeat(plan.batch_step, sizes)[sel]
+            shard = np.asarray(self._shard_map[di][plan.samples[sel]], np.int64)
+            uniq, first, cnt = np.unique(shard, return_index=True, return_counts=True)
+            many = cnt >= 2  # one read of a shard: a single ranged GET costs less than the shard
+            order = np.argsort(first[many], kind="stable")
+            self._uses[di] = (uniq[many][order], steps[first[many][order]].astype(np.int64))
+        return self._uses[di]
+
+    def rank_shards(self, di: int, d: int | None = None) -> np.ndarray:
+        return self._shard_uses(di)[0]
+
+    def window_of_step(self, di: int, steps: np.ndarray, d: int | None = None) -> np.ndarray:
+        """The window (of ``rank_shards`` in visit order) that is current at each step: that
+        of the first shard first used there, else of the last one first used before."""
+        first = self._shard_uses(di)[1]
+        steps = np.asarray(steps, np.int64)
+        j = np.searchsorted(first, steps, side="left")
+        exact = (j < first.size) & (first[np.minimum(j, max(first.size - 1, 0))] == steps) if first.size else j < 0
+        at = np.where(exact, j, j - 1)
+        window = self.plan.shard_window if self.plan is not None else 1
+        return np.maximum(at, 0) // window
+
+    def foreign(self, d: int | None = None) -> int:
+        return 0
+
+
 @dataclass(frozen=True, eq=False)
 class NodeUses:
     """Every read the ranks of one node make in one epoch, a row per shard they read.
