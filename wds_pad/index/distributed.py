@@ -31,7 +31,6 @@ Invariants:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import os

@@ -96,7 +96,7 @@ def _path(folder: str, stem: str, suffix: str) -> str:
     return os.path.join(folder, stem + suffix)
 
 
-def _same(fd: int, path: str) -> bool:
+def same_file(fd: int, path: str) -> bool:
     """Whether ``path`` names the file open as ``fd``."""
     try:
         st = os.stat(path)
@@ -148,7 +148,7 @@ def open_copy(folder: str, stem: str) -> tuple[int, bool] | None:
         except FileNotFoundError:
             continue
         if suffix == SHARD and os.fstat(fd).st_size != size_of(stem):
-            if _same(fd, path):
+            if same_file(fd, path):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)  # not the indexed size: never read
             os.close(fd)
@@ -196,7 +196,7 @@ def claim(folder: str, stem: str) -> tuple[str, int | None]:
             if not _try_lock(fd, fcntl.LOCK_EX):
                 os.close(fd)
                 return "busy", None
-        if not _same(fd, part):  # removed, or renamed complete, after it was opened
+        if not same_file(fd, part):  # removed, or renamed complete, after it was opened
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
             continue
@@ -270,7 +270,7 @@ def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: 
 def publish(folder: str, stem: str, fd: int) -> None:
     """Renames the locked, complete ``.part`` to ``.shard``, then lets its lock go."""
     try:
-        if os.fstat(fd).st_size == size_of(stem) and _same(fd, _path(folder, stem, PART)):
+        if os.fstat(fd).st_size == size_of(stem) and same_file(fd, _path(folder, stem, PART)):
             os.rename(_path(folder, stem, PART), _path(folder, stem, SHARD))
     finally:
         release(fd)
@@ -279,7 +279,7 @@ def publish(folder: str, stem: str, fd: int) -> None:
 def abandon(folder: str, stem: str, fd: int) -> None:
     """Gives up writing: an empty ``.part`` is removed, a started one kept for a later writer."""
     try:
-        if os.fstat(fd).st_size == 0 and _same(fd, _path(folder, stem, PART)):
+        if os.fstat(fd).st_size == 0 and same_file(fd, _path(folder, stem, PART)):
             os.unlink(_path(folder, stem, PART))
     finally:
         release(fd)
@@ -317,7 +317,7 @@ def remove(folder: str, stem: str, suffix: str) -> bool:
     except FileNotFoundError:
         return False
     try:
-        if not _try_lock(fd, fcntl.LOCK_EX) or not _same(fd, path):
+        if not _try_lock(fd, fcntl.LOCK_EX) or not same_file(fd, path):
             return False
         os.unlink(path)
         return True

@@ -35,6 +35,8 @@ from typing import Mapping
 
 from wds_pad.errors import ConfigError
 
+from .nodefiles import same_file
+
 __all__ = ["default_folder", "job_name", "node_folder"]
 
 PREFIX = "wds_pad-node-"
@@ -115,7 +117,7 @@ def join(path: str) -> str:
             except FileNotFoundError:
                 continue  # removed meanwhile: make it again
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits while the last user removes it
-            if _same(fd, os.path.join(path, ".users")):
+            if same_file(fd, os.path.join(path, ".users")):
                 _JOINED[path] = fd
                 if len(_JOINED) == 1:
                     atexit.register(_leave_all)
@@ -148,15 +150,6 @@ def _check_owner(path: str) -> None:
                           "pass ReadOptions(cache_dir=...) with a folder of your own")
 
 
-def _same(fd: int, path: str) -> bool:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev)
-
-
 def _remove_if_unused(path: str, fd: int | None = None) -> bool:
     """Renames the folder aside and deletes it if nobody holds its ``.users`` lock."""
     users = os.path.join(path, ".users")
@@ -172,7 +165,7 @@ def _remove_if_unused(path: str, fd: int | None = None) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        if not _same(fd, users):
+        if not same_file(fd, users):
             return False
         trash = os.path.join(os.path.dirname(path), _TRASH + secrets.token_hex(6))
         try:

@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
