@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import pickle
 import struct
 import zlib
 
@@ -142,6 +143,24 @@ def test_memory_filesystem_write_and_load() -> None:
         assert back.key(6) == "dir/k3"
     finally:
         fs.rm("/wds_pad_test_index", recursive=True)
+
+
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_a_loaded_index_pickles_whole_for_another_process(tmp_path, where) -> None:
+    """Its sections are parsed on first use; a pickle (what a spawned worker receives)
+    carries them parsed, and the copy has the same digest, rows and tables."""
+    url = str(tmp_path / "toy.wdsidx") if where == "file" else f"memory://wds_pad_pickle_{tmp_path.name}/toy.wdsidx"
+    try:
+        loaded = load_index(write_index(small_index(), url))
+        copy = pickle.loads(pickle.dumps(loaded))
+    finally:
+        if where == "memory":
+            fsspec.filesystem("memory").rm(f"/wds_pad_pickle_{tmp_path.name}", recursive=True)
+    assert copy.shards == small_index().shards and dict(copy.excluded) == dict(small_index().excluded)
+    assert copy.digest == loaded.digest == copy.compute_digest() and copy.path == url
+    assert [copy.key(i) for i in range(len(copy))] == [loaded.key(i) for i in range(len(loaded))]
+    for k, arr in loaded.arrays.items():
+        np.testing.assert_array_equal(copy.arrays[k], arr)
 
 
 # -- refusals -----------------------------------------------------------------------------

@@ -143,6 +143,15 @@ class Index:
             self._excluded = dict(self._excluded())
         return self._excluded  # type: ignore[return-value]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy for another process (a spawned DataLoader worker, a remote index): the
+        lazily parsed sections parsed now, the stored section bytes copied out of the buffer."""
+        state = dict(self.__dict__)
+        state["_shards"], state["_excluded"] = self.shards, self.excluded
+        if self._json_bytes is not None:
+            state["_json_bytes"] = {k: bytes(v) for k, v in self._json_bytes.items()}
+        return state
+
     # -- sizes and lookups -------------------------------------------------------------
     def __len__(self) -> int:
         return int(self.arrays["shard"].size)
