@@ -7,6 +7,8 @@ import mmap
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import zlib
 
 import fsspec
@@ -15,7 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wds_pad.errors import IndexFormatError
+from wds_pad.errors import IndexFormatError, ReadError
+from wds_pad.index import codec
 from wds_pad.index.codec import load_index
 from wds_pad.index.layout import FORMAT_VERSION, MAGIC
 from wds_pad.index.record import Index, ShardInfo
@@ -229,6 +232,42 @@ def test_refuses_missing_empty_and_directory(tmp_path) -> None:
         load_index(_write(tmp_path, b""))
     with pytest.raises(IndexFormatError, match="is a directory"):
         load_index(str(tmp_path))
+
+
+def test_an_index_opened_with_no_descriptor_left_says_to_raise_the_limit(tmp_path) -> None:
+    """A real EMFILE: a child process lowers its soft limit and fills its descriptor table."""
+    path = write_index(small_index(), str(tmp_path / "toy.wdsidx"))
+    code = f"""
+import os, resource
+from wds_pad.errors import ReadError
+from wds_pad.index.codec import load_index
+resource.setrlimit(resource.RLIMIT_NOFILE, (32, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+try:
+    load_index({path!r})
+except ReadError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert f"cannot open index {path!r}" in out.stdout and "EMFILE" in out.stdout
+    assert "ulimit -n" in out.stdout
+
+
+def test_an_index_this_account_may_not_read_says_who_can_fix_it(tmp_path, monkeypatch) -> None:
+    path = write_index(small_index(), str(tmp_path / "toy.wdsidx"))
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(codec, "open", denied, raising=False)  # root reads anything: deny it here
+    with pytest.raises(ReadError, match=r"permission denied.*chmod a\+r"):
+        load_index(path)
 
 
 def test_index_rejects_inconsistent_arrays() -> None:

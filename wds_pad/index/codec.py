@@ -28,7 +28,8 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequenc
 
 import numpy as np
 
-from ..errors import IndexFormatError
+from ..errors import IndexFormatError, ReadError
+from ..io.descriptors import out_of_descriptors, runs_out
 from ..io.urls import local_path
 from .layout import (
     ARRAYS,
@@ -194,7 +195,8 @@ def load_index(path: str, *, verify: bool | None = None,
             version-1 file: with the command that converts it), a damaged header or
             truncated sections, or (verify) a digest mismatch.
         ReadError: a remote index whose store cannot be reached, found no credentials
-            or refused the read (the message says what to check).
+            or refused the read; a local one this account may not read, or opened when
+            the process has no file descriptor left (the message says what to check).
     """
     buf: Any
     relocation = check_relocation(relocate)
@@ -208,6 +210,8 @@ def load_index(path: str, *, verify: bool | None = None,
             raise IndexFormatError(f"index {path!r} does not exist; build it with `wds-pad index`") from None
         except IsADirectoryError:
             raise IndexFormatError(f"index {path!r} is a directory, not an index file") from None
+        except OSError as exc:
+            raise _unreadable(path, exc) from None
     else:
         from ..io.faults import call_store
         from ..io.fs import get_filesystem
@@ -279,6 +283,16 @@ def load_index(path: str, *, verify: bool | None = None,
     if verify and version > 1 and index.compute_digest() != index.digest:
         raise _damaged(path, "content digest mismatch")
     return index
+
+
+def _unreadable(path: str, exc: OSError) -> ReadError:
+    """The error for a local index file that exists but cannot be opened or mapped."""
+    if runs_out(exc):
+        return out_of_descriptors(f"cannot open index {path!r}", exc, fewer="DataLoader workers or open files")
+    if isinstance(exc, PermissionError):
+        return ReadError(f"cannot read index {path!r}: permission denied for this account; ask the account "
+                         f"that built it to make it readable (chmod a+r {path}), or build one you can read")
+    return ReadError(f"cannot read index {path!r}: {exc.strerror or exc}; check the file and its filesystem")
 
 
 def _json_blob(blob: np.ndarray, path: str, what: str) -> Any:
