@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from wds_pad.index.format import Index, load_index
 from wds_pad.state import elastic_view
 from wds_pad.state.schema import fingerprint_of
 from wds_pad.state.spec import PlanSpec
+from wds_pad.stream.dataset import BucketedWebDataset
 
 SOLO = Topology(world_size=1, rank=0)
 pytestmark = pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning")
@@ -65,6 +67,22 @@ def test_planspec_refuses_mismatched_per_index_values(index: Index) -> None:
         _spec(index, repeats=(0, 1))
     with pytest.raises(ConfigError, match="name"):
         _spec(index, names=("a", "b"))
+
+
+def test_planspec_refuses_the_same_samples_twice_and_says_to_use_repeats(index: Index, tmp_path: Path) -> None:
+    """The same index (object, file loaded again, or a copy beside it) planned as two
+    datasets would read each sample twice per epoch: refused, naming both, pointing at repeats."""
+    copy = Path(index.path).with_name("copy.wdsidx")  # type: ignore[arg-type]
+    shutil.copyfile(index.path, copy)  # type: ignore[arg-type]
+    for second in (index, load_index(index.path), load_index(str(copy))):  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"index 'b' .* same samples as index 'a' .*repeats=N"):
+            _spec(index, indexes=(index, second), names=("a", "b"))
+    with pytest.raises(ConfigError, match="same samples"):
+        BucketedWebDataset([index.path, index.path], batch_size=4, seed=7, topology=SOLO)  # type: ignore[list-item]
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other = build_index(make_image_shards(other_dir, samples=20, shards=2, seed=1), "aspect:width,height")
+    assert len(_spec(index, indexes=(index, other), names=("a", "b")).plan(0)) > 0  # other samples: planned
 
 
 def test_planspec_pickles_index_as_path_and_replans_identically(index: Index) -> None:

@@ -178,7 +178,7 @@ def _refuse_twice(i: int, path: str, idx: Any, seen: dict[tuple[str, tuple[str, 
     or a copy: the same content digest and shards), which would plan each sample twice."""
     import os
 
-    j, first = seen.setdefault((idx.digest, tuple(idx.urls)), (i, path))
+    j, first = seen.setdefault(idx.samples_identity, (i, path))
     if j == i:
         return
     same_file = first == path or os.path.realpath(first) == os.path.realpath(path)

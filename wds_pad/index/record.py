@@ -201,6 +201,13 @@ class Index:
         return tuple(stored_urls(list(self.urls), self.folder)[0])
 
     @property
+    def samples_identity(self) -> tuple[str, tuple[str, ...]]:
+        """What makes two indexes the same samples: the content digest and the resolved
+        shard URLs (a copy of the file is the same samples; the same stored URLs
+        resolved elsewhere are not). Planning two such indexes reads every sample twice."""
+        return self.digest, self.urls
+
+    @property
     def urls(self) -> tuple[str, ...]:
         shards = self.shards
         cached = self.__dict__.get("_urls")

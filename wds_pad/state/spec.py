@@ -78,6 +78,15 @@ class PlanSpec:
             if len(values) != n:
                 raise ConfigError(f"PlanSpec.{name} has {len(values)} value(s) for {n} index(es)")
             object.__setattr__(self, name, tuple(values))
+        seen: dict[tuple[str, tuple[str, ...]], int] = {}
+        for k, ix in enumerate(self.indexes):
+            j = seen.setdefault(ix.samples_identity, k)
+            if j != k:
+                raise ConfigError(
+                    f"index {self.names[k]!r} ({ix.path or ix.name}) holds the same samples as index "
+                    f"{self.names[j]!r} (index {j + 1} and {k + 1} of the list: the same digest and shards): each "
+                    "sample would be planned twice per epoch, as two datasets; give each index once (to see "
+                    "every sample more than once per epoch: repeats=N)")
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
