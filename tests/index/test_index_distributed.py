@@ -5,7 +5,9 @@ missing parts (real gloo jobs of several processes)."""
 
 from __future__ import annotations
 
+import errno
 import io
+import itertools
 import json
 import os
 import re
@@ -20,9 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wds_pad.index.distributed as dist_mod
+import wds_pad.index.output as output_mod
 from dist_helpers import ROOT, launch
 from wds_pad.cli.synth import make_image_shards
-from wds_pad.errors import ConfigError, IndexFormatError
+from wds_pad.errors import ConfigError, IndexFormatError, WriteError
 from wds_pad.index.build import build_index
 from wds_pad.index.distributed import build_index_distributed, part_layout, parts_dir
 from wds_pad.index.codec import load_index, serialize
@@ -199,6 +202,39 @@ def test_distributed_refuses_a_bad_output_before_scanning(tmp_path, shards, monk
     with pytest.raises(ConfigError, match="is one of the input shards"):
         build_index_distributed(shards, "aspect", output=shards[0])
     assert seen == []
+
+
+@pytest.mark.parametrize("full_at", ["part", "merge"])
+def test_a_full_disk_is_a_write_error_and_a_rerun_keeps_what_was_finished(tmp_path, shards, monkeypatch, group,
+                                                                          full_at) -> None:
+    """No space for the 3rd part (or for the merged index): one WriteError naming the file,
+    no temp file left, the finished parts kept; the rerun scans only what is missing."""
+    out = str(tmp_path / "train.wdsidx")
+    seen = _scanned_parts(monkeypatch)
+    real = output_mod.atomic_write
+    writes: list[str] = []
+
+    def full(path, parts, **kw):
+        writes.append(path)
+        if (full_at == "part" and len(writes) == 3) or (full_at == "merge" and path == out):
+            list(itertools.islice(parts, 1))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, parts, **kw)
+
+    monkeypatch.setattr(output_mod, "atomic_write", full)
+    with pytest.raises(WriteError, match=r"No space left on device \(ENOSPC\); nothing was written") as info:
+        build_index_distributed(shards, "aspect", output=out, part_shards=2)
+    failed = writes[-1]
+    assert f"{failed!r}" in str(info.value) and "free space there" in str(info.value)
+    assert (failed == out) == (full_at == "merge") and not os.path.exists(out)
+    left = sorted(os.listdir(parts_dir(out)))
+    assert len(left) == (4 if full_at == "merge" else 2) and all(n.endswith(".wdsidx") for n in left)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    monkeypatch.setattr(output_mod, "atomic_write", real)
+    seen.clear()
+    index = build_index_distributed(shards, "aspect", output=out, part_shards=2)
+    assert seen == ([] if full_at == "merge" else [shards[4:6], shards[6:8]])
+    assert index.digest == build_index(shards, "aspect", name="train").located(out).digest
 
 
 # -- real jobs: 4 gloo processes ----------------------------------------------------------------

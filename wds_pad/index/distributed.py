@@ -42,7 +42,6 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 from ..core.seed import json_digest
 from ..errors import ConfigError, IndexFormatError, ShardError, WdsPadError
-from ..io.atomic import atomic_write
 from ..io.redact import redact
 from ..io.urls import expand_urls
 from ..version import __version__
@@ -55,7 +54,7 @@ from .merge import merged_parts
 from .record import Index
 from .jobstore import Job, failure, job_error, linger, new_job_id
 from ..io.urls import local_path as _local
-from .output import check_output
+from .output import check_output, write_local
 from .progress import Progress
 from .shardfile import Stat, stat_shards
 from .update import previous_index
@@ -107,7 +106,7 @@ def _exists(path: str, storage_options: Mapping[str, Any] | None) -> bool:
 def _write(path: str, chunks: Iterable[bytes | memoryview], storage_options: Mapping[str, Any] | None) -> None:
     local = _local(path)
     if local is not None:
-        atomic_write(local, chunks)
+        write_local(local, chunks, path, what="an index part")
         return
     from ..io.faults import call_store
     from ..io.fs import get_filesystem
@@ -338,14 +337,15 @@ def _merge(paths: Sequence[str], shard_urls: Sequence[str], layout: Sequence[tup
         check_output(output, shard_urls, force=force, storage_options=storage_options)
         local_out = _local(output)
         if local_out is not None:
-            atomic_write(local_out, merged_parts(loaded, name=name, path=output))
+            write_local(local_out, merged_parts(loaded, name=name, path=output), output)
             index = load_index(local_out, verify=False, location=output)
         else:  # a local temp file, then one upload
             from ..io.faults import call_store
             from ..io.fs import get_filesystem
 
             staged = os.path.join(tmp, "merged.wdsidx")
-            atomic_write(staged, merged_parts(loaded, name=name, path=output))
+            write_local(staged, merged_parts(loaded, name=name, path=output), staged,
+                        what="the merged index (staged for the upload)")
             fs, fpath = get_filesystem(output, storage_options)
             call_store(lambda: fs.put_file(staged, fpath), output, what="index output",
                        fix="check the output URL and that these credentials may write there")

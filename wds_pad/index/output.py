@@ -30,7 +30,7 @@ import errno
 import os
 import secrets
 import stat
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import ConfigError, WriteError
 from ..io.atomic import atomic_write
@@ -168,6 +168,23 @@ def _fix(exc: OSError) -> str:
     return "choose another output path (-o)"
 
 
+def write_local(local: str, parts: Iterable[bytes | bytearray | memoryview], path: str,
+                what: str = "the index") -> None:
+    """Write ``parts`` to the local file ``local`` atomically (``path`` names it in errors).
+
+    Raises:
+        WriteError: the write failed (no space left, the file size limit, ...): the temp
+            file is gone and ``local`` is as it was.
+    """
+    try:
+        atomic_write(local, parts)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise WriteError(f"cannot write {what} to {path!r}: {reason}"
+                         f"{f' ({errno.errorcode[exc.errno]})' if exc.errno in errno.errorcode else ''}; "
+                         f"nothing was written, {path!r} is as it was; {_fix(exc)}") from exc
+
+
 #: protocols fsspec only reads from: an index output there is refused before any scan
 _READ_ONLY = frozenset({"http", "https"})
 
@@ -235,13 +252,7 @@ def write_index(index: Index, path: str, storage_options: Mapping[str, Any] | No
     parts = serialize(index.located(path))
     local = _local(path)
     if local is not None:
-        try:
-            atomic_write(local, parts)
-        except OSError as exc:  # the temp file is gone; the target is as it was
-            reason = exc.strerror or str(exc)
-            raise WriteError(f"cannot write the index to {path!r}: {reason}"
-                             f"{f' ({errno.errorcode[exc.errno]})' if exc.errno in errno.errorcode else ''}; "
-                             f"nothing was written, {path!r} is as it was; {_fix(exc)}") from exc
+        write_local(local, parts, path)
         return local
     from ..io.faults import call_store
     from ..io.fs import get_filesystem
