@@ -6,5 +6,6 @@ shard-local plan (one process's memory, or one copy per node on disk).
 Owns: ``RangeReader``, ``ReadOptions``, ``get_filesystem``, ``expand_urls``, ``redact``,
 ``atomic_write``.
 
-May import: ``wds_pad.core`` and ``wds_pad.errors``. Nothing of index, state, stream or cli.
+May import: ``wds_pad.errors`` only. Not ``core`` (its peer: neither imports the other),
+nor anything of tar, index, state, stream or cli.
 """
