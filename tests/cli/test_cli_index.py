@@ -719,7 +719,7 @@ def test_verify_deep_prints_the_command_that_fixes_a_shard_rewritten_in_place(tm
     assert run(capsys, "verify", out, "--deep")[:2] == (0, "3 shards OK (deep)\n")
 
 
-def test_rescan_needs_update_and_one_process(tmp_path, shards, capsys, monkeypatch) -> None:
+def test_rescan_needs_update_and_a_shard_being_indexed(tmp_path, shards, capsys, monkeypatch) -> None:
     out = str(tmp_path / "train.wdsidx")
     code, _, err = run(capsys, "index", *shards, "-o", out, "--rescan", shards[0], "--no-progress")
     assert code == 2 and "--rescan scans shards again in an update: add --update" in one_error_line(err, "index")
@@ -727,9 +727,6 @@ def test_rescan_needs_update_and_one_process(tmp_path, shards, capsys, monkeypat
     code, _, err = run(capsys, "index", "--update", "-o", out, "--rescan", str(tmp_path / "other.tar"),
                        "--no-progress")
     assert code == 2 and "to rescan (--rescan) is not one of the 3 shards" in one_error_line(err, "index")
-    code, _, err = run(capsys, "index", "--update", "-o", out, "--rescan", shards[0], "--distributed",
-                       "--no-progress")
-    assert code == 2 and "--rescan runs in one process" in one_error_line(err, "index")
 
 
 def test_update_of_a_callable_index_reuses_rows_but_cannot_rescan(tmp_path, shards, capsys) -> None:

@@ -237,6 +237,46 @@ def test_a_full_disk_is_a_write_error_and_a_rerun_keeps_what_was_finished(tmp_pa
     assert index.digest == build_index(shards, "aspect", name="train").located(out).digest
 
 
+def test_rescan_redoes_only_the_part_of_a_shard_rewritten_in_place(tmp_path, shards, monkeypatch, group) -> None:
+    """A member's size rewritten with the shard's size and mtime kept: an update reuses the
+    old rows; with rescan= only the part holding that shard is scanned, and only that shard
+    in it; a part a plain update left behind is not reused for it."""
+    from data_helpers import rewrite_member_header
+    from wds_pad.tar.scan import scan_tar
+
+    out = str(tmp_path / "train.wdsidx")
+    build_index_distributed(shards, "aspect", output=out, part_shards=2)
+    with open(shards[3], "rb") as f:
+        sample = next(iter(scan_tar(f, shards[3])))
+    st = os.stat(shards[3])
+    blob = bytearray(open(shards[3], "rb").read())
+    rewrite_member_header(blob, sample.members[0], "size", size=sample.members[0].size - 1)
+    open(shards[3], "r+b").write(blob)
+    os.utime(shards[3], ns=(st.st_atime_ns, st.st_mtime_ns))
+    fresh = build_index(shards, "aspect", name="train").located(out)
+    assert load_index(out).digest != fresh.digest  # the index holds the old size
+    real_remove = dist_mod._remove_parts
+    monkeypatch.setattr(dist_mod, "_remove_parts", lambda *a: None)  # a plain update's parts stay behind
+    assert build_index_distributed(shards, "aspect", output=out, update=out, part_shards=2).digest != fresh.digest
+    monkeypatch.setattr(dist_mod, "_remove_parts", real_remove)
+    seen = _scanned_parts(monkeypatch)
+    scanned: list[str] = []
+    real_scan = dist_mod.scan_shards
+
+    def count(urls, *a, **kw):
+        rows = real_scan(urls, *a, **kw)
+        scanned.extend(u for u in urls if u in kw["rescan"])
+        return rows
+
+    monkeypatch.setattr(dist_mod, "scan_shards", count)
+    index = build_index_distributed(shards, "aspect", output=out, update=out, rescan=[shards[3]], part_shards=2)
+    assert seen == [shards[2:4]]  # the other parts, left by the plain update, reused
+    assert scanned == [shards[3]] and index.digest == fresh.digest and Path(out).read_bytes() == file_bytes(fresh)
+    assert not os.path.exists(parts_dir(out))
+    with pytest.raises(ConfigError, match="needs an update|without update"):
+        build_index_distributed(shards, "aspect", output=out, rescan=[shards[3]], part_shards=2)
+
+
 # -- real jobs: 4 gloo processes ----------------------------------------------------------------
 WORKER = """
 import os, signal, sys
@@ -309,6 +349,34 @@ def test_a_failed_rank_stops_every_rank_with_its_name(tmp_path) -> None:
         assert re.search(rf"error: {named}shard .* is broken", r.stderr), (r.rank, r.stderr)
     assert not os.path.exists(out)
 
+
+
+@pytest.mark.slow
+def test_cli_rescan_on_two_ranks_makes_verify_deep_pass(tmp_path, capsys) -> None:
+    """`wds-pad index --update -o INDEX --rescan SHARD --distributed`, as verify --deep
+    prints it, run by torchrun-style ranks: the shard rewritten in place is scanned again."""
+    from data_helpers import rewrite_member_header
+    from wds_pad.cli.app import main
+    from wds_pad.tar.scan import scan_tar
+
+    paths = make_image_shards(tmp_path / "shards", samples=40, shards=6, seed=4)
+    out = str(tmp_path / "train.wdsidx")
+    assert main(["index", *paths, "-o", out, "--bucket-by", "aspect", "--no-progress"]) == 0
+    with open(paths[4], "rb") as f:
+        sample = next(iter(scan_tar(f, paths[4])))
+    st = os.stat(paths[4])
+    blob = bytearray(open(paths[4], "rb").read())
+    member = next(m for m in sample.members if not m.name.endswith(".json"))  # the image: its header stays whole
+    rewrite_member_header(blob, member, "size", size=member.size - 1)
+    open(paths[4], "r+b").write(blob)
+    os.utime(paths[4], ns=(st.st_atime_ns, st.st_mtime_ns))
+    capsys.readouterr()
+    assert main(["verify", out, "--deep"]) == 1 and f"--rescan {paths[4]}" in capsys.readouterr().out
+    results = _job(tmp_path, "run", 2, ["--update", "-o", out, "--rescan", paths[4], "--part-shards", "2",
+                                        "--timeout", "30", "--no-progress"], expect_ok=True)
+    assert "update: 1 shard scanned, 5 unchanged" in results[0].stdout and results[1].stdout == ""
+    assert main(["verify", out, "--deep"]) == 0 and capsys.readouterr().out == "6 shards OK (deep)\n"
+    assert load_index(out).digest == build_index(paths, "aspect", name="train").located(out).digest
 
 
 def test_parts_and_output_on_s3(tmp_path, shards, moto_server, s3_bucket, monkeypatch, group) -> None:

@@ -166,9 +166,6 @@ def _cmd_index(args: argparse.Namespace) -> int:
                              step=args.step)
     distributed = args.distributed or _under_torchrun()
     if distributed:
-        if args.rescan:
-            raise _usage("index", "--rescan runs in one process: leave out --distributed (or index again "
-                                  "without --update)")
         return _run_distributed(args, urls, fn, previous, cost)
     scan_log = logging.getLogger("wds_pad.tar.scan")
     level = scan_log.level
@@ -228,6 +225,7 @@ def _run_distributed(args: argparse.Namespace, urls: list[str], fn: Any, previou
 
     from ..errors import ConfigError
     from ..index.distributed import build_index_distributed
+    from ..io.urls import expand_urls
 
     missing = [k for k in _TORCHRUN_ENV if not os.environ.get(k)]
     if missing:
@@ -252,12 +250,13 @@ def _run_distributed(args: argparse.Namespace, urls: list[str], fn: Any, previou
             urls, fn, output=args.output, workers=args.workers, on_error=args.on_error,
             update=previous, name=args.name,
             progress=not args.no_progress, force=args.force, part_shards=args.part_shards,
-            timeout=float(args.timeout), cost=cost)
+            timeout=float(args.timeout), cost=cost, rescan=args.rescan if previous is not None else None)
     finally:
         log.removeHandler(handler)
         log.setLevel(saved)
         if made and dist.is_initialized():
             dist.destroy_process_group()
     if index is not None:
-        _report(index, args.output, time.monotonic() - start, previous)
+        _report(index, args.output, time.monotonic() - start, previous,
+                expand_urls(args.rescan) if args.rescan else ())
     return 0

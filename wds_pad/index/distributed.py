@@ -38,7 +38,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 from ..core.seed import json_digest
 from ..errors import ConfigError, IndexFormatError, ShardError, WdsPadError
@@ -57,7 +57,7 @@ from ..io.urls import local_path as _local
 from .output import check_output, write_local
 from .progress import Progress
 from .shardfile import Stat, stat_shards
-from .update import previous_index
+from .update import previous_index, update_and_rescan
 
 __all__ = ["build_index_distributed", "part_layout"]
 
@@ -78,12 +78,16 @@ def parts_dir(output: str) -> str:
 
 
 def part_digest(urls: Sequence[str], stats: Sequence[Stat | None], fn: BucketFn, on_error: str,
-                cost: CostFn | None = None) -> str:
-    """What decides a part's content, hashed (a shard whose stat failed: ``None``)."""
+                cost: CostFn | None = None, rescan: Collection[str] = ()) -> str:
+    """What decides a part's content, hashed (a shard whose stat failed: ``None``; a
+    shard named in ``rescan`` is marked, so a part written from its old rows is not reused)."""
     doc = {"part": _PART_VERSION, "format": FORMAT_VERSION, "wds_pad": __version__, "bucket_by": fn.describe(),
            "on_error": on_error, "shards": [[u, list(s) if s is not None else None] for u, s in zip(urls, stats)]}
     if cost is not None:  # (a part without costs keeps the digest it always had)
         doc["cost"] = cost.describe()
+    again = [u for u in urls if u in rescan]
+    if again:  # (and so does a part with no shard to rescan)
+        doc["rescan"] = again
     return json_digest(doc, size=12)
 
 
@@ -134,6 +138,7 @@ def build_index_distributed(
     part_shards: int = 64,
     timeout: float = 600.0,
     cost: CostFn | str | None = None,
+    rescan: str | Iterable[str] | None = None,
 ) -> Index | None:
     """Index tar shards with every rank of the default torch.distributed process group.
 
@@ -149,6 +154,8 @@ def build_index_distributed(
         part_shards: shards per part (the unit of work and of a rerun's reuse); the
             layout depends on it and the shard list only, not on the world size.
         timeout: seconds a rank may go without a heartbeat before the job is stopped.
+        rescan: with ``update``, shards scanned again whatever their size and change
+            stamp (as for :func:`wds_pad.build_index`); a part holding one is redone.
 
     Returns:
         On rank 0 the merged Index (loaded from ``output``), on the other ranks None.
@@ -183,13 +190,16 @@ def build_index_distributed(
         try:
             shard_urls = expand_urls(urls, storage_options)
             check_output(output, shard_urls, force=force, storage_options=storage_options)
-            box[0] = {"ok": True, "urls": shard_urls, "job": new_job_id()}
+            again = update_and_rescan(update, rescan, output, shard_urls, storage_options)[1]
+            box[0] = {"ok": True, "urls": shard_urls, "job": new_job_id(), "rescan": sorted(again)}
         except WdsPadError as exc:
             box[0] = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
     dist.broadcast_object_list(box, src=0)
     if not box[0]["ok"]:
         raise job_error(box[0])
     shard_urls: list[str] = box[0]["urls"]
+    again = frozenset(box[0]["rescan"])
+    update = update_and_rescan(update, None, output, shard_urls, storage_options)[0]
     layout = part_layout(len(shard_urls), part_shards)
     folder = parts_dir(output)
     final_name = name or default_name(output, shard_urls)
@@ -206,7 +216,7 @@ def build_index_distributed(
         for i in own:
             urls_i = shard_urls[layout[i][0]:layout[i][1]]
             st = [stats[u] for u in urls_i]
-            path = f"{folder}/part-{i:06d}-{part_digest(urls_i, st, fn, on_error, cost_fn)}.wdsidx"
+            path = f"{folder}/part-{i:06d}-{part_digest(urls_i, st, fn, on_error, cost_fn, again)}.wdsidx"
             done = _exists(path, storage_options)
             mine["parts"][i] = {"path": path, "done": done,
                                 "stats": None if done else {u: s for u, s in zip(urls_i, st) if s is not None}}
@@ -240,7 +250,7 @@ def build_index_distributed(
                 rows = scan_shards(shard_urls[lo:hi], fn, workers=workers, on_error=on_error,
                                    storage_options=storage_options, bar=Progress(total=0, enabled=False),
                                    previous=previous, stats={u: tuple(s) for u, s in parts[i]["stats"].items()},
-                                   cost=cost_fn)
+                                   cost=cost_fn, rescan=again)
                 index = rows_index(rows, fn, on_error, "part", cost=cost_fn)
                 _write(paths[i], serialize(index), storage_options)
                 job.add("parts_done", 1)
