@@ -193,7 +193,7 @@ def test_s3_resume_through_loader_workers(moto_server: MotoServer, s3_index: tup
 def test_s3_index_streams_through_spawned_workers(moto_server: MotoServer, s3_index: tuple[str, Index]) -> None:
     """Spawned workers receive the remote index pickled (a local one travels as its path)."""
     options = moto_server.storage_options
-    make = lambda: _ds(s3_index[0], storage_options=options, seed=9, locality="shard")  # noqa: E731
+    make = lambda: _ds(s3_index[0], storage_options=options, seed=9)  # noqa: E731
     spawned = batch_keys(Loader(make(), num_workers=2, multiprocessing_context="spawn"))
     assert spawned == batch_keys(make()) and len(spawned) > 10
 

@@ -168,7 +168,8 @@ def test_resume_mid_window_in_a_fresh_reader_fetches_no_finished_shard(proxied: 
 
 @pytest.mark.parametrize("shared", ["cache_dir", "default"])
 def test_two_workers_share_the_rank_s_shards_through_the_node_folder(proxied: tuple[Any, Any], tmp_path: Path,
-                                                                     reference: dict[str, Any], shared: str) -> None:
+                                                                     reference: dict[str, Any], shared: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Workers share whole shards through the node's folder (cache_dir, or by default one in
     the temporary directory named after the job): each shard the rank holds is fetched once,
     every read of it comes from that copy, and what stays after the epoch is what the rank
@@ -178,6 +179,8 @@ def test_two_workers_share_the_rank_s_shards_through_the_node_folder(proxied: tu
 
     proxy, index = proxied
     folder = tmp_path / "cache" if shared == "cache_dir" else None
+    if folder is None:  # a job of its own: this process's default folder may hold other tests' shards
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"shardcache-{tmp_path.name}")
     ds = dataset(index, read_options=ReadOptions(block_bytes=BLOCK, cache_dir=folder and str(folder)))
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     batches = list(loader)
@@ -193,6 +196,8 @@ def test_two_workers_share_the_rank_s_shards_through_the_node_folder(proxied: tu
     left = Path(folder if folder is not None else default_folder())
     names = {p.name for p in left.iterdir() if p.suffix in (".shard", ".part", ".done", ".tmp")}
     assert names == {s.name + ".shard" for s in held if s.name in node.later}
+    if folder is None:
+        shutil.rmtree(left)  # no process of this job is left to remove it
 
 
 @pytest.mark.parametrize("workers", [0, 2])

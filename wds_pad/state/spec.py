@@ -79,7 +79,7 @@ class PlanSpec:
                 raise ConfigError(f"PlanSpec.{name} has {len(values)} value(s) for {n} index(es)")
             object.__setattr__(self, name, tuple(values))
         seen: dict[tuple[str, tuple[str, ...]], int] = {}
-        for k, ix in enumerate(self.indexes):
+        for k, ix in enumerate(self.indexes if n > 1 else ()):
             j = seen.setdefault(ix.samples_identity, k)
             if j != k:
                 raise ConfigError(
