@@ -67,10 +67,10 @@ def test_imports_run_downward_only(path: Path) -> None:
             f"{path.relative_to(ROOT)}:{line} imports {target} ({theirs} stands above {mine})")
 
 
-def test_the_top_level_holds_only_the_api_errors_the_version_and_the_moved_names() -> None:
+def test_the_top_level_holds_only_the_api_errors_and_the_version() -> None:
     # __main__.py: `python -m wds_pad` (and `torchrun -m wds_pad index ...`) runs the CLI
     assert sorted(p.name for p in PACKAGE.glob("*.py")) == [
-        "__init__.py", "__main__.py", "_moved.py", "errors.py", "version.py"]
+        "__init__.py", "__main__.py", "errors.py", "version.py"]
 
 
 @pytest.mark.parametrize("name", ["errors.py", "version.py"])
@@ -138,72 +138,11 @@ def test_core_never_reads_the_clock(path: Path) -> None:
                 f"{path.name}:{node.lineno} imports {name}: the planner must not depend on the clock "
                 "or a global RNG")
 
+@pytest.mark.parametrize("old", ["wds_pad.plan", "wds_pad.dataset", "wds_pad.stages", "wds_pad.index.tarscan",
+                                 "wds_pad.index.format", "wds_pad.buckets"])
+def test_a_module_lives_at_one_path(old: str) -> None:
+    # public names come from wds_pad itself; a module is imported from where it is
+    import importlib
 
-def test_old_module_paths_still_import_with_a_warning() -> None:
-    code = ("import warnings; warnings.simplefilter('error');\n"
-            "import wds_pad\n"
-            "try:\n    import wds_pad.dataset\nexcept DeprecationWarning as w: print(w)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert "wds_pad.dataset moved to wds_pad.stream.dataset" in done.stdout, done.stderr
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from wds_pad.plan import plan_epoch as old  # type: ignore[import-not-found]
-    from wds_pad import plan_epoch
-    assert old is plan_epoch
-
-
-@pytest.mark.parametrize(("old", "new", "name"), [
-    ("wds_pad.index.tarscan", "wds_pad.tar.scan", "scan_tar"),
-    ("wds_pad.index.tarrows", "wds_pad.tar.lean", "scan_rows"),
-    ("wds_pad.index.tarcols", "wds_pad.tar.columns", "ScanRows"),
-    ("wds_pad.index.tarentry", "wds_pad.tar.headers", "read_entry"),
-    ("wds_pad.index.tarread", "wds_pad.tar.members", "ScannedSample"),
-    ("wds_pad.tarscan", "wds_pad.tar.scan", "parse_sample"),
-    ("wds_pad._tarrows", "wds_pad.tar.lean", "scan_many"),
-    ("wds_pad.index.bucket_spec", "wds_pad.index.buckets.spec", "parse_bucket_by"),
-    ("wds_pad.index.bucket_protocol", "wds_pad.index.buckets.protocol", "BucketFn"),
-    ("wds_pad.index.bucket_columns", "wds_pad.index.buckets.columns", "AspectColumns"),
-    ("wds_pad.index.bucket_ratios", "wds_pad.index.buckets.ratios", "parse_ratios"),
-    ("wds_pad.index.bucket_user", "wds_pad.index.buckets.user", "wrap_callable"),
-    ("wds_pad.index.imagesize", "wds_pad.index.buckets.imagesize", "image_size"),
-    ("wds_pad._imagesize", "wds_pad.index.buckets.imagesize", "image_size_or_none"),
-])
-def test_old_dotted_paths_import_the_same_objects_with_a_warning(old: str, new: str, name: str) -> None:
-    code = (f"import warnings, importlib; warnings.simplefilter('error')\n"
-            f"import wds_pad, {new} as new\n"
-            f"try:\n    importlib.import_module({old!r})\nexcept DeprecationWarning as w: print(w)\n"
-            f"warnings.simplefilter('ignore')\n"
-            f"old = importlib.import_module({old!r})\n"
-            f"print(getattr(old, {name!r}) is getattr(new, {name!r}))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    warning, same = done.stdout.strip().splitlines()
-    assert warning.startswith(f"{old} moved to {new}"), warning
-    assert same == "True"
-
-
-def test_the_old_buckets_module_is_the_sub_package_and_offers_its_names() -> None:
-    from wds_pad.index import buckets
-    from wds_pad.index.buckets import builtin, imagesize, user
-    assert buckets.AspectBuckets is builtin.AspectBuckets and buckets.image_size is imagesize.image_size
-    assert buckets.wrap_callable is user.wrap_callable
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from wds_pad.buckets import ImageBuckets  # type: ignore[import-not-found]
-    assert ImageBuckets is builtin.ImageBuckets
-
-
-def test_the_split_format_module_offers_the_names_of_all_its_parts() -> None:
-    import warnings
-
-    from wds_pad.index import codec, layout, merge, record, rows
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from wds_pad.index import format as old  # type: ignore[attr-defined]
-    assert old.Index is record.Index and old.ShardInfo is record.ShardInfo
-    assert old.load_index is codec.load_index and old.serialize is codec.serialize
-    assert old.merged_parts is merge.merged_parts and old.make_index is rows.make_index
-    assert old.FORMAT_VERSION == layout.FORMAT_VERSION and old.MEMBER_ARRAYS is layout.MEMBER_ARRAYS
-    assert {"Index", "load_index", "merged_parts", "make_index", "FORMAT_VERSION"} <= set(old.__all__)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)

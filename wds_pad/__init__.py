@@ -34,7 +34,6 @@ from .errors import (
     WorkerStartWarning,
     WriteError,
 )
-from . import _moved
 from .core.budget import Budget, BudgetModel
 from .core.dataset import Dataset, IdRange
 from .core.locality import Locality, ShardMap

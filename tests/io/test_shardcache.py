@@ -23,7 +23,8 @@ from wds_pad.index.build import build_index
 from wds_pad.io.ranges import ReadOptions
 from wds_pad.io.shardcache import PlannedShard, ShardCache
 from wds_pad.stream.dataset import BucketedWebDataset
-from wds_pad.stream.stages import PlannedSource, Position, shard_schedule
+from wds_pad.state.cursor import Position
+from wds_pad.stream.stages import PlannedSource, shard_schedule
 
 pytest_plugins = ["conftest_servers"]
 

@@ -25,7 +25,8 @@ from wds_pad.core.remainder import Segment, plan_remainder
 from wds_pad.core.topology import Topology
 from wds_pad.errors import ConfigError
 from wds_pad.index.build import build_index
-from wds_pad.index.format import Index, load_index
+from wds_pad.index.codec import load_index
+from wds_pad.index.record import Index
 from wds_pad.state import elastic_view
 from wds_pad.state.schema import fingerprint_of
 from wds_pad.state.spec import PlanSpec
@@ -132,16 +133,3 @@ def test_fingerprint_fields_are_the_state_plan_block(index: Index) -> None:
     shard = _spec(index, locality=Locality.SHARD, window=3).fingerprint_fields()
     assert (shard["locality"], shard["window"], shard["shard_order"]) == ("shard", 3, "fifo")
 
-
-def test_old_paths_still_offer_the_spec_and_the_position(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib
-    import sys
-
-    monkeypatch.delitem(sys.modules, "wds_pad.stages", raising=False)
-    with pytest.warns(DeprecationWarning, match="wds_pad.stages moved to wds_pad.stream.stages"):
-        old = importlib.import_module("wds_pad.stages")
-    from wds_pad import Position
-    from wds_pad.stream.stages import PlanSpec as again
-
-    assert old.PlanSpec is again is PlanSpec and old.Position is Position
-    assert {"PlanSpec", "Position"} <= set(old.__all__)

@@ -34,7 +34,8 @@ from wds_pad.core.policy import Mode
 from wds_pad.io.ranges import RangeReader, ReadOptions
 from wds_pad.stream.fetch import BIG_SAMPLE, META_KEYS, Counters, expand, fetch, substitute
 from wds_pad.state.spec import PlanSpec
-from wds_pad.stream.stages import PlannedSource, Position, batch_refs, plan_batched
+from wds_pad.state.cursor import Position
+from wds_pad.stream.stages import PlannedSource, batch_refs, plan_batched
 from wds_pad.core.topology import Topology
 
 SOLO = Topology(world_size=1, rank=0)

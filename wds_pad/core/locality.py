@@ -69,10 +69,9 @@ import numpy as np
 
 from ..errors import ConfigError
 from .dataset import Dataset, IdRange
-from .localfigures import LocalityFigures, figures  # noqa: F401 - also core.locality names
 from .seed import derive_rng
 
-__all__ = ["Locality", "LocalityFigures", "ShardMap", "figures", "node_group", "shard_map_of"]
+__all__ = ["Locality", "ShardMap", "node_group", "shard_map_of"]
 
 class Locality(str, Enum):
     """How a bucket's global order is drawn: ``none`` (all shards), ``shard`` (each epoch's

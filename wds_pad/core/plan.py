@@ -46,15 +46,14 @@ from typing import Any, Hashable, Iterator
 import numpy as np
 
 from ..errors import ConfigError, DroppedBucketWarning
-from .dataset import Dataset, _as_datasets, bucket_order  # noqa: F401 - also the old wds_pad.plan names
+from .dataset import _as_datasets
 from .localbuckets import LocalBuckets
 from .locality import Locality, node_group
 from .permute import round_keys
 from .budget import Budget
 from .budgetplan import plan_buckets
 from .planrecord import Batch, Bins, BucketStats, Plan, _Buckets, _rank_batches
-from .policy import (  # noqa: F401 - MAX_EPOCH and resolve_policy: also the old wds_pad.plan names
-    MAX_EPOCH,
+from .policy import (
     MAX_PLANNED_ENTRIES,
     Mode,
     PadTo,

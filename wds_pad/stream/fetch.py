@@ -34,7 +34,7 @@ from ..io.ranges import LocalReadAhead, RangeReader, ReadOptions
 from ..core.seed import derive_rng
 from ..tar.names import slice_sample, slice_sample_at
 from ..tar.scan import parse_sample, parse_sample_at
-from .stages import PlanSpec
+from ..state.spec import PlanSpec
 
 __all__ = ["Counters", "fetch"]
 

@@ -47,8 +47,8 @@ from ..io.options import ReadOptions
 from ..io.shardplan import NodeEpoch, NodeShard
 from ..io.urls import is_local
 from ..state.elastic import ElasticView
-from ..state.cursor import Cursor, Position  # noqa: F401 - Position: also an old stream.stages name
-from ..state.spec import PlanSpec, _IndexRef  # noqa: F401 - also the old stream.stages names
+from ..state.cursor import Cursor
+from ..state.spec import PlanSpec
 from ..tar.members import KEY_ERRORS
 from .batchread import BatchCache, BatchReader, member_refs
 from .collate import run_collation
