@@ -590,80 +590,30 @@ def test_verify_deep_prints_plain_ints_and_says_renamed(tmp_path, capsys) -> Non
     assert f"STALE {url}: sample 'a' was renamed: the sample at byte offset 0 is now key 'c'" in stdout
 
 
-# -- version-1 files, --update without URLs, --distributed ----------------------------------------
-def write_v1(index, path: str) -> str:
-    """``index`` written as a version-1 file (rows in shard order, wide columns, the shard
-    table and excluded samples in the header): what wds_pad wrote before format 2 (checked
-    byte for byte against ``git show f052939~1:wds_pad/index/format.py``'s ``serialize``)."""
-    import hashlib
+# -- files of an earlier format, --update without URLs, --distributed -----------------------------
+def test_an_index_of_format_version_1_is_refused_in_one_line_with_the_command_that_rebuilds_it(
+        tmp_path, shards, capsys) -> None:
     import json as _json
     import struct
     import zlib
 
-    order = np.lexsort((index.offset, index.shard))
-    keys = [index.key(int(i)).encode() for i in order]
-    key_offsets = np.zeros(len(keys) + 1, np.int64)
-    np.cumsum([len(k) for k in keys], out=key_offsets[1:])
-    arrays = {"shard": index.shard[order].astype(np.int32), "offset": index.offset[order].astype(np.int64),
-              "length": index.length[order].astype(np.int64), "bucket": index.bucket[order].astype(np.int32),
-              "exts": index.arrays["exts"][order].astype(np.uint64), "key_offsets": key_offsets,
-              "keys": np.frombuffer(b"".join(keys), np.uint8)}
-    buckets = [list(b) if isinstance(b, tuple) else b for b in index.buckets]
-    h = hashlib.blake2b(digest_size=16)
-    head = {"shards": [[s.url, s.size, s.stamp, s.samples] for s in index.shards], "buckets": buckets,
-            "exts": list(index.exts)}
-    h.update(_json.dumps(head, sort_keys=True).encode())
-    for a in arrays.values():
-        h.update(np.ascontiguousarray(a).data)
-    layout, pos = {}, 0
-    for k, a in arrays.items():
-        layout[k] = {"dtype": a.dtype.str, "offset": pos, "count": int(a.size)}
-        pos += -(-a.nbytes // 64) * 64
-    header = {"format": "wds_pad.index", "version": 1, "name": index.name, "samples": len(index),
-              "shards": [s.to_json() for s in index.shards], "buckets": buckets, "bucket_by": dict(index.bucket_by),
-              "exts": list(index.exts), "excluded": dict(index.excluded), "digest": h.hexdigest(), "arrays": layout}
-    raw = _json.dumps(header, sort_keys=True).encode()
-    out = [struct.pack("<8sIIQ", b"WDSPADIX", 1, zlib.crc32(raw), len(raw)), raw, b"\0" * (-(24 + len(raw)) % 64)]
-    for a in arrays.values():
-        out += [a.tobytes(), b"\0" * (-a.nbytes % 64)]
-    with open(path, "wb") as f:
-        f.write(b"".join(out))
-    return path
-
-
-def test_the_v1_refusal_command_converts_in_place_rescanning_nothing(tmp_path, shards, capsys, monkeypatch) -> None:
-    """The command a version-1 index is refused with runs as printed: it reuses every
-    shard's rows (no scan), keeps the bucketing, and writes version 2 with the rows of a
-    fresh build."""
-    import shlex
-
     from wds_pad.errors import IndexFormatError
-    from wds_pad.index.build import build_index
 
     out = str(tmp_path / "train.wdsidx")
-    fresh = build_index(shards, "aspect", name="train")
-    write_v1(fresh, out)
-    with pytest.raises(IndexFormatError, match="format version 1") as info:
+    raw = _json.dumps({"format": "wds_pad.index", "version": 1, "arrays": {}}).encode()
+    with open(out, "wb") as f:
+        f.write(struct.pack("<8sIIQ", b"WDSPADIX", 1, zlib.crc32(raw), len(raw)) + raw)
+    with pytest.raises(IndexFormatError) as info:
         load_index(out)
-    command = re.search(r"`(wds-pad index [^`]*)`", str(info.value)).group(1)
-    assert command == f"wds-pad index --update -o {out}"
-    monkeypatch.setattr(indexer_mod, "scan_many", lambda *a, **kw: pytest.fail("a shard was rescanned"))
-    code, stdout, stderr = run(capsys, *shlex.split(command)[1:], "--no-progress")
-    assert code == 0, stderr
-    assert "update: 0 shards scanned, 3 unchanged" in stdout
-    from wds_pad.index.layout import ARRAYS
-
-    converted = load_index(out)  # version 2 now: a plain load reads it
-    assert (converted.name, converted.buckets, converted.bucket_by, converted.exts, converted.shards,
-            converted.excluded) == (fresh.name, fresh.buckets, fresh.bucket_by, fresh.exts, fresh.shards, fresh.excluded)
-    for k in ARRAYS:  # every row as a fresh build has it (v1 recorded no member table: none is made up)
-        np.testing.assert_array_equal(converted.arrays[k], fresh.arrays[k], err_msg=k)
-    assert not converted.has_members or not converted.arrays["member_ext"].size
-    # the Python API reads a version-1 file given as update=PATH the same way
-    write_v1(fresh, out)
-    again = build_index(shards, "aspect", update=out, name="train")
-    for k in ARRAYS:
-        np.testing.assert_array_equal(again.arrays[k], fresh.arrays[k], err_msg=k)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"index {out!r} has format version 1, written by an earlier wds_pad 0.1" in message
+    assert f"rebuild it with `wds-pad index SHARDS... -o {out}`" in message
+    # an update reads the previous index first: the same line, nothing written
+    code, _, stderr = run(capsys, "index", *shards, "--update", "-o", out, "--no-progress")
+    assert code != 0 and "has format version 1" in stderr
+    with open(out, "rb") as f:
+        assert f.read(12)[8:] == struct.pack("<I", 1)
 
 
 def test_update_without_urls_rescans_only_changed_shards_bucketed_as_before(tmp_path, shards, capsys,

@@ -23,17 +23,16 @@ SHARDS = [["/data/a.tar", 1000, "mtime=1.5", 3], ["/data/b.tar", 2048, "etag=x",
 TOPO = Topology(world_size=4, rank=3)
 
 
-def _fields() -> tuple[dict[str, Any], str, str]:
-    fields, legacy = shard_plan_fields(7, SHARDS, 8, TOPO.dp_size)
-    return fields, legacy, fingerprint_of(fields)
+def _fields() -> tuple[dict[str, Any], str]:
+    fields = shard_plan_fields(7, SHARDS, 8, TOPO.dp_size)
+    return fields, fingerprint_of(fields)
 
 
-def test_the_plan_block_and_both_fingerprints_are_the_ones_saved_states_hold() -> None:
-    fields, legacy, fp = _fields()
+def test_the_plan_block_and_the_fingerprint_are_the_ones_saved_states_hold() -> None:
+    fields, fp = _fields()
     shards = hashlib.blake2b(json.dumps(SHARDS).encode(), digest_size=16).hexdigest()
     want = {"order": ORDER, "seed_hash": stable_digest(7, size=8).hex(), "shards": shards, "num_shards": 2,
             "samples": 8}
-    assert legacy == hashlib.blake2b(json.dumps(want, sort_keys=True).encode(), digest_size=16).hexdigest()
     assert fields == {**want, "dp_size": 4} and list(fields) == [*want, "dp_size"]
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     assert fp == hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
@@ -41,18 +40,18 @@ def test_the_plan_block_and_both_fingerprints_are_the_ones_saved_states_hold() -
 
 
 def test_a_state_round_trips_through_a_pinned_cursor() -> None:
-    fields, legacy, fp = _fields()
+    fields, fp = _fields()
     progress = ShardProgress((WorkerPosition(1, 512, 4), WorkerPosition(0, 0, 2)), 1, False)
     state = make_shard_state(Cursor(2, shards=progress), TOPO, fp, fields)
     assert (state["kind"], state["epoch"], state["index"], state["num_workers"], state["next_worker"]) == \
         ("shards", 2, 6, 2, 1)
     assert state["workers"][0] == {"shard": 1, "offset": 512, "yielded": 4}
     assert state["per_rank"]["rank3"]["workers"] == state["workers"]
-    back = restore_shards(state, topology=TOPO, fingerprint=fp, fields=fields, legacy_fingerprint=legacy)
+    back = restore_shards(state, topology=TOPO, fingerprint=fp, fields=fields)
     assert back == Cursor(2, shards=progress, pinned=True)
-    other, _ = shard_plan_fields(8, SHARDS, 8, TOPO.dp_size)
+    other = shard_plan_fields(8, SHARDS, 8, TOPO.dp_size)
     with pytest.raises(StateMismatchError, match="seed_hash"):
-        restore_shards(state, topology=TOPO, fingerprint=fingerprint_of(other), fields=other, legacy_fingerprint="")
+        restore_shards(state, topology=TOPO, fingerprint=fingerprint_of(other), fields=other)
 
 
 @pytest.mark.parametrize("damage", [

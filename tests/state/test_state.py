@@ -274,31 +274,33 @@ def test_every_field_verification_reads_is_type_checked(indexes: tuple[Index, In
     assert ds.state_dict() == before
 
 
-def _as_version_1(state: dict[str, Any], ds: BucketedWebDataset) -> dict[str, Any]:
-    old = json.loads(json.dumps(state))
-    old["version"] = 1
-    old["fingerprint"] = ds.spec.legacy_fingerprint()
-    for name in ("dp_size", "mode"):
-        del old["plan"][name]
-    return old
-
-
-def test_a_version_1_state_resumes_only_with_its_topology(indexes: tuple[Index, Index]) -> None:
-    a, _ = indexes
-    ds = make(a, topology=Topology(1, 0))
+def test_a_state_of_version_1_is_refused_in_one_line_naming_its_version(indexes: tuple[Index, Index]) -> None:
+    ds = make(indexes[0], topology=Topology(1, 0))
     it = iter(ds)
-    head = keys([next(it), next(it)])
-    old = _as_version_1(ds.state_dict(), ds)
-    full = keys(make(a, topology=Topology(1, 0)))
-    again = make(a, topology=Topology(1, 0))
-    again.load_state_dict(old)
-    assert head + keys(again) == full
-    del old["topology"]
-    with pytest.raises(TopologyMismatchError, match="version 1, whose fingerprint does not cover"):
-        make(a, topology=Topology(1, 0)).load_state_dict(old)
+    next(it)
+    old = json.loads(json.dumps(ds.state_dict()))
+    old["version"] = 1
+    before = ds.state_dict()
+    with pytest.raises(StateError) as info:
+        ds.load_state_dict(old)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "loader state version 1 is not supported: it was written by an earlier wds_pad 0.1; this wds_pad reads version 2" in message
+    assert "start the epoch afresh (set_epoch)" in message
+    assert ds.state_dict() == before
 
 
 # ---------------------------------------------------------------- state files
+def test_a_state_file_of_an_earlier_version_is_refused_naming_it(indexes: tuple[Index, Index],
+                                                                 tmp_path: Path) -> None:
+    path = save_state_file(make(indexes[0]).state_dict(), str(tmp_path), rank=0)
+    doc = json.loads(Path(path).read_text())
+    del doc["format"]  # what the files of state version 1 looked like
+    Path(path).write_text(json.dumps(doc))
+    with pytest.raises(StateError, match="written by an earlier wds_pad 0.1.*start the epoch afresh"):
+        load_state_file(str(tmp_path), rank=0)
+
+
 def test_saved_by_rank_is_covered_by_the_checksum(indexes: tuple[Index, Index], tmp_path: Path) -> None:
     ds = make(indexes[0])
     path = save_state_file(ds.state_dict(), str(tmp_path), rank=1)
@@ -312,16 +314,18 @@ def test_saved_by_rank_is_covered_by_the_checksum(indexes: tuple[Index, Index], 
     assert load_state_file(path, rank=1) == ds.state_dict()
 
 
-def test_a_state_file_of_the_earlier_format_still_loads(indexes: tuple[Index, Index], tmp_path: Path) -> None:
-    import hashlib
+def test_a_state_file_whose_saved_by_rank_is_not_an_int_is_refused(indexes: tuple[Index, Index],
+                                                                    tmp_path: Path) -> None:
+    from wds_pad.state.files import _checksum
+
     state = make(indexes[0]).state_dict()
-    checksum = hashlib.blake2b(json.dumps(state, sort_keys=True).encode(), digest_size=16).hexdigest()
-    path = tmp_path / "loader-rank00001.json"
-    path.write_text(json.dumps({"saved_by_rank": 1, "checksum": checksum, "state": state}))
-    assert load_state_file(str(path), rank=1) == state
-    path.write_text(json.dumps({"saved_by_rank": "1", "checksum": checksum, "state": state}))
+    path = save_state_file(state, str(tmp_path), rank=1)
+    doc = json.loads(Path(path).read_text())
+    doc["saved_by_rank"] = "1"
+    doc["checksum"] = _checksum(state, "1")
+    Path(path).write_text(json.dumps(doc))
     with pytest.raises(StateError, match="'saved_by_rank' must be an int"):
-        load_state_file(str(path), rank=1)
+        load_state_file(path, rank=1)
 
 
 def test_state_files_on_the_wrong_kind_of_path_are_state_errors(indexes: tuple[Index, Index],

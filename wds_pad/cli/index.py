@@ -149,8 +149,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
         # again, before scanning, in every case)
         check_output(args.output, expand_urls(urls) if urls else (), force=args.force)
         if _exists(args.output):
-            # a version-1 file: converted in memory; moved shards: where they are now
-            previous = load_index(args.output, convert=True, relocate=relocation(args))
+            # moved shards: where they are now
+            previous = load_index(args.output, relocate=relocation(args))
             urls = urls or list(previous.urls)
             if args.cost is None:
                 cost = cost_fn_of(previous)  # with the costs INDEX records

@@ -6,9 +6,9 @@ Invariants:
   producers without holding the sections (what :func:`.merge.merged_parts` writes
   through); ``index.output`` checks where they go and writes them atomically;
 - ``load_index`` refuses a wrong magic, a damaged header (crc32), a truncated file, and
-  (``verify=True``, the default for files up to 256 MiB) a wrong digest; a version-1
-  file is refused with the one command that converts it (``wds-pad index --update -o
-  PATH``), which reads it through ``load_index(..., convert=True)``;
+  (``verify=True``, the default for files up to 256 MiB) a wrong digest; a file of
+  another format version is refused in one line naming the version and the command that
+  rebuilds it;
 - local files are memory-mapped: ranks and DataLoader workers share the pages, loading
   parses nothing per sample, and planning touches no per-sample section;
 - shard URLs stored relative to the file resolve against where it is loaded from (or
@@ -18,7 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -49,16 +48,12 @@ from .layout import (
 )
 from .location import RELATIVE_KEY, Relocation, check_relocation, excluded_urls, index_folder, resolve_url, unmatched
 from .record import Index, ShardInfo
-from .rows import grouped_index
 
-__all__ = ["CONVERT_HINT", "VERIFY_LIMIT", "columns_parts", "load_index", "serialize"]
+__all__ = ["VERIFY_LIMIT", "columns_parts", "load_index", "serialize"]
 
 _PREFIX = struct.Struct("<8sIIQ")
 _ALIGN = 64
 VERIFY_LIMIT = 256 * 2**20
-_V1_DTYPES = {"shard": np.int32, "offset": np.int64, "length": np.int64, "bucket": np.int32,
-              "exts": np.uint64, "key_offsets": np.int64, "keys": np.uint8}
-CONVERT_HINT = "convert it in place with `wds-pad index --update -o {path}` (nothing is rescanned)"
 
 
 Section = tuple[str, np.dtype, int, Callable[[], Iterable[Any]]]  # name, dtype, count, chunks
@@ -167,7 +162,7 @@ def _damaged(path: str, what: str) -> IndexFormatError:
 
 
 def load_index(path: str, *, verify: bool | None = None,
-               storage_options: Mapping[str, Any] | None = None, convert: bool = False,
+               storage_options: Mapping[str, Any] | None = None,
                relocate: Mapping[str, str] | None = None, location: str | None = None) -> Index:
     """Load an index written by :func:`write_index` (memory-mapped when local).
 
@@ -180,8 +175,6 @@ def load_index(path: str, *, verify: bool | None = None,
         path: local path or fsspec URL.
         verify: recompute the content digest (default: only for files up to 256 MiB).
         storage_options: fsspec options for remote paths.
-        convert: also read a version-1 file, converted in memory to the current layout
-            (what ``wds-pad index --update`` does before writing it back).
         relocate: ``{old prefix: new prefix}`` applied to every shard URL (after a
             relative one is resolved): the shards moved elsewhere. Sizes and change
             stamps are still checked against the values indexed when shards are read.
@@ -191,8 +184,8 @@ def load_index(path: str, *, verify: bool | None = None,
     Raises:
         ConfigError: a ``relocate`` that is not a mapping of URL prefixes, or whose old
             prefix matches no shard URL of the index.
-        IndexFormatError: missing file, not an index, another format version (a
-            version-1 file: with the command that converts it), a damaged header or
+        IndexFormatError: missing file, not an index, another format version (in
+            one line naming it and the command that rebuilds the file), a damaged header or
             truncated sections, or (verify) a digest mismatch.
         ReadError: a remote index whose store cannot be reached, found no credentials
             or refused the read; a local one this account may not read, or opened when
@@ -224,17 +217,12 @@ def load_index(path: str, *, verify: bool | None = None,
     magic, version, crc, hlen = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
         raise IndexFormatError(f"{path!r} is not a wds_pad index (bad magic); build one with `wds-pad index`")
-    if version == 1 and not convert:
+    if version != FORMAT_VERSION:
+        made = ("an earlier wds_pad 0.1 (before rows were grouped by bucket)" if version < FORMAT_VERSION
+                else "a newer wds_pad")
         raise IndexFormatError(
-            f"index {path!r} has format version 1, which this wds_pad no longer plans from (version "
-            f"{FORMAT_VERSION} groups rows by bucket so a rank reads no per-sample column to plan); "
-            + CONVERT_HINT.format(path=path)
-        )
-    if version not in (1, FORMAT_VERSION):
-        raise IndexFormatError(
-            f"index {path!r} has format version {version}, this wds_pad reads version "
-            f"{FORMAT_VERSION}; rebuild it with `wds-pad index` (or use a matching wds_pad)"
-        )
+            f"index {path!r} has format version {version}, written by {made}; this wds_pad reads version "
+            f"{FORMAT_VERSION}: rebuild it with `wds-pad index SHARDS... -o {path}`")
     if _PREFIX.size + hlen > len(buf):
         raise _damaged(path, "truncated header")
     raw = bytes(buf[_PREFIX.size : _PREFIX.size + hlen])
@@ -248,7 +236,7 @@ def load_index(path: str, *, verify: bool | None = None,
     base += -base % _ALIGN
     arrays: dict[str, np.ndarray] = {}
     try:
-        for k, spec in header["sections" if version > 1 else "arrays"].items():
+        for k, spec in header["sections"].items():
             dtype = np.dtype(spec["dtype"])
             start, count = base + int(spec["offset"]), int(spec["count"])
             if start + count * dtype.itemsize > len(buf):
@@ -256,31 +244,27 @@ def load_index(path: str, *, verify: bool | None = None,
             arrays[k] = np.frombuffer(buf, dtype=dtype, count=count, offset=start)
         where = location or path
         folder = index_folder(where) if header.get(RELATIVE_KEY) else None
-        if version == 1:
-            index = _from_v1(header, arrays, path, relocation)
-        else:
-            blobs = {k: arrays.pop(k) for k in JSON_SECTIONS}
-            index = Index(
-                shards=lambda: _shard_table(blobs["shards"], path, folder, relocation),
-                buckets=tuple(key_from_json(b) for b in header["buckets"]), arrays=arrays,
-                bucket_by=header["bucket_by"], exts=tuple(header["exts"]),
-                excluded=lambda: excluded_urls(_json_blob(blobs["excluded"], path, "excluded"),
-                                               lambda u: resolve_url(u, folder, relocation)),
-                name=header["name"], path=where, digest=header["digest"],
-                json_bytes={k: memoryview(v) for k, v in blobs.items()},
-                cost_kind=header.get("cost"), relocate=relocation, relative=bool(header.get(RELATIVE_KEY)),
-            )
+        blobs = {k: arrays.pop(k) for k in JSON_SECTIONS}
+        index = Index(
+            shards=lambda: _shard_table(blobs["shards"], path, folder, relocation),
+            buckets=tuple(key_from_json(b) for b in header["buckets"]), arrays=arrays,
+            bucket_by=header["bucket_by"], exts=tuple(header["exts"]),
+            excluded=lambda: excluded_urls(_json_blob(blobs["excluded"], path, "excluded"),
+                                           lambda u: resolve_url(u, folder, relocation)),
+            name=header["name"], path=where, digest=header["digest"],
+            json_bytes={k: memoryview(v) for k, v in blobs.items()},
+            cost_kind=header.get("cost"), relocate=relocation, relative=bool(header.get(RELATIVE_KEY)),
+        )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, IndexFormatError):
             raise
         raise _damaged(path, f"unexpected header layout: {exc}") from exc
     if relocation:  # an old prefix that moves nothing is a typo: refused, not ignored
-        recorded = ([s["url"] for s in header["shards"]] if version == 1 else
-                    [resolve_url(u, folder) for u in index.stored_urls])
+        recorded = [resolve_url(u, folder) for u in index.stored_urls]
         unmatched(relocation, recorded, index.path or path)
     if verify is None:
         verify = len(buf) <= VERIFY_LIMIT
-    if verify and version > 1 and index.compute_digest() != index.digest:
+    if verify and index.compute_digest() != index.digest:
         raise _damaged(path, "content digest mismatch")
     return index
 
@@ -312,23 +296,3 @@ def _shard_table(blob: np.ndarray, path: str, folder: str | None = None,
     if folder is None and not relocation:
         return tuple(table)
     return tuple(ShardInfo(**{**s.to_json(), "url": resolve_url(s.url, folder, relocation)}) for s in table)
-
-
-def _from_v1(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], path: str,
-             relocation: Relocation = ()) -> Index:
-    """A version-1 file's index in the current layout (rows grouped by bucket, in memory),
-    its shard URLs relocated."""
-    old = {k: arrays[k] for k in _V1_DTYPES}
-    h = hashlib.blake2b(digest_size=16)
-    head = {"shards": [[s["url"], s["size"], s["stamp"], s["samples"]] for s in header["shards"]],
-            "buckets": header["buckets"], "exts": list(header["exts"])}
-    h.update(json.dumps(head, sort_keys=True).encode())
-    for k in _V1_DTYPES:
-        h.update(np.ascontiguousarray(old[k]).data)
-    if h.hexdigest() != header["digest"]:
-        raise _damaged(path, "content digest mismatch (a version-1 file)")
-    shards = tuple(ShardInfo(**{**s, "url": resolve_url(s["url"], None, relocation)}) for s in header["shards"])
-    return grouped_index(shards,
-                    tuple(key_from_json(b) for b in header["buckets"]), old, old["key_offsets"], old["keys"],
-                    bucket_by=header["bucket_by"], exts=header["exts"], excluded=header["excluded"],
-                    name=header["name"])

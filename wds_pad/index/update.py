@@ -43,10 +43,9 @@ __all__ = ["bucket_fn_of", "cost_fn_of", "previous_index", "reusable_rows", "upd
 
 def previous_index(update: Index | str | None, fn: BucketFn, storage_options: Mapping[str, Any] | None,
                    cost: CostFn | None = None) -> Index | None:
-    """The index an update reuses rows from (a version-1 file converted in memory),
-    refused if it was bucketed otherwise than ``fn`` or recorded another cost than
+    """The index an update reuses rows from, refused if it was bucketed otherwise than ``fn`` or recorded another cost than
     ``cost`` (its rows' costs could not be reused)."""
-    previous = load_index(update, storage_options=storage_options, convert=True) if isinstance(update, str) else update
+    previous = load_index(update, storage_options=storage_options) if isinstance(update, str) else update
     if previous is not None and dict(previous.bucket_by) != dict(fn.describe()):
         raise ConfigError(
             f"--update: the previous index was bucketed by {dict(previous.bucket_by)}, now by "

@@ -27,10 +27,8 @@ def state_path(directory: str, rank: int, prefix: str = "loader") -> str:
     return os.path.join(directory, f"{prefix}-rank{rank:05d}.json")
 
 
-def _checksum(state: Mapping[str, Any], saved_by_rank: Any = None, legacy: bool = False) -> str:
-    # version 1 files covered only the state; now saved_by_rank is covered too
-    doc: Any = state if legacy else {"saved_by_rank": saved_by_rank, "state": state}
-    return json_digest(doc)
+def _checksum(state: Mapping[str, Any], saved_by_rank: Any = None) -> str:
+    return json_digest({"saved_by_rank": saved_by_rank, "state": state})
 
 
 def _check_rank(rank: Any, what: str) -> int:
@@ -127,10 +125,12 @@ def load_state_file(path: str, rank: int, prefix: str = "loader") -> dict[str, A
     if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict) or "saved_by_rank" not in doc:
         raise StateError(f"state file {path!r} is not a wds_pad state file (expected keys "
                          "saved_by_rank, checksum, state)")
-    legacy = "format" not in doc
-    if not legacy and doc["format"] != STATE_FILE_FORMAT:
+    if "format" not in doc:
+        raise StateError(f"state file {path!r} was written by an earlier wds_pad 0.1 (a file without 'format'); "
+                         "this wds_pad reads the files save_state_file writes now: start the epoch afresh")
+    if doc["format"] != STATE_FILE_FORMAT:
         raise StateError(f"state file {path!r} is not a wds_pad state file (format {doc['format']!r})")
-    if doc.get("checksum") != _checksum(doc["state"], doc["saved_by_rank"], legacy=legacy):
+    if doc.get("checksum") != _checksum(doc["state"], doc["saved_by_rank"]):
         raise StateError(f"state file {path!r} is corrupt: its checksum does not match its "
                          "content; resume from an earlier checkpoint")
     saved_by = doc["saved_by_rank"]

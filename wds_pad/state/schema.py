@@ -42,7 +42,7 @@ STATE_FORMAT = "wds_pad.state"
 STATE_VERSION = 2
 #: Versions this wds_pad reads. Version 1's fingerprint did not cover the data-parallel
 #: layout, so a version-1 state is accepted only with its topology block.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (2,)
 TOPOLOGY_FIELDS = ("world_size", "rank", "dp_size", "dp_rank", "cp_size", "cp_rank")
 KINDS = ("bucketed", "shards")
 MODES = ("epochs", "steps")
@@ -103,9 +103,10 @@ def check_schema(state: Any) -> dict[str, Any]:
         raise StateError(f"loader state field 'version' must be an int, got {type(version).__name__} "
                          f"{version!r}; pass the dict returned by state_dict() unchanged")
     if version not in READABLE_VERSIONS:
-        raise StateError(f"loader state version {version!r} is not supported (this wds_pad reads "
-                         f"versions {', '.join(map(str, READABLE_VERSIONS))}); resume with the wds_pad "
-                         "that saved it, or start the epoch afresh")
+        made = "an earlier wds_pad 0.1" if version < STATE_VERSION else "a newer wds_pad"
+        raise StateError(f"loader state version {version!r} is not supported: it was written by {made}; this wds_pad reads version "
+                         f"{STATE_VERSION}: start the epoch afresh (set_epoch), or resume with the wds_pad "
+                         "that saved it")
     for name, limit in (("epoch", MAX_EPOCH), ("index", MAX_INDEX)):
         value = state.get(name)
         if not _is_count(value) or value > limit:

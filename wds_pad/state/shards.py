@@ -12,9 +12,8 @@ a batch index in a plan, each DataLoader worker's place in its shards::
 Invariants:
 - the ``plan`` block covers the deal's order (``ORDER``), the seed, the shard table (URL,
   size, stamp and samples of every shard, in index order) and dp_size; the fingerprint
-  is its digest (:func:`~wds_pad.state.schema.fingerprint_of`); version 1's fingerprint
-  is the digest of the same fields without dp_size. Each digest is computed exactly as
-  before, so every saved state keeps verifying;
+  is its digest (:func:`~wds_pad.state.schema.fingerprint_of`), computed exactly as
+  before, so every saved state of this version keeps verifying;
 - ``index`` is the samples the rank yielded (over its workers), ``workers`` one
   position per worker, ``next_worker`` the worker the DataLoader's round-robin asks next;
 - a malformed ``workers`` / ``num_workers`` / ``next_worker`` block is a StateError that
@@ -37,9 +36,8 @@ __all__ = ["ORDER", "make_shard_state", "restore_shards", "shard_plan_fields", "
 ORDER = "split_by_node/1"  # bump when core's deal_shards or worker_plan change their order
 
 
-def shard_plan_fields(seed: int, shards: Sequence[Sequence[Any]], samples: int,
-                      dp_size: int) -> tuple[dict[str, Any], str]:
-    """The ``plan`` block of a shard-stream state, and version 1's fingerprint.
+def shard_plan_fields(seed: int, shards: Sequence[Sequence[Any]], samples: int, dp_size: int) -> dict[str, Any]:
+    """The ``plan`` block of a shard-stream state.
 
     Args:
         seed: the shared seed.
@@ -49,10 +47,9 @@ def shard_plan_fields(seed: int, shards: Sequence[Sequence[Any]], samples: int,
     """
     fields: dict[str, Any] = {"order": ORDER, "seed_hash": stable_digest(seed, size=8).hex(),
                               "shards": json_digest(list(shards), sort_keys=False),
-                              "num_shards": len(shards), "samples": samples}
-    legacy = json_digest(fields)  # version 1 of the state: the same fields without the layout
-    fields["dp_size"] = int(dp_size)  # the shards are dealt to dp_size ranks
-    return fields, legacy
+                              "num_shards": len(shards), "samples": samples,
+                              "dp_size": int(dp_size)}  # the shards are dealt to dp_size ranks
+    return fields
 
 
 def make_shard_state(cursor: Cursor, topology: Topology, fingerprint: str,
@@ -88,7 +85,7 @@ def shard_progress(state: Mapping[str, Any]) -> ShardProgress:
 
 
 def restore_shards(state: Mapping[str, Any], *, topology: Topology, fingerprint: str,
-                   fields: Mapping[str, Any], legacy_fingerprint: str) -> Cursor:
+                   fields: Mapping[str, Any]) -> Cursor:
     """Verify a shard-stream state (kind, topology, fingerprint, every field) and say where
     it resumes: a pinned Cursor with its shard progress; pure.
 
@@ -96,6 +93,6 @@ def restore_shards(state: Mapping[str, Any], *, topology: Topology, fingerprint:
         StateError, TopologyMismatchError, StateMismatchError: refused, with the reason.
     """
     verified = verify_state(state, kind="shards", mode="epochs", topology=topology, fingerprint=fingerprint,
-                            plan_fields=fields, legacy_fingerprint=legacy_fingerprint)
+                            plan_fields=fields)
     shard_progress(state)  # the top level is sound too, also when the rank resumes from its per_rank entry
     return Cursor(verified["epoch"], shards=shard_progress(verified), pinned=True)

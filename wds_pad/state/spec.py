@@ -135,17 +135,6 @@ class PlanSpec:
         checked through the topology saved beside it). Equal on every rank of a job."""
         return fingerprint_of(self.fingerprint_fields())
 
-    def legacy_fingerprint(self) -> str | None:
-        """The fingerprint as state version 1 computed it (no data-parallel layout); None
-        for a plan version 1 could not make (a budget, gradient accumulation)."""
-        if isinstance(self.batch_size, Budget) or self.accumulation_steps > 1:
-            return None
-        parts: list[Any] = ["wds_pad.plan/1", stable_digest(self.seed).hex(), self.batch_size,
-                            self.resolved_policy.value, self.pad_to.value, self.oversubscribe]
-        for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights):
-            parts.append((n, ix.digest, r, float(w)))
-        return stable_digest(*[tuple(p) if isinstance(p, list) else p for p in parts], size=16).hex()
-
     def fingerprint_fields(self) -> dict[str, Any]:
         """The fingerprint's ingredients, JSON-safe (saved in a state as ``plan``)."""
         dp = int(self.topology.dp_size)

@@ -126,8 +126,7 @@ def _own_entry(state: dict[str, Any], topology: Topology) -> tuple[dict[str, Any
 
 
 def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, fingerprint: str,
-                 plan_fields: Mapping[str, Any], allow_elastic: bool = False,
-                 legacy_fingerprint: str | None = None) -> dict[str, Any]:
+                 plan_fields: Mapping[str, Any], allow_elastic: bool = False) -> dict[str, Any]:
     """Verify a saved state against the current loader; return the state to restore.
 
     A state whose top level is another rank's but which holds this rank's entry under
@@ -142,22 +141,19 @@ def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, finger
         plan_fields: the current fingerprint's ingredients (to name what differs).
         allow_elastic: accept another data-parallel layout (the caller then plans
             the rest of the epoch on the new one, core/remainder.py).
-        legacy_fingerprint: the current plan's fingerprint as version 1 computed it
-            (None: version-1 states are refused).
 
     Raises:
         StateError: corrupt / unknown-version state, or a ``plan`` block that does not
             match its fingerprint (edited).
         TopologyMismatchError: another world size, rank, dp or cp layout (in the
             topology block or in the plan's layout fields), or no topology in a
-            distributed run or in a version-1 state.
+            distributed run.
         StateMismatchError: another plan (fingerprint), mode or loader kind.
     """
     state, hint = _own_entry(check_schema(state), topology)
     try:
         return _verify(state, kind=kind, mode=mode, topology=topology, fingerprint=fingerprint,
-                       plan_fields=plan_fields, allow_elastic=allow_elastic,
-                       legacy_fingerprint=legacy_fingerprint)
+                       plan_fields=plan_fields, allow_elastic=allow_elastic)
     except TopologyMismatchError as exc:
         if not hint:
             raise
@@ -165,9 +161,7 @@ def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, finger
 
 
 def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, fingerprint: str,
-            plan_fields: Mapping[str, Any], allow_elastic: bool,
-            legacy_fingerprint: str | None) -> dict[str, Any]:
-    version = state["version"]
+            plan_fields: Mapping[str, Any], allow_elastic: bool) -> dict[str, Any]:
     rows: list[tuple[str, Any, Any]] = []
     for name, now in (("kind", kind), ("mode", mode)):
         if state[name] != now:
@@ -175,11 +169,6 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
     saved_topo = state.get("topology")
     now_topo = topology.to_dict()
     if saved_topo is None:
-        if version == 1:
-            raise TopologyMismatchError(
-                "this state has no topology and is of version 1, whose fingerprint does not cover the "
-                "data-parallel layout, so it cannot be verified against this job's layout; restore the "
-                "state's 'topology' block, or start the epoch afresh (set_epoch)")
         if topology.world_size > 1:
             raise TopologyMismatchError(
                 f"this state has no topology and this is a distributed run "
@@ -199,28 +188,20 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
                         "the rest of the epoch on this data-parallel layout")
                 raise TopologyMismatchError(f"loader state is from another topology: {_table(topo_rows)}; {hint}")
     saved_plan = state.get("plan") or {}
-    if version >= 2:
-        try:
-            made = fingerprint_of(saved_plan)
-        except (TypeError, ValueError):
-            made = None
-        if made != state["fingerprint"]:
-            raise StateError(
-                "loader state field 'plan' does not match the state's fingerprint: the state was "
-                "edited or damaged; pass the dict returned by state_dict() unchanged, or start afresh")
-        now_fp = fingerprint
-    else:
-        now_fp = legacy_fingerprint
-        if now_fp is None:
-            raise StateError(f"loader state version 1 of kind {state['kind']!r} is not supported; "
-                             "start the epoch afresh")
+    try:
+        made = fingerprint_of(saved_plan)
+    except (TypeError, ValueError):
+        made = None
+    if made != state["fingerprint"]:
+        raise StateError(
+            "loader state field 'plan' does not match the state's fingerprint: the state was "
+            "edited or damaged; pass the dict returned by state_dict() unchanged, or start afresh")
+    now_fp = fingerprint
     layout_keys = {f"plan.{k}" for k in LAYOUT_FIELDS}
     if state["fingerprint"] != now_fp:
         saved = _flatten(saved_plan, "plan")
         now_fields = _flatten(plan_fields, "plan")
         keys = sorted(set(saved) | set(now_fields))
-        if version == 1:  # its plan block had no layout fields of its own; the topology covers them
-            keys = [k for k in keys if k in saved and k not in layout_keys]
         diff = [(k, saved.get(k), now_fields.get(k)) for k in keys if saved.get(k) != now_fields.get(k)]
         layout_rows = [r for r in diff if r[0] in layout_keys]
         other_rows = [r for r in diff if r[0] not in layout_keys]
@@ -287,7 +268,7 @@ def restore(spec: PlanSpec, state: Mapping[str, Any], *, allow_elastic: bool = F
     raw = state
     state = verify_state(state, kind=kind, mode=spec.mode.value, topology=spec.topology,
                          fingerprint=spec.fingerprint(), plan_fields=spec.fingerprint_fields(),
-                         allow_elastic=allow_elastic, legacy_fingerprint=spec.legacy_fingerprint())
+                         allow_elastic=allow_elastic)
     epoch, index, segments = state["epoch"], state["index"], elastic_segments(state)
     saved_worker = state.get("worker")
     saved_w = (saved_worker["id"], saved_worker["num_workers"]) if saved_worker else None

@@ -103,7 +103,7 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         self._tag = False   # under ShardLoader: yield (worker, position, item)
         self._order = _dealing_order(ix)
         shards = [[u, s.size, s.stamp, s.samples] for u, s in zip(ix.stored_urls, ix.shards)]
-        self._fields, self._legacy_fingerprint = shard_plan_fields(
+        self._fields = shard_plan_fields(
             self.seed, shards, sum(self.counts.values()), int(self.topology.dp_size))
         self._fingerprint = fingerprint_of(self._fields)
 
@@ -183,7 +183,7 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         """The pinned cursor ``state`` resumes at, after verifying it in full (and, with
         ``num_workers``, the worker count and every shard a worker stands in)."""
         cursor = restore_shards(state, topology=self.topology, fingerprint=self._fingerprint,
-                                fields=self._fields, legacy_fingerprint=self._legacy_fingerprint)
+                                fields=self._fields)
         progress = cursor.shards
         if num_workers is not None:
             self._check_workers(progress, num_workers)
