@@ -146,7 +146,7 @@ def test_summary_for_every_rank_ends_with_every_rank() -> None:
         (["--buckets", "a=4", "--pad", "weird"], "invalid choice: 'weird'"),
         (["--buckets", "a=4", "--mode", "steps"], "--mode steps needs --steps K"),
         (["--buckets", "a=4", "--locality", "bogus"], "unknown locality 'bogus'; expected one of: none, shard"),
-        (["--buckets", "a=4", "--local-world-size", "3"], "world_size 2 is not divisible by local_world_size 3"),
+        (["--buckets", "a=4", "--local-world-size", "3"], "--local-world-size 3 (processes per node) is more than --world-size 2"),
         (["--buckets", "a=4", "--summary"], "not allowed with argument"),
         ([], "give either INDEX file(s) or --buckets"),
         (["--buckets", "a=4", "--seed", "18446744073709551616"], "seed must be in [0, 2**64), got 18446744073709551616"),
@@ -425,3 +425,76 @@ def test_summary_reports_shuffle_quality_and_the_gets_of_the_ranks_node(tmp_path
     assert lonely.returncode == 2 and lonely.stdout == ""
     assert lonely.stderr == ("wds-pad inspect: error: --local-world-size L needs --locality (with --world-size and "
                              "--batch-size): it adds node 0's reading cost to the locality lines\n")
+
+
+# -- plan --summary under a budget, the node layout in flags ------------------------------------------
+@pytest.fixture(scope="module")
+def costed(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from wds_pad.cli.synth import make_image_shards
+    from wds_pad.index.build import build_index
+    from wds_pad.index.codec import load_index
+
+    folder = tmp_path_factory.mktemp("costed")
+    paths = make_image_shards(folder, samples=90, shards=6, seed=2)
+    return load_index(build_index(paths, "aspect:width,height", output=str(folder / "c.wdsidx"),
+                                  cost="image:pixels").path)
+
+
+def _plan_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from wds_pad.cli.app import main
+
+    code = main(["plan", *args])
+    got = capsys.readouterr()
+    return code, got.out, got.err
+
+
+def test_summary_mean_fill_counts_each_real_sample_once(costed: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    from wds_pad import Budget
+
+    limit = 3 * float(np.median(np.asarray(costed.cost)))
+    code, out, _ = _plan_main(capsys, costed.path, "--world-size", "4", "--rank", "0", "--seed", "3",
+                              "--budget", str(limit), "--pad", "cyclic", "--summary")
+    assert code == 0
+    real = copies = batches = 0.0
+    ds = costed.to_dataset(costs=True)
+    for d in range(4):
+        for b in plan_epoch(ds, Topology(4, d), seed=3, batch_size=Budget(limit), policy="cyclic", warn=False):
+            real += float(costed.cost[b.samples[~b.pad]].sum())
+            copies += float(costed.cost[b.samples[b.pad]].sum())
+            batches += 1
+    assert copies > 0, "the case must have padded copies to leave out"
+    line = re.search(r"mean fill ([\d.]+)% over (\d+) batches", out)
+    assert line is not None, out
+    assert int(line.group(2)) == batches
+    assert float(line.group(1)) == pytest.approx(100 * real / batches / limit, abs=0.051)
+
+
+def test_summary_prints_a_fill_far_over_the_budget_as_a_multiple(costed: Any,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    code, out, _ = _plan_main(capsys, costed.path, "--world-size", "2", "--rank", "0", "--seed", "3",
+                              "--budget", "1e-27", "--summary")
+    assert code == 0
+    fill = re.search(r"mean fill (\S+) over", out)
+    assert fill is not None and re.fullmatch(r"\d\.\d\de\+\d\dx", fill.group(1)), fill
+    assert not re.search(r"\d{8}", out), "no figure of dozens of digits"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--locality", "node"], "--locality node needs --local-world-size L, the processes each node runs"),
+    (["--local-world-size", "8"], "--local-world-size 8 (processes per node) is more than --world-size 4 "
+                                  "(processes of the whole job)"),
+    (["--local-world-size", "3"], "--world-size 4 is not divisible by --local-world-size 3"),
+    (["--locality", "node", "--local-world-size", "4", "--cp-size", "4"], None),
+])
+def test_the_node_layout_is_refused_in_flags(costed: Any, capsys: pytest.CaptureFixture[str], args: list[str],
+                                              message: str | None) -> None:
+    argv = [costed.path, "--world-size", "4", "--rank", "0", "--seed", "3", "--batch-size", "2", "--json", *args]
+    if message is None:
+        assert _plan_main(capsys, *argv)[0] == 0
+        return
+    code, _, err = _plan_main(capsys, *argv)
+    assert code == 2 and message in err and "Topology(" not in err and "_size" not in err

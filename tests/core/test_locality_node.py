@@ -94,7 +94,7 @@ def test_a_node_keeps_its_shards_every_epoch_and_reads_others_from_the_same_few(
 
 def test_node_locality_needs_a_node_layout_that_holds_whole_replicas() -> None:
     src, _ = _source(1, [10, 10], 4)
-    with pytest.raises(ConfigError, match="needs the node layout"):
+    with pytest.raises(ConfigError, match="has no node layout"):
         plan_epoch(src, Topology(4, 0), seed=1, batch_size=2, locality="node")
     with pytest.raises(ConfigError, match="do not divide one another"):
         plan_epoch(src, Topology(12, 0, cp_size=3, local_world_size=4), seed=1, batch_size=2, locality="node")

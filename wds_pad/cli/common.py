@@ -232,41 +232,29 @@ def _locality_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _print_budget(sources: Sequence[Any], topo: Any, args: argparse.Namespace, common: dict[str, Any],
-                  out: Any) -> None:
-    """How full and how even a budgeted epoch's steps are, per bucket (``plan --summary
-    --budget``): its steps, the mean fill (a rank's batch cost over the budget, copies
-    included), the worst balance (the costliest DP rank's batch over the step's mean) and
-    the batches over the budget (a sample dearer than it, alone). Plans every DP rank."""
-    import numpy as np
+def check_node_layout(cmd: str, args: argparse.Namespace) -> None:
+    """A usage error, in flags, when ``--local-world-size`` (with ``--world-size``,
+    ``--cp-size`` and ``--locality node``) is no node layout: the rule is the topology's
+    (``Topology.dp_ranks_per_node``), the words are the command line's."""
+    import re
 
-    from ..core.budget import batch_cost
-    from ..core.plan import plan_epoch
     from ..core.topology import Topology
+    from ..errors import TopologyError
 
-    budget = common["batch_size"]
-    costs = [getattr(s, "dataset", s).cost for s in sources]
-    per: dict[tuple[str, Any], dict[int, list[float]]] = {}
-    for d in range(topo.dp_size):
-        plan = plan_epoch(sources, Topology(topo.world_size, d * topo.cp_size, cp_size=topo.cp_size,
-                                            local_world_size=topo.local_world_size),
-                          epoch=args.epoch, mode=args.mode, warn=False, **common)
-        for b in plan:
-            c = costs[plan.datasets.index(b.dataset)]
-            per.setdefault((b.dataset, b.bucket), {}).setdefault(b.step, []).append(
-                batch_cost(np.asarray(c[b.samples], np.float64), budget.model))
-    rows = []
-    for (ds, bucket), steps in per.items():
-        fills = [x / budget.limit for v in steps.values() for x in v]
-        worst = max((max(v) / (sum(v) / len(v)) if sum(v) else 1.0) for v in steps.values())
-        over = sum(x > budget.limit for v in steps.values() for x in v)
-        rows.append([ds, str(bucket), len(steps), f"{100 * np.mean(fills):.1f}%", f"{worst:.3f}x", over])
-    out.write(format_table(["dataset", "bucket", "steps", "mean fill", "worst balance", "over budget"], rows,
-                           align="llrrrr") + "\n")
-    every = [x for steps in per.values() for v in steps.values() for x in v]
-    out.write(f"budget {budget.limit:g} ({budget.model.value}): mean fill "
-              f"{100 * np.mean(every) / budget.limit if every else 0:.1f}% over {len(every)} batches of "
-              f"{topo.dp_size} DP ranks\n")
+    if args.local_world_size is None:
+        if args.locality == "node":
+            raise _usage(cmd, "--locality node needs --local-world-size L, the processes each node runs "
+                              "(torchrun's --nproc-per-node): the shards are dealt to nodes")
+        return
+    try:
+        topology = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size,
+                            local_world_size=args.local_world_size)
+        if args.locality == "node":
+            topology.dp_ranks_per_node  # noqa: B018 - raises when the node layout and CP do not line up
+    except TopologyError as exc:
+        flags = re.sub(r"\b(local_world_size|world_size|cp_size)\b",
+                       lambda m: "--" + m.group(1).replace("_", "-"), str(exc))
+        raise _usage(cmd, flags) from None
 
 
 def _batches_per_rank(plan: Any, all_ranks: bool) -> str:

@@ -33,6 +33,7 @@ from .common import (
     _usage,
     add_relocate,
     bucket_order,
+    check_node_layout,
     format_table,
     plot_path,
     relocation,
@@ -167,6 +168,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.local_world_size is not None and args.locality is None:
         raise _usage("inspect", "--local-world-size L needs --locality (with --world-size and --batch-size): "
                                 "it adds node 0's reading cost to the locality lines")
+    if args.locality is not None:
+        check_node_layout("inspect", args)
     if args.plot:  # a format matplotlib cannot write is refused before anything is loaded
         args.plot = plot_path(args.plot)
     index = load_index(args.index, relocate=relocation(args))

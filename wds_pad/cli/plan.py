@@ -32,13 +32,14 @@ from .common import (
     _non_negative,
     _positive,
     _positive_number,
-    _print_budget,
     _print_summary,
     _seed_arg,
     _usage,
     add_relocate,
+    check_node_layout,
     relocation,
 )
+from .budgetfill import print_budget
 from .reading import print_reading
 
 __all__ = ["add_parser", "synthetic_dataset"]
@@ -200,6 +201,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         args.batch_size = Budget(args.budget, args.budget_model, args.max_samples)
     sources, lookups = _plan_sources(args)
+    check_node_layout("plan", args)
     ranks = range(args.world_size) if args.rank == "all" else [args.rank]
     if args.rank != "all" and args.rank >= args.world_size:
         raise _usage("plan", f"--rank {args.rank} is out of range for --world-size {args.world_size}")
@@ -215,7 +217,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             plan = plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=True, **common)
             _print_summary(plan, out, all_ranks=args.rank == "all")  # equal on every rank
             if args.budget is not None:
-                _print_budget(sources, topo, args, common, out)
+                print_budget(sources, topo, args, common, out)
             if args.index:
                 print_reading(plan, getattr(args, "loaded", []), sources, topo, args, out)
             return 0

@@ -71,7 +71,7 @@ from ..errors import ConfigError
 from .dataset import Dataset, IdRange
 from .seed import derive_rng
 
-__all__ = ["Locality", "ShardMap", "node_group", "shard_map_of"]
+__all__ = ["Locality", "ShardMap", "shard_map_of"]
 
 class Locality(str, Enum):
     """How a bucket's global order is drawn: ``none`` (all shards), ``shard`` (each epoch's
@@ -227,26 +227,6 @@ class _DealtDataset:
 #: what it gives to other nodes to keep the buckets' shares equal comes from them first, the
 #: same shards every epoch, so the receiving node can keep them.
 EXPORT = 4
-
-
-def node_group(topology: Any) -> int:
-    """DP ranks per node for ``locality="node"``: ``local_world_size / cp_size`` (1 when a
-    data-parallel replica spans several nodes: each node then owns the shards of one DP rank).
-
-    Raises:
-        ConfigError: no node layout, or one that does not line up with the CP layout.
-    """
-    local, cp = topology.local_world_size, int(topology.cp_size)
-    if not local:
-        raise ConfigError(
-            "locality='node' needs the node layout: run under torchrun (LOCAL_WORLD_SIZE) or pass "
-            "topology=Topology(..., local_world_size=<processes per node>)")
-    if local % cp and cp % local:
-        raise ConfigError(
-            f"locality='node': local_world_size {local} and cp_size {cp} do not divide one another, so a "
-            "node does not hold whole data-parallel replicas; choose a cp_size that divides the processes "
-            "per node (or a multiple of it)")
-    return max(1, local // cp)
 
 
 def shard_map_of(index: Any, dataset: Dataset) -> ShardMap:

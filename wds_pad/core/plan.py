@@ -48,7 +48,7 @@ import numpy as np
 from ..errors import ConfigError, DroppedBucketWarning
 from .dataset import _as_datasets
 from .localbuckets import LocalBuckets
-from .locality import Locality, node_group
+from .locality import Locality
 from .permute import round_keys
 from .budget import Budget
 from .budgetplan import plan_buckets
@@ -160,7 +160,7 @@ def plan_epoch(
     locality = _enum(Locality, locality, "locality")
     shard_window = _check_positive("window", window)
     k = _check_accumulation(accumulation_steps, policy, pad_to, budget)
-    group = node_group(topology) if locality is Locality.NODE else 0  # DP ranks per node
+    group = topology.dp_ranks_per_node if locality is Locality.NODE else 0  # DP ranks per node
     raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
     dss = _as_datasets(datasets)
     dp, d = int(topology.dp_size), int(topology.dp_rank)  # type: ignore[arg-type]

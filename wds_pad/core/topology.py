@@ -67,6 +67,11 @@ class Topology:
         world = _check_int("world_size", self.world_size, 1)
         if self.local_world_size is not None:
             local = _check_int("local_world_size", self.local_world_size, 1)
+            if local > world:
+                raise TopologyError(
+                    f"local_world_size {local} (processes per node) is more than world_size {world} (processes "
+                    f"of the whole job): pass the processes each node runs (torchrun's --nproc-per-node), at most "
+                    f"{world}")
             if world % local:
                 raise TopologyError(
                     f"world_size {world} is not divisible by local_world_size {local}: every node must run "
@@ -136,6 +141,28 @@ class Topology:
         """Nodes of the job (1 when the node layout is unknown)."""
         return self.world_size // self.local_world_size if self.local_world_size else 1
 
+    @property
+    def dp_ranks_per_node(self) -> int:
+        """DP ranks whose data one node reads: ``local_world_size // cp_size``, or 1 when a
+        data-parallel replica spans several nodes (each node then holds part of one DP rank).
+        The one rule for it: node locality deals shards to groups of this many DP ranks.
+
+        Raises:
+            TopologyError: the node layout is unknown, or it does not line up with the CP
+                layout (neither of local_world_size and cp_size divides the other).
+        """
+        local, cp = self.local_world_size, int(self.cp_size)  # type: ignore[arg-type]
+        if not local:
+            raise TopologyError(
+                "this topology has no node layout (local_world_size, the processes per node): run under "
+                "torchrun (LOCAL_WORLD_SIZE) or pass Topology(..., local_world_size=N)")
+        if local % cp and cp % local:
+            raise TopologyError(
+                f"local_world_size {local} and cp_size {cp} do not divide one another, so a node does not hold "
+                "whole data-parallel replicas; choose a cp_size that divides the processes per node (or a "
+                "multiple of it)")
+        return max(1, local // cp)
+
     def node_dp_ranks(self, node: int | None = None) -> list[int]:
         """The DP ranks whose data the ranks of ``node`` (default: this rank's) read: every
         ``rank // cp_size`` of the node's ranks (the default layout, CP peers consecutive).
@@ -145,9 +172,7 @@ class Topology:
                 one (``dp_rank`` / ``cp_rank`` given explicitly), so other ranks' DP ranks
                 cannot be known here.
         """
-        if not self.local_world_size:
-            raise TopologyError("this topology has no node layout: pass Topology(..., local_world_size=N) "
-                                "or run under torchrun (LOCAL_WORLD_SIZE)")
+        self.dp_ranks_per_node  # noqa: B018 - the node layout is known and lines up with CP, or a TopologyError
         if self.dp_rank != self.rank // self.cp_size or self.cp_rank != self.rank % self.cp_size:  # type: ignore[operator]
             raise TopologyError(
                 f"rank {self.rank} has dp_rank {self.dp_rank} and cp_rank {self.cp_rank}, not the default layout "

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..core.budget import Budget
 from ..core.dataset import Dataset
-from ..core.locality import EXPORT, Locality, ShardMap, node_group, shard_map_of
+from ..core.locality import EXPORT, Locality, ShardMap, shard_map_of
 from ..core.plan import Plan, plan_epoch
 from ..core.policy import Mode, PadTo, Policy, resolve_policy
 from ..core.seed import stable_digest
@@ -158,7 +158,7 @@ class PlanSpec:
             fields["window"] = self.window
             fields["shard_order"] = "fifo"  # a rank's windows first in, first out (core/locality.py)
         if self.locality is Locality.NODE:  # how the shards were dealt: to nodes of this many DP ranks
-            fields["node_ranks"] = node_group(self.topology)
+            fields["node_ranks"] = self.topology.dp_ranks_per_node
             fields["export"] = EXPORT
         if self.accumulation_steps > 1:  # absent at 1: the fingerprints of earlier versions
             fields["accumulation_steps"] = self.accumulation_steps
