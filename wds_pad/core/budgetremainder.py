@@ -221,7 +221,7 @@ def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[
                                          dss[di].cost, budget, k))
         lv0.runs = [None] * nb0
     else:
-        lv0.batches = list(base.buckets.budget.batches)
+        lv0.batches = list(base.buckets.order.batches)
         lv0.runs = [None] * nb0
     levels = [lv0]
     for j, seg in enumerate(segments):
@@ -256,16 +256,14 @@ def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[
     bins = Bins([bb.cuts[d] if shard else bb.offsets for bb in top.batches])
     steps = [bb.batches for bb in top.batches]
     batch_step, offsets = _rank_batches(counts_d, steps, top.schedule, top.window, 1, bins)
-    buckets = _Buckets([], top.dp, d)
-    buckets.counts = counts_d
     if shard:
         shard_map = [dealt.layout.shard for dealt in base.buckets.local.dealt]
         src = _ExplicitRemainder(top, d, shard_map)
-        buckets.local = src
+        buckets = _Buckets([], top.dp, d, order=src, local=src, counts=counts_d)
     else:
         orders = [dss[di].sorted_by_cost(key) for di, key in base.bucket_table]
         base_n = [_stat(base, di, key).samples for di, key in base.bucket_table]
-        buckets.budget = _StrataRemainder(levels, base_n, orders, d)
+        buckets = _Buckets([], top.dp, d, order=_StrataRemainder(levels, base_n, orders, d), counts=counts_d)
     stats = tuple(_top_stat(base, t, bb, top.dp, shard) for t, bb in zip(top.tab.tolist(), top.batches))
     widest = int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1
     plan = Plan(epoch=base.epoch, topology=topology, batch_size=max(1, widest), policy=base.policy, mode=base.mode,
@@ -321,8 +319,8 @@ def _next_strata(lv: _Level, b: int, bb: BucketBatches, taken: np.ndarray, dp: i
     n = runs.total
     j0 = int(lv.tab[b])
     di, key = base.bucket_table[j0]
-    order0 = base.buckets.budget.orders[j0]
-    n0 = base.buckets.budget.batches[j0].n
+    order0 = base.buckets.order.orders[j0]
+    n0 = base.buckets.order.batches[j0].n
 
     def sorted_cost(pos: np.ndarray) -> np.ndarray:
         code = _resolve(levels, b, runs.prev(np.asarray(pos, np.int64)))

@@ -171,13 +171,10 @@ def plan_epoch(
         _warn_dropped(warn, got.dropped, got.dropped_samples, sum(st.samples for st in got.stats), epoch)
         table, stats, bucket_steps = got.table, got.stats, got.steps
         schedule, window_of = _schedule(dss, table, bucket_steps, seed, epoch, group=k)
-        buckets = _Buckets([], dp, d)
-        buckets.counts = got.counts
         if locality.dealt:
             got.source.set_steps(int(schedule.size))
-            buckets.local = got.source
-        else:
-            buckets.budget = got.source
+        buckets = _Buckets([], dp, d, order=got.source, local=got.source if locality.dealt else None,
+                           counts=got.counts)
         bins = Bins(got.starts)
         batch_step, offsets = _rank_batches(got.counts, bucket_steps, schedule, window_of, 1, bins)
         widest = int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1
@@ -231,13 +228,14 @@ def plan_epoch(
             f"planner's limit of MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower repeats, "
             f"the batch size ({bs}) or the world size ({dp} DP ranks), or turn oversubscribe off"
         )
-    buckets = _Buckets(kept, dp, d)
-    counts = buckets.counts
     _warn_dropped(warn, dropped_names, dropped_samples, total_samples, epoch)
 
     schedule, window_ = _schedule(dss, table_, steps_, seed, epoch, group=k)
+    local = None
     if locality.dealt:  # the order inside each bucket; the schedule is the same
-        buckets.local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window, schedule, bs, group)
+        local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window, schedule, bs, group)
+    buckets = _Buckets(kept, dp, d, local=local)
+    counts = buckets.counts
     batch_step, offsets = _rank_batches(counts, steps_, schedule, window_, bs)
     return Plan(
         epoch=epoch, topology=topology, batch_size=bs, policy=policy, mode=mode, pad_to=pad_to,

@@ -10,7 +10,7 @@ Invariants:
 - entry k of kept bucket b on dp_rank d is global position p = d + k * dp_size of the
   bucket's order; it is a padded copy iff p >= the bucket's unpadded length, and its
   sample is the keyed permutation of its pass evaluated at p (core/permute.py), or the
-  shard-local order's entry (core/locality.py, through ``_Buckets.local``);
+  shard-local order's entry (core/locality.py): the ``EntryOrder`` the buckets were made with;
 - ``plan[i]`` equals ``plan.batches(i, i + 1)[0]`` and the slices of ``samples`` / ``pad``,
   bitwise; a MemoryError while computing entries is a ConfigError that says what to lower.
 """
@@ -18,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Hashable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -148,7 +148,7 @@ class Plan:
 
         def batch() -> tuple[np.ndarray, np.ndarray]:
             k = np.arange(first, first + size, dtype=np.int64)
-            return _entries(self.buckets, np.full(size, b, dtype=np.int64), k)
+            return self.buckets.entries(np.full(size, b, dtype=np.int64), k)
 
         samples, pad = _within_memory(batch, size, f"batch {i}")
         return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad)
@@ -175,7 +175,7 @@ class Plan:
             b = np.repeat(self.schedule[steps], sizes)
             first = self._first(self.schedule[steps].astype(np.int64), self.window[steps].astype(np.int64))
             k = np.repeat(first - before, sizes) + np.arange(total, dtype=np.int64)
-            return _entries(self.buckets, b, k)
+            return self.buckets.entries(b, k)
 
         samples, pad = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
         out = []
@@ -199,7 +199,7 @@ class Plan:
                 first = self._first(self.schedule[self.batch_step].astype(np.int64),
                                     self.window[self.batch_step].astype(np.int64))
                 k = np.repeat(first - self.offsets[:-1], sizes) + np.arange(int(self.offsets[-1]), dtype=np.int64)
-                return _entries(self.buckets, b, k)
+                return self.buckets.entries(b, k)
 
             cached = _within_memory(share, int(self.offsets[-1]), "this rank's share")
             self.__dict__["_entries"] = cached
@@ -217,15 +217,29 @@ class Plan:
         return self._all()[1]
 
 
+class EntryOrder(Protocol):
+    """Where a rank's entries come from: the keyed global order (``_Buckets``), a
+    shard-local order (core/localbuckets.py), a budget's strata (core/budgetplan.py) or an
+    elastic remainder of one of them (core/remainder.py, core/budgetremainder.py)."""
+
+    def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, padded flags) of this rank's entries ``k`` of kept buckets ``b``."""
+        ...
+
+
 class _Buckets:
     """The kept buckets' facts a rank's entries are computed from: O(buckets).
 
     Entry k of kept bucket b on dp_rank d is global position p = d + k * dp_size; it
     holds pass ``(p mod m) // n`` at place ``perm_pass((p mod m) mod n)`` of the
     bucket's sorted ids, and is a padded copy iff p >= m (n samples, m = n * passes).
+    ``order`` is where entries come from (this keyed order unless another is given),
+    ``local`` the shard-local order whose shard uses readers plan from (or None), both
+    fixed when the buckets are made.
     """
 
-    def __init__(self, kept: Sequence[tuple[Any, int, int, int, list[list[int]]]], dp: int, d: int) -> None:
+    def __init__(self, kept: Sequence[tuple[Any, int, int, int, list[list[int]]]], dp: int, d: int, *,
+                 order: EntryOrder | None = None, local: Any = None, counts: np.ndarray | None = None) -> None:
         self.ids = [k[0] for k in kept]
         self.n = np.asarray([k[1] for k in kept], dtype=np.int64)
         self.m = np.asarray([k[2] for k in kept], dtype=np.int64)
@@ -233,10 +247,24 @@ class _Buckets:
         self.first_row = np.zeros(len(kept), dtype=np.int64)
         np.cumsum([len(k[4]) for k in kept][:-1], out=self.first_row[1:])
         self.dp, self.d = dp, d
-        self.local: LocalBuckets | None = None  # set for locality="shard"
-        self.budget: Any = None  # set under a budget with locality="none" (core/budgetplan.py)
+        self.local: LocalBuckets | Any = local
+        self.order: EntryOrder = order if order is not None else local if local is not None else self
         # entries of this rank per kept bucket
-        self.counts = np.asarray([max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
+        self.counts = counts if counts is not None else np.asarray(
+            [max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
+
+    def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` (parallel arrays)."""
+        if self.order is not self:
+            return self.order.entries(b, k)
+        if not k.size:
+            return np.zeros(0, np.int64), np.zeros(0, bool)
+        return self.at(b, self.d + self.dp * k)
+
+    def at(self, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
+        the rank (the elastic remainder of an epoch reads the whole layout's order)."""
+        return _at(self, b, pos)
 
 
 class Bins:
@@ -297,18 +325,6 @@ def _within_memory(compute: Any, entries: int, what: str) -> tuple[np.ndarray, n
             f"(about {entries * 64 / 2**30:.1f} GiB); lower the batch size, plan on more DP ranks, "
             "or turn oversubscribe off"
         ) from exc
-
-
-def _entries(bk: _Buckets, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` (parallel arrays)."""
-    budget = getattr(bk, "budget", None)  # the elastic remainder's buckets have none
-    if budget is not None:
-        return budget.entries(b, k)  # type: ignore[no-any-return]
-    if bk.local is not None:
-        return bk.local.entries(b, k)
-    if not k.size:
-        return np.zeros(0, np.int64), np.zeros(0, bool)
-    return _at(bk, b, bk.d + bk.dp * k)
 
 
 def _at(bk: _Buckets, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

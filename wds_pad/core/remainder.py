@@ -47,7 +47,7 @@ from .budgetremainder import plan_budget_remainder
 from .dataset import _as_datasets
 from .locality import Locality
 from .plan import plan_epoch
-from .planrecord import BucketStats, Plan, _at, _rank_batches
+from .planrecord import BucketStats, Plan, _rank_batches
 from .shardschedule import PlannedShardUses
 from .policy import PadTo, Policy, _enum
 from .schedule import _schedule
@@ -252,7 +252,7 @@ class _RemainderBuckets(PlannedShardUses):
             q = np.searchsorted(lv.pstart, g, side="right") - 1  # type: ignore[arg-type]
             idx = lv.pfrom[q] + lv.pstride[q] * (g - lv.pstart[q])  # type: ignore[index]
             b = lv.up[b]  # type: ignore[index]
-        samples, _ = _at(self.base, b, idx)
+        samples, _ = self.base.at(b, idx)
         return samples, pad
 
 
