@@ -174,7 +174,6 @@ class _ExplicitRemainder(PlannedShardUses):
 
     def __init__(self, top: _Level, d: int, shard_map: Sequence[Any]) -> None:
         self.top, self.d, self._shard_map = top, d, shard_map
-        self.local = self
         self.plan: Plan | None = None
         self._uses: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 

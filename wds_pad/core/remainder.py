@@ -47,7 +47,7 @@ from .budgetremainder import plan_budget_remainder
 from .dataset import _as_datasets
 from .locality import Locality
 from .plan import plan_epoch
-from .planrecord import BucketStats, Plan, _rank_batches
+from .planrecord import BucketStats, Plan, _Buckets, _rank_batches
 from .shardschedule import PlannedShardUses
 from .policy import PadTo, Policy, _enum
 from .schedule import _schedule
@@ -226,11 +226,10 @@ def _next_level(lv: _Level, seg: Segment, epoch: int, one_run: bool, dp: int, de
 
 
 class _RemainderBuckets(PlannedShardUses):
-    """What a remainder Plan computes its entries from (the ``local`` hook of core/plan.py)."""
+    """What a remainder Plan computes its entries from (its ``EntryOrder``), and the shards it reads."""
 
     def __init__(self, levels: list[_Level], base: Any, d: int, shard_map: Any) -> None:
         self.levels, self.base, self.d = levels, base, d
-        self.local = self  # Plan asks buckets.local for entries
         self._shard_map = shard_map  # per dataset: sample id -> shard (locality shard), or None
         self._uses: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.plan: Plan | None = None
@@ -325,7 +324,8 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     shard_map = None
     if locality.dealt:
         shard_map = [dealt.layout.shard for dealt in base.buckets.local.dealt]  # type: ignore[union-attr]
-    buckets = _RemainderBuckets(levels, base.buckets, d, shard_map)
+    rest = _RemainderBuckets(levels, base.buckets, d, shard_map)
+    buckets = _Buckets([], top.dp, d, order=rest, local=rest, counts=counts)
     stats = tuple(
         BucketStats(dataset=base.datasets[di], bucket=key, samples=stats0[int(t)].samples,
                     repeats=stats0[int(t)].repeats, length=int(r), padded_length=int(n),
@@ -338,5 +338,5 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
                 schedule=top.schedule, window=top.window, batch_step=batch_step, offsets=offsets,
                 stats=stats, buckets=buckets, locality=locality, shard_window=base.shard_window,  # type: ignore[arg-type]
                 accumulation=k)
-    buckets.plan = plan
+    rest.plan = plan  # its shard uses are read off the plan it belongs to
     return Remainder(plan, _digest(segments, top, table))
