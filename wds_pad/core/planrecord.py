@@ -23,6 +23,7 @@ from typing import Any, Hashable, Iterator, Protocol, Sequence
 import numpy as np
 
 from ..errors import ConfigError
+from .budget import Budget
 from .localbuckets import LocalBuckets
 from .locality import Locality
 from .permute import ROUNDS, permute
@@ -115,7 +116,7 @@ class Plan:
     buckets: _Buckets = field(repr=False)
     locality: Locality = Locality.NONE
     shard_window: int = 8  # shards a rank visits at once (locality="shard")
-    budget: Any = None  # a core.budget.Budget: batches sized by cost (``bins`` says where each starts)
+    budget: Budget | None = None  # batches sized by cost (``bins`` says where each starts)
     bins: Bins | None = field(default=None, repr=False)
     accumulation: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
 
