@@ -242,3 +242,12 @@ def test_accumulation_one_plans_bitwise_as_before() -> None:
     a = plan_epoch(ds, Topology(2, 1), seed=3, batch_size=2)
     b = plan_epoch(ds, Topology(2, 1), seed=3, batch_size=2, accumulation_steps=1)
     assert np.array_equal(a.samples, b.samples) and np.array_equal(a.schedule, b.schedule)
+
+
+def test_a_budgeted_epoch_over_the_planners_limit_is_refused_like_a_counted_one() -> None:
+    from wds_pad.errors import ConfigError
+
+    big = Dataset("big", {"a": np.arange(1000)}, repeats=2**31, cost=np.ones(1000))
+    for size in (4, Budget(10.0)):
+        with pytest.raises(ConfigError, match="above the planner's limit of MAX_PLANNED_ENTRIES"):
+            plan_epoch(big, Topology(2, 0), seed=1, batch_size=size)

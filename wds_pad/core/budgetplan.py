@@ -37,7 +37,7 @@ from .strata import BucketBatches
 from .dataset import Dataset
 from .localbuckets import LocalBuckets
 from .planrecord import BucketStats
-from .policy import Policy, _padded_length
+from .policy import Policy, _check_planned_size, _padded_length, check_planned_total
 from .seed import derive_seed
 
 __all__ = ["BudgetBuckets", "BudgetedBuckets", "RankCuts", "plan_buckets", "shard_cut"]
@@ -162,6 +162,7 @@ def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, 
             if n == 0:
                 stats.append(_stats(ds, key, 0, 0, 0, 0, False, False, 0))
                 continue
+            _check_planned_size(ds.name, key, n, passes, 0, dp, 1, dp, bool(oversubscribe))
             order = ds.sorted_by_cost(key)
             bb = BucketBatches(n, passes, dp, _sorted_cost(ds, order),
                                derive_seed(seed, epoch, ds.name, key, "budget"), budget, policy.value,
@@ -176,6 +177,7 @@ def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, 
             table.append((di, key))
             batches.append(bb)
             orders.append(order)
+    check_planned_total(sum(st.padded_length for st in stats), epoch, f"budget {budget.limit:g}", dp)
     counts = np.asarray([bb.count(d) for bb in batches], np.int64)
     return BudgetedBuckets(table=table, stats=stats, steps=[bb.batches for bb in batches], counts=counts,
                            starts=[bb.offsets for bb in batches], source=BudgetBuckets(batches, orders, d),
@@ -205,6 +207,7 @@ def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, 
             n = int(ids.size)
             m = n * passes
             length = _padded_length(m, unit, policy, bool(oversubscribe)) if n else 0
+            _check_planned_size(ds.name, key, n, passes, length, dp, 1, unit, bool(oversubscribe))
             if n and not length:
                 dropped.append(f"{ds.name}/{key!r} ({m} < pad unit {unit})")
                 dropped_samples += n
@@ -213,6 +216,7 @@ def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, 
             if length:
                 table.append((di, key))
                 kept_local.append((di, key, ids, n, passes, length))
+    check_planned_total(sum(st.padded_length for st in stats), epoch, f"budget {budget.limit:g}", dp)
     local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, window, np.zeros(0, np.int64), 1, group)
     steps: list[int] = []
     starts: list[np.ndarray] = []

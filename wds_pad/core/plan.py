@@ -54,11 +54,11 @@ from .budget import Budget
 from .budgetplan import plan_buckets
 from .planrecord import Batch, Bins, BucketStats, Plan, _Buckets, _rank_batches
 from .policy import (
-    MAX_PLANNED_ENTRIES,
     Mode,
     PadTo,
     Policy,
     _check_planned_size,
+    check_planned_total,
     _enum,
     _padded_length,
     check_epoch,
@@ -222,12 +222,7 @@ def plan_epoch(
             kept.append((ids, n, m, length, keys))
             kept_local.append((di, key, ids, n, passes, length))
             steps_.append(steps)
-    if planned > MAX_PLANNED_ENTRIES:
-        raise ConfigError(
-            f"epoch {epoch} would plan {planned} entries over all buckets and datasets, above the "
-            f"planner's limit of MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower repeats, "
-            f"the batch size ({bs}) or the world size ({dp} DP ranks), or turn oversubscribe off"
-        )
+    check_planned_total(planned, epoch, str(bs), dp)
     _warn_dropped(warn, dropped_names, dropped_samples, total_samples, epoch)
 
     schedule, window_ = _schedule(dss, table_, steps_, seed, epoch, group=k)

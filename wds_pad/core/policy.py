@@ -31,6 +31,7 @@ from ..errors import ConfigError
 __all__ = [
     "MAX_EPOCH",
     "MAX_PLANNED_ENTRIES",
+    "check_planned_total",
     "Mode",
     "PadTo",
     "Policy",
@@ -160,4 +161,15 @@ def _check_planned_size(
             f"MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower the batch size or the world "
             "size, or turn oversubscribe off (oversubscribe=False, no --oversubscribe) so buckets "
             "smaller than one global step are dropped"
+        )
+
+
+def check_planned_total(planned: int, epoch: int, size: str, dp: int) -> None:
+    """Refuse an epoch whose buckets together plan more than MAX_PLANNED_ENTRIES entries
+    (``size``: the batch size or the budget, as the message names it)."""
+    if planned > MAX_PLANNED_ENTRIES:
+        raise ConfigError(
+            f"epoch {epoch} would plan {planned} entries over all buckets and datasets, above the "
+            f"planner's limit of MAX_PLANNED_ENTRIES = 2**40 = {MAX_PLANNED_ENTRIES}; lower repeats, "
+            f"the batch size ({size}) or the world size ({dp} DP ranks), or turn oversubscribe off"
         )
