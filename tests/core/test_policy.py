@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wds_pad import ConfigError, Dataset, Mode, Policy, Topology, plan_epoch
-from wds_pad.core.policy import MAX_PLANNED_ENTRIES, _padded_length, resolve_policy
+from wds_pad.core.policy import MAX_PLANNED_ENTRIES, padded_length, resolve_policy
 
 
 def test_auto_policy_resolution() -> None:
@@ -26,7 +26,7 @@ def test_auto_policy_resolution() -> None:
 @given(st.integers(1, 10**6), st.integers(1, 10**4), st.sampled_from(list(Policy)[1:]), st.booleans())
 def test_padded_length_is_the_policys_multiple_of_the_unit(m: int, unit: int, policy: Policy,
                                                           oversubscribe: bool) -> None:
-    length = _padded_length(m, unit, policy, oversubscribe)
+    length = padded_length(m, unit, policy, oversubscribe)
     if policy is Policy.NONE:
         assert length == m
         return
@@ -47,12 +47,12 @@ def test_max_epoch_is_one_exported_constant() -> None:
 
 
 def test_the_padded_size_limit_is_inclusive() -> None:
-    from wds_pad.core.policy import _check_planned_size
+    from wds_pad.core.policy import check_bucket_size
 
-    _check_planned_size("d", "a", 1, 1, MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, MAX_PLANNED_ENTRIES, True)
-    _check_planned_size("d", "a", MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, 1, 1, 1, False)
+    check_bucket_size("d", "a", 1, 1, MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, MAX_PLANNED_ENTRIES, True)
+    check_bucket_size("d", "a", MAX_PLANNED_ENTRIES, 1, MAX_PLANNED_ENTRIES, 1, 1, 1, False)
     with pytest.raises(ConfigError, match="padded to"):
-        _check_planned_size("d", "a", 3, 1, MAX_PLANNED_ENTRIES + 1, 1, 4, 4, False)
+        check_bucket_size("d", "a", 3, 1, MAX_PLANNED_ENTRIES + 1, 1, 4, 4, False)
 
 
 def test_the_pad_unit_is_one_global_step_or_one_entry_per_rank() -> None:

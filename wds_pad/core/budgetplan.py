@@ -37,7 +37,7 @@ from .strata import BucketBatches
 from .dataset import Dataset
 from .localbuckets import LocalBuckets
 from .planrecord import BucketStats
-from .policy import Policy, _check_planned_size, _padded_length, check_planned_total
+from .policy import Policy, check_bucket_size, check_planned_total, padded_length
 from .seed import derive_seed
 
 __all__ = ["BudgetBuckets", "BudgetedBuckets", "RankCuts", "plan_buckets", "shard_cut"]
@@ -162,7 +162,7 @@ def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, 
             if n == 0:
                 stats.append(_stats(ds, key, 0, 0, 0, 0, False, False, 0))
                 continue
-            _check_planned_size(ds.name, key, n, passes, 0, dp, 1, dp, bool(oversubscribe))
+            check_bucket_size(ds.name, key, n, passes, 0, dp, 1, dp, bool(oversubscribe))
             order = ds.sorted_by_cost(key)
             bb = BucketBatches(n, passes, dp, _sorted_cost(ds, order),
                                derive_seed(seed, epoch, ds.name, key, "budget"), budget, policy.value,
@@ -206,8 +206,8 @@ def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, 
         for key, ids in ds.buckets.items():
             n = int(ids.size)
             m = n * passes
-            length = _padded_length(m, unit, policy, bool(oversubscribe)) if n else 0
-            _check_planned_size(ds.name, key, n, passes, length, dp, 1, unit, bool(oversubscribe))
+            length = padded_length(m, unit, policy, bool(oversubscribe)) if n else 0
+            check_bucket_size(ds.name, key, n, passes, length, dp, 1, unit, bool(oversubscribe))
             if n and not length:
                 dropped.append(f"{ds.name}/{key!r} ({m} < pad unit {unit})")
                 dropped_samples += n

@@ -57,11 +57,11 @@ from .policy import (
     Mode,
     PadTo,
     Policy,
-    _check_planned_size,
-    check_planned_total,
     _enum,
-    _padded_length,
+    check_bucket_size,
     check_epoch,
+    check_planned_total,
+    padded_length,
     resolve_policy,
 )
 from .schedule import _schedule
@@ -200,8 +200,8 @@ def plan_epoch(
             n = int(ids.size)
             total_samples += n
             m = n * passes
-            length = _padded_length(m, unit, policy, bool(oversubscribe)) if n else 0
-            _check_planned_size(ds.name, key, n, passes, length, dp, bs, unit, bool(oversubscribe))
+            length = padded_length(m, unit, policy, bool(oversubscribe)) if n else 0
+            check_bucket_size(ds.name, key, n, passes, length, dp, bs, unit, bool(oversubscribe))
             planned += length
             dropped = n > 0 and length == 0
             steps = -(-length // (dp * bs)) if length else 0

@@ -10,7 +10,7 @@ to anything that depends on the process, the machine or the clock. Invariants:
 - ``resolve_policy`` never returns ``AUTO``: it is cyclic for epoch-driven runs or
   explicit oversubscription, else drop (invariant 6: the same inputs resolve the same
   way for every epoch);
-- ``_padded_length(m, unit, ...)`` is ``m`` for ``none``, else a multiple of ``unit``:
+- ``padded_length(m, unit, ...)`` is ``m`` for ``none``, else a multiple of ``unit``:
   the next one up for ``cyclic``, the one below for ``drop``; a list shorter than one
   unit becomes 0 (dropped) unless cyclic with oversubscription fills it to one unit.
   It is only called for non-empty buckets (invariant 5);
@@ -31,11 +31,13 @@ from ..errors import ConfigError
 __all__ = [
     "MAX_EPOCH",
     "MAX_PLANNED_ENTRIES",
-    "check_planned_total",
     "Mode",
     "PadTo",
     "Policy",
+    "check_bucket_size",
     "check_epoch",
+    "check_planned_total",
+    "padded_length",
     "resolve_policy",
 ]
 
@@ -131,7 +133,7 @@ def resolve_policy(policy: Policy | str, mode: Mode | str, oversubscribe: bool) 
     return policy
 
 
-def _padded_length(m: int, unit: int, policy: Policy, oversubscribe: bool) -> int:
+def padded_length(m: int, unit: int, policy: Policy, oversubscribe: bool) -> int:
     if policy is Policy.NONE:
         return m
     if m < unit:
@@ -141,7 +143,7 @@ def _padded_length(m: int, unit: int, policy: Policy, oversubscribe: bool) -> in
     return (m // unit) * unit
 
 
-def _check_planned_size(
+def check_bucket_size(
     name: str, key: Hashable, n: int, passes: int, length: int, dp: int, bs: int, unit: int,
     oversubscribe: bool,
 ) -> None:
