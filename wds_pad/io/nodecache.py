@@ -29,6 +29,11 @@ Invariants:
       ``cache_bytes``, for the next epoch and for a restart on the same folder.
     * A read waits only for a live writer making progress: a ``.part`` whose writer died
       is taken over at once; no progress for ``guard`` seconds raises a ``ReadError``.
+    * A copy is served only as the bytes the index describes (:mod:`wds_pad.io.nodecheck`):
+      one this job did not fetch is checked once per job on the node before its first
+      read (the store's identity by one HEAD, its checksum by one read of the file); a
+      damaged one is removed and fetched again; a shard whose fetched bytes differ from
+      the index's content identity is a :class:`StaleShardError`, never published.
     * Reads keep their order: one read thread serves a read whose bytes are not all in the
       file yet, and every read after it; a read whose bytes are there while that thread is
       idle is read at once. A schedule is per epoch; the next one is taken when this
@@ -45,9 +50,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from wds_pad.errors import ReadError
+from wds_pad.errors import ReadError, StaleShardError
 
-from . import nodefiles
+from . import nodecheck, nodefiles
 from .redact import redact
 from .shardplan import NodeEpoch, NodeShard
 
@@ -82,15 +87,24 @@ class NodeCache:
             one it has not finished reading; None: all of them (within ``cache_bytes``).
         guard: seconds a read waits for a writer that makes no progress.
         depth: shards fetched ahead at once, and GETs in flight per shard fetched.
+        check: ``check(url)`` asks the store whether the shard is the indexed one (one
+            HEAD), raising :class:`StaleShardError` if not; None: no such check.
+        session: this job on this node (``wds_pad.io.nodefolder.job_session``): the
+            processes of one session take each other's word on a copy's check.
     """
 
     def __init__(self, fetch: Callable[[str, int, int], concurrent.futures.Future[bytes]],
                  schedule: Iterator[NodeEpoch], *, folder: str, block_bytes: int, cache_bytes: int,
-                 ahead: int | None = None, guard: float = 600.0, depth: int = 2) -> None:
+                 ahead: int | None = None, guard: float = 600.0, depth: int = 2,
+                 check: Callable[[str], None] | None = None, session: str = "") -> None:
         self._get, self._schedule, self.folder = fetch, schedule, folder
         self.block_bytes, self.cache_bytes = block_bytes, cache_bytes
         self.ahead = 1 << 62 if ahead is None else max(0, ahead)
         self.guard, self.depth = guard, max(1, depth)
+        self._store_check, self.session = check, session
+        self._valid: set[str] = set()  # stems whose copy this process checked or fetched
+        self._checking = threading.Lock()
+        self.damaged = 0          # copies it found damaged (removed, fetched again)
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._reads: concurrent.futures.ThreadPoolExecutor | None = None  # one thread: its descriptors
@@ -172,7 +186,12 @@ class NodeCache:
             self._prefetch()
         queued = self._queued
         if queued is None or queued.done():  # the read thread is idle: bytes already here are read now
-            fd = self._open(entry)
+            try:
+                fd = self._open(entry)
+            except Exception as exc:  # noqa: BLE001 - the copy's check failed: this read fails, in order
+                failed: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+                failed.set_exception(exc)
+                return failed
             if fd is not None and os.fstat(fd).st_size >= min(start + length, entry.shard.size):
                 out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
                 out.set_result(os.pread(fd, length, start))
@@ -232,10 +251,45 @@ class NodeCache:
         if entry.fd is None:
             got = nodefiles.open_copy(self.folder, entry.shard.name)
             if got is not None:
+                fd, complete = got
+                try:
+                    if complete and not self._checked(entry.shard, fd):
+                        os.close(fd)  # damaged, removed: fetched again
+                        return None
+                except BaseException:
+                    os.close(fd)
+                    raise
                 entry.fd, entry.complete = got
                 if entry.complete:
                     nodefiles.in_use(entry.fd)  # not evicted while this process reads it
         return entry.fd
+
+    def _checked(self, shard: NodeShard, fd: int) -> bool:
+        """Whether the complete copy open as ``fd`` may be served: checked once per job
+        (:func:`nodecheck.verify`); False if it was damaged (and is removed)."""
+        if shard.name in self._valid:
+            return True
+        with self._checking:
+            if shard.name in self._valid:
+                return True
+            check = None if self._store_check is None else (lambda: self._store_check(shard.url))  # type: ignore[misc]
+            if nodecheck.verify(self.folder, shard.name, fd, shard.size, self.session, check):
+                self._valid.add(shard.name)
+                return True
+            self.damaged += 1
+            return False
+
+    def _check_present(self, shard: NodeShard) -> bool:
+        """Checks ahead of its reads a complete copy found in the folder; False if it was
+        damaged (removed) or is gone."""
+        got = nodefiles.open_copy(self.folder, shard.name)
+        if got is None:
+            return False
+        fd, complete = got
+        try:
+            return complete and self._checked(shard, fd)
+        finally:
+            os.close(fd)
 
     def _close(self, entry: _Entry) -> None:
         if entry.fd is not None:
@@ -300,16 +354,33 @@ class NodeCache:
         shard = entry.shard
         if entry.finished and not urgent:
             return "skipped"  # read meanwhile: a copy now is no longer needed here
-        status, fd = self._claim(shard, urgent)
+        if nodefiles.present(self.folder, shard.name) and self._check_present(shard):
+            return "present"  # no lock taken: a folder this process cannot write serves what it holds
+        for _ in range(3):  # a copy found damaged is fetched again
+            status, fd = self._claim(shard, urgent)
+            if fd is not None or status != "present" or self._check_present(shard):
+                break
         if fd is None:
             return status
         try:
             if os.fstat(fd).st_size < shard.size:
-                nodefiles.write_rest(fd, shard.url, shard.size, self._get, self.block_bytes, self.depth)
+                checksum = nodefiles.write_rest(fd, shard.url, shard.size, self._get, self.block_bytes, self.depth)[1]
                 with self._lock:
                     self.fetched_shards += 1
+            else:
+                checksum = nodecheck.checksum_file(fd, shard.size)
+            if shard.content and checksum != shard.content:
+                os.ftruncate(fd, 0)  # the store's bytes, not the indexed ones: nobody reads them
+                raise StaleShardError(
+                    f"shard {redact(shard.url)!r} changed since it was indexed: its bytes are not the ones the "
+                    f"index records ({shard.content}), although its size and change stamp are; re-index it: "
+                    "`wds-pad index SHARDS -o INDEX --update --rescan URL` (or restore the shard)")
+            nodecheck.write_sum(self.folder, shard.name, checksum)
+            nodecheck.record(self.folder, shard.name, self.session)  # fetched by this job: checked
             nodefiles.publish(self.folder, shard.name, fd)
             fd = None
+            with self._checking:
+                self._valid.add(shard.name)
             return "done"
         finally:
             if fd is not None:

@@ -43,12 +43,14 @@ import threading
 from collections import deque
 from typing import Callable, Container, Iterator
 
+from .nodecheck import checksum_file, new_hash
 from .stale import _short_read
 
 __all__ = ["shard_name"]
 
 SHARD, PART, DONE = ".shard", ".part", ".done"
-_FILE = re.compile(r"([0-9a-f]{32}-[0-9]+)(\.shard|\.part|\.done|\.[0-9a-f]{8}\.tmp)")
+_FILE = re.compile(r"([0-9a-f]{32}-[0-9]+)(\.shard|\.part|\.done|\.sum|\.ok|\.[0-9a-f]{8}\.tmp)")
+_SIDE = (".sum", ".ok")  # a copy's checksum and the jobs that checked it (wds_pad.io.nodecheck)
 _MODE = 0o666  # less the umask, as open() creates files
 _FLAGS = getattr(os, "O_CLOEXEC", 0)
 
@@ -70,10 +72,12 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_locks)
 
 
-def shard_name(url: str, size: int, stamp: str) -> str:
-    """The stem of a shard's files: a digest of its URL, size and change stamp, then its size."""
-    digest = hashlib.blake2b(f"{url}\0{size}\0{stamp}".encode("utf-8", "surrogateescape"),
-                             digest_size=16).hexdigest()
+def shard_name(url: str, size: int, stamp: str, content: str = "") -> str:
+    """The stem of a shard's files: a digest of its URL, size, change stamp and (where the
+    index records one) content identity, then its size: a shard indexed again with other
+    bytes has other files."""
+    key = f"{url}\0{size}\0{stamp}" + (f"\0{content}" if content else "")
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
     return f"{digest}-{int(size)}"
 
 
@@ -236,13 +240,17 @@ def _create(folder: str, stem: str) -> int | None:
             os.unlink(tmp)
 
 
-def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: int) -> int:
+def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: int) -> tuple[int, str]:
     """Fetches what the locked ``.part`` lacks, in GETs of ``block_bytes`` (``depth`` in
-    flight), written in order; the number of GETs."""
+    flight), written in order; the number of GETs, and the checksum of the whole file
+    (:func:`wds_pad.io.nodecheck.checksum_file`'s, computed as the bytes arrive)."""
     have = os.fstat(fd).st_size
     if have > size:  # longer than the shard: not ours to keep
         os.ftruncate(fd, 0)
         have = 0
+    h = new_hash()
+    if have:
+        checksum_file(fd, have, h)  # the prefix another writer left
     offsets = list(range(have, size, block_bytes))
     pending: deque[tuple[int, int, concurrent.futures.Future[bytes]]] = deque()
     i = 0
@@ -257,6 +265,7 @@ def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: 
             data = fut.result()
             if len(data) != n:
                 raise _short_read(url, off, n, len(data))
+            h.update(data)
             view = memoryview(data)
             while view:
                 written = os.pwrite(fd, view, off)
@@ -264,7 +273,7 @@ def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: 
     finally:
         for _, _, fut in pending:
             fut.cancel()
-    return len(offsets)
+    return len(offsets), f"blake2b={h.hexdigest()}"
 
 
 def publish(folder: str, stem: str, fd: int) -> None:
@@ -320,6 +329,8 @@ def remove(folder: str, stem: str, suffix: str) -> bool:
         if not _try_lock(fd, fcntl.LOCK_EX) or not same_file(fd, path):
             return False
         os.unlink(path)
+        if suffix == SHARD:
+            _remove_side(folder, stem)
         return True
     finally:
         os.close(fd)
@@ -350,11 +361,17 @@ def reclaim(folder: str, known: Container[str]) -> int:
                 if os.stat(path).st_size != size_of(stem):
                     os.unlink(path)
                     removed += 1
-        elif suffix == DONE and stem not in stems:
+        elif suffix in (DONE, *_SIDE) and stem not in stems:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 removed += 1
     return removed
+
+
+def _remove_side(folder: str, stem: str) -> None:
+    for suffix in _SIDE:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_path(folder, stem, suffix))
 
 
 def _remove_unlocked(path: str) -> int:
@@ -394,7 +411,7 @@ def finish(folder: str, stem: str, epoch: int, user: int, users: Container[int] 
             finished.add(int(u))
     if not all(u in finished for u in users):  # type: ignore[union-attr]
         return False
-    for suffix in (SHARD, DONE):
+    for suffix in (SHARD, DONE, *_SIDE):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_path(folder, stem, suffix))
     return True

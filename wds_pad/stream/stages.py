@@ -309,7 +309,7 @@ class _Later(Mapping[str, int]):
                 if after is not None:
                     for r in np.flatnonzero(after.held).tolist():
                         info = self._spec.indexes[int(after.dataset[r])].shards[int(after.shard[r])]
-                        table[shard_name(info.url, info.size, info.stamp)] = int(after.uses(r)[0])
+                        table[shard_name(info.url, info.size, info.stamp, info.content)] = int(after.uses(r)[0])
                 self._table = table
             return self._table
 
@@ -332,9 +332,9 @@ def _node_epoch(spec: PlanSpec, epoch: int, uses: NodeUses, later: Mapping[str, 
     for r in range(len(uses)):
         info = spec.indexes[int(uses.dataset[r])].shards[int(uses.shard[r])]
         mine = uses.mine(r)
-        rec = NodeShard(url=info.url, size=int(info.size), name=shard_name(info.url, info.size, info.stamp),
+        rec = NodeShard(url=info.url, size=int(info.size), name=shard_name(info.url, info.size, info.stamp, info.content),
                         held=bool(uses.held[r]), steps=uses.uses(r),
-                        users=frozenset(np.flatnonzero(uses.users[r]).tolist()), mine=mine)
+                        users=frozenset(np.flatnonzero(uses.users[r]).tolist()), mine=mine, content=info.content)
         shards.setdefault(info.url, rec)
         if rec.held and mine.size:
             firsts.append((int(mine[0]), info.url))
