@@ -188,3 +188,51 @@ def test_a_read_only_folder_with_every_shard_streams_and_a_damaged_copy_there_is
     with read_only(cache, tmp_path / "ro2") as folder:
         with pytest.raises(ConfigError, match="damaged.*cannot be written"):
             outcome(index, folder)
+
+
+def test_a_read_only_folder_lacking_a_shard_is_one_error_naming_the_folder(
+        served: tuple[Path, str], tmp_path: Path) -> None:
+    _, base = served
+    index = index_of(base, tmp_path / "ix.wdsidx")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with read_only(cache, tmp_path / "ro") as folder:
+        with pytest.raises(ConfigError, match=f"shard folder '{folder}' cannot be written.*make it writable"):
+            outcome(index, folder)
+
+
+def test_a_foreign_entry_is_skipped_and_reported_once_and_one_in_a_shard_s_place_is_one_error(
+        served: tuple[Path, str], tmp_path: Path) -> None:
+    _, base = served
+    index = index_of(base, tmp_path / "ix.wdsidx")
+    cache = tmp_path / "cache"
+    clean = outcome(index, cache)
+    odd = cache / ("0" * 32 + "-100.shard")
+    odd.mkdir()  # named like a cached file, yet a directory
+    with pytest.warns(UserWarning, match="not regular files") as seen:
+        assert outcome(index, cache) == clean
+        assert outcome(index, cache) == clean
+    assert sum("not regular files" in str(w.message) for w in seen) == 1
+    assert odd.is_dir()  # left alone
+    taken = sorted(p for p in cache.glob("*.shard") if p.is_file())[0]
+    for p in cache.glob(taken.stem + ".*"):
+        p.unlink()
+    taken.mkdir()
+    with pytest.raises(ConfigError, match=f"{taken.name}.* is not a file the cache wrote.*remove it"):
+        outcome(index, cache)
+
+
+def test_a_full_disk_is_one_error_with_the_figures(served: tuple[Path, str], tmp_path: Path) -> None:
+    root, base = served
+    index = index_of(base, tmp_path / "ix.wdsidx")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = max(p.stat().st_size for p in root.glob("*.tar")) * 3 // 2
+    if os.geteuid() != 0:
+        pytest.skip("a small disk is a tmpfs mount, which needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], check=True)
+    try:
+        with pytest.raises(ConfigError, match=r"is full: \d+ bytes free, the folder holds \d+ bytes.*cache_bytes"):
+            outcome(index, disk)
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # a fetch thread may still hold a file

@@ -29,11 +29,8 @@ Invariants:
       ``cache_bytes``, for the next epoch and for a restart on the same folder.
     * A read waits only for a live writer making progress: a ``.part`` whose writer died
       is taken over at once; no progress for ``guard`` seconds raises a ``ReadError``.
-    * A copy is served only as the bytes the index describes (:mod:`wds_pad.io.nodecheck`):
-      one this job did not fetch is checked once per job on the node before its first
-      read (the store's identity by one HEAD, its checksum by one read of the file); a
-      damaged one is removed and fetched again; a shard whose fetched bytes differ from
-      the index's content identity is a :class:`StaleShardError`, never published.
+    * A copy is served only as the bytes the index describes, checked once per job on the
+      node (:mod:`wds_pad.io.nodecheck`); the folder's faults: :mod:`wds_pad.io.nodeproblems`.
     * Reads keep their order: one read thread serves a read whose bytes are not all in the
       file yet, and every read after it; a read whose bytes are there while that thread is
       idle is read at once. A schedule is per epoch; the next one is taken when this
@@ -43,6 +40,8 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
 import os
 import threading
 import time
@@ -50,9 +49,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from wds_pad.errors import ReadError, StaleShardError
+from wds_pad.errors import ReadError
 
 from . import nodecheck, nodefiles
+from .nodeproblems import disk_full
 from .redact import redact
 from .shardplan import NodeEpoch, NodeShard
 
@@ -101,10 +101,7 @@ class NodeCache:
         self.block_bytes, self.cache_bytes = block_bytes, cache_bytes
         self.ahead = 1 << 62 if ahead is None else max(0, ahead)
         self.guard, self.depth = guard, max(1, depth)
-        self._store_check, self.session = check, session
-        self._valid: set[str] = set()  # stems whose copy this process checked or fetched
-        self._checking = threading.Lock()
-        self.damaged = 0          # copies it found damaged (removed, fetched again)
+        self.checks = nodecheck.Checks(folder, check, session)  # of the copies this process serves
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._reads: concurrent.futures.ThreadPoolExecutor | None = None  # one thread: its descriptors
@@ -253,7 +250,7 @@ class NodeCache:
             if got is not None:
                 fd, complete = got
                 try:
-                    if complete and not self._checked(entry.shard, fd):
+                    if complete and not self.checks.ok(entry.shard.url, entry.shard.name, entry.shard.size, fd):
                         os.close(fd)  # damaged, removed: fetched again
                         return None
                 except BaseException:
@@ -264,32 +261,16 @@ class NodeCache:
                     nodefiles.in_use(entry.fd)  # not evicted while this process reads it
         return entry.fd
 
-    def _checked(self, shard: NodeShard, fd: int) -> bool:
-        """Whether the complete copy open as ``fd`` may be served: checked once per job
-        (:func:`nodecheck.verify`); False if it was damaged (and is removed)."""
-        if shard.name in self._valid:
-            return True
-        with self._checking:
-            if shard.name in self._valid:
-                return True
-            check = None if self._store_check is None else (lambda: self._store_check(shard.url))  # type: ignore[misc]
-            if nodecheck.verify(self.folder, shard.name, fd, shard.size, self.session, check):
-                self._valid.add(shard.name)
-                return True
-            self.damaged += 1
-            return False
-
     def _check_present(self, shard: NodeShard) -> bool:
         """Checks ahead of its reads a complete copy found in the folder; False if it was
         damaged (removed) or is gone."""
         got = nodefiles.open_copy(self.folder, shard.name)
         if got is None:
             return False
-        fd, complete = got
         try:
-            return complete and self._checked(shard, fd)
+            return got[1] and self.checks.ok(shard.url, shard.name, shard.size, got[0])
         finally:
-            os.close(fd)
+            os.close(got[0])
 
     def _close(self, entry: _Entry) -> None:
         if entry.fd is not None:
@@ -346,7 +327,13 @@ class NodeCache:
             if fut is not None:
                 with self._lock:
                     self._running.add(fut)
-                fut.add_done_callback(lambda _: self._prefetch())
+                fut.add_done_callback(self._after_fetch)
+
+    def _after_fetch(self, _: concurrent.futures.Future[str]) -> None:
+        """A fetch ahead ended: the next one starts (none once closed, or at exit)."""
+        with contextlib.suppress(RuntimeError):  # "cannot schedule new futures after ... shutdown"
+            if not self._closed:
+                self._prefetch()
 
     def _fetch_file(self, entry: _Entry, urgent: bool) -> str:
         """Makes the shard's copy complete, unless another process is at it: "done" (fetched
@@ -363,24 +350,45 @@ class NodeCache:
         if fd is None:
             return status
         try:
-            if os.fstat(fd).st_size < shard.size:
+            return self._write(shard, fd)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+        if self._evict_unneeded(shard):  # the disk is full: what no plan reads again goes, then once more
+            status, fd = self._claim(shard, urgent=True)
+            if fd is None:
+                return status
+            try:
+                return self._write(shard, fd)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+        held = sum(b for _, _, b in nodefiles.scan(self.folder))
+        raise disk_full(self.folder, shard.url, shard.size, held, self.cache_bytes)
+
+    def _evict_unneeded(self, shard: NodeShard) -> int:
+        """Removes the shards no plan of the node reads again (nor being read); how many."""
+        with nodefiles.folder_lock(self.folder):
+            removed = sum(nodefiles.remove(self.folder, stem, suffix) for stem, suffix, _ in nodefiles.scan(self.folder)
+                          if stem != shard.name and self._next_use(stem, self._now) == _FAR)
+        self.evicted += removed
+        return removed
+
+    def _write(self, shard: NodeShard, fd: int | None) -> str:
+        """Completes, checks and publishes the locked ``.part`` open as ``fd``."""
+        try:
+            if os.fstat(fd).st_size < shard.size:  # type: ignore[arg-type]
                 checksum = nodefiles.write_rest(fd, shard.url, shard.size, self._get, self.block_bytes, self.depth)[1]
                 with self._lock:
                     self.fetched_shards += 1
             else:
                 checksum = nodecheck.checksum_file(fd, shard.size)
-            if shard.content and checksum != shard.content:
-                os.ftruncate(fd, 0)  # the store's bytes, not the indexed ones: nobody reads them
-                raise StaleShardError(
-                    f"shard {redact(shard.url)!r} changed since it was indexed: its bytes are not the ones the "
-                    f"index records ({shard.content}), although its size and change stamp are; re-index it: "
-                    "`wds-pad index SHARDS -o INDEX --update --rescan URL` (or restore the shard)")
+            nodecheck.as_indexed(fd, shard.url, checksum, shard.content)
             nodecheck.write_sum(self.folder, shard.name, checksum)
-            nodecheck.record(self.folder, shard.name, self.session)  # fetched by this job: checked
+            nodecheck.record(self.folder, shard.name, self.checks.session)  # fetched by this job: checked
             nodefiles.publish(self.folder, shard.name, fd)
             fd = None
-            with self._checking:
-                self._valid.add(shard.name)
+            self.checks.fetched(shard.name)
             return "done"
         finally:
             if fd is not None:

@@ -31,11 +31,14 @@ import fcntl
 import hashlib
 import os
 import secrets
+import threading
 from typing import Callable
 
-from wds_pad.errors import ConfigError
+from wds_pad.errors import ConfigError, StaleShardError
 
-__all__ = ["SUM", "OK", "checksum_file", "new_hash", "record", "verify", "write_sum"]
+from .redact import redact
+
+__all__ = ["OK", "SUM", "Checks", "as_indexed", "checksum_file", "new_hash", "record", "verify", "write_sum"]
 
 SUM, OK = ".sum", ".ok"
 _FLAGS = getattr(os, "O_CLOEXEC", 0)
@@ -60,6 +63,18 @@ def checksum_file(fd: int, size: int, h: "hashlib._Hash | None" = None) -> str:
         h.update(data)
         off += len(data)
     return f"blake2b={h.hexdigest()}"
+
+
+def as_indexed(fd: int, url: str, checksum: str, content: str) -> None:
+    """Raises :class:`StaleShardError` if a fetched copy's checksum is not the index's
+    content identity of the shard (``""``: none recorded); the ``.part`` is emptied first,
+    so nobody reads the store's other bytes."""
+    if content and checksum != content:
+        os.ftruncate(fd, 0)
+        raise StaleShardError(
+            f"shard {redact(url)!r} changed since it was indexed: its bytes are not the ones the index records "
+            f"({content}), although its size and change stamp are; re-index it: `wds-pad index SHARDS -o INDEX "
+            "--update --rescan URL` (or restore the shard)")
 
 
 def _path(folder: str, stem: str, suffix: str) -> str:
@@ -168,3 +183,40 @@ def verify(folder: str, stem: str, fd: int, size: int, session: str,
     finally:
         if lock is not None:
             os.close(lock)
+
+
+class Checks:
+    """The copies one process serves, each checked once (:func:`verify`), or fetched by it.
+
+    Args:
+        folder: the node's folder.
+        store_check: ``store_check(url)`` asks the store whether the shard is the indexed
+            one (raising :class:`StaleShardError` if not); None: no such check.
+        session: this job on this node.
+    """
+
+    def __init__(self, folder: str, store_check: Callable[[str], None] | None, session: str) -> None:
+        self.folder, self.store_check, self.session = folder, store_check, session
+        self._valid: set[str] = set()  # stems whose copy this process checked or fetched
+        self._lock = threading.Lock()
+        self.damaged = 0  # copies found damaged (removed, fetched again)
+
+    def ok(self, url: str, stem: str, size: int, fd: int) -> bool:
+        """Whether the complete copy open as ``fd`` may be served; False if it was damaged
+        (and is removed)."""
+        if stem in self._valid:
+            return True
+        with self._lock:
+            if stem in self._valid:
+                return True
+            check = None if self.store_check is None else (lambda: self.store_check(url))  # type: ignore[misc]
+            if verify(self.folder, stem, fd, size, self.session, check):
+                self._valid.add(stem)
+                return True
+            self.damaged += 1
+            return False
+
+    def fetched(self, stem: str) -> None:
+        """This process published the copy: it is served without a check."""
+        with self._lock:
+            self._valid.add(stem)
