@@ -236,3 +236,12 @@ def test_a_full_disk_is_one_error_with_the_figures(served: tuple[Path, str], tmp
             outcome(index, disk)
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=True)  # a fetch thread may still hold a file
+
+
+def test_a_cache_dir_with_locality_none_is_said_to_be_unused(served: tuple[Path, str], tmp_path: Path) -> None:
+    _, base = served
+    index = index_of(base, tmp_path / "ix.wdsidx")
+    opts = ReadOptions(cache_dir=str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="cache_dir=.* is not used with locality='none'.*locality='shard'"):
+        BucketedWebDataset(index, batch_size=4, topology=Topology(1, 0), seed=5, locality="none",
+                           read_options=opts, check_agreement=False)

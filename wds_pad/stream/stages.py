@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -366,7 +367,11 @@ def join_node_folder(spec: PlanSpec, options: ReadOptions | None) -> None:
     """In a main process: joins the job's default shard folder, which a stream of remote
     shards read whole without a ``cache_dir`` uses once it runs beside other processes
     of the job (local ranks, DataLoader workers), so the folder lives as long as the
-    job and goes with its last process."""
+    job and goes with its last process. A ``cache_dir`` no stream uses is said once."""
+    if spec.locality is Locality.NONE and options is not None and options.cache_dir is not None:
+        warnings.warn(f"ReadOptions(cache_dir={options.cache_dir!r}) is not used with locality='none' (each sample is "
+                      "one ranged read; no shard is kept): stream with locality='shard' or 'node' to keep shards "
+                      "there, or drop cache_dir", UserWarning, stacklevel=3)
     if spec.locality is Locality.NONE or (options is not None and options.cache_dir is not None):
         return
     if any(ix.urls and not is_local(ix.urls[0]) for ix in spec.indexes):
