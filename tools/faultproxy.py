@@ -63,6 +63,7 @@ class StallMode(enum.Enum):
 
     REQUEST = "request"  # the request is read, nothing is ever answered
     BODY = "body"  # status line, headers and half the body are sent, then nothing
+    CUT = "cut"  # status line, headers and half the body are sent, then the connection closes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,7 +393,7 @@ class FaultProxy:
         expect = (_get(headers, "expect") or "").lower() == "100-continue"
         if expect:  # answer the interim response ourselves; the upstream never sees Expect
             headers = [(k, v) for k, v in headers if k.lower() != "expect"]
-            if rule is None or rule.fault is Fault.FAIL or rule.stall_mode is StallMode.BODY:
+            if rule is None or rule.fault is Fault.FAIL or rule.stall_mode in (StallMode.BODY, StallMode.CUT):
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         client_close = (_get(headers, "connection") or "").lower() == "close" or version == "HTTP/1.0"
         if rule is not None and rule.fault is Fault.RESET:
@@ -436,6 +437,9 @@ class FaultProxy:
             if length is not None and method != "HEAD":
                 await _relay_body(up_reader, writer, resp_headers, until_eof=False, limit=int(length) // 2)
             await writer.drain()
+            if rule.stall_mode is StallMode.CUT:  # a body shorter than its Content-Length
+                writer.close()
+                return False, upstream
             await self._hang(reader)
             return False, upstream
         no_body = method == "HEAD" or status in (204, 304)

@@ -294,11 +294,14 @@ def expected_batches(index: str, nprocs: int, epochs: int, **kw: Any) -> dict[in
 
 def cache_left(folder: Path) -> dict[str, list[str]]:
     """What a cache folder holds, by kind: complete shards, partial ones, temp files,
-    done lists, the folder's own files, anything else."""
-    kinds: dict[str, list[str]] = {k: [] for k in ("shard", "part", "tmp", "done", "own", "other")}
+    done lists, the folder's own files, a complete shard's side files (its checksum, the
+    jobs that checked it: "side", each beside its shard), anything else."""
+    kinds: dict[str, list[str]] = {k: [] for k in ("shard", "part", "tmp", "done", "own", "side", "other")}
     for p in sorted(folder.iterdir()) if folder.exists() else []:
         if p.name in (".lock", ".users"):
             kinds["own"].append(p.name)
+        elif p.suffix in (".sum", ".ok") and (folder / (p.stem + ".shard")).exists():
+            kinds["side"].append(p.name)
         elif p.suffix in (".shard", ".part", ".tmp", ".done"):
             kinds[p.suffix[1:]].append(p.name)
         else:

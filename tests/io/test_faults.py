@@ -219,6 +219,51 @@ def test_s3_transient_faults_are_retried_nothing_lost(s3_index: Index, s3_option
     assert s3_proxy.faults_injected.get("fail", 0) >= 5 and s3_proxy.faults_injected["reset"] == 3
 
 
+def test_http_bodies_cut_short_are_retried_nothing_lost(http_index: Index, http_proxy: FaultProxy,
+                                                        http_clean: list[Any]) -> None:
+    """A connection closed mid-body (fewer bytes than the Content-Length: aiohttp's
+    ContentLengthError, which carries code 400) is transient: retried, nothing lost."""
+    http_proxy.stall_next(3, mode=StallMode.CUT, match=_ranged)
+    options = ReadOptions(max_in_flight=4, retries=5, timeout=10, max_merged_bytes=0, **FAST)
+    ds = _ds(http_index, read_options=options)
+    assert _digest(ds) == http_clean
+    assert http_proxy.faults_injected.get("stall") == 3
+    assert ds.read_stats.retries >= 3
+
+
+def _raised(make: Callable[[], BaseException], cause: BaseException | None = None) -> BaseException:
+    try:
+        try:
+            raise make()
+        except BaseException as inner:
+            if cause is None:
+                raise
+            raise cause from inner
+    except BaseException as exc:  # noqa: BLE001 - the object as a client raises it
+        return exc
+
+
+def test_bodies_cut_short_are_transient_as_real_client_exceptions_say_it() -> None:
+    import aiohttp
+    import botocore.exceptions
+    from aiohttp.http_exceptions import ContentLengthError, TransferEncodingError
+
+    from wds_pad.io.faults import _classify
+
+    short = _raised(lambda: ContentLengthError("Not enough data for satisfy content length header."))
+    assert getattr(short, "code", None) == 400  # a status that alone would say "permanent"
+    cases = [short,
+             _raised(lambda: TransferEncodingError("Not enough data for satisfy transfer length header.")),
+             _raised(lambda: ContentLengthError("short"), aiohttp.ClientPayloadError("Response payload is not completed")),
+             _raised(lambda: aiohttp.ServerDisconnectedError()),
+             botocore.exceptions.IncompleteReadError(actual_bytes=10, expected_bytes=100),
+             botocore.exceptions.ResponseStreamingError(error=ConnectionResetError("reset by peer")),
+             _raised(lambda: botocore.exceptions.IncompleteReadError(actual_bytes=1, expected_bytes=2),
+                     OSError(5, "read failed"))]
+    assert [_classify(e) for e in cases] == ["transient"] * len(cases)
+    assert _classify(aiohttp.ClientResponseError(None, (), status=403)) == "permanent"  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("retries", [0, 3])
 def test_retry_count_is_configurable(http_index: Index, http_proxy: FaultProxy, retries: int) -> None:
     i = 0

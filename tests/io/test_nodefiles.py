@@ -122,7 +122,7 @@ def test_processes_racing_for_a_shard_fetch_it_once_and_all_read_its_bytes(tmp_p
     for i in range(4):
         assert (tmp_path / f"out{i}").read_bytes() == DATA["s0"] + DATA["s0"][250:550]
     name = nodefiles.shard_name("s0", 1000, "ETag=1")
-    assert sorted(p.name for p in tmp_path.iterdir() if name in p.name) == [name + ".shard"]
+    assert sorted(p.name for p in tmp_path.iterdir() if name in p.name) == [name + ".ok", name + ".shard", name + ".sum"]
 
 
 def _write_until_gate(folder: str, log: str, gate: str) -> None:
@@ -172,7 +172,7 @@ def test_a_writer_killed_mid_download_leaves_a_part_that_the_restart_finishes(tm
     restart = cache(tmp_path, epoch([shard("s1", [0])]), Gets(tmp_path / "gets2"))
     assert read(restart, "s1", 0, 1000) == DATA["s1"]
     assert sorted(s for _, _, s, _ in gets(tmp_path / "gets2")) == list(range(300, 1000, BLOCK))
-    assert sorted(p.name for p in tmp_path.iterdir() if name in p.name) == [name + ".shard"]
+    assert sorted(p.name for p in tmp_path.iterdir() if name in p.name) == [name + ".ok", name + ".shard", name + ".sum"]
 
 
 def _hold_folder_lock(folder: str) -> None:
@@ -298,7 +298,8 @@ def test_a_shard_the_node_reads_next_epoch_stays_and_one_it_does_not_goes_with_i
     assert (tmp_path / (dropped.name + ".shard")).exists()
     read(users[1], dropped.url, 0, 5)
     read(users[1], dropped.url, 10, 5)  # the last user's last read
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", kept.name + ".shard"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", kept.name + ".ok", kept.name + ".shard",
+                                                          kept.name + ".sum"]
     assert len(gets(log)) == 20  # each shard once
 
 

@@ -186,6 +186,11 @@ def _cmd_index(args: argparse.Namespace) -> int:
     finally:
         scan_log.setLevel(level)
     _report(index, args.output, time.monotonic() - start, previous, expand_urls(args.rescan) if args.rescan else ())
+    if args.relocate and previous is not None and index.digest != previous.digest:
+        sys.stderr.write(f"wds-pad index: {args.output} now records the shards where they moved to, so its digest "
+                         "changed and states saved with it before are refused on resume; to resume them, keep "
+                         "the index as it was and read the shards through relocate= (BucketedWebDataset(..., "
+                         "relocate={OLD: NEW}); --relocate OLD=NEW on wds-pad commands)\n")
     return 0
 
 

@@ -56,6 +56,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         sys.stdout.write(f"{len(problems) - len(unreachable)} of {checked} shards stale or missing{note}; "
                          f"re-index them with `wds-pad index --update -o {shlex.quote(args.index)}{again}{skip}`"
                          f"{why if gone else ''}\n")
+        if gone:  # moved, not lost: --relocate reads them where they are now
+            sys.stdout.write("if the shards moved, read them where they are instead: `wds-pad verify "
+                             f"{shlex.quote(args.index)} --relocate OLD=NEW` (OLD: a prefix of the recorded URLs "
+                             "ending at a folder boundary, e.g. /old/data=/new/data; relocate= in Python)\n")
     if unreachable:  # the store's fault, not the shards': re-indexing would not help
         sys.stdout.write(f"{len(unreachable)} of {checked} shards not checked: their store cannot be "
                          "reached or found no credentials (see above); fix that, then run "

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
@@ -53,7 +54,7 @@ from .progress import Progress
 from .record import Index, ShardInfo
 from .layout import cost_values
 from .rows import ShardRows, assemble, fit_exts, unreadable
-from .shardfile import Stat, directory_error, open_for_scan, shard_info, stat_first, stat_shard
+from .shardfile import Stat, content_of, directory_error, open_for_scan, shard_info, stat_first, stat_shard
 from .update import bucket_fn_of, previous_index, reusable_rows, update_and_rescan
 
 # bucket_fn_of, expand_urls and shard_info are offered here too, where callers have long found them
@@ -121,10 +122,11 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
             # again one by one, from freshly opened files (a stream cannot go back), so
             # that only the unreadable shard is left out
             scanned = []
-            for i, url, size, stamp, *_ in opened:
+            for n, (i, url, size, stamp, *_) in enumerate(opened):
                 try:
                     f, seekable = open_for_scan(url, storage_options, size=size, stamp=stamp)
                     stack.enter_context(f)
+                    opened[n] = (i, url, size, stamp, f, seekable)
                     scanned.append(scan_many([(f, redact(url), seekable)], **kw)[0])
                 except ReadError:
                     raise  # not the shard's fault (out of descriptors, the store)
@@ -132,9 +134,14 @@ def _scan_group(urls: Sequence[str], fn: BucketFn, on_error: str, storage_option
                     out[i] = unreadable(url, exc2 if isinstance(exc2, ShardError) else ShardError(
                         f"shard {redact(url)!r} could not be opened again: {exc2}"))
                     scanned.append(None)  # type: ignore[arg-type]
-    for (i, url, size, stamp, _, _), rows in zip(opened, scanned):
+        # a stream read through whole, to its end before it closes: its bytes' identity
+        contents = [content_of(o[4]) if rows is not None and rows.fault is None else ""
+                    for o, rows in zip(opened, scanned)]
+    for (i, url, size, stamp, _, _), rows, content in zip(opened, scanned, contents):
         if rows is not None:
             out[i] = _shard_rows(url, size, stamp, rows, fn, on_error, storage_options, cost)
+            if content and out[i].info.error is None:
+                out[i].info = dataclasses.replace(out[i].info, content=content)
     return out  # type: ignore[return-value]
 
 

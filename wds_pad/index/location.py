@@ -131,10 +131,14 @@ def unmatched(relocation: Relocation, urls: Iterable[str], where: str) -> None:
     for old, _ in relocation:
         if not any(_under(u, old) for u in urls):
             first = f" (its first is {redact(urls[0])!r})" if urls else ""
+            partial = any(u.startswith(old) for u in urls)
             raise ConfigError(
-                f"relocate {redact(old)!r}: no shard URL of index {redact(where)!r} starts with it{first}; "
-                "give the prefix as the index records it (`wds-pad verify INDEX` lists the shards it cannot "
-                "find), e.g. --relocate /old/mount=/new/mount")
+                f"relocate {redact(old)!r}: no shard URL of index {redact(where)!r} starts with it at a path "
+                f"boundary{first}"
+                + (" (some start with those characters, but a prefix ends where a folder or URL part ends, "
+                   "not inside a name)" if partial else "")
+                + "; give the prefix as the index records it, a whole folder (`wds-pad verify INDEX` lists the "
+                "shards it cannot find), e.g. --relocate /old/mount=/new/mount")
 
 
 def excluded_urls(excluded: Mapping[str, Any], convert: Any) -> dict[str, Any]:

@@ -56,17 +56,27 @@ __all__ = ["Index", "ShardInfo"]
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One shard of the index: where it is, how big, its change stamp, its samples."""
+    """One shard of the index: where it is, how big, its change stamp, its samples.
+
+    ``content`` is the identity of its bytes where the scan read them all (a remote shard
+    streams through the scan): ``"blake2b=<hex>"`` of the whole object; ``""`` where the
+    scan read headers only. An index without it stores no such key, so its file and
+    digest are those of an index written before the field existed.
+    """
 
     url: str
     size: int
     stamp: str
     samples: int
     error: str | None = None  # set when the shard was skipped (on_error="skip")
+    content: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"url": self.url, "size": self.size, "stamp": self.stamp,
-                "samples": self.samples, "error": self.error}
+        out: dict[str, Any] = {"url": self.url, "size": self.size, "stamp": self.stamp,
+                               "samples": self.samples, "error": self.error}
+        if self.content:
+            out["content"] = self.content
+        return out
 
 
 class Index:

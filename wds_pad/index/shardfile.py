@@ -17,12 +17,16 @@ Invariants:
 - a shard costs at most one request beyond its reads: ``stat_shard`` is one ``info``
   (a HEAD over HTTP and S3) that also says whether the URL is a prefix, and
   ``open_for_scan(..., size=...)`` hands that size to the filesystem, which then opens
-  without a HEAD of its own.
+  without a HEAD of its own;
+- a remote shard's stream is hashed as the scan reads it (:class:`Hashed`): read through to
+  its end once the scan is done, it gives the identity of the object's bytes
+  (``ShardInfo.content``), at no extra request; a stream the scan moved about in gives none.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import io
 import os
 import stat
@@ -36,7 +40,7 @@ from ..io.redact import redact
 from ..io.stale import change_stamp as _stamp  # one definition: the reader checks against it
 from ..io.urls import is_local
 
-__all__ = ["Stat", "directory_error", "is_missing", "missing_shards", "not_a_prefix", "open_for_scan",
+__all__ = ["Hashed", "Stat", "content_of", "directory_error", "is_missing", "missing_shards", "not_a_prefix", "open_for_scan",
            "plain_local", "shard_info", "stat_first", "stat_shard", "stat_shards"]
 
 Stat = tuple[int, str, bool]  # (size, change stamp, is a directory): what stat_shard gives
@@ -169,7 +173,75 @@ def open_for_scan(url: str, storage_options: Mapping[str, Any] | None,
         if stamp and stamp.startswith("ETag="):
             details["ETag"] = stamp[len("ETag="):]
         f._details = details
-    return f, False
+    return Hashed(f), False
+
+
+class Hashed:
+    """A stream read through once, hashed as it is read (blake2b, 16 bytes).
+
+    :meth:`content` reads what the scan left (the archive's trailing blocks) and gives
+    ``"blake2b=<hex>"`` of every byte of the object; a stream that was moved about in
+    (a seek elsewhere than where it stands) gives ``""``: its bytes were not all seen in order.
+    """
+
+    _CHUNK = 8 * 2**20
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.pos, self.whole = f, 0, True
+        self.hash = hashlib.blake2b(digest_size=16)
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.hash.update(data)
+        self.pos += len(data)
+        return data  # type: ignore[no-any-return]
+
+    def readinto(self, buf: Any) -> int:
+        with memoryview(buf) as mv:
+            data = self.f.read(len(mv))
+            mv[:len(data)] = data
+        self.hash.update(data)
+        self.pos += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        now = self.f.seek(offset, whence)
+        if now != self.pos:
+            self.whole = False
+        self.pos = now
+        return now  # type: ignore[no-any-return]
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self) -> Hashed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def content(self) -> str:
+        """The identity of the object's bytes, read to its end; ``""`` if not all seen in order."""
+        if not self.whole:
+            return ""
+        while True:
+            data = self.f.read(self._CHUNK)
+            if not data:
+                break
+            self.hash.update(data)
+            self.pos += len(data)
+        return f"blake2b={self.hash.hexdigest()}"
+
+
+def content_of(f: Any) -> str:
+    """The content identity of a stream a scan read (:class:`Hashed`), else ``""``."""
+    return f.content() if isinstance(f, Hashed) else ""
 
 
 def _open_local(url: str, path: str) -> Any:

@@ -57,12 +57,29 @@ _PERMANENT_ERRNOS = frozenset({errno.EINVAL, errno.EPERM, errno.EACCES, errno.EN
                                errno.ENOENT, errno.ENAMETOOLONG, errno.EMSGSIZE})
 
 
+# a body cut short: fewer bytes than its Content-Length, a reset or a truncated chunked
+# body mid-way (aiohttp's ContentLengthError carries code 400, yet the request was fine)
+_CUT_SHORT = ("payload", "contentlength", "transferencoding", "incompleteread", "responsestreaming",
+              "serverdisconnected", "chunkedencoding", "protocolerror", "connectionclosed")
+
+
+def _cut_short(exc: BaseException | None) -> bool:
+    """Whether the answer's body was cut short, looking through up to 4 causes or contexts."""
+    for _ in range(5):
+        if exc is None:
+            return False
+        if any(w in c.__name__.lower() for c in type(exc).__mro__ for w in _CUT_SHORT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _classify(exc: BaseException) -> str:
     """Returns 'permanent', 'stale' or 'transient' for an exception of one attempt."""
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError,
                         NotADirectoryError)):
         return "permanent"
-    if isinstance(exc, (TimeoutError, ConnectionError)):
+    if isinstance(exc, (TimeoutError, ConnectionError)) or _cut_short(exc):
         return "transient"
     status = _status_of(exc)
     if status is not None:

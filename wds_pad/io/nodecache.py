@@ -29,6 +29,8 @@ Invariants:
       ``cache_bytes``, for the next epoch and for a restart on the same folder.
     * A read waits only for a live writer making progress: a ``.part`` whose writer died
       is taken over at once; no progress for ``guard`` seconds raises a ``ReadError``.
+    * A copy is served only as the bytes the index describes, checked once per job on the
+      node (:mod:`wds_pad.io.nodecheck`); the folder's faults: :mod:`wds_pad.io.nodeproblems`.
     * Reads keep their order: one read thread serves a read whose bytes are not all in the
       file yet, and every read after it; a read whose bytes are there while that thread is
       idle is read at once. A schedule is per epoch; the next one is taken when this
@@ -38,6 +40,8 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
 import os
 import threading
 import time
@@ -47,7 +51,8 @@ import numpy as np
 
 from wds_pad.errors import ReadError
 
-from . import nodefiles
+from . import nodecheck, nodefiles
+from .nodeproblems import disk_full
 from .redact import redact
 from .shardplan import NodeEpoch, NodeShard
 
@@ -82,15 +87,21 @@ class NodeCache:
             one it has not finished reading; None: all of them (within ``cache_bytes``).
         guard: seconds a read waits for a writer that makes no progress.
         depth: shards fetched ahead at once, and GETs in flight per shard fetched.
+        check: ``check(url)`` asks the store whether the shard is the indexed one (one
+            HEAD), raising :class:`StaleShardError` if not; None: no such check.
+        session: this job on this node (``wds_pad.io.nodefolder.job_session``): the
+            processes of one session take each other's word on a copy's check.
     """
 
     def __init__(self, fetch: Callable[[str, int, int], concurrent.futures.Future[bytes]],
                  schedule: Iterator[NodeEpoch], *, folder: str, block_bytes: int, cache_bytes: int,
-                 ahead: int | None = None, guard: float = 600.0, depth: int = 2) -> None:
+                 ahead: int | None = None, guard: float = 600.0, depth: int = 2,
+                 check: Callable[[str], None] | None = None, session: str = "") -> None:
         self._get, self._schedule, self.folder = fetch, schedule, folder
         self.block_bytes, self.cache_bytes = block_bytes, cache_bytes
         self.ahead = 1 << 62 if ahead is None else max(0, ahead)
         self.guard, self.depth = guard, max(1, depth)
+        self.checks = nodecheck.Checks(folder, check, session)  # of the copies this process serves
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._reads: concurrent.futures.ThreadPoolExecutor | None = None  # one thread: its descriptors
@@ -172,7 +183,12 @@ class NodeCache:
             self._prefetch()
         queued = self._queued
         if queued is None or queued.done():  # the read thread is idle: bytes already here are read now
-            fd = self._open(entry)
+            try:
+                fd = self._open(entry)
+            except Exception as exc:  # noqa: BLE001 - the copy's check failed: this read fails, in order
+                failed: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+                failed.set_exception(exc)
+                return failed
             if fd is not None and os.fstat(fd).st_size >= min(start + length, entry.shard.size):
                 out: concurrent.futures.Future[bytes] = concurrent.futures.Future()
                 out.set_result(os.pread(fd, length, start))
@@ -232,10 +248,29 @@ class NodeCache:
         if entry.fd is None:
             got = nodefiles.open_copy(self.folder, entry.shard.name)
             if got is not None:
+                fd, complete = got
+                try:
+                    if complete and not self.checks.ok(entry.shard.url, entry.shard.name, entry.shard.size, fd):
+                        os.close(fd)  # damaged, removed: fetched again
+                        return None
+                except BaseException:
+                    os.close(fd)
+                    raise
                 entry.fd, entry.complete = got
                 if entry.complete:
                     nodefiles.in_use(entry.fd)  # not evicted while this process reads it
         return entry.fd
+
+    def _check_present(self, shard: NodeShard) -> bool:
+        """Checks ahead of its reads a complete copy found in the folder; False if it was
+        damaged (removed) or is gone."""
+        got = nodefiles.open_copy(self.folder, shard.name)
+        if got is None:
+            return False
+        try:
+            return got[1] and self.checks.ok(shard.url, shard.name, shard.size, got[0])
+        finally:
+            os.close(got[0])
 
     def _close(self, entry: _Entry) -> None:
         if entry.fd is not None:
@@ -292,7 +327,13 @@ class NodeCache:
             if fut is not None:
                 with self._lock:
                     self._running.add(fut)
-                fut.add_done_callback(lambda _: self._prefetch())
+                fut.add_done_callback(self._after_fetch)
+
+    def _after_fetch(self, _: concurrent.futures.Future[str]) -> None:
+        """A fetch ahead ended: the next one starts (none once closed, or at exit)."""
+        with contextlib.suppress(RuntimeError):  # "cannot schedule new futures after ... shutdown"
+            if not self._closed:
+                self._prefetch()
 
     def _fetch_file(self, entry: _Entry, urgent: bool) -> str:
         """Makes the shard's copy complete, unless another process is at it: "done" (fetched
@@ -300,16 +341,54 @@ class NodeCache:
         shard = entry.shard
         if entry.finished and not urgent:
             return "skipped"  # read meanwhile: a copy now is no longer needed here
-        status, fd = self._claim(shard, urgent)
+        if nodefiles.present(self.folder, shard.name) and self._check_present(shard):
+            return "present"  # no lock taken: a folder this process cannot write serves what it holds
+        for _ in range(3):  # a copy found damaged is fetched again
+            status, fd = self._claim(shard, urgent)
+            if fd is not None or status != "present" or self._check_present(shard):
+                break
         if fd is None:
             return status
         try:
-            if os.fstat(fd).st_size < shard.size:
-                nodefiles.write_rest(fd, shard.url, shard.size, self._get, self.block_bytes, self.depth)
+            return self._write(shard, fd)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+        if self._evict_unneeded(shard):  # the disk is full: what no plan reads again goes, then once more
+            status, fd = self._claim(shard, urgent=True)
+            if fd is None:
+                return status
+            try:
+                return self._write(shard, fd)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+        held = sum(b for _, _, b in nodefiles.scan(self.folder))
+        raise disk_full(self.folder, shard.url, shard.size, held, self.cache_bytes)
+
+    def _evict_unneeded(self, shard: NodeShard) -> int:
+        """Removes the shards no plan of the node reads again (nor being read); how many."""
+        with nodefiles.folder_lock(self.folder):
+            removed = sum(nodefiles.remove(self.folder, stem, suffix) for stem, suffix, _ in nodefiles.scan(self.folder)
+                          if stem != shard.name and self._next_use(stem, self._now) == _FAR)
+        self.evicted += removed
+        return removed
+
+    def _write(self, shard: NodeShard, fd: int | None) -> str:
+        """Completes, checks and publishes the locked ``.part`` open as ``fd``."""
+        try:
+            if os.fstat(fd).st_size < shard.size:  # type: ignore[arg-type]
+                checksum = nodefiles.write_rest(fd, shard.url, shard.size, self._get, self.block_bytes, self.depth)[1]
                 with self._lock:
                     self.fetched_shards += 1
+            else:
+                checksum = nodecheck.checksum_file(fd, shard.size)
+            nodecheck.as_indexed(fd, shard.url, checksum, shard.content)
+            nodecheck.write_sum(self.folder, shard.name, checksum)
+            nodecheck.record(self.folder, shard.name, self.checks.session)  # fetched by this job: checked
             nodefiles.publish(self.folder, shard.name, fd)
             fd = None
+            self.checks.fetched(shard.name)
             return "done"
         finally:
             if fd is not None:

@@ -25,6 +25,11 @@ Invariants:
     * The folder's other files: ``.lock`` (held while the folder's bytes are counted and
       evicted) and ``<stem>.done`` (the users that finished with a shard in an epoch).
       Nothing else is created, and nothing not named like these is removed.
+    * An entry named like these that is not a regular file (a directory, a link, a
+      device) is foreign: scans skip it and report it once per folder (a warning); a
+      shard whose file name it takes is one :class:`ConfigError` naming it and the fix.
+      A folder that cannot be written is read as it is: locks are taken only to write,
+      and a write it needs is one :class:`ConfigError` naming the folder and the fix.
     * Files are created with mode 0o666 less the umask (as ``open`` does); a forked child
       closes its copies of the descriptors that hold a writer's lock, so the lock dies with
       the writer, not with the last of its children.
@@ -39,16 +44,20 @@ import hashlib
 import os
 import re
 import secrets
+import stat
 import threading
 from collections import deque
 from typing import Callable, Container, Iterator
 
+from .nodecheck import checksum_file, new_hash
+from .nodeproblems import _regular, _report, foreign, unwritable
 from .stale import _short_read
 
 __all__ = ["shard_name"]
 
 SHARD, PART, DONE = ".shard", ".part", ".done"
-_FILE = re.compile(r"([0-9a-f]{32}-[0-9]+)(\.shard|\.part|\.done|\.[0-9a-f]{8}\.tmp)")
+_FILE = re.compile(r"([0-9a-f]{32}-[0-9]+)(\.shard|\.part|\.done|\.sum|\.ok|\.[0-9a-f]{8}\.tmp)")
+_SIDE = (".sum", ".ok")  # a copy's checksum and the jobs that checked it (wds_pad.io.nodecheck)
 _MODE = 0o666  # less the umask, as open() creates files
 _FLAGS = getattr(os, "O_CLOEXEC", 0)
 
@@ -70,10 +79,12 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_locks)
 
 
-def shard_name(url: str, size: int, stamp: str) -> str:
-    """The stem of a shard's files: a digest of its URL, size and change stamp, then its size."""
-    digest = hashlib.blake2b(f"{url}\0{size}\0{stamp}".encode("utf-8", "surrogateescape"),
-                             digest_size=16).hexdigest()
+def shard_name(url: str, size: int, stamp: str, content: str = "") -> str:
+    """The stem of a shard's files: a digest of its URL, size, change stamp and (where the
+    index records one) content identity, then its size: a shard indexed again with other
+    bytes has other files."""
+    key = f"{url}\0{size}\0{stamp}" + (f"\0{content}" if content else "")
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
     return f"{digest}-{int(size)}"
 
 
@@ -147,6 +158,9 @@ def open_copy(folder: str, stem: str) -> tuple[int, bool] | None:
             fd = os.open(path, os.O_RDONLY | _FLAGS)
         except FileNotFoundError:
             continue
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise foreign(path)
         if suffix == SHARD and os.fstat(fd).st_size != size_of(stem):
             if same_file(fd, path):
                 with contextlib.suppress(FileNotFoundError):
@@ -183,6 +197,9 @@ def claim(folder: str, stem: str) -> tuple[str, int | None]:
     (created, or a stale one taken over: its bytes kept), ``("busy", None)`` while another
     process writes it, ``("present", None)`` once it is complete."""
     part = _path(folder, stem, PART)
+    for path in (part, _path(folder, stem, SHARD)):
+        if not _regular(path):
+            raise foreign(path)
     while True:
         if _complete(folder, stem):
             return "present", None
@@ -216,6 +233,8 @@ def _create(folder: str, stem: str) -> int | None:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FLAGS, _MODE)
     except FileExistsError:  # pragma: no cover - 2**32 random names
         return None
+    except OSError as exc:
+        raise unwritable(folder, exc) from None
     try:
         if not _try_lock(fd, fcntl.LOCK_EX):  # a sweep probing it: it may remove it
             os.close(fd)
@@ -236,13 +255,17 @@ def _create(folder: str, stem: str) -> int | None:
             os.unlink(tmp)
 
 
-def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: int) -> int:
+def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: int) -> tuple[int, str]:
     """Fetches what the locked ``.part`` lacks, in GETs of ``block_bytes`` (``depth`` in
-    flight), written in order; the number of GETs."""
+    flight), written in order; the number of GETs, and the checksum of the whole file
+    (:func:`wds_pad.io.nodecheck.checksum_file`'s, computed as the bytes arrive)."""
     have = os.fstat(fd).st_size
     if have > size:  # longer than the shard: not ours to keep
         os.ftruncate(fd, 0)
         have = 0
+    h = new_hash()
+    if have:
+        checksum_file(fd, have, h)  # the prefix another writer left
     offsets = list(range(have, size, block_bytes))
     pending: deque[tuple[int, int, concurrent.futures.Future[bytes]]] = deque()
     i = 0
@@ -257,6 +280,7 @@ def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: 
             data = fut.result()
             if len(data) != n:
                 raise _short_read(url, off, n, len(data))
+            h.update(data)
             view = memoryview(data)
             while view:
                 written = os.pwrite(fd, view, off)
@@ -264,7 +288,7 @@ def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: 
     finally:
         for _, _, fut in pending:
             fut.cancel()
-    return len(offsets)
+    return len(offsets), f"blake2b={h.hexdigest()}"
 
 
 def publish(folder: str, stem: str, fd: int) -> None:
@@ -289,7 +313,10 @@ def abandon(folder: str, stem: str, fd: int) -> None:
 @contextlib.contextmanager
 def folder_lock(folder: str) -> Iterator[None]:
     """Held while the folder's bytes are counted and files evicted (one process at a time)."""
-    fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT | _FLAGS, _MODE)
+    try:
+        fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT | _FLAGS, _MODE)
+    except OSError as exc:
+        raise unwritable(folder, exc) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -299,12 +326,16 @@ def folder_lock(folder: str) -> Iterator[None]:
 
 def scan(folder: str) -> list[tuple[str, str, int]]:
     """(stem, suffix, bytes it takes: its full size for a ``.part``) of each shard file."""
-    out = []
+    out, odd = [], []
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(folder):
             parsed = parse(name)
             if parsed is not None and parsed[1] in (SHARD, PART):
+                if not _regular(os.path.join(folder, name)):
+                    odd.append(name)
+                    continue
                 out.append((parsed[0], parsed[1], size_of(parsed[0])))
+    _report(folder, odd)
     return out
 
 
@@ -319,7 +350,12 @@ def remove(folder: str, stem: str, suffix: str) -> bool:
     try:
         if not _try_lock(fd, fcntl.LOCK_EX) or not same_file(fd, path):
             return False
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except OSError:  # a folder this process cannot write
+            return False
+        if suffix == SHARD:
+            _remove_side(folder, stem)
         return True
     finally:
         os.close(fd)
@@ -335,26 +371,37 @@ def reclaim(folder: str, known: Container[str]) -> int:
     except FileNotFoundError:
         return 0
     stems = {p[0] for p in map(parse, names) if p is not None and p[1] in (SHARD, PART)}
+    odd = []
     for name in names:
         parsed = parse(name)
         if parsed is None:
             continue
         stem, suffix = parsed
         path = os.path.join(folder, name)
+        if not _regular(path):
+            odd.append(name)  # not ours: left alone
+            continue
         if suffix == PART and stem not in known:
             removed += remove(folder, stem, PART)
         elif suffix == ".tmp":
             removed += _remove_unlocked(path)
         elif suffix == SHARD:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, PermissionError, OSError):
                 if os.stat(path).st_size != size_of(stem):
                     os.unlink(path)
                     removed += 1
-        elif suffix == DONE and stem not in stems:
-            with contextlib.suppress(FileNotFoundError):
+        elif suffix in (DONE, *_SIDE) and stem not in stems:
+            with contextlib.suppress(OSError):  # a folder this process cannot write: left as it is
                 os.unlink(path)
                 removed += 1
+    _report(folder, odd)
     return removed
+
+
+def _remove_side(folder: str, stem: str) -> None:
+    for suffix in _SIDE:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_path(folder, stem, suffix))
 
 
 def _remove_unlocked(path: str) -> int:
@@ -365,7 +412,7 @@ def _remove_unlocked(path: str) -> int:
     try:
         if not _try_lock(fd, fcntl.LOCK_EX):
             return 0
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.unlink(path)
             return 1
         return 0
@@ -377,7 +424,10 @@ def finish(folder: str, stem: str, epoch: int, user: int, users: Container[int] 
     """User ``user`` has made its last planned read of the shard in ``epoch``; the last of
     ``users`` removes the shard (which nobody plans to read again). True if it did."""
     done = _path(folder, stem, DONE)
-    fd = os.open(done, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _FLAGS, _MODE)
+    try:
+        fd = os.open(done, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _FLAGS, _MODE)
+    except OSError:
+        return False  # a folder this process cannot write: its copies stay
     try:
         os.write(fd, f"{epoch} {user}\n".encode())  # one small append: whole or not at all
     finally:
@@ -394,7 +444,7 @@ def finish(folder: str, stem: str, epoch: int, user: int, users: Container[int] 
             finished.add(int(u))
     if not all(u in finished for u in users):  # type: ignore[union-attr]
         return False
-    for suffix in (SHARD, DONE):
+    for suffix in (SHARD, DONE, *_SIDE):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_path(folder, stem, suffix))
     return True

@@ -37,7 +37,7 @@ from wds_pad.errors import ConfigError
 
 from .nodefiles import same_file
 
-__all__ = ["default_folder", "job_name", "node_folder"]
+__all__ = ["default_folder", "job_name", "job_session", "node_folder"]
 
 PREFIX = "wds_pad-node-"
 _TRASH = ".wds_pad-trash-"
@@ -73,6 +73,36 @@ def job_name(env: Mapping[str, str] | None = None, in_worker: bool | None = None
         return f"master {addr}:{port}"
     worker = _in_dataloader_worker() if in_worker is None else in_worker
     return f"pid {os.getppid() if worker else os.getpid()}"
+
+
+def _started(pid: int) -> str:
+    """The boot-relative start time of process ``pid`` (``/proc``), or ``""``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return fields[19].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def job_session(env: Mapping[str, str] | None = None, in_worker: bool | None = None) -> str:
+    """This run of the job on this node, the same in all its processes there: the job's
+    name and the process that started them (the launcher of the ranks: torchrun's agent,
+    ``mp.spawn``'s parent; the main process of a job of one), with its start time, so a
+    job started again under the same name is another session."""
+    name = job_name(env, in_worker)
+    worker = _in_dataloader_worker() if in_worker is None else in_worker
+    main = os.getppid() if worker else os.getpid()
+    lead = main if name.startswith("pid ") else _parent(main)
+    return f"{name} {lead}@{_started(lead)}"
 
 
 def default_folder(job: str | None = None) -> str:

@@ -116,6 +116,7 @@ class ReadStats:
     peak_bytes_in_flight: int = 0
     peak_requests_in_flight: int = 0
     shard_blocks: int = 0  # requests of whole-shard blocks (ShardCache)
+    store_checks: int = 0  # HEADs asking the store whether a node's copy is still the indexed shard
     peak_cache_bytes: int = 0  # most shard bytes held (fetched ahead or in use) at once
     exact_batches: int = 0  # batches whose tar headers were parsed: no member table for a sample, or it differed
     exact_samples: int = 0  # samples read that way

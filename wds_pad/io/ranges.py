@@ -50,6 +50,7 @@ from .localfiles import _close_fds, _LocalFiles
 from .options import ReadOptions, ReadStats
 from .readahead import LocalReadAhead
 from .nodecache import NodeCache
+from .nodefolder import job_session
 from .shardcache import PlannedShard, ShardCache
 from .shardplan import NodeEpoch
 from .redact import redact
@@ -87,6 +88,7 @@ class RangeReader(_LocalFiles, _InFlight):
         self._check = _ShardCheck(expected)  # one check per listed shard, when first opened
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
+        self._head_lock = threading.Lock()
         self._pid = os.getpid()
         self._targets: dict[str, _Target] = {}
         self._fds: dict[str, int] = {}  # never replaced: the finalizer closes what it holds
@@ -222,7 +224,21 @@ class RangeReader(_LocalFiles, _InFlight):
             return
         guard = (opts.retries + 1) * (opts.timeout + opts.backoff_max) + 30.0  # as a request in flight
         self._cache = NodeCache(self._get_block, schedule, folder=folder, block_bytes=opts.block_bytes,  # type: ignore[arg-type]
-                                cache_bytes=opts.cache_bytes, depth=2, guard=guard)
+                                cache_bytes=opts.cache_bytes, depth=2, guard=guard,
+                                check=self._check_store, session=job_session())
+
+    def _check_store(self, url: str) -> None:
+        """Asks the store whether ``url`` is still the indexed shard (once, counted), for a
+        node's copy about to be read instead of it.
+
+        Raises:
+            StaleShardError: it is not (the text a read of it gives).
+        """
+        with self._head_lock:  # one HEAD per shard, whichever thread asks first
+            asked = self._check.head(self._target(url), url)
+        if asked:
+            with self._stats_lock:
+                self.stats.store_checks += 1
 
     @property
     def shard_cache(self) -> ShardCache | NodeCache | None:

@@ -65,13 +65,15 @@ class NodeShard:
     Attributes:
         url: the shard URL.
         size: its size in bytes (from the index).
-        name: the stem of its files, from its URL, size and change stamp
+        name: the stem of its files, from its URL, size, change stamp and content
             (:func:`wds_pad.io.nodefiles.shard_name`).
         held: the node keeps a copy of it this epoch (some rank of the node reads it
             whole): every read of it comes from there.
         steps: the steps at which any process of the node reads it (sorted).
         users: the processes of the node that read it (``local rank x workers + worker``).
         mine: the steps of this process's reads of it, one per read, in order.
+        content: the index's identity of its bytes (``ShardInfo.content``), or ``""``:
+            a copy fetched whose checksum differs is the store's, not the indexed shard.
     """
 
     url: str
@@ -81,6 +83,7 @@ class NodeShard:
     steps: np.ndarray
     users: frozenset[int]
     mine: np.ndarray
+    content: str = ""
 
 
 @dataclass(frozen=True, eq=False)

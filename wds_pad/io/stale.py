@@ -10,6 +10,8 @@ Invariants:
       :class:`StaleShardError`, a remote one without another request.
     * The size is compared when both are known; the stamp only when the index recorded
       one of the same kind (an ETag with an ETag, an mtime with an mtime).
+    * A copy read instead of the store (the node cache) is checked by :meth:`_ShardCheck.head`:
+      one ``info`` call per listed shard, the same verdict and text.
     * Unlisted shards and other filesystems (chained caches, memory, ...) are not checked
       beyond the short-read test (:func:`_short_read`).
 """
@@ -22,6 +24,7 @@ from typing import Any
 
 from wds_pad.errors import StaleShardError
 
+from .faults import call_store
 from .redact import redact
 from .remote import _http_get, _s3_get, _Target, _total_size
 
@@ -98,6 +101,28 @@ class _ShardCheck:
                 self.verdicts[url] = self.changed(url, st.st_size,
                                                   change_stamp({"mtime": st.st_mtime}))
         return self.verdicts.get(url)
+
+    def head(self, target: _Target, url: str) -> bool:
+        """Asks the store about a listed shard not checked yet (one ``info``: a HEAD over
+        HTTP and S3, a stat elsewhere), for a copy read instead of the store; whether it
+        asked. A changed shard raises :class:`StaleShardError` with the text a read of
+        it gives.
+
+        Raises:
+            StaleShardError: the shard is not the indexed one.
+            ShardError, ReadError: as :func:`~wds_pad.io.faults.call_store`.
+        """
+        asked = False
+        if self.expected is not None and url in self.expected and url not in self.verdicts:
+            info = call_store(lambda: target.fs.info(target.path), url)
+            asked = True
+            size = info.get("size")
+            self.verdicts[url] = self.changed(url, int(size) if isinstance(size, int) else None,
+                                              change_stamp(info))
+        verdict = self.verdicts.get(url)
+        if verdict is not None:
+            raise StaleShardError(verdict)
+        return asked
 
     async def get(self, target: _Target, url: str, start: int, end: int) -> bytes:
         """One ranged GET; the first response of a listed S3/HTTP shard also checks it."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -309,7 +310,7 @@ class _Later(Mapping[str, int]):
                 if after is not None:
                     for r in np.flatnonzero(after.held).tolist():
                         info = self._spec.indexes[int(after.dataset[r])].shards[int(after.shard[r])]
-                        table[shard_name(info.url, info.size, info.stamp)] = int(after.uses(r)[0])
+                        table[shard_name(info.url, info.size, info.stamp, info.content)] = int(after.uses(r)[0])
                 self._table = table
             return self._table
 
@@ -332,9 +333,9 @@ def _node_epoch(spec: PlanSpec, epoch: int, uses: NodeUses, later: Mapping[str, 
     for r in range(len(uses)):
         info = spec.indexes[int(uses.dataset[r])].shards[int(uses.shard[r])]
         mine = uses.mine(r)
-        rec = NodeShard(url=info.url, size=int(info.size), name=shard_name(info.url, info.size, info.stamp),
+        rec = NodeShard(url=info.url, size=int(info.size), name=shard_name(info.url, info.size, info.stamp, info.content),
                         held=bool(uses.held[r]), steps=uses.uses(r),
-                        users=frozenset(np.flatnonzero(uses.users[r]).tolist()), mine=mine)
+                        users=frozenset(np.flatnonzero(uses.users[r]).tolist()), mine=mine, content=info.content)
         shards.setdefault(info.url, rec)
         if rec.held and mine.size:
             firsts.append((int(mine[0]), info.url))
@@ -366,7 +367,11 @@ def join_node_folder(spec: PlanSpec, options: ReadOptions | None) -> None:
     """In a main process: joins the job's default shard folder, which a stream of remote
     shards read whole without a ``cache_dir`` uses once it runs beside other processes
     of the job (local ranks, DataLoader workers), so the folder lives as long as the
-    job and goes with its last process."""
+    job and goes with its last process. A ``cache_dir`` no stream uses is said once."""
+    if spec.locality is Locality.NONE and options is not None and options.cache_dir is not None:
+        warnings.warn(f"ReadOptions(cache_dir={options.cache_dir!r}) is not used with locality='none' (each sample is "
+                      "one ranged read; no shard is kept): stream with locality='shard' or 'node' to keep shards "
+                      "there, or drop cache_dir", UserWarning, stacklevel=3)
     if spec.locality is Locality.NONE or (options is not None and options.cache_dir is not None):
         return
     if any(ix.urls and not is_local(ix.urls[0]) for ix in spec.indexes):
