@@ -21,8 +21,9 @@ Invariants:
   any other exception is a bug and propagates;
 - each member's header is checked against the table (``wds_pad.tar.names``): its name is
   the sample's key, a dot and the member's extension, its size field the recorded size;
-  the common header form costs two ``bytes.startswith`` a member, any other form is
-  read with the indexer's rules. Each shard is still checked against its indexed size
+  the common header form costs two ``bytes.startswith`` a member (for a batch read into
+  one buffer, :meth:`BatchReader.read_packed`: two numpy comparisons a batch), any other
+  form is read with the indexer's rules. Each shard is still checked against its indexed size
   and change stamp once per stream, when first opened (``RangeReader``).
 """
 
