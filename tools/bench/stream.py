@@ -15,7 +15,10 @@ both shard kinds in the same round robin:
 * ``wds_pad exact path``  the same batches with the member table ignored: every sample's
   tar headers parsed again (the path of indexes without a member table, and what every
   sample took before it);
-* ``wds_pad Loader(2)``  the same through ``Loader(ds, num_workers=2)``;
+* ``wds_pad Loader(2)``  the same through ``Loader(ds, num_workers=2)`` (each batch crosses
+  from its worker as one buffer in shared memory, rebuilt into sample dicts here);
+* ``wds_pad direct, zero_copy`` / ``wds_pad Loader(2), zero_copy``  the same with
+  ``zero_copy=True``: members are read-only memoryviews over the batch's buffer;
 * ``wds_pad stages, checked`` / ``unchecked``  the raw stages ``PlannedSource -> fetch ->
   plan_batched`` with and without the indexes handed to ``fetch`` (the shard check);
 * ``webdataset``  ``wds.WebDataset(urls, shardshuffle=False)`` iterating every sample of
@@ -167,7 +170,7 @@ def raw_read(urls: list[str]) -> int:
 # -- driver -------------------------------------------------------------------------------
 USTAR = "tarfile-ustar"
 # contenders that run on the --also-producer shards too: the fast path and its peers
-BOTH_KINDS = ("wds_pad direct", "wds_pad batch 1", "webdataset")
+BOTH_KINDS = ("wds_pad direct", "wds_pad batch 1", "wds_pad direct, zero_copy", "webdataset")
 
 
 def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: int, repeat: int,
@@ -176,16 +179,16 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
     robin; returns ``{kind: {"rate" | "bw" | "cpu": {contender: value}}}``."""
     main = next(iter(kinds))
 
-    def dataset(index: Index, batch: int) -> BucketedWebDataset:
+    def dataset(index: Index, batch: int, zero_copy: bool = False) -> BucketedWebDataset:
         return BucketedWebDataset(index, batch_size=batch, topology=Topology(world_size=1, rank=0),
-                                  seed=0, check_agreement=False)
+                                  seed=0, check_agreement=False, zero_copy=zero_copy)
 
     contenders: dict[str, tuple[Any, int, int]] = {}  # "kind|name" -> (fn, samples, bytes)
     ids_of: dict[str, np.ndarray] = {}
     for kind, (urls, index) in kinds.items():
         raw_read(urls)  # warm the page cache
         total_file = sum(os.path.getsize(u) for u in urls)
-        ds, ds1 = dataset(index, batch_size), dataset(index, 1)
+        ds, ds1, dsz = dataset(index, batch_size), dataset(index, 1), dataset(index, batch_size, True)
         ids = ids_of[kind] = np.concatenate([b.samples for b in ds.plan()])
         ids1 = np.concatenate([b.samples for b in ds1.plan()])
         planned, planned_bytes = int(ids.size), int(index.length[ids].sum())
@@ -194,6 +197,8 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
             "wds_pad batch 1": (lambda ds1=ds1: ours_direct(ds1), int(ids1.size), int(index.length[ids1].sum())),
             "wds_pad exact path": (lambda ds=ds: ours_exact(ds), planned, planned_bytes),
             "wds_pad Loader(2)": (lambda ds=ds: ours_loader(ds, 2), planned, planned_bytes),
+            "wds_pad direct, zero_copy": (lambda dsz=dsz: ours_direct(dsz), planned, planned_bytes),
+            "wds_pad Loader(2), zero_copy": (lambda dsz=dsz: ours_loader(dsz, 2), planned, planned_bytes),
             "wds_pad stages, checked": (lambda ds=ds: ours_stages(ds, True), planned, planned_bytes),
             "wds_pad stages, unchecked": (lambda ds=ds: ours_stages(ds, False), planned, planned_bytes),
             "webdataset": (lambda urls=urls: webdataset_iter(urls), len(index), total_file),
@@ -270,6 +275,24 @@ def targets(results: dict[str, dict[str, dict[str, dict[str, float]]]], main: st
                            ustar["rate"]["wds_pad batch 1"] / ustar["rate"]["webdataset"], 2.0))
     rows.append(_ratio("500 KB, one process vs the bare pread loop (MB/s)",
                        large["bw"]["wds_pad direct"] / large["bw"]["bare pread loop"], 0.9))
+    # workers: batches cross in shared memory; zero_copy: members are views of the batch buffer
+    rows += [_ratio("10 KB, Loader(2) vs one process", rate["wds_pad Loader(2)"] / rate["wds_pad direct"], 1.4),
+             _ratio("500 KB, Loader(2) vs one process (MB/s)",
+                    large["bw"]["wds_pad Loader(2)"] / large["bw"]["wds_pad direct"], 1.0),
+             _ratio("500 KB, Loader(2) zero_copy vs one process (MB/s)",
+                    large["bw"]["wds_pad Loader(2), zero_copy"] / large["bw"]["wds_pad direct"], 1.5),
+             _ratio("10 KB, one process zero_copy vs the bare pread loop",
+                    rate["wds_pad direct, zero_copy"] / rate["bare pread loop"], 0.7)]
+    if "litdata in order, no workers" in rate:
+        rows += [_ratio("10 KB, one process zero_copy vs litData in order, one process",
+                        rate["wds_pad direct, zero_copy"] / rate["litdata in order, no workers"], 1.0),
+                 _ratio("10 KB, Loader(2) vs litData in order, 2 workers",
+                        rate["wds_pad Loader(2)"] / rate["litdata in order, 2 workers"], 3.0)]
+    rows.append(_ratio("10 KB, one process (bytes) vs the bare pread loop",
+                       rate["wds_pad direct"] / rate["bare pread loop"], 0.55))
+    cpu = small["cpu"]
+    rows.append(["10 KB, cpu us/sample of Loader(2) (all processes) over one process",
+                 f"{cpu['wds_pad Loader(2)'] / cpu['wds_pad direct']:.2f}x", "<= 1.3x"])
     return rows
 
 

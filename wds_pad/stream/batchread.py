@@ -21,8 +21,9 @@ Invariants:
   any other exception is a bug and propagates;
 - each member's header is checked against the table (``wds_pad.tar.names``): its name is
   the sample's key, a dot and the member's extension, its size field the recorded size;
-  the common header form costs two ``bytes.startswith`` a member, any other form is
-  read with the indexer's rules. Each shard is still checked against its indexed size
+  the common header form costs two ``bytes.startswith`` a member (for a batch read into
+  one buffer, :meth:`BatchReader.read_packed`: two numpy comparisons a batch), any other
+  form is read with the indexer's rules. Each shard is still checked against its indexed size
   and change stamp once per stream, when first opened (``RangeReader``).
 """
 
@@ -40,7 +41,9 @@ from ..errors import WdsPadError
 from ..index.record import Index
 from ..io.ranges import RangeReader
 from ..tar.members import KEY_ERRORS
-from ..tar.names import SIZE, Members, name_tokens, size_tokens, slice_sample, slice_sample_at
+from ..tar.names import (SIZE, Members, name_token_rows, size_token_rows, slice_sample, slice_sample_at,
+                         token_list)
+from .transport import Arena, PackedBatch, allocate
 
 __all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES", "member_refs"]
 
@@ -92,6 +95,9 @@ class _Chunk:
     exts: list[str]
     ntoks: list[bytes | tuple[()]]  # each member's name token and size token (tar.names)
     stoks: list[bytes]
+    arrays: tuple[Any, ...] = ()  # for batches read into one buffer (transport.PackedBatch):
+    # per sample lengths, counts; per member header offsets, sizes, ext names, name rows,
+    # whether each name fits, size rows
 
 
 #: One batch's work: its chunk, its samples [lo, hi) and members [mlo, mhi) there, and its
@@ -114,6 +120,7 @@ class BatchReader:
         self.reader = reader  # type: ignore[assignment]
         self.by_name = {n: ix for n, ix in zip(names, indexes)}
         self._work: dict[tuple[int, int], _Work] = {}
+        self._arenas: dict[bool, Arena] = {}  # batch buffers, shared or not (transport.Arena)
         #: after :meth:`read` returned None: the member table entries of that batch's
         #: samples (None: it has a sample the table does not record), for the exact path
         self.fallback_members: list[Members] | None = None
@@ -161,11 +168,13 @@ class BatchReader:
         bad = bad_c[b_end] - bad_c[b_start]
         ka, kb = ko[ids].astype(np.int64), ko[ids + 1].astype(np.int64)
         ext_ids = mext[at]
+        rows, fits = name_token_rows(keys, ka, kb, counts, ext_ids, exts)
+        srows = size_token_rows(sizes)
+        ext_list = list(map(exts.__getitem__, ext_ids.tolist()))
         chunk = _Chunk(list(map(urls.__getitem__, shard[ids].tolist())), off.tolist(), ln.tolist(), counts.tolist(),
                        _key_list(ka, kb, keys), ids.tolist(), np.concatenate([b.pad for b in group]).tolist(),
-                       (moff - 512).tolist(), sizes.tolist(), list(map(exts.__getitem__, ext_ids.tolist())),
-                       name_tokens(keys, ka, kb, counts, ext_ids, exts),
-                       size_tokens(sizes))
+                       (moff - 512).tolist(), sizes.tolist(), ext_list, token_list(rows, fits),
+                       srows.view("V12").ravel().tolist(), (ln, counts, moff - 512, sizes, rows, fits, srows))
         mc = np.concatenate([[0], np.cumsum(counts)])
         bc = np.concatenate([[0], np.cumsum(ln)])
         work = self._work
@@ -198,6 +207,97 @@ class BatchReader:
             st.exact_batches += 1
             st.exact_samples += work[2] - work[1]
         return got
+
+    def read_packed(self, batch: Batch, shared: bool) -> PackedBatch | None:
+        """``batch`` read into one buffer (:class:`~wds_pad.stream.transport.PackedBatch`;
+        ``shared``: in shared memory), or None as :meth:`read` (the same fallback)."""
+        work = self.take(batch)
+        self.fallback_members = None
+        try:
+            got = None if work is None else self._read_packed(batch, work, shared)
+        except (OSError, WdsPadError):
+            got = None
+        if got is None and work is not None:
+            self.fallback_members = member_refs(work)
+            st = self.reader.stats
+            st.exact_batches += 1
+            st.exact_samples += work[2] - work[1]
+        return got
+
+    def _read_packed(self, batch: Batch, w: _Work, shared: bool) -> PackedBatch | None:
+        c, lo, hi, mlo, mhi, nbytes = w
+        meta = (batch.bucket, batch.dataset, batch.epoch, batch.step, batch.index)
+        if hi == lo:
+            return PackedBatch(allocate(0, False)[0], None, 0, 0, -1, np.zeros((2, 0), np.int64), [], [], [], [],
+                               [], [], meta)
+        reader = self.reader
+        reader._check_fork()
+        lengths, counts = c.arrays[:2]
+        ln = lengths[lo:hi]
+        base = np.cumsum(ln) - ln
+        bounds = None
+        arena = self._arenas.get(shared)
+        if arena is None or arena.id[0] != os.getpid():
+            arena = self._arenas[shared] = Arena(shared)
+        got = arena.alloc(nbytes)
+        if got is None:  # the ring is full (or the batch too large for it): a buffer of its own
+            buf, arr = allocate(nbytes, shared)
+            ring, begin, seq = None, 0, -1
+        else:
+            arr, begin, seq = got
+            buf, ring = None if (shared and arena.sent) else arena.owner, arena.id
+        try:
+            bounds = self._fill(c, lo, hi, mlo, mhi, arr, base)
+        finally:
+            if ring is not None and bounds is None:  # read on the exact path: its space is free
+                arena.release(seq)
+        if bounds is None:
+            return None
+        arena.sent = arena.sent or (shared and ring is not None)
+        st = reader.stats
+        st.ranges += hi - lo
+        st.requests += hi - lo
+        st.bytes += nbytes
+        return PackedBatch(buf, ring, begin, nbytes, seq, bounds, c.exts[mlo:mhi], counts[lo:hi].tolist(),
+                           c.keys[lo:hi], c.urls[lo:hi], c.ids[lo:hi], c.pads[lo:hi], meta)
+
+    def _fill(self, c: _Chunk, lo: int, hi: int, mlo: int, mhi: int, arr: np.ndarray,
+              base: np.ndarray) -> np.ndarray | None:
+        """Read samples [lo, hi) of chunk ``c`` into ``arr`` at ``base`` and check every
+        member header in numpy; the members' payload bounds in ``arr``, or None: not local,
+        or cut short. Raises StaleShardError as ``slice_sample``."""
+        reader = self.reader
+        fds, local_fd = reader._fds, reader.local_fd
+        lengths, counts, heads, sizes, rows, fits, srows = c.arrays
+        ln = lengths[lo:hi]
+        view = memoryview(arr)
+        urls, offsets = c.urls[lo:hi], c.offsets[lo:hi]
+        preadv = os.preadv
+        for url, o, nb, b in zip(urls, offsets, c.lengths[lo:hi], base.tolist()):
+            fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
+            if fd is None:
+                fd = local_fd(url)  # opens it: the stale-shard check, once per stream
+                if fd is None:
+                    return None  # not a local file: RangeReader's remote path
+            if preadv(fd, (view[b:b + nb],), o) != nb:
+                return None
+        # every member's header against the table, in numpy: its name field, its size field
+        cnt = counts[lo:hi]
+        pos = np.repeat(base, cnt) + heads[mlo:mhi]
+        ok = fits[mlo:mhi].copy()
+        width = rows.shape[1]
+        if width:
+            ok &= (arr[pos[:, None] + np.arange(width)] == rows[mlo:mhi]).all(1)
+        ok &= (arr[pos[:, None] + (SIZE + np.arange(12))] == srows[mlo:mhi]).all(1)
+        if not ok.all():  # another header form, or a changed shard: read in full (raises)
+            first = np.cumsum(cnt) - cnt
+            for s in np.unique(np.repeat(np.arange(hi - lo), cnt)[~ok]).tolist():
+                m, j = mlo + int(first[s]), mlo + int(first[s] + cnt[s])
+                b, nb = int(base[s]), int(ln[s])
+                slice_sample(arr[b:b + nb].tobytes(), urls[s], offsets[s], c.keys[lo + s],
+                             (c.exts[m:j], c.heads[m:j], c.sizes[m:j], c.ntoks[m:j], c.stoks[m:j]))
+        start = pos + 512
+        return np.stack([start, start + sizes[mlo:mhi]])
 
     def _read(self, batch: Batch, w: _Work) -> list[dict[str, Any]] | None:
         c, lo, hi, mlo, mhi, nbytes = w

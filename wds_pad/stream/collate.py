@@ -28,7 +28,7 @@ from webdataset.filters import TorchTensor, combine_values, default_collation_fn
 
 from ..errors import ConfigError
 
-__all__ = ["collate_batch", "collate_columns", "run_collation"]
+__all__ = ["collate_batch", "collate_columns", "run_collation", "where_samples"]
 
 Where = Callable[[int], str]
 _IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "ppm", "pgm", "pbm"})
@@ -171,3 +171,8 @@ def _column(values: list[Any], name: str, where: Where) -> Any:
                     "bucket's shape in .map() (the bucket key is in '__bucket__'), or pass "
                     "collation_fn=None (a list) or a collation_fn of your own")
     return combine_values(values)
+
+
+def where_samples(refs: Sequence[Any]) -> Where:
+    """Names sample ``i`` of a batch by the key and shard it was fetched as."""
+    return lambda i: f"sample {refs[i]['__key__']!r} of {refs[i]['__url__']!r}"

@@ -43,10 +43,11 @@ from ..io.options import ReadOptions, ReadStats
 from ..core.seed import shared_seed
 from .agreement import check_agreement
 from .batchread import BatchCache, BatchReader
-from .collate import run_collation
-from .fetch import Counters, fetch, substitute
+from .collate import run_collation, where_samples as _where
+from .fetch import Counters, all_local as _all_local, fetch, substitute
 from .live import OpenIterators, refuse_resplitting
-from .stages import PlannedSource, batch_refs, join_node_folder, whole_shards
+from .stages import PlannedSource, apply_stages, batch_refs, join_node_folder, whole_shards
+from .transport import LooseBatch, as_views, packs
 from ..state import Cursor, PlanSpec, epoch_length, make_state, restore
 from ..core.topology import Topology
 
@@ -102,6 +103,9 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         accumulation_steps: micro-batches per optimizer step (gradient accumulation): every
             rank's epoch is a multiple of this many batches, and each run of them reads
             one bucket.
+        zero_copy: members are read-only ``memoryview``s over the batch's buffer instead of
+            ``bytes`` (docs/streaming.md, "Zero-copy members"); per-sample stages in
+            DataLoader workers still see ``bytes`` (a view cannot cross processes).
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         window: int = 8,
         relocate: Mapping[str, str] | None = None,
         accumulation_steps: int = 1,
+        zero_copy: bool = False,
     ) -> None:
         super().__init__()
         items = list(index) if isinstance(index, (list, tuple)) else [index]
@@ -171,6 +176,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         self.read_options = read_options
         join_node_folder(self.spec, read_options)  # a default shard folder lives as long as the job
         self.handler = handler
+        self.zero_copy = bool(zero_copy)
+        self._pack = False  # in DataLoader workers: send batches packed (``packed()``)
         self.collation_fn = collation_fn
         self.check_agreement = check_agreement
         self.group = group
@@ -206,6 +213,13 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         # an explicit None means "a plain list", as in webdataset's batched(); only the
         # constructor's default None turns into default collation once transforms exist
         result.collation_fn = list if collation_fn is None else collation_fn
+        return result
+
+    def packed(self) -> "BucketedWebDataset":
+        """A copy whose DataLoader workers send batches packed in shared memory, for a
+        consumer that unpacks them (``Loader``; stream/transport.py)."""
+        result = copy.copy(self)
+        result._pack = True
         return result
 
     # -- epochs and state ----------------------------------------------------------------
@@ -313,12 +327,15 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         source = self._source()
         fetcher = fetch(self.read_options, handler=self.handler, spec=self.spec, counters=self.counters)
         self._read_stats = fetcher.reader.stats
+        stages, collate = self.stages, self.collation_fn
+        in_worker = get_worker_info() is not None
+        pack = self._pack and in_worker and packs(stages, collate)  # the main process unpacks
+        views = self.zero_copy and not in_worker  # one process: members are views here
         if _all_local(self.spec, fetcher.reader):
-            yield from self._iterate_batches(source, fetcher)
+            yield from self._iterate_batches(source, fetcher, pack, views)
             return
         # whole remote shards, as planned: the node's copies, or this process's memory (stages.whole_shards)
         shards = whole_shards(fetcher.reader, source) if self.spec.locality is not Locality.NONE else nullcontext()
-        stages, collate = self.stages, self.collation_fn
         batch: list[Any] = []
         refs: list[dict[str, Any]] = []  # the fetched samples: their keys name them in errors
         current: tuple[int, int] | None = None
@@ -326,7 +343,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             for sample in fetcher(iter(source)):
                 key = (sample["__epoch__"], sample["__batch__"])
                 if key != current and batch:
-                    out = run_collation(collate, batch, _where(refs))
+                    out = self._collated(batch, refs, pack, views)
                     self._advance(current)  # type: ignore[arg-type]
                     yield out
                     batch, refs = [], []
@@ -334,21 +351,36 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
                 refs.append(sample)
                 batch.append(self._transform(sample, fetcher) if stages else sample)
         if batch:
-            out = run_collation(collate, batch, _where(refs))
+            out = self._collated(batch, refs, pack, views)
             self._advance(current)  # type: ignore[arg-type]
             yield out
 
-    def _iterate_batches(self, source: PlannedSource, fetcher: Any) -> Iterator[Any]:
+    def _collated(self, batch: list[Any], refs: list[dict[str, Any]], pack: bool, views: bool) -> Any:
+        if pack:
+            return LooseBatch(batch)  # collated where it is unpacked
+        return run_collation(self.collation_fn, as_views(batch) if views else batch, _where(refs))
+
+    def _iterate_batches(self, source: PlannedSource, fetcher: Any, pack: bool, views: bool) -> Iterator[Any]:
         """Local shards: batch by batch, through the member table where it records the
-        samples (batchread.py), else (or when anything differs) on the exact path."""
+        samples (batchread.py), else (or when anything differs) on the exact path; into
+        one buffer when the batch travels packed or hands out views (transport.py)."""
         spec, stages, collate = self.spec, self.stages, self.collation_fn
         info = get_worker_info()
         fast = BatchReader(fetcher.reader, spec.names, spec.indexes)
         cache = BatchCache(1 if info is None else info.num_workers, fast)
         for plan, j in source.batches():
             batch = cache.get(plan, j)
-            samples = fast.read(batch)
-            if samples is None:
+            if pack or views:
+                packed = fast.read_packed(batch, shared=pack)
+                if pack and packed is not None:
+                    self._advance((batch.epoch, j))
+                    yield packed
+                    continue
+                samples = None if packed is None else packed.samples(zero_copy=True)
+            else:
+                samples = fast.read(batch)
+            exact = samples is None  # its members are bytes
+            if exact:
                 samples = list(fetcher(iter(batch_refs(spec, plan, j, batch, fast.fallback_members))))
             if not samples:
                 continue
@@ -356,7 +388,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
                 batch_samples = [self._transform(sample, fetcher) for sample in samples]
             else:
                 batch_samples = samples
-            out = run_collation(collate, batch_samples, _where(samples))
+            out = self._collated(batch_samples, samples, pack, views and exact)
             self._advance((batch.epoch, j))
             yield out
 
@@ -400,41 +432,3 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             ref = {**sample, "__offset__": -1, "__length__": 0}
             alt = substitute(self.spec, fetcher.reader, ref, self.counters, message)
             return apply_stages(self.stages, alt)
-
-
-_LOCAL: dict[str, bool] = {}
-
-
-def _all_local(spec: PlanSpec, reader: Any) -> bool:
-    """Whether every shard of the spec's indexes is a local file (the batch-wise path)."""
-    for ix in spec.indexes:
-        for url in ix.urls:
-            local = _LOCAL.get(url)
-            if local is None:
-                try:
-                    local = _LOCAL[url] = reader.is_local(url)
-                except Exception:  # noqa: BLE001 - the exact path reports it where it is read
-                    return False
-            if not local:
-                return False
-    return True
-
-
-def _where(refs: list[dict[str, Any]]) -> Callable[[int], str]:
-    """Names sample ``i`` of a batch by the key and shard it was fetched as."""
-    return lambda i: f"sample {refs[i]['__key__']!r} of {refs[i]['__url__']!r}"
-
-
-def apply_stages(stages: Sequence[Callable[[Any], Any]], sample: Any) -> Any:
-    """Run webdataset stages over one sample; exactly one sample must come out."""
-    it: Any = iter((sample,))
-    for stage in stages:
-        it = stage(it)
-    out = list(it)
-    if len(out) != 1:
-        raise ConfigError(
-            f"a transform turned sample {sample.get('__key__')!r} into {len(out)} samples; "
-            "BucketedWebDataset keeps the plan's batches exact, so transforms must map one "
-            "sample to one (filter with a handler that substitutes, not with select)"
-        )
-    return out[0]

@@ -36,7 +36,7 @@ from ..tar.names import slice_sample, slice_sample_at
 from ..tar.scan import parse_sample, parse_sample_at
 from ..state.spec import PlanSpec
 
-__all__ = ["Counters", "fetch"]
+__all__ = ["Counters", "all_local", "fetch"]
 
 from ..io.readahead import BIG_SAMPLE  # large local samples: read ahead by threads
 
@@ -316,3 +316,21 @@ def fetch(options: ReadOptions | None = None, *, handler: Callable[[BaseExceptio
         counters: where substitutions are counted.
     """
     return _Fetch(options, handler, spec, counters)
+
+
+_LOCAL: dict[str, bool] = {}
+
+
+def all_local(spec: PlanSpec, reader: Any) -> bool:
+    """Whether every shard of the spec's indexes is a local file (the batch-wise path)."""
+    for ix in spec.indexes:
+        for url in ix.urls:
+            local = _LOCAL.get(url)
+            if local is None:
+                try:
+                    local = _LOCAL[url] = reader.is_local(url)
+                except Exception:  # noqa: BLE001 - the exact path reports it where it is read
+                    return False
+            if not local:
+                return False
+    return True

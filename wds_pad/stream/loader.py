@@ -11,6 +11,9 @@ Invariants:
 - DataLoader arguments that would break exactness (batching, shuffling, samplers,
   persistent workers) are refused up front;
 - the next iteration is a seek to the saved position: no earlier sample is read again;
+- with workers, a batch of local shards crosses to the main process in shared memory
+  (stream/transport.py: one buffer, its offsets, the small per-sample fields) and is
+  rebuilt into the same sample dicts here: the batches equal those of ``num_workers=0``;
 - however an iteration with workers ends (exhausted, stopped early, or by an error), its
   DataLoader workers are shut down before the loop is left (``workers.shut_down``);
 - ``state_dict()`` holds this rank's entry under ``per_rank`` (so torch.distributed.checkpoint,
@@ -34,6 +37,7 @@ from typing import Any, Iterator, Mapping
 from .loaderargs import check_loader_args, check_start_timeout
 from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
+from .transport import unpack
 from .workers import START_TIMEOUT, shut_down, worker_batches
 from ..state import Cursor, make_state, restore
 from ..state.schema import PER_RANK
@@ -222,14 +226,16 @@ class Loader:
                 yield batch
             return
         # starts the workers, each with its copy of the pinned dataset; one stuck in the fork is replaced
-        batches = worker_batches(ds, self.num_workers, self.kwargs, owner="Loader",
+        # batches cross in shared memory and are unpacked here (transport.py)
+        batches = worker_batches(ds.packed(), self.num_workers, self.kwargs, owner="Loader",
                                  start_timeout=self.worker_start_timeout)
+        collate, zero_copy, rings = ds.collation_fn, ds.zero_copy, {}  # type: ignore[var-annotated]
         try:
             _widen_pipe(batches)
             ds.seek(replace(start, pinned=False))
             for batch in batches:
                 self._cursor = self._cursor.forward(ds.spec, 1)
-                yield batch
+                yield unpack(batch, collate, zero_copy, rings)
         finally:  # an error or an early stop too: no worker outlives the loop
             shut_down(batches)
         ds.seek(ds.cursor.at(self._cursor.epoch, self._cursor.index))

@@ -54,7 +54,7 @@ from ..tar.members import KEY_ERRORS
 from .batchread import BatchCache, BatchReader, member_refs
 from .collate import run_collation
 
-__all__ = ["PlannedSource", "node_schedule", "plan_batched", "shard_schedule", "whole_shards"]
+__all__ = ["PlannedSource", "apply_stages", "node_schedule", "plan_batched", "shard_schedule", "whole_shards"]
 
 
 class PlannedSource:
@@ -376,3 +376,18 @@ def join_node_folder(spec: PlanSpec, options: ReadOptions | None) -> None:
         return
     if any(ix.urls and not is_local(ix.urls[0]) for ix in spec.indexes):
         join(default_folder())
+
+
+def apply_stages(stages: Sequence[Callable[[Any], Any]], sample: Any) -> Any:
+    """Run webdataset stages over one sample; exactly one sample must come out."""
+    it: Any = iter((sample,))
+    for stage in stages:
+        it = stage(it)
+    out = list(it)
+    if len(out) != 1:
+        raise ConfigError(
+            f"a transform turned sample {sample.get('__key__')!r} into {len(out)} samples; "
+            "BucketedWebDataset keeps the plan's batches exact, so transforms must map one "
+            "sample to one (filter with a handler that substitutes, not with select)"
+        )
+    return out[0]

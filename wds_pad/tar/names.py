@@ -49,8 +49,8 @@ from .headers import ENC, HINT, REINDEX, Reader, member_name_size, read_entry
 from .members import KEY_RE, is_meta, key_bytes
 from .settle import PAX_MATTERS
 
-__all__ = ["NAME", "SIZE", "Members", "member_differs", "member_entry", "name_tokens", "size_tokens",
-           "slice_sample", "slice_sample_at"]
+__all__ = ["NAME", "SIZE", "Members", "member_differs", "member_entry", "name_token_rows", "name_tokens",
+           "size_token_rows", "size_tokens", "slice_sample", "slice_sample_at", "token_list"]
 
 NAME = 100  # bytes of a ustar header's name field
 SIZE = 124  # where its size field starts
@@ -68,6 +68,31 @@ def name_tokens(keys: np.ndarray, start: np.ndarray, end: np.ndarray, counts: np
     field's 100 bytes); ``()`` (a ``startswith`` argument that never matches) where the
     name and its NUL do not fit the field, so the member is read in full.
 
+    Args: as :func:`name_token_rows`.
+    """
+    rows, fits = name_token_rows(keys, start, end, counts, ext_ids, exts)
+    return token_list(rows, fits)
+
+
+def token_list(rows: np.ndarray, fits: np.ndarray) -> list[bytes | tuple[()]]:
+    """:func:`name_token_rows` as ``bytes`` tokens (``()`` where a name does not fit)."""
+    if not rows.shape[0]:
+        return []
+    if not fits.any():
+        return [()] * rows.shape[0]
+    width = rows.shape[1]
+    tokens: list[bytes | tuple[()]] = np.ascontiguousarray(rows).view(f"V{width}").ravel().tolist()
+    for i in np.flatnonzero(~fits).tolist():
+        tokens[i] = ()
+    return tokens
+
+
+def name_token_rows(keys: np.ndarray, start: np.ndarray, end: np.ndarray, counts: np.ndarray,
+                    ext_ids: np.ndarray, exts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of :func:`name_tokens` as one uint8 row per member (what a batch read
+    into one buffer checks in numpy), and per member whether its name fits the field
+    (a row that does not fit never counts as a match).
+
     Args:
         keys: Key bytes (uint8); sample ``i``'s key is ``keys[start[i]:end[i]]``.
         start, end: Per sample, its key's bounds in ``keys``.
@@ -77,7 +102,7 @@ def name_tokens(keys: np.ndarray, start: np.ndarray, end: np.ndarray, counts: np
     """
     nm = len(ext_ids)
     if not nm:
-        return []
+        return np.zeros((0, 0), np.uint8), np.zeros(0, bool)
     start, counts = np.asarray(start, np.int64), np.asarray(counts, np.int64)
     klen, ext_ids = np.asarray(end, np.int64) - start, np.asarray(ext_ids, np.intp)
     raw = [e.encode("utf-8", "surrogateescape") for e in exts]
@@ -92,7 +117,7 @@ def name_tokens(keys: np.ndarray, start: np.ndarray, end: np.ndarray, counts: np
         elen = np.fromiter(map(len, raw), np.int64, len(raw))
         no_room = np.flatnonzero(mlen + 1 + elen[ext_ids] >= NAME).tolist()
         if len(no_room) == nm:
-            return [()] * nm
+            return np.zeros((nm, 0), np.uint8), np.zeros(nm, bool)
     key_rows = np.zeros((len(start), longest), np.uint8)  # each sample's key, NUL-padded
     if longest:
         fits = start <= len(keys) - longest  # a full window from there: one row copy each
@@ -113,15 +138,19 @@ def name_tokens(keys: np.ndarray, start: np.ndarray, end: np.ndarray, counts: np
         out[rows, n] = 46  # "."
         out[rows, n + 1 : n + 1 + wide] = table[ext_ids[rows]]
     width = min(out.shape[1], NAME)
-    tokens: list[bytes | tuple[()]] = np.ascontiguousarray(out[:, :width]).view(f"V{width}").ravel().tolist()
-    for i in no_room:
-        tokens[i] = ()
-    return tokens
+    fits = np.ones(nm, bool)
+    fits[no_room] = False
+    return np.ascontiguousarray(out[:, :width]), fits
 
 
 def size_tokens(sizes: np.ndarray) -> list[bytes]:
     """Each payload size as the common form's size field holds it: eleven octal digits
     and NUL (a size of 8 GiB or more has no such spelling: its token never matches)."""
+    return size_token_rows(sizes).view("V12").ravel().tolist()  # type: ignore[no-any-return]
+
+
+def size_token_rows(sizes: np.ndarray) -> np.ndarray:
+    """The tokens of :func:`size_tokens` as one uint8 row of 12 per member."""
     s = np.array(sizes, np.int64)
     out = np.full((s.size, 12), 48, np.uint8)
     big = s >= 8**11
@@ -129,7 +158,7 @@ def size_tokens(sizes: np.ndarray) -> list[bytes]:
         out[:, j] += (s & 7).astype(np.uint8)
         s >>= 3
     out[:, 11] = np.where(big, 48, 0)
-    return out.view("V12").ravel().tolist()  # type: ignore[no-any-return]
+    return out
 
 
 def member_differs(data: bytes, first: int, h: int, key: str, ext: str, size: int, where: str = "") -> str:

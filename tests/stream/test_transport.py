@@ -1,0 +1,219 @@
+"""Batches cross from DataLoader workers in shared memory; ``zero_copy`` members are views.
+
+Everything is checked against the batches of one process: the same sample dicts, in
+plan order, for bytes and for views, with fork and spawn workers; the ring of batch
+buffers is checked on its own (placement, wrap, a held batch never overwritten); a
+killed worker fails the loop with one error, and no shared-memory name is left behind
+by a killed worker or a killed main process.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import wds_pad
+from wds_pad import ConfigError, Topology
+from wds_pad.index.record import Index
+from wds_pad.stream.loader import Loader
+from wds_pad.stream.transport import SLOTS, Arena, PackedBatch
+
+from data_helpers import image_index, make_dataset
+
+pytestmark = pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning")
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> Index:
+    return image_index(tmp_path_factory.mktemp("transport"), samples=96, shards=4, seed=11)
+
+
+def _ds(index: Index, **kw):  # type: ignore[no-untyped-def]
+    return make_dataset(index, quiet=True, seed=7, topology=Topology(1, 0), check_agreement=False, **kw)
+
+
+def _plain(batches: list) -> list:  # type: ignore[type-arg]
+    """Batches with every member as bytes, to compare views with bytes."""
+    return [[{k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()} for s in b] for b in batches]
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_batches_through_workers_equal_the_batches_of_one_process(index: Index, context: str, workers: int) -> None:
+    one = list(Loader(_ds(index), num_workers=0))
+    got = list(Loader(_ds(index), num_workers=workers, multiprocessing_context=context))
+    assert got == one
+    assert all(type(v) is bytes for b in got for s in b for k, v in s.items() if not k.startswith("__"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_zero_copy_members_are_read_only_views_of_the_same_bytes(index: Index, workers: int) -> None:
+    want = list(Loader(_ds(index), num_workers=0))
+    got = list(Loader(_ds(index, zero_copy=True), num_workers=workers))  # every batch held at once
+    members = [v for b in got for s in b for k, v in s.items() if not k.startswith("__")]
+    assert members and all(isinstance(m, memoryview) and m.readonly for m in members)
+    assert _plain(got) == want
+    with pytest.raises(TypeError):
+        members[0][0] = 0
+
+
+def test_zero_copy_views_outlive_their_loop_and_later_epochs(index: Index) -> None:
+    ds = _ds(index, zero_copy=True)
+    first = list(Loader(ds, num_workers=2))
+    ds.set_epoch(1)
+    list(Loader(ds, num_workers=2))  # more batches read while the first epoch's views are held
+    ds.set_epoch(0)
+    assert _plain(first) == list(Loader(_ds(index), num_workers=0))
+
+
+def test_what_accepts_zero_copy_members(index: Index) -> None:
+    from PIL import Image
+
+    sample = next(iter(_ds(index, zero_copy=True)))[0]
+    jpg, meta = sample["png" if "png" in sample else "jpg"], sample["json"]
+    assert np.frombuffer(jpg, np.uint8).tobytes() == bytes(jpg)
+    assert Image.open(io.BytesIO(jpg)).size[0] > 0
+    assert json.loads(bytes(meta)) == json.loads(bytes(meta).decode())
+    with pytest.raises(TypeError):
+        json.loads(meta)  # a view is not a str or bytes: bytes(m) first
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_uint8_tensors_share_the_members_memory(index: Index, zero_copy: bool) -> None:
+    ds = _ds(index, zero_copy=zero_copy).compose(wds_pad.uint8_tensors("png", "jpg"))
+    plain = list(_ds(index))
+    for batch, want in zip(Loader(ds, num_workers=2), plain):
+        for s, w in zip(batch, want):
+            img = "png" if "png" in w else "jpg"
+            assert s[img].dtype == torch.uint8 and s[img].numpy().tobytes() == w[img]
+            assert s["json"] == w["json"] if not zero_copy else bytes(s["json"]) == w["json"]
+    one = next(iter(ds))[0]
+    src = next(iter(_ds(index, zero_copy=zero_copy)))[0]
+    img = "png" if "png" in src else "jpg"
+    src = src[img]
+    assert one[img].numpy().tobytes() == bytes(src)
+    if zero_copy:  # the tensor is a view: its memory is the batch buffer's
+        assert isinstance(src, memoryview)
+    with pytest.raises(ConfigError):
+        wds_pad.uint8_tensors()
+
+
+def test_transforms_in_workers_see_bytes_and_batches_keep_their_type(index: Index) -> None:
+    ds = _ds(index, zero_copy=True).map(lambda s: {**s, "kind": type(s["json"]).__name__})
+    kinds = {s["kind"] for b in Loader(ds, num_workers=2) for s in b}
+    assert kinds == {"bytes"}
+    assert {s["kind"] for b in Loader(ds, num_workers=0) for s in b} == {"memoryview"}
+
+
+def test_resume_through_workers_is_exact(index: Index) -> None:
+    want = [[s["__key__"] for s in b] for b in Loader(_ds(index), num_workers=0)]
+    loader = Loader(_ds(index, zero_copy=True), num_workers=2)
+    seen = []
+    for i, b in enumerate(loader):
+        seen.append([s["__key__"] for s in b])
+        if i == 4:
+            break
+    state = loader.state_dict()
+    fresh = Loader(_ds(index, zero_copy=True), num_workers=3)
+    fresh.load_state_dict(state)
+    seen += [[s["__key__"] for s in b] for b in fresh]
+    assert seen == want
+
+
+def test_the_ring_places_wraps_and_never_overwrites_a_held_batch() -> None:
+    arena = Arena(False, size=4096)
+    a = arena.alloc(1500)
+    b = arena.alloc(1500)
+    assert a is not None and b is not None and a[1] + 1500 <= b[1]
+    assert arena.alloc(1500) is None  # a and b are held: no room left
+    arena.release(a[2])
+    c = arena.alloc(1500)  # wraps to a's space
+    assert c is not None and c[1] == a[1]
+    assert arena.alloc(3000) is None  # larger than half the ring: a buffer of its own
+    arena.release(b[2])
+    arena.release(c[2])
+    held = arena.alloc(10)  # one batch held while more come and go: the space after it waits for it
+    assert held is not None
+    placed = 0
+    while (got := arena.alloc(10)) is not None:
+        assert not (got[1] <= held[1] < got[1] + 10)
+        arena.release(got[2])
+        placed += 1
+    assert 0 < placed < SLOTS
+    arena.release(held[2])
+    for _ in range(3 * SLOTS):  # released in order: the ring and its flags go round for ever
+        got = arena.alloc(10)
+        assert got is not None
+        arena.release(got[2])
+
+
+def test_a_batch_without_its_ring_is_refused_clearly() -> None:
+    batch = PackedBatch(None, (1, 2), 0, 0, 0, np.zeros((2, 0), np.int64), [], [], [], [], [], [],
+                        ("b", "d", 0, 0, 0))
+    with pytest.raises(RuntimeError, match="before the ring itself"):
+        batch.samples(False, {})
+
+
+def test_a_killed_worker_fails_the_loop_and_leaves_no_shared_memory(index: Index) -> None:
+    before = _shm()
+    loader = Loader(_ds(index, batch_size=2, zero_copy=True), num_workers=2)
+    with pytest.raises(RuntimeError, match="DataLoader worker .* exited unexpectedly|killed by signal"):
+        for i, _ in enumerate(loader):
+            if i == 1:
+                batches = _current_workers()
+                os.kill(batches[0], signal.SIGKILL)
+    assert _shm() <= before
+
+
+def _current_workers() -> list[int]:
+    import multiprocessing
+
+    return [p.pid for p in multiprocessing.active_children()]
+
+
+_MAIN = textwrap.dedent("""
+    import os, sys, time, warnings
+    warnings.simplefilter("ignore")
+    from wds_pad import BucketedWebDataset, Loader, Topology
+    ds = BucketedWebDataset(sys.argv[1], batch_size=2, topology=Topology(1, 0), seed=1,
+                            check_agreement=False, zero_copy=True)
+    held = []
+    for i, b in enumerate(Loader(ds, num_workers=2, multiprocessing_context=sys.argv[2])):
+        held.append(b)
+        if i == 2:
+            print("ready", flush=True)
+            time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_killed_main_process_leaves_no_shared_memory(index: Index, tmp_path: Path, context: str) -> None:
+    before = _shm()
+    proc = subprocess.Popen([sys.executable, "-c", _MAIN, str(index.path), context], stdout=subprocess.PIPE,
+                            cwd=str(tmp_path))
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    proc.kill()
+    proc.wait()
+    for pid in children:  # the workers see their parent gone and exit
+        for _ in range(200):
+            if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z":
+                break
+            import time
+
+            time.sleep(0.05)
+    assert _shm() <= before
