@@ -1,5 +1,5 @@
 """The shape of wds_pad.cli: app registers one module per command; the commands share
-cli.common and never import app (nor each other), so the CLI has no import circle."""
+cli.common (and cli.plot) and never import app (nor each other), so the CLI has no import circle."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def test_commands_import_common_never_app_nor_each_other() -> None:
         imported = _cli_imports(CLI / f"{name}.py")
         assert "app" not in imported and not imported & (set(COMMANDS) - {name}), (name, imported)
     assert _cli_imports(CLI / "common.py") == set()
+    assert _cli_imports(CLI / "plot.py") == {"common"}
 
 
 # -- what the commands share: the order of buckets in tables and plots ----------------------

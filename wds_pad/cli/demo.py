@@ -17,7 +17,8 @@ import sys
 import time
 from typing import Any
 
-from .common import _plot, _positive, _print_summary, _seed_arg, bucket_order, format_table
+from .common import _positive, _print_summary, _seed_arg, bucket_order, format_table
+from .plot import draw_buckets
 
 __all__ = ["add_parser", "run_demo"]
 
@@ -102,7 +103,7 @@ def run_demo(args: argparse.Namespace) -> int:
     out.write(f"5. invariants: equal batch counts {equal}; same bucket at every step {same_bucket}; "
               f"CP peers identical {cp_same}; every sample seen {covered}\n")
     plot_path = os.path.join(args.out, "padding.png")
-    _plot(index, {s.bucket: s for s in datasets[0].plan().stats},
-          argparse.Namespace(plot=plot_path, world_size=world, cp_size=cp, batch_size=bs, pad="auto", repeats=0))
+    draw_buckets(index, {s.bucket: s for s in datasets[0].plan().stats},
+                 argparse.Namespace(plot=plot_path, world_size=world, cp_size=cp, batch_size=bs, pad="auto", repeats=0))
     out.write(f"6. per-bucket padding picture written to {plot_path}\n")
     return 0 if equal and same_bucket and cp_same and covered else 1

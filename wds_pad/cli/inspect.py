@@ -27,7 +27,6 @@ from .common import (
     _locality_arg,
     _nbytes,
     _non_negative,
-    _plot,
     _positive,
     _report_excluded,
     _usage,
@@ -35,9 +34,9 @@ from .common import (
     bucket_order,
     check_node_layout,
     format_table,
-    plot_path,
     relocation,
 )
+from .plot import draw_buckets, plot_path
 from .reading import print_reading, reading_figures, reading_json
 
 __all__ = ["add_parser"]
@@ -179,7 +178,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     pad = _padding_stats(args, index)
     what_if = _what_if_locality(index, args) if pad is not None and args.locality is not None else None
     if args.plot:
-        _plot(index, pad, args, {name: f for name, (f, _) in what_if[1].items()} if what_if else None)
+        draw_buckets(index, pad, args, {name: f for name, (f, _) in what_if[1].items()} if what_if else None)
     if args.json:
         record = _summary(index, pad, args.budget)
         if what_if is not None:
