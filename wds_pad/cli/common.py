@@ -204,12 +204,9 @@ def _print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
                      s.padded_copies, pct, s.truncated, status, s.steps])
     headers = ["dataset", "bucket", "samples", "repeats", "padded len", "pad copies", "pad %",
                "truncated", "status", "steps/epoch"]
-    if plan.budget is not None:  # batches by cost: a stratum (one sample per DP rank) is the pad unit
-        size = f"budget {plan.budget.limit:g} ({plan.budget.model.value})"
-        unit = topo.dp_size
-    else:
-        size = f"batch {plan.batch_size}"
-        unit = plan.pad_to.unit(topo.dp_size, plan.batch_size) * plan.accumulation
+    budget = plan.budget
+    size = f"budget {budget.limit:g} ({budget.model.value})" if budget is not None else f"batch {plan.batch_size}"
+    unit = plan.sizing.pad_unit(topo.dp_size, plan.pad_to, plan.accumulation)
     accumulation = f", accumulation {plan.accumulation}" if plan.accumulation > 1 else ""
     out.write(f"epoch {plan.epoch}: world_size {topo.world_size}, dp_size {topo.dp_size}, "
               f"cp_size {topo.cp_size}, {size}, policy {plan.policy.value}, pad unit {unit}{accumulation}\n")
@@ -224,10 +221,10 @@ def _print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
 def _locality_arg(text: str) -> str:
     """``--locality``: any value of the library's ``Locality``, with its message otherwise."""
     from ..core.locality import Locality
-    from ..core.policy import _enum
+    from ..core.policy import parse_enum
 
     try:
-        return str(_enum(Locality, text, "locality").value)
+        return str(parse_enum(Locality, text, "locality").value)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

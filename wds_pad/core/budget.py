@@ -20,18 +20,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["OPEN_BINS", "Budget", "BudgetModel", "batch_cost", "fits_one_more", "pack"]
+__all__ = ["OPEN_BINS", "PACKING", "Budget", "BudgetModel", "batch_cost", "fits_one_more", "pack"]
 
 #: Batches kept open while packing a bucket's shuffled strata: a stratum goes into the
 #: first open batch it fits; when none fits a new one opens, and past this many the
 #: oldest is closed. More open batches fill them fuller and keep the order less.
 OPEN_BINS = 8
+
+#: How batches are packed under a budget (strata first fit over OPEN_BINS open batches,
+#: lockstep cuts of shard-local entries), as the plan fingerprint records it: a change to
+#: either algorithm changes it, so a state saved before cannot resume on different batches.
+PACKING = "strata-firstfit8/lockstep-1"
 
 
 class BudgetModel(str, Enum):
@@ -59,6 +64,8 @@ class Budget:
     limit: float
     model: BudgetModel = BudgetModel.SUM
     max_samples: int | None = None
+    kind: ClassVar[str] = "budget"  # the bucket planner that cuts its batches (core/budgetplan.py)
+    needs_costs: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         lim = self.limit
@@ -80,6 +87,23 @@ class Budget:
     def cost(self, costs: Any) -> float:
         """What a batch of samples with ``costs`` costs under this budget's model."""
         return batch_cost(costs, self.model)
+
+    def pad_unit(self, dp_size: int, pad_to: Any = None, accumulation_steps: int = 1) -> int:
+        """A stratum, one entry per DP rank: what a bucket is padded to (its batch count is
+        then made a multiple of ``accumulation_steps``, whatever ``pad_to``)."""
+        return dp_size
+
+    def short_last_batch(self, pad_to: Any) -> bool:
+        """Never said of a budget: every batch holds what fits, the last one too."""
+        return False
+
+    def describe(self) -> str:
+        """How messages name it: ``budget 8192``."""
+        return f"budget {self.limit:g}"
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The plan fingerprint's ``batch_size`` field: the budget and how batches are packed under it."""
+        return {**self.to_json(), "packing": PACKING}
 
     def to_json(self) -> dict[str, Any]:
         """The budget as the plan fingerprint and ``wds-pad plan --json`` record it."""

@@ -1,9 +1,10 @@
 """Planning an epoch under a budget: each bucket's batches sized by cost (core/budget.py).
 
-``plan_epoch(..., batch_size=Budget(...))`` calls :func:`plan_buckets` for what differs
-from a fixed batch size: which buckets are kept, how many steps each takes, which entries
-a rank holds and where each of its batches starts. Everything after it (the schedule,
-the rank's batches, the Plan record) is the fixed-size code.
+``plan_epoch(..., batch_size=Budget(...))`` calls :func:`budget_buckets` (the budget's
+bucket planner) for what a sizing decides: which buckets are kept (through
+core/buckettable.py, as for a count), how many steps each takes, which entries a rank holds
+and where each of its batches starts. Everything after it (the schedule, the rank's
+batches, the Plan record) is the same for every sizing.
 
 - ``locality="none"``: each bucket's strata are packed into batches identically on every
   rank (:class:`~wds_pad.core.budget.BucketBatches`); a rank's entries are one member of
@@ -31,16 +32,16 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
+from .buckettable import Measured, Planning, SizedBuckets, bucket_table, padded
 from .budget import Budget
-from .lockstep import lockstep_cuts
-from .strata import BucketBatches
 from .dataset import Dataset
 from .localbuckets import LocalBuckets
-from .planrecord import BucketStats
-from .policy import Policy, check_bucket_size, check_planned_total, padded_length
+from .lockstep import lockstep_cuts
+from .policy import PadTo
 from .seed import derive_seed
+from .strata import BucketBatches
 
-__all__ = ["BudgetBuckets", "BudgetedBuckets", "RankCuts", "plan_buckets", "shard_cut"]
+__all__ = ["BudgetBuckets", "RankCuts", "budget_buckets", "shard_cut"]
 
 
 class BudgetBuckets:
@@ -101,20 +102,6 @@ def shard_cut(local: LocalBuckets, j: int, length: int, real: int, dp: int, cost
                     steps, cuts)
 
 
-@dataclass
-class BudgetedBuckets:
-    """What :func:`plan_buckets` decides: the kept buckets and how a rank reads them."""
-
-    table: list[tuple[int, Hashable]]
-    stats: list[BucketStats]
-    steps: list[int]          # global steps per kept bucket (a multiple of accumulation)
-    counts: np.ndarray        # this rank's entries per kept bucket
-    starts: list[np.ndarray]  # where each of this rank's batches starts, per kept bucket
-    source: Any               # BudgetBuckets (none) or LocalBuckets (shard)
-    dropped: list[str]
-    dropped_samples: int
-
-
 def _sorted_cost(ds: Dataset, order: Any) -> Any:
     cost = ds.cost
 
@@ -123,21 +110,9 @@ def _sorted_cost(ds: Dataset, order: Any) -> Any:
     return at
 
 
-def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, policy: Policy,
-                 oversubscribe: bool, top_up: bool, accumulation: int, seed: int, epoch: int,
-                 dp: int, d: int, local: bool, window: int, group: int = 0) -> BudgetedBuckets:
-    """Kept buckets, their steps and this rank's entries and batches under ``budget``.
-
-    Args:
-        raw, dss: the planned inputs and their Datasets (with costs).
-        budget: the budget.
-        policy: the resolved padding policy.
-        oversubscribe: keep buckets with fewer entries than one per DP rank (cyclic).
-        top_up: ``pad_to="batch"``: a bucket's last batch topped up with copies.
-        accumulation: micro-batches per optimizer step (each bucket's steps a multiple).
-        seed, epoch, dp, d: as for ``plan_epoch`` (``d`` this rank's dp_rank).
-        local: ``locality="shard"`` or ``"node"``; ``window``: its window; ``group``: DP
-            ranks per node for ``"node"`` (0: ``"shard"``).
+def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
+    """The bucket planner of a :class:`~wds_pad.core.budget.Budget`: kept buckets, their
+    steps and this rank's entries and batches (see the module docstring).
 
     Raises:
         ConfigError: a dataset without costs (named).
@@ -145,90 +120,44 @@ def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, 
     for ds in dss:
         if ds.cost is None:
             ds.sorted_by_cost(next(iter(ds.buckets), None))  # raises the ConfigError naming it
-    if local:
-        return _shard_local(raw, dss, budget=budget, policy=policy, oversubscribe=oversubscribe,
-                            accumulation=accumulation, seed=seed, epoch=epoch, dp=dp, d=d, window=window,
-                            group=group)
-    table: list[tuple[int, Hashable]] = []
-    stats: list[BucketStats] = []
-    batches: list[BucketBatches] = []
-    orders: list[Any] = []
-    dropped: list[str] = []
-    dropped_samples = 0
-    for di, ds in enumerate(dss):
-        passes = 1 + ds.repeats
-        for key, ids in ds.buckets.items():
-            n = int(ids.size)
-            if n == 0:
-                stats.append(_stats(ds, key, 0, 0, 0, 0, False, False, 0))
-                continue
-            check_bucket_size(ds.name, key, n, passes, 0, dp, 1, dp, bool(oversubscribe))
-            order = ds.sorted_by_cost(key)
-            bb = BucketBatches(n, passes, dp, _sorted_cost(ds, order),
-                               derive_seed(seed, epoch, ds.name, key, "budget"), budget, policy.value,
-                               bool(oversubscribe), top_up, accumulation)
-            kept = bb.batches > 0
-            stats.append(_stats(ds, key, n, bb.planned, bb.real, bb.truncated, not kept,
-                                kept and bb.complete == 0, bb.batches))
-            if not kept:
-                dropped.append(f"{ds.name}/{key!r} ({n * passes} < one entry per DP rank, {dp})")
-                dropped_samples += n
-                continue
-            table.append((di, key))
-            batches.append(bb)
-            orders.append(order)
-    check_planned_total(sum(st.padded_length for st in stats), epoch, f"budget {budget.limit:g}", dp)
+    if at.locality.dealt:
+        return _shard_local(raw, dss, budget, at)
+    dp, d = at.dp, at.d
+    unit = budget.pad_unit(dp)
+
+    def strata(ds: Dataset, key: Hashable, ids: Any, n: int, passes: int) -> Measured:
+        order = ds.sorted_by_cost(key)
+        bb = BucketBatches(n, passes, dp, _sorted_cost(ds, order),
+                           derive_seed(at.seed, at.epoch, ds.name, key, "budget"), budget, at.policy.value,
+                           at.oversubscribe, at.pad_to is PadTo.BATCH, at.accumulation_steps)
+        kept = bb.batches > 0
+        return Measured(length=bb.planned, real=bb.real, truncated=bb.truncated, steps=bb.batches,
+                        oversubscribed=kept and bb.complete == 0,
+                        dropped_why=f"({n * passes} < one entry per DP rank, {dp})", cut=(bb, order))
+
+    got = bucket_table(dss, strata, epoch=at.epoch, dp=dp, batch=1, unit=unit, oversubscribe=at.oversubscribe,
+                       size=budget.describe())
+    batches = [kb.cut[0] for kb in got.kept]
     counts = np.asarray([bb.count(d) for bb in batches], np.int64)
-    return BudgetedBuckets(table=table, stats=stats, steps=[bb.batches for bb in batches], counts=counts,
-                           starts=[bb.offsets for bb in batches], source=BudgetBuckets(batches, orders, d),
-                           dropped=dropped, dropped_samples=dropped_samples)
+    order = BudgetBuckets(batches, [kb.cut[1] for kb in got.kept], d)
+    return SizedBuckets(got, steps=[bb.batches for bb in batches], counts=counts,
+                        starts=[bb.offsets for bb in batches], order=order)
 
 
-def _stats(ds: Dataset, key: Hashable, n: int, planned: int, real: int, truncated: int, dropped: bool,
-           oversubscribed: bool, steps: int) -> BucketStats:
-    m = n * (1 + ds.repeats)
-    return BucketStats(dataset=ds.name, bucket=key, samples=n, repeats=ds.repeats, length=m,
-                       padded_length=planned, padded_copies=max(planned - real, 0), truncated=truncated,
-                       dropped=dropped, oversubscribed=oversubscribed, steps=steps)
-
-
-def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], *, budget: Budget, policy: Policy,
-                 oversubscribe: bool, accumulation: int, seed: int, epoch: int, dp: int, d: int,
-                 window: int, group: int) -> BudgetedBuckets:
-    unit = dp * accumulation
-    table: list[tuple[int, Hashable]] = []
-    stats: list[BucketStats] = []
-    kept_local: list[tuple[int, Hashable, Any, int, int, int]] = []
-    dropped: list[str] = []
-    dropped_samples = 0
-    for di, ds in enumerate(dss):
-        passes = 1 + ds.repeats
-        for key, ids in ds.buckets.items():
-            n = int(ids.size)
-            m = n * passes
-            length = padded_length(m, unit, policy, bool(oversubscribe)) if n else 0
-            check_bucket_size(ds.name, key, n, passes, length, dp, 1, unit, bool(oversubscribe))
-            if n and not length:
-                dropped.append(f"{ds.name}/{key!r} ({m} < pad unit {unit})")
-                dropped_samples += n
-            stats.append(_stats(ds, key, n, length, min(m, length), max(m - length, 0) if n else 0,
-                                bool(n) and not length, bool(n) and 0 < m < unit <= length, 0))
-            if length:
-                table.append((di, key))
-                kept_local.append((di, key, ids, n, passes, length))
-    check_planned_total(sum(st.padded_length for st in stats), epoch, f"budget {budget.limit:g}", dp)
-    local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, window, np.zeros(0, np.int64), 1, group)
+def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
+    dp, d, k = at.dp, at.d, at.accumulation_steps
+    unit = budget.pad_unit(dp) * k  # each rank's entries of a bucket come in whole optimizer steps' worth
+    got = bucket_table(dss, padded(unit, at.policy, at.oversubscribe, 0), epoch=at.epoch, dp=dp, batch=1,
+                       unit=unit, oversubscribe=at.oversubscribe, size=budget.describe())
+    local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, d, at.window,
+                         at.node_ranks)
     steps: list[int] = []
     starts: list[np.ndarray] = []
-    counts = np.zeros(len(kept_local), np.int64)
-    at = 0
-    for j, (di, key, _ids, n, passes, length) in enumerate(kept_local):
-        cut = shard_cut(local, j, length, min(n * passes, length), dp, dss[di].cost, budget, accumulation)
+    counts = np.zeros(len(got.kept), np.int64)
+    for j, kb in enumerate(got.kept):
+        cut = shard_cut(local, j, kb.length, min(kb.n * kb.passes, kb.length), dp, dss[kb.di].cost, budget, k)
         steps.append(cut.steps)
         starts.append(cut.cuts[d])
         counts[j] = cut.count(d)
-        while not (stats[at].dataset == dss[di].name and stats[at].bucket == key):
-            at += 1
-        stats[at] = BucketStats(**{**stats[at].__dict__, "steps": cut.steps})
-    return BudgetedBuckets(table=table, stats=stats, steps=steps, counts=counts, starts=starts, source=local,
-                           dropped=dropped, dropped_samples=dropped_samples)
+    got.with_steps(steps)
+    return SizedBuckets(got, steps=steps, counts=counts, starts=starts, order=local, local=local)

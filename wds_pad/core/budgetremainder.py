@@ -268,7 +268,7 @@ def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[
     plan = Plan(epoch=base.epoch, topology=topology, batch_size=max(1, widest), policy=base.policy, mode=base.mode,
                 pad_to=base.pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
                 schedule=top.schedule, window=top.window, batch_step=batch_step, offsets=offsets, stats=stats,
-                buckets=buckets, locality=base.locality, shard_window=base.shard_window, budget=budget, bins=bins,
+                buckets=buckets, locality=base.locality, shard_window=base.shard_window, sizing=budget, bins=bins,
                 accumulation=k)
     if shard:
         src.plan = plan

@@ -250,8 +250,7 @@ class LocalBuckets:
 
     def __init__(self, raw: Sequence[Any], dss: Sequence[Dataset],
                  kept: Sequence[tuple[int, Hashable, Any, int, int, int]],
-                 seed: int, epoch: int, dp: int, d: int, window: int,
-                 schedule: np.ndarray, batch_size: int, group: int = 0) -> None:
+                 seed: int, epoch: int, dp: int, d: int, window: int, group: int = 0) -> None:
         lays = layouts(raw, dss)
         stable = group > 0  # locality="node": dealt to nodes, the same every epoch
         group = max(group, 1)
@@ -266,7 +265,7 @@ class LocalBuckets:
             bk.stable_key = derive_seed(seed, dss[di].name, key, "export")
         self.kept_dataset = [k[0] for k in kept]
         self.dp, self.d, self.window, self.group = dp, d, window, group
-        self.set_steps(int(schedule.size))
+        self.set_steps(0)  # the planner gives the epoch's steps once its schedule is drawn
 
     def set_steps(self, total: int) -> None:
         """Give each window its span of the epoch's ``total`` global steps: its share of its

@@ -41,31 +41,23 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, DroppedBucketWarning
-from .dataset import _as_datasets
+from .budget import Budget
+from .budgetplan import budget_buckets
+from .buckettable import Planning, SizedBuckets, bucket_table, padded
+from .dataset import Dataset, _as_datasets
 from .localbuckets import LocalBuckets
 from .locality import Locality
 from .permute import round_keys
-from .budget import Budget
-from .budgetplan import plan_buckets
 from .planrecord import Batch, Bins, BucketStats, Plan, _Buckets, _rank_batches
-from .policy import (
-    Mode,
-    PadTo,
-    Policy,
-    _enum,
-    check_bucket_size,
-    check_epoch,
-    check_planned_total,
-    padded_length,
-    resolve_policy,
-)
+from .policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, resolve_policy
 from .schedule import _schedule
 from .seed import check_seed, derive_seed
+from .sizing import Count, as_sizing
 from .topology import Topology
 
 __all__ = ["Batch", "BucketStats", "Plan", "iter_steps", "plan_epoch"]
@@ -95,19 +87,13 @@ def user_stacklevel() -> int:
     return 2
 
 
-def _check_positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
-
-
 def plan_epoch(
     datasets: Any,
     topology: Topology,
     *,
     seed: int,
     epoch: int = 0,
-    batch_size: int | Budget,
+    batch_size: int | Count | Budget,
     policy: Policy | str = Policy.AUTO,
     mode: Mode | str = Mode.EPOCHS,
     oversubscribe: bool = False,
@@ -125,7 +111,8 @@ def plan_epoch(
         topology: this rank's Topology.
         seed: the shared seed (identical on every rank), an int in [0, 2**64).
         epoch: the epoch number, an int in [0, MAX_EPOCH].
-        batch_size: samples per batch per DP rank, or a :class:`~wds_pad.core.budget.Budget`
+        batch_size: samples per batch per DP rank (an int or a
+            :class:`~wds_pad.core.sizing.Count`), or a :class:`~wds_pad.core.budget.Budget`
             (batches sized by the samples' costs: every dataset needs costs).
         policy: ``auto`` | ``cyclic`` | ``drop`` | ``none``.
         mode: ``epochs`` | ``steps`` (only matters for ``auto``).
@@ -152,103 +139,79 @@ def plan_epoch(
         raise ConfigError(f"topology must be a wds_pad.Topology, got {type(topology).__name__}")
     seed = check_seed(seed)
     epoch = check_epoch(epoch)
-    budget = batch_size if isinstance(batch_size, Budget) else None
-    bs = 1 if budget is not None else _check_positive("batch_size", batch_size)
-    mode = _enum(Mode, mode, "mode")
-    pad_to = _enum(PadTo, pad_to, "pad_to")
+    sizing = as_sizing(batch_size)
+    mode = parse_enum(Mode, mode, "mode")
+    pad_to = parse_enum(PadTo, pad_to, "pad_to")
     policy = resolve_policy(policy, mode, bool(oversubscribe))
-    locality = _enum(Locality, locality, "locality")
-    shard_window = _check_positive("window", window)
-    k = _check_accumulation(accumulation_steps, policy, pad_to, budget)
-    group = topology.dp_ranks_per_node if locality is Locality.NODE else 0  # DP ranks per node
+    locality = parse_enum(Locality, locality, "locality")
+    shard_window = check_positive("window", window)
+    k = _check_accumulation(accumulation_steps, policy, pad_to, sizing)
+    node_ranks = topology.dp_ranks_per_node if locality is Locality.NODE else 0
     raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
     dss = _as_datasets(datasets)
-    dp, d = int(topology.dp_size), int(topology.dp_rank)  # type: ignore[arg-type]
-    if budget is not None:
-        got = plan_buckets(raw, dss, budget=budget, policy=policy, oversubscribe=bool(oversubscribe),
-                           top_up=pad_to is PadTo.BATCH, accumulation=k, seed=seed, epoch=epoch, dp=dp, d=d,
-                           local=locality.dealt, window=shard_window, group=group)
-        _warn_dropped(warn, got.dropped, got.dropped_samples, sum(st.samples for st in got.stats), epoch)
-        table, stats, bucket_steps = got.table, got.stats, got.steps
-        schedule, window_of = _schedule(dss, table, bucket_steps, seed, epoch, group=k)
-        if locality.dealt:
-            got.source.set_steps(int(schedule.size))
-        buckets = _Buckets([], dp, d, order=got.source, local=got.source if locality.dealt else None,
-                           counts=got.counts)
-        bins = Bins(got.starts)
-        batch_step, offsets = _rank_batches(got.counts, bucket_steps, schedule, window_of, 1, bins)
-        widest = int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1
-        return Plan(
-            epoch=epoch, topology=topology, batch_size=max(1, widest), policy=policy, mode=mode, pad_to=pad_to,
-            oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss), bucket_table=tuple(table),
-            schedule=schedule, window=window_of, batch_step=batch_step, offsets=offsets, stats=tuple(stats),
-            buckets=buckets, locality=locality, shard_window=shard_window, budget=budget, bins=bins,
-            accumulation=k)
-    unit = pad_to.unit(dp, bs) * k
+    at = Planning(seed=seed, epoch=epoch, dp=int(topology.dp_size), d=int(topology.dp_rank),  # type: ignore[arg-type]
+                  policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to, accumulation_steps=k,
+                  locality=locality, window=shard_window, node_ranks=node_ranks)
+    sized = BUCKET_PLANNERS[sizing.kind](raw, dss, sizing, at)
+    got = sized.buckets
+    _warn_dropped(warn, got.dropped, got.dropped_samples, got.total_samples, epoch)
 
-    table_: list[tuple[int, Hashable]] = []
-    stats_: list[BucketStats] = []
-    kept: list[tuple[np.ndarray, int, int, int, list[list[int]]]] = []  # ids, n, m, length, keys
-    kept_local: list[tuple[int, Hashable, Any, int, int, int]] = []  # di, key, ids, n, passes, length
-    steps_: list[int] = []
-    dropped_names: list[str] = []
-    dropped_samples = total_samples = 0
-    planned = 0  # entries of the whole epoch over all buckets, checked before allocating
-    for di, ds in enumerate(dss):
-        passes = 1 + ds.repeats
-        for key, ids in ds.buckets.items():
-            n = int(ids.size)
-            total_samples += n
-            m = n * passes
-            length = padded_length(m, unit, policy, bool(oversubscribe)) if n else 0
-            check_bucket_size(ds.name, key, n, passes, length, dp, bs, unit, bool(oversubscribe))
-            planned += length
-            dropped = n > 0 and length == 0
-            steps = -(-length // (dp * bs)) if length else 0
-            stats_.append(BucketStats(
-                dataset=ds.name, bucket=key, samples=n, repeats=ds.repeats, length=m,
-                padded_length=length, padded_copies=max(length - m, 0),
-                truncated=max(m - length, 0) if n else 0, dropped=dropped,
-                oversubscribed=bool(n) and 0 < m < unit and length >= unit, steps=steps,
-            ))
-            if dropped:
-                dropped_names.append(f"{ds.name}/{key!r} ({m} < pad unit {unit})")
-                dropped_samples += n
-            if not length:
-                continue  # empty or dropped: never reaches the arithmetic below
-            table_.append((di, key))
-            # one keyed permutation per pass: the bucket's global order, evaluated pointwise
-            keys = [round_keys(derive_seed(seed, epoch, ds.name, key, "shuffle", j)) for j in range(passes)]
-            kept.append((ids, n, m, length, keys))
-            kept_local.append((di, key, ids, n, passes, length))
-            steps_.append(steps)
-    check_planned_total(planned, epoch, str(bs), dp)
-    _warn_dropped(warn, dropped_names, dropped_samples, total_samples, epoch)
-
-    schedule, window_ = _schedule(dss, table_, steps_, seed, epoch, group=k)
-    local = None
-    if locality.dealt:  # the order inside each bucket; the schedule is the same
-        local = LocalBuckets(raw, dss, kept_local, seed, epoch, dp, d, shard_window, schedule, bs, group)
-    buckets = _Buckets(kept, dp, d, local=local)
-    counts = buckets.counts
-    batch_step, offsets = _rank_batches(counts, steps_, schedule, window_, bs)
+    table = got.table
+    schedule, window_of = _schedule(dss, table, sized.steps, seed, epoch, group=k)
+    if sized.local is not None:  # a window's span of the epoch, in steps
+        sized.local.set_steps(int(schedule.size))
+    buckets = _Buckets(sized.keyed, at.dp, at.d, order=sized.order, local=sized.local, counts=sized.counts)
+    bins = Bins(sized.starts) if sized.starts is not None else None
+    if bins is None:
+        width = sizing.batch_size  # type: ignore[union-attr]
+        batch_step, offsets = _rank_batches(buckets.counts, sized.steps, schedule, window_of, width)
+    else:
+        batch_step, offsets = _rank_batches(buckets.counts, sized.steps, schedule, window_of, 1, bins)
+        width = max(1, int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1)
     return Plan(
-        epoch=epoch, topology=topology, batch_size=bs, policy=policy, mode=mode, pad_to=pad_to,
+        epoch=epoch, topology=topology, batch_size=width, policy=policy, mode=mode, pad_to=pad_to,
         oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss),
-        bucket_table=tuple(table_), schedule=schedule, window=window_, batch_step=batch_step,
-        offsets=offsets, stats=tuple(stats_), buckets=buckets, locality=locality,
-        shard_window=shard_window, accumulation=k,
+        bucket_table=tuple(table), schedule=schedule, window=window_of, batch_step=batch_step,
+        offsets=offsets, stats=tuple(got.stats), buckets=buckets, locality=locality,
+        shard_window=shard_window, sizing=sizing, bins=bins,
+        accumulation=k,
     )
 
 
-def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, budget: Budget | None) -> int:
-    k = _check_positive("accumulation_steps", value)
+def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at: Planning) -> SizedBuckets:
+    """The bucket planner of a :class:`~wds_pad.core.sizing.Count`: every bucket padded to
+    the pad unit, a rank's entries cut into batches of ``batch_size`` (the last of a bucket
+    shorter with ``pad_to="rank"`` or ``policy="none"``), in the keyed global order or the
+    shard-local one."""
+    bs, dp = sizing.batch_size, at.dp
+    unit = sizing.pad_unit(dp, at.pad_to, at.accumulation_steps)
+    got = bucket_table(dss, padded(unit, at.policy, at.oversubscribe, dp * bs), epoch=at.epoch, dp=dp,
+                       batch=bs, unit=unit, oversubscribe=at.oversubscribe, size=sizing.describe())
+    # one keyed permutation per pass: each kept bucket's global order, evaluated pointwise
+    keyed = [(kb.ids, kb.n, kb.n * kb.passes, kb.length,
+              [round_keys(derive_seed(at.seed, at.epoch, dss[kb.di].name, kb.key, "shuffle", j))
+               for j in range(kb.passes)]) for kb in got.kept]
+    local = None
+    if at.locality.dealt:  # the order inside each bucket; the schedule is the same
+        local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, at.d, at.window,
+                             at.node_ranks)
+    counts = np.asarray([max(0, -(-(kb.length - at.d) // dp)) for kb in got.kept], dtype=np.int64)
+    return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept], counts=counts, starts=None,
+                        order=local, local=local, keyed=keyed)
+
+
+#: each sizing's bucket planner, by the sizing's ``kind``
+BUCKET_PLANNERS: dict[str, Callable[..., SizedBuckets]] = {"count": count_buckets, "budget": budget_buckets}
+
+
+def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Count | Budget) -> int:
+    k = check_positive("accumulation_steps", value)
     if k > 1 and policy is Policy.NONE:
         raise ConfigError(
             f"accumulation_steps={k} with padding policy 'none': 'none' gives ranks different batch "
             "counts, so an epoch could not end on a whole optimizer step on every rank; use pad='cyclic' "
             "or 'drop', or accumulation_steps=1")
-    if k > 1 and budget is None and pad_to is PadTo.RANK:
+    if k > 1 and sizing.short_last_batch(pad_to):
         raise ConfigError(
             f"accumulation_steps={k} with pad_to='rank': a bucket's last batch may then be short, so its "
             "optimizer step would mix a short micro-batch with full ones; use pad_to='batch' (a bucket "
@@ -272,7 +235,7 @@ def _warn_dropped(warn: bool, names: list[str], dropped: int, total: int, epoch:
 
 
 def iter_steps(
-    datasets: Any, topology: Topology, *, seed: int, batch_size: int | Budget, start_epoch: int = 0,
+    datasets: Any, topology: Topology, *, seed: int, batch_size: int | Count | Budget, start_epoch: int = 0,
     policy: Policy | str = Policy.AUTO, oversubscribe: bool = False,
     pad_to: PadTo | str = PadTo.BATCH, locality: Locality | str = Locality.NONE, window: int = 8,
     accumulation_steps: int = 1,

@@ -28,6 +28,7 @@ from .localbuckets import LocalBuckets
 from .locality import Locality
 from .permute import ROUNDS, permute
 from .policy import Mode, PadTo, Policy
+from .sizing import Count
 from .topology import Topology
 
 __all__ = ["Batch", "BucketStats", "Plan"]
@@ -96,7 +97,8 @@ class Plan:
     the per-bucket facts kept here, so a plan costs O(buckets + steps) to set up and to
     hold, and each batch O(batch size), whatever the number of samples.
     ``samples`` / ``pad`` (every entry of the rank, in batch order) are computed on
-    first use: O(the rank's share).
+    first use: O(the rank's share). ``batch_size`` is the widest batch: the count of a
+    :class:`~wds_pad.core.sizing.Count`, the widest batch planned under a Budget.
     """
 
     epoch: int
@@ -116,9 +118,18 @@ class Plan:
     buckets: _Buckets = field(repr=False)
     locality: Locality = Locality.NONE
     shard_window: int = 8  # shards a rank visits at once (locality="shard")
-    budget: Budget | None = None  # batches sized by cost (``bins`` says where each starts)
-    bins: Bins | None = field(default=None, repr=False)
+    sizing: Count | Budget | None = None  # how batches are sized (None: Count(batch_size))
+    bins: Bins | None = field(default=None, repr=False)  # where each batch starts (a budget's batches vary)
     accumulation: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
+
+    def __post_init__(self) -> None:
+        if self.sizing is None:
+            object.__setattr__(self, "sizing", Count(self.batch_size))
+
+    @property
+    def budget(self) -> Budget | None:
+        """The Budget batches are sized by, or None (a count: ``batch_size`` each)."""
+        return self.sizing if self.sizing.kind == "budget" else None  # type: ignore[union-attr,return-value]
 
     def _first(self, b: np.ndarray, w: np.ndarray) -> np.ndarray:
         """Where window ``w`` of kept bucket ``b`` starts among this rank's entries of it."""

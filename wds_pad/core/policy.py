@@ -4,7 +4,7 @@ Pure and stateless: each function maps its arguments to a value or a ConfigError
 to anything that depends on the process, the machine or the clock. Invariants:
 
 - ``Policy``, ``Mode`` and ``PadTo`` are str Enums; a name outside them is a ConfigError
-  listing the allowed values (``_enum``), never a bare ValueError or KeyError;
+  listing the allowed values (``parse_enum``), never a bare ValueError or KeyError;
 - the pad unit is one rule, ``PadTo.unit(dp_size, batch_size)``: dp_size * batch_size
   for ``batch``, dp_size for ``rank``;
 - ``resolve_policy`` never returns ``AUTO``: it is cyclic for epoch-driven runs or
@@ -37,7 +37,9 @@ __all__ = [
     "check_bucket_size",
     "check_epoch",
     "check_planned_total",
+    "check_positive",
     "padded_length",
+    "parse_enum",
     "resolve_policy",
 ]
 
@@ -88,6 +90,13 @@ def check_epoch(epoch: Any, what: str = "epoch") -> int:
     return value
 
 
+def check_positive(name: str, value: Any) -> int:
+    """``value`` as an int >= 1 (an int or numpy integer, never a bool), or a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
 class Policy(str, Enum):
     """How a bucket is made a multiple of the pad unit."""
 
@@ -116,7 +125,9 @@ class PadTo(str, Enum):
         return dp_size * batch_size if self is PadTo.BATCH else dp_size
 
 
-def _enum(cls: type[Enum], value: Any, what: str) -> Any:
+def parse_enum(cls: type[Enum], value: Any, what: str) -> Any:
+    """``value`` (a member or its value) as a member of ``cls``, or a ConfigError naming
+    ``what`` and listing the allowed values: every mode the planner takes is parsed here."""
     try:
         return cls(value.value if isinstance(value, Enum) else value)
     except ValueError:
@@ -124,10 +135,13 @@ def _enum(cls: type[Enum], value: Any, what: str) -> Any:
         raise ConfigError(f"unknown {what} {value!r}; expected one of: {allowed}") from None
 
 
+_enum = parse_enum  # the name core's callers outside it used before parse_enum was public
+
+
 def resolve_policy(policy: Policy | str, mode: Mode | str, oversubscribe: bool) -> Policy:
     """The concrete policy: ``auto`` is cyclic for epochs or oversubscription, else drop."""
-    policy = _enum(Policy, policy, "padding policy")
-    mode = _enum(Mode, mode, "mode")
+    policy = parse_enum(Policy, policy, "padding policy")
+    mode = parse_enum(Mode, mode, "mode")
     if policy is Policy.AUTO:
         return Policy.CYCLIC if mode is Mode.EPOCHS or oversubscribe else Policy.DROP
     return policy

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -49,8 +49,9 @@ from .locality import Locality
 from .plan import plan_epoch
 from .planrecord import BucketStats, Plan, _Buckets, _rank_batches
 from .shardschedule import PlannedShardUses
-from .policy import PadTo, Policy, _enum
+from .policy import PadTo, Policy, parse_enum
 from .schedule import _schedule
+from .sizing import Count, as_sizing
 from .topology import Topology
 
 __all__ = ["Remainder", "Segment", "plan_remainder"]
@@ -266,7 +267,7 @@ def _digest(segments: Sequence[Segment], top: _Level, table: Sequence[tuple[int,
 
 
 def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment], *, seed: int, epoch: int,
-                   batch_size: int | Budget, policy: Policy | str, mode: Any = "epochs", oversubscribe: bool = False,
+                   batch_size: int | Count | Budget, policy: Policy | str, mode: Any = "epochs", oversubscribe: bool = False,
                    pad_to: PadTo | str = PadTo.BATCH, locality: Locality | str = Locality.NONE,
                    window: int = 8, accumulation_steps: int = 1) -> Remainder:
     """This rank's plan of what ``segments`` left of ``epoch`` (see the module docstring).
@@ -283,14 +284,21 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     """
     if not segments:
         raise StateError("plan_remainder needs at least one segment")
-    if isinstance(batch_size, Budget):  # batches by cost: core/budgetremainder.py
-        plan, digest = plan_budget_remainder(
-            datasets, topology, segments, seed=seed, epoch=epoch, batch_size=batch_size, policy=policy, mode=mode,
-            oversubscribe=oversubscribe, pad_to=pad_to, locality=locality, window=window,
-            accumulation_steps=accumulation_steps)
-        return Remainder(plan, digest)
-    locality = _enum(Locality, locality, "locality")
-    pad_to = _enum(PadTo, pad_to, "pad_to")
+    sizing = as_sizing(batch_size)
+    plan, digest = REMAINDER_PLANNERS[sizing.kind](
+        datasets, topology, segments, seed=seed, epoch=epoch, batch_size=sizing, policy=policy, mode=mode,
+        oversubscribe=oversubscribe, pad_to=pad_to, locality=locality, window=window,
+        accumulation_steps=accumulation_steps)
+    return Remainder(plan, digest)
+
+
+def _count_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment], *, seed: int, epoch: int,
+                     batch_size: Count, policy: Policy | str, mode: Any = "epochs", oversubscribe: bool = False,
+                     pad_to: PadTo | str = PadTo.BATCH, locality: Locality | str = Locality.NONE,
+                     window: int = 8, accumulation_steps: int = 1) -> tuple[Plan, str]:
+    """The remainder of an epoch of batches of ``batch_size.batch_size`` samples, and its fingerprint."""
+    locality = parse_enum(Locality, locality, "locality")
+    pad_to = parse_enum(PadTo, pad_to, "pad_to")
     k = int(accumulation_steps)
     common = dict(seed=seed, epoch=epoch, batch_size=batch_size, policy=policy, mode=mode,
                   oversubscribe=oversubscribe, pad_to=pad_to, warn=False, locality=locality, window=window,
@@ -309,7 +317,7 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     for j, seg in enumerate(segments):
         lv = levels[-1]
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
-        unit = pad_to.unit(dp, bs) * k
+        unit = batch_size.pad_unit(dp, pad_to, k)
         one_run = seg.steps is not None and deal == RR and lv.deal == RR
         nxt, steps = _next_level(lv, seg, epoch, one_run, dp, deal, bs, unit, pad)
         table = [base.bucket_table[int(t)] for t in nxt.tab]
@@ -337,6 +345,11 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
                 pad_to=pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
                 schedule=top.schedule, window=top.window, batch_step=batch_step, offsets=offsets,
                 stats=stats, buckets=buckets, locality=locality, shard_window=base.shard_window,  # type: ignore[arg-type]
-                accumulation=k)
+                sizing=batch_size, accumulation=k)
     rest.plan = plan  # its shard uses are read off the plan it belongs to
-    return Remainder(plan, _digest(segments, top, table))
+    return plan, _digest(segments, top, table)
+
+
+#: each sizing's remainder planner, by the sizing's ``kind``
+REMAINDER_PLANNERS: dict[str, Callable[..., tuple[Plan, str]]] = {
+    "count": _count_remainder, "budget": plan_budget_remainder}

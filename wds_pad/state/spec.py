@@ -22,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.budget import Budget
+from ..core.budget import PACKING, Budget
 from ..core.dataset import Dataset
 from ..core.locality import EXPORT, Locality, ShardMap, shard_map_of
 from ..core.plan import Plan, plan_epoch
 from ..core.policy import Mode, PadTo, Policy, resolve_policy
 from ..core.seed import stable_digest
+from ..core.sizing import Count, as_sizing
 from ..core.topology import Topology
 from ..errors import ConfigError, WdsPadError
 from ..index.codec import load_index
@@ -36,11 +37,6 @@ from ..io.urls import is_local
 from .schema import fingerprint_of
 
 __all__ = ["PACKING", "PlanSpec"]
-
-#: How a budget packs batches (core/strata.py, core/lockstep.py), recorded in a state's plan
-#: block: a state saved under another packing is refused, not resumed onto other batches.
-PACKING = "strata-firstfit8/lockstep-1"
-
 
 @dataclass(frozen=True, eq=False)
 class PlanSpec:
@@ -99,12 +95,17 @@ class PlanSpec:
         self.__dict__.update(state)
 
     @property
+    def sizing(self) -> Count | Budget:
+        """How batches are sized: ``batch_size`` as a sizing (core/sizing.py)."""
+        return as_sizing(self.batch_size)
+
+    @property
     def resolved_policy(self) -> Policy:
         return resolve_policy(self.policy, self.mode, self.oversubscribe)
 
     def datasets(self) -> list[Dataset | ShardMap]:
         """The planned datasets, one per index (with their shard maps for ``locality="shard"``)."""
-        costs = isinstance(self.batch_size, Budget)  # a budget plans by each sample's cost
+        costs = self.sizing.needs_costs  # a budget plans by each sample's cost
         out = [ix.to_dataset(name=n, repeats=r, weight=w, **({"costs": True} if costs else {}))
                for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)]
         if self.locality.dealt:
@@ -138,17 +139,17 @@ class PlanSpec:
     def fingerprint_fields(self) -> dict[str, Any]:
         """The fingerprint's ingredients, JSON-safe (saved in a state as ``plan``)."""
         dp = int(self.topology.dp_size)
-        budget = self.batch_size if isinstance(self.batch_size, Budget) else None
+        sizing = self.sizing
         fields = {
             "seed_hash": stable_digest(self.seed, size=8).hex(),
             # a budget: its limit, model and bound, and how batches are packed under it
-            "batch_size": self.batch_size if budget is None else {**budget.to_json(), "packing": PACKING},
+            "batch_size": sizing.fingerprint(),
             "policy": self.resolved_policy.value,
             "mode": self.mode.value,
             "pad_to": self.pad_to.value,
             "dp_size": dp,
             # under a budget a bucket is padded by strata (one entry per DP rank), then by batches
-            "pad_unit": dp if budget is not None else self.pad_to.unit(dp, self.batch_size) * self.accumulation_steps,
+            "pad_unit": sizing.pad_unit(dp, self.pad_to, self.accumulation_steps),
             "oversubscribe": self.oversubscribe,
             "datasets": [{"name": n, "index_digest": ix.digest, "repeats": r, "weight": float(w)}
                          for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)],
