@@ -24,7 +24,6 @@ import numpy as np
 
 from ..errors import ConfigError
 from .budget import Budget
-from .localbuckets import LocalBuckets
 from .locality import Locality
 from .permute import ROUNDS, permute
 from .policy import Mode, PadTo, Policy
@@ -259,7 +258,7 @@ class _Buckets:
         self.first_row = np.zeros(len(kept), dtype=np.int64)
         np.cumsum([len(k[4]) for k in kept][:-1], out=self.first_row[1:])
         self.dp, self.d = dp, d
-        self.local: LocalBuckets | Any = local
+        self.local: Any = local  # a LocalBuckets (core/localbuckets.py) or a remainder of one, or None
         self.order: EntryOrder = order if order is not None else local if local is not None else self
         # entries of this rank per kept bucket
         self.counts = counts if counts is not None else np.asarray(
