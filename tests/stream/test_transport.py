@@ -26,6 +26,7 @@ import wds_pad
 from wds_pad import ConfigError, Topology
 from wds_pad.index.record import Index
 from wds_pad.stream.loader import Loader
+from wds_pad.stream import transport
 from wds_pad.stream.transport import SLOTS, Arena, PackedBatch
 
 from data_helpers import image_index, make_dataset
@@ -159,6 +160,38 @@ def test_the_ring_places_wraps_and_never_overwrites_a_held_batch() -> None:
         got = arena.alloc(10)
         assert got is not None
         arena.release(got[2])
+
+
+def test_a_ring_is_sized_to_its_batches_and_grows_when_full() -> None:
+    assert transport.ring_bytes(1000) == transport.RING_BYTES  # small batches: the smallest ring
+    assert transport.ring_bytes(1 << 20) == transport.RING_BATCHES << 20
+    assert transport.ring_bytes(1000, size=transport.RING_BYTES) == 2 * transport.RING_BYTES
+    assert transport.ring_bytes(1 << 30) == transport.ARENA_BYTES  # never past the largest
+    ring, first = transport.place(None, False, 3000)
+    assert first is not None and ring.size == transport.RING_BYTES
+    held = [first]
+    while (got := transport.place(ring, False, 1 << 20))[0] is ring:
+        held.append(got[1])  # every batch held: the ring fills
+    bigger, spot = got
+    assert bigger.size == 2 * ring.size and spot is not None  # a larger ring, not a buffer per batch
+    assert transport.place(bigger, False, transport.ARENA_BYTES)[1] is None  # too large for any ring
+
+
+def test_held_zero_copy_batches_stay_intact_while_the_ring_grows(index: Index, monkeypatch: pytest.MonkeyPatch) -> None:
+    want = list(Loader(_ds(index), num_workers=0))
+    sizes: list[int] = []
+    init = transport.Arena.__init__
+
+    def spy(self, shared, size=transport.ARENA_BYTES):  # type: ignore[no-untyped-def]
+        sizes.append(size)
+        init(self, shared, size)
+
+    monkeypatch.setattr(transport, "RING_BYTES", 8192)
+    monkeypatch.setattr(transport, "RING_BATCHES", 1)
+    monkeypatch.setattr(transport.Arena, "__init__", spy)
+    got = list(Loader(_ds(index, zero_copy=True), num_workers=0))  # every batch held at once
+    assert _plain(got) == want
+    assert len(sizes) > 1 and sizes == sorted(sizes) and sizes[-1] > sizes[0]
 
 
 def test_a_batch_without_its_ring_is_refused_clearly() -> None:

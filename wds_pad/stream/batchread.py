@@ -43,7 +43,7 @@ from ..io.ranges import RangeReader
 from ..tar.members import KEY_ERRORS
 from ..tar.names import (SIZE, Members, name_token_rows, size_token_rows, slice_sample, slice_sample_at,
                          token_list)
-from .transport import Arena, PackedBatch, allocate
+from .transport import Arena, PackedBatch, allocate, place
 
 __all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES", "member_refs"]
 
@@ -236,10 +236,8 @@ class BatchReader:
         ln = lengths[lo:hi]
         base = np.cumsum(ln) - ln
         bounds = None
-        arena = self._arenas.get(shared)
-        if arena is None or arena.id[0] != os.getpid():
-            arena = self._arenas[shared] = Arena(shared)
-        got = arena.alloc(nbytes)
+        arena, got = place(self._arenas.get(shared), shared, nbytes)
+        self._arenas[shared] = arena
         if got is None:  # the ring is full (or the batch too large for it): a buffer of its own
             buf, arr = allocate(nbytes, shared)
             ring, begin, seq = None, 0, -1

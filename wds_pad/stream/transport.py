@@ -42,10 +42,12 @@ from webdataset.filters import default_collation_fn
 
 from .collate import collate_batch, collate_columns, run_collation, where_samples
 
-__all__ = ["Arena", "LooseBatch", "PackedBatch", "allocate", "as_views", "packs", "unpack"]
+__all__ = ["Arena", "LooseBatch", "PackedBatch", "allocate", "as_views", "packs", "place", "ring_bytes", "unpack"]
 
 
-ARENA_BYTES = 64 << 20  # a worker's ring of batch buffers, made once, its pages reused
+ARENA_BYTES = 64 << 20  # the largest ring of batch buffers a reader makes, its pages reused
+RING_BYTES = 4 << 20  # the smallest: a ring is sized to the batches it carries (ring_bytes)
+RING_BATCHES = 8  # a ring holds this many batches the size of the one it is made for
 SLOTS = 256  # batches a ring can hold at once (one release flag each, at the ring's start)
 _HEADER = 8 * SLOTS
 _IDS = itertools.count()
@@ -70,6 +72,15 @@ def allocate(nbytes: int, shared: bool) -> tuple[Any, np.ndarray]:
     return tensor, tensor.numpy()
 
 
+def ring_bytes(nbytes: int, size: int = 0) -> int:
+    """The size of a ring for batches of about ``nbytes``, or of the ring that replaces a
+    full one of ``size``: room for ``RING_BATCHES`` of them, twice the full one, between
+    ``RING_BYTES`` and ``ARENA_BYTES``. Every page of a ring is touched once (a page
+    fault in the worker and in the main process), so it is no larger than what is in
+    flight: a worker's prefetched batches and the ones the trainer holds."""
+    return min(ARENA_BYTES, max(RING_BYTES, RING_BATCHES * nbytes, 2 * size))
+
+
 class Arena:
     """A ring of batch buffers, made once per reader: fresh (shared) memory costs a page
     fault a page, a reused ring nothing.
@@ -78,11 +89,13 @@ class Arena:
     done in the ring's flags (``SLOTS`` int64 at its start, :func:`_release`) when no
     member of it is held any more, and the ring reuses its space from the oldest batch
     on. A batch that does not fit (the oldest still held, or larger than half the ring)
-    gets a buffer of its own.
+    gets a buffer of its own; a reader whose ring is full replaces it with a larger one
+    (:func:`ring_bytes`), the consumer keeps the old one as long as a batch of it is held.
     """
 
     def __init__(self, shared: bool, size: int = ARENA_BYTES) -> None:
         self.shared = shared
+        self.size = size
         self.owner, self.arr = allocate(size + _HEADER, shared)
         self.flags = self.arr[:_HEADER].view(np.int64)
         self.flags[:] = 0
@@ -121,6 +134,19 @@ class Arena:
     def release(self, seq: int) -> None:
         """Give batch ``seq``'s space back now (it was not handed out)."""
         _release(self.flags, seq)
+
+
+def place(arena: Arena | None, shared: bool, nbytes: int) -> tuple[Arena, tuple[np.ndarray, int, int] | None]:
+    """Where a reader puts a batch of ``nbytes``: its ring (made now for this process if
+    ``arena`` is None or another process's; a larger one if it is full) and the batch's
+    place there (:meth:`Arena.alloc`), or None: the batch gets a buffer of its own."""
+    if arena is None or arena.id[0] != os.getpid():
+        arena = Arena(shared, ring_bytes(nbytes))
+    got = arena.alloc(nbytes)
+    if got is None and arena.size < ARENA_BYTES and 2 * nbytes <= ARENA_BYTES:
+        arena = Arena(shared, ring_bytes(nbytes, arena.size))
+        got = arena.alloc(nbytes)
+    return arena, got
 
 
 def _release(flags: np.ndarray, seq: int) -> None:
