@@ -38,7 +38,7 @@ from .loaderargs import check_loader_args, check_start_timeout
 from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
 from .transport import unpack
-from .workers import START_TIMEOUT, shut_down, worker_batches
+from .workers import START_TIMEOUT, shut_down, watched, worker_batches
 from ..state import Cursor, make_state, restore
 from ..state.schema import PER_RANK
 
@@ -233,7 +233,7 @@ class Loader:
         try:
             _widen_pipe(batches)
             ds.seek(replace(start, pinned=False))
-            for batch in batches:
+            for batch in watched(batches, "Loader"):
                 self._cursor = self._cursor.forward(ds.spec, 1)
                 yield unpack(batch, collate, zero_copy, rings)
         finally:  # an error or an early stop too: no worker outlives the loop

@@ -33,7 +33,7 @@ from webdataset.filters import default_collation_fn
 
 from .collate import run_collation
 from .loaderargs import check_loader_args, check_start_timeout
-from .workers import START_TIMEOUT, shut_down, worker_batches
+from .workers import START_TIMEOUT, shut_down, watched, worker_batches
 from ..errors import ConfigError, StaleShardError, StateMismatchError
 from ..index.codec import load_index
 from ..index.record import Index
@@ -356,7 +356,7 @@ class ShardLoader:
         batches = worker_batches(ds._for_workers(progress), n, self.kwargs, owner="ShardLoader",
                                  start_timeout=self.worker_start_timeout)
         try:
-            for logical, pos, item in batches:
+            for logical, pos, item in watched(batches, "ShardLoader"):
                 positions[logical] = WorkerPosition(*(int(v) for v in pos))
                 ds.seek(ds.cursor.with_shards(ShardProgress(tuple(positions), (int(logical) + 1) % n, False)))
                 yield item
