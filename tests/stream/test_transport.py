@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import json
 import os
 import re
@@ -52,7 +53,11 @@ def _plain(batches: list) -> list:  # type: ignore[type-arg]
 
 
 def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """The names in /dev/shm, but for multiprocessing's named semaphores (spawn's queues
+    use them, its resource tracker removes them, and any process on the machine may be
+    making some now): not ours."""
+    names = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return {n for n in names if not n.startswith("sem.mp-")}
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
@@ -168,6 +173,7 @@ def test_the_ring_places_wraps_and_never_overwrites_a_held_batch() -> None:
 def test_a_ring_is_sized_to_its_batches_and_grows_when_full() -> None:
     assert transport.ring_bytes(1000) == transport.RING_BYTES  # small batches: the smallest ring
     assert transport.ring_bytes(1 << 20) == transport.RING_BATCHES << 20
+    assert transport.ring_bytes(1 << 20, run=2) == 2 * transport.RING_BATCHES << 20  # batches sent two at a time
     assert transport.ring_bytes(1000, size=transport.RING_BYTES) == 2 * transport.RING_BYTES
     assert transport.ring_bytes(1 << 30) == transport.ARENA_BYTES  # never past the largest
     ring, first = transport.place(None, False, 3000)
@@ -178,6 +184,27 @@ def test_a_ring_is_sized_to_its_batches_and_grows_when_full() -> None:
     bigger, spot = got
     assert bigger.size == 2 * ring.size and spot is not None  # a larger ring, not a buffer per batch
     assert transport.place(bigger, False, transport.ARENA_BYTES)[1] is None  # too large for any ring
+
+
+def test_a_worker_sends_a_few_hundred_samples_or_a_few_mib_at_a_time() -> None:
+    assert transport.run_length(64, 10_000) == 4  # 256 samples
+    assert transport.run_length(8, 2_000) == transport.MAX_RUN
+    assert transport.run_length(8, 500_000) == 1  # 4 MB batches: one at a time
+    assert transport.run_length(wds_pad.Budget(1000.0), 100) == 1  # a budget's batches vary
+    assert transport.run_length(1, 1e9) == 1
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_runs_of_batches_through_workers_keep_plan_order_across_epochs(index: Index, workers: int) -> None:
+    small = 2
+    assert transport.run_length(small, index.length.mean()) > 1  # the batches travel in runs here
+    one = Loader(_ds(index, batch_size=small, mode="steps"), num_workers=0)
+    want = [[s["__key__"] for s in b] for b in itertools.islice(one, 3 * len(one.dataset))]
+    loader = Loader(_ds(index, batch_size=small, mode="steps"), num_workers=workers)
+    it = iter(loader)
+    got = [[s["__key__"] for s in b] for b in itertools.islice(it, len(want))]
+    it.close()
+    assert got == want  # three epochs, runs crossing their ends
 
 
 def test_held_zero_copy_batches_stay_intact_while_the_ring_grows(index: Index, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,9 +248,7 @@ def test_a_killed_worker_fails_the_loop_with_one_error_and_leaves_no_shared_memo
         message = str(exc)
     assert re.search(rf"Loader: .*worker \d \(pid {victim}\) was killed by SIGKILL", message), message
     gc.collect()
-    # spawn's queues use named semaphores (multiprocessing's, which its resource tracker
-    # removes, and which any other process on the machine may be making now): not ours
-    assert {n for n in _shm() - before if not n.startswith("sem.mp-")} == set()
+    assert _shm() <= before
     fresh = Loader(_ds(index, batch_size=2, zero_copy=True), num_workers=2)  # the state names the last batch
     fresh.load_state_dict(loader.state_dict())
     want = list(Loader(_ds(index, batch_size=2), num_workers=0))

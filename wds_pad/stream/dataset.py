@@ -62,6 +62,11 @@ def _per_index(value: Any, n: int, name: str, kind: type) -> tuple[Any, ...]:
     return tuple(values)
 
 
+def _unmoved(done: tuple[int, int]) -> None:
+    """A Loader's worker keeps no position: the Loader counts what the trainer received,
+    and the worker's batches are dealt in runs (transport.run_length)."""
+
+
 class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # type: ignore[misc]
     """A torch IterableDataset yielding this rank's planned batches.
 
@@ -329,7 +334,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         pack = self._pack and in_worker and packs(self.stages, self.collation_fn)  # the main process unpacks
         views = self.zero_copy and not in_worker  # one process: members are views here
         yield from BatchMaker(self.spec, self.stages, self.collation_fn, self.handler, self.counters, fetcher,
-                              self._advance, pack, views)(source)
+                              _unmoved if pack else self._advance, pack, views)(source)
 
     def _source(self) -> PlannedSource:
         """Where this iteration starts: a seek into the plan (or the elastic view)."""
