@@ -293,3 +293,19 @@ def test_a_killed_main_process_leaves_no_shared_memory(index: Index, tmp_path: P
 
             time.sleep(0.05)
     assert _shm() <= before
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_shard_cut_short_under_an_open_descriptor_is_one_clear_error(tmp_path: Path, zero_copy: bool) -> None:
+    """A batch read into one buffer from shards already open (their reads issued together)
+    notices a short read like the per-sample path does: the exact path reads the batch
+    again and names the shard."""
+    index = image_index(tmp_path, samples=64, shards=2, seed=3)
+    it = iter(Loader(_ds(index, batch_size=2, zero_copy=zero_copy), num_workers=0))
+    for _ in range(4):  # every shard opened
+        next(it)
+    for url in index.urls:
+        os.truncate(url, os.path.getsize(url) // 2)
+    with pytest.raises(wds_pad.WdsPadError, match=r"\.tar"):
+        for _ in it:
+            pass

@@ -269,15 +269,21 @@ class BatchReader:
         ln = lengths[lo:hi]
         view = memoryview(arr)
         urls, offsets = c.urls[lo:hi], c.offsets[lo:hi]
-        preadv = os.preadv
-        for url, o, nb, b in zip(urls, offsets, c.lengths[lo:hi], base.tolist()):
-            fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
-            if fd is None:
-                fd = local_fd(url)  # opens it: the stale-shard check, once per stream
-                if fd is None:
-                    return None  # not a local file: RangeReader's remote path
-            if preadv(fd, (view[b:b + nb],), o) != nb:
+        preadv, nbs, starts = os.preadv, c.lengths[lo:hi], base.tolist()
+        open_fds = list(map(fds.get, urls))
+        if None not in open_fds:  # every shard open already: no open can close one under us
+            iovs = [(view[b:b + nb],) for b, nb in zip(starts, nbs)]
+            if list(map(preadv, open_fds, iovs, offsets)) != nbs:
                 return None
+        else:
+            for url, o, nb, b in zip(urls, offsets, nbs, starts):
+                fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
+                if fd is None:
+                    fd = local_fd(url)  # opens it: the stale-shard check, once per stream
+                    if fd is None:
+                        return None  # not a local file: RangeReader's remote path
+                if preadv(fd, (view[b:b + nb],), o) != nb:
+                    return None
         # every member's header against the table, in numpy: its name field, its size field
         cnt = counts[lo:hi]
         pos = np.repeat(base, cnt) + heads[mlo:mhi]
