@@ -87,8 +87,10 @@ def rewrite(path: Path, keep_mtime: bool) -> None:
                 off = m.offset_data + m.size // 2
                 data[off:off + 16] = bytes(b ^ 0x5A for b in data[off:off + 16])
     path.write_bytes(bytes(data))
-    if keep_mtime:
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # a new mtime two seconds on: stores stamp whole seconds (nginx's ETag is mtime-size),
+    # and a rewrite within the same second would otherwise keep the ETag
+    later = st.st_mtime_ns if keep_mtime else st.st_mtime_ns + 2_000_000_000
+    os.utime(path, ns=(st.st_atime_ns, later))
 
 
 def test_a_remote_index_records_each_shard_s_content_and_a_local_one_none(served: tuple[Path, str],
