@@ -23,7 +23,9 @@ Invariants:
       shard is never removed for one needed later than itself, nor while a process reads
       it: from a read of it to the next, within a window's steps of each other, the
       process holds the file's shared lock. A shard fetched ahead is fetched only within the bound; one a
-      read needs is fetched in any case.
+      read needs is fetched in any case, and once this process is done with a shard the
+      files past the bound that nobody reads go: the folder holds ``cache_bytes`` plus the
+      shards in flight, copies of shards indexed again included (:mod:`wds_pad.io.noderoom`).
     * A shard the node does not read in the next epoch is removed by the last of its
       users, after their last planned read of it; one it reads again stays, within
       ``cache_bytes``, for the next epoch and for a restart on the same folder.
@@ -260,19 +262,22 @@ class NodeCache:
             entry.fd = None
 
     def _done_with(self, entry: NodeEntry) -> None:
-        """This process's last planned read of the shard in the epoch: its descriptor goes,
-        and a shard the node does not read next epoch goes with its last user."""
+        """This process's last planned read of the shard in the epoch: its descriptor goes, a
+        shard the node does not read next epoch goes with its last user, else the folder is trimmed."""
         self._close(entry)
+        if entry.fetch is not None and entry.fetch.running():  # this process publishes it: then it counts as done
+            concurrent.futures.wait([entry.fetch])
         ep = entry.epoch
         if entry.shard.name not in ep.later and noderoom.finish(
                 self.folder, entry.shard.name, ep.epoch, ep.me, entry.shard.users):
             with self._lock:
                 self.finished += 1
+        else:  # past the bound while it was read: what nobody reads now goes (old copies first)
+            self.evicted += noderoom.trim(self.folder, self.cache_bytes, self._rank)
 
     # -- fetching ------------------------------------------------------------------------
     def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._pool is None:
-            # fetches ahead (at most depth at once) plus the ones reads wait for
+        if self._pool is None:  # fetches ahead (at most depth at once) plus the ones reads wait for
             self._pool = concurrent.futures.ThreadPoolExecutor(self.depth + 2, thread_name_prefix="wds_pad-node-fetch")
         return self._pool
 

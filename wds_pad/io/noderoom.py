@@ -16,8 +16,11 @@ Invariants:
       again among them) is the furthest of all. A file is never removed for a shard needed
       later than itself, nor while a process reads it (holds :func:`nodefiles.in_use`), nor
       a ``.part`` a live writer holds.
-    * A shard a read needs now is claimed even past ``cache_bytes``: the folder holds at
-      most ``cache_bytes`` plus the shards being read past it.
+    * A shard a read needs now is claimed even past ``cache_bytes``, and a file being read
+      is not removed: the folder holds at most ``cache_bytes`` plus the shards in flight
+      (being fetched or read). When a process is done with a shard, the files past the
+      bound that nobody reads or writes go (:func:`trim`), furthest next use first: once
+      its reads end, the folder is within ``cache_bytes``, old copies included.
     * ``<stem>.done`` lists the users that finished with a shard in an epoch; the last of
       them removes the shard with its side files.
 """
@@ -31,13 +34,15 @@ from typing import Callable, Container, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
+from wds_pad.errors import ConfigError
+
 from .nodefiles import (
     DONE, FLAGS, MODE, PART, SHARD, SIDE, claim, parse, path_of, same_file, size_of, try_lock)
 from .nodeproblems import _regular, _report, unwritable
 from .shardplan import NodeEpoch, NodeShard
 
 __all__ = ["FAR", "Claimed", "claim_within", "drop_unneeded", "finish", "folder_lock", "next_use", "reclaim",
-           "remove", "scan"]
+           "remove", "scan", "trim"]
 
 FAR = 1 << 62  # the next use of a shard no plan reads again
 
@@ -91,6 +96,29 @@ def claim_within(folder: str, stem: str, cache_bytes: int, rank: Callable[[str],
             return Claimed("skipped", None, used, evicted)
         status, fd = claim(folder, stem)
         return Claimed(status, fd, used, evicted)
+
+
+def trim(folder: str, cache_bytes: int, rank: Callable[[str], int]) -> int:
+    """Brings the folder back within ``cache_bytes`` once reads let go of its files:
+    removes, furthest next use (``rank``) first, the shard files past the bound that no
+    process reads or writes; how many. A folder within the bound is only listed; one this
+    process cannot write is left as it is."""
+    if sum(b for _, _, b in scan(folder)) <= cache_bytes:
+        return 0
+    removed = 0
+    try:
+        with folder_lock(folder):
+            files = scan(folder)
+            used = sum(b for _, _, b in files)
+            for _, s, suffix, b in sorted(((rank(s), s, suffix, b) for s, suffix, b in files), reverse=True):
+                if used <= cache_bytes:
+                    break
+                if remove(folder, s, suffix):
+                    used -= b
+                    removed += 1
+    except ConfigError:  # a folder this process cannot write: nothing to remove
+        return removed
+    return removed
 
 
 def drop_unneeded(folder: str, keep: str, rank: Callable[[str], int]) -> int:
