@@ -11,9 +11,9 @@ Invariants:
     * Every process using a default folder holds a shared ``flock`` of its ``.users``
       while it runs; at exit, once its children (DataLoader workers) have ended, a process
       that can take it exclusive is the last one, and removes the folder: after a clean
-      exit of all its processes no folder is left, not even an empty one. The kernel drops the locks of a process that dies, so a
-      folder whose ``.users`` lock is free belongs to nobody: the next job that opens its
-      own default folder removes it.
+      exit of all its processes no folder is left, not even an empty one. The kernel drops
+      the locks of a process that dies, so a folder whose ``.users`` lock is free belongs
+      to nobody: the next job that opens its own default folder removes it.
     * A folder appears whole (made as a temp folder holding ``.users``, then renamed) and
       goes whole (renamed aside under the exclusive lock, then deleted): a process that
       joins checks, holding its shared lock, that the path still names that ``.users``.
