@@ -230,7 +230,7 @@ def report(args: argparse.Namespace, root: Path) -> int:
             # the per-rank reader reads its own tree's index format (this tree's records more)
             subprocess.run([sys.executable, "-m", "wds_pad", "index", *urls, "-o", str(root / "ix-baseline.wdsidx"),
                             "--bucket-by", "aspect:width,height", "--no-progress"], check=True,
-                           stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(tree)})
+                           stdout=subprocess.DEVNULL, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
             blocks = sum(-(-s.size // args.block_bytes) for s in index.shards)
             total = sum(s.size for s in index.shards)
             print(f"{args.samples} samples in {args.shards} shards ({total / 1e6:.1f} MB, {blocks} blocks of "
