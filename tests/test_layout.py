@@ -90,6 +90,17 @@ def test_no_module_is_over_450_lines(path: Path) -> None:
     assert lines <= MAX_LINES, f"{rel} has {lines} lines: split it by responsibility (at most {MAX_LINES})"
 
 
+#: packages already held to the project's 400 lines a module (the rest to MAX_LINES, meanwhile)
+AT_400 = ("io", "index")
+HELD = sorted(p for name in AT_400 for p in (PACKAGE / name).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", HELD, ids=[str(p.relative_to(PACKAGE)) for p in HELD])
+def test_no_module_of_io_or_index_is_over_400_lines(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= 400, f"{path.relative_to(PACKAGE).as_posix()} has {lines} lines: split it by responsibility"
+
+
 INSIDE = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
 
 

@@ -92,6 +92,10 @@ class WorkerStartError(WdsPadError, RuntimeError):
     """A DataLoader worker did not start (stuck in the fork) in every attempt."""
 
 
+class WorkerError(WdsPadError, RuntimeError):
+    """A DataLoader worker died while the loop ran (killed by a signal, out of memory, crashed)."""
+
+
 class WorkerStartWarning(UserWarning):
     """A DataLoader worker stuck in the fork was replaced (the plan continues exactly)."""
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import wds_pad.index.build as build_mod
+import wds_pad.index.samples as samples_mod
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.errors import BucketError, ConfigError, IndexFormatError
 from wds_pad.index.buckets import ImagePixels, JsonCost, PayloadBytes, parse_cost
@@ -157,8 +158,8 @@ def test_an_image_size_past_the_first_bytes_is_read_whole(tmp_path, monkeypatch)
         jpeg = jpeg[:2] + b"\xff\xe2" + (len(segment) + 2).to_bytes(2, "big") + segment + jpeg[2:]
     path = _tar(str(tmp_path / "a.tar"), [("k0", {"jpg": jpeg})])
     reread: list[int] = []
-    real = build_mod._whole_members
-    monkeypatch.setattr(build_mod, "_whole_members", lambda *a: reread.append(1) or real(*a))
+    real = samples_mod._whole_members
+    monkeypatch.setattr(samples_mod, "_whole_members", lambda *a: reread.append(1) or real(*a))
     index = build_index([path], None, cost="image:pixels")
     assert index.cost.tolist() == [1200] and reread == [1]
 

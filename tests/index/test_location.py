@@ -259,12 +259,26 @@ def test_cli_relocate_on_every_command_that_loads_an_index(tmp_path, capsys) -> 
     assert "no shard URL of index" in capsys.readouterr().err
     assert cli_main(["index", *shards, "-o", out, "--relocate", f"{old}={new}"]) == 2
     assert "--relocate applies to the index --update reads" in capsys.readouterr().err
-    # --update reads the shards where they moved to (nothing rescanned) and records them there
-    assert cli_main(["index", "--update", "-o", out, "--no-progress", *move]) == 0
-    said = capsys.readouterr()
-    assert "update: 0 shards scanned, 3 unchanged" in said.out
-    assert "digest changed" in said.err and "relocate=" in said.err  # saved states: what keeps them
-    assert list(load_index(out).urls) == [p.replace(str(old), str(new)) for p in shards]
+
+
+def test_index_update_relocate_is_refused_naming_relocate_and_a_saved_state_resumes_through_it(
+        tmp_path, capsys) -> None:
+    shards, out, old, new = _outside(tmp_path)
+    before = Path(out).read_bytes()
+    move = {str(old): str(new)}
+    loader = Loader(make_dataset(out, relocate=move, seed=3, quiet=True), num_workers=0)
+    it = iter(loader)
+    head = batch_keys(itertools.islice(it, 2))
+    state = loader.state_dict()
+    del it
+    assert cli_main(["index", "--update", "-o", out, "--no-progress", "--relocate", f"{old}={new}"]) == 2
+    said = capsys.readouterr().err
+    assert "changes its digest" in said and "relocate=" in said and "--relocate OLD=NEW on plan" in said
+    assert Path(out).read_bytes() == before  # INDEX as it was: the state saved with it resumes
+    full = batch_keys(Loader(make_dataset(out, relocate=move, seed=3, quiet=True), num_workers=0))
+    resumed = Loader(make_dataset(out, relocate=move, seed=3, quiet=True), num_workers=0)
+    resumed.load_state_dict(state)
+    assert head + batch_keys(resumed) == full
 
 
 # -- object storage: a bucket copied --------------------------------------------------------

@@ -51,28 +51,29 @@ def index_of(base: str, out: Path) -> Any:
     return build_index(f"{base}/train-{{000000..{SHARDS - 1:06d}}}.tar", "aspect:width,height", output=str(out))
 
 
-def stream(index: Any, cache: Path | None) -> tuple[dict[str, dict[str, Any]], Any]:
+def stream(index: Any, cache: Path | None, **read: Any) -> tuple[dict[str, dict[str, Any]], Any]:
     """Every streamed sample by key, and the reader's counters (one process, dp 1), as a
     job of its own (a run id of its own: a job checks a cached copy once)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TORCHELASTIC_RUN_ID", f"job-{next(_JOBS)}")
-        return _stream(index, cache)
+        return _stream(index, cache, **read)
 
 
 _JOBS = itertools.count()
 
 
-def _stream(index: Any, cache: Path | None) -> tuple[dict[str, dict[str, Any]], Any]:
-    opts = ReadOptions(block_bytes=BLOCK, cache_dir=None if cache is None else str(cache))
+def _stream(index: Any, cache: Path | None, **read: Any) -> tuple[dict[str, dict[str, Any]], Any]:
+    opts = ReadOptions(block_bytes=BLOCK, cache_dir=None if cache is None else str(cache), **read)
     ds = BucketedWebDataset(index, batch_size=4, topology=Topology(1, 0), seed=5, locality="shard", window=2,
                             read_options=opts, check_agreement=False)
     out = {s["__key__"]: s for batch in ds for s in batch}
     return out, ds.read_stats
 
 
-def outcome(index: Any, cache: Path | None) -> Any:
+def outcome(index: Any, cache: Path | None, **read: Any) -> Any:
     try:
-        return {k: {m: v for m, v in s.items() if not m.startswith("__")} for k, s in stream(index, cache)[0].items()}
+        return {k: {m: v for m, v in s.items() if not m.startswith("__")}
+                for k, s in stream(index, cache, **read)[0].items()}
     except StaleShardError as exc:
         return ("StaleShardError", str(exc))
 
@@ -89,6 +90,8 @@ def rewrite(path: Path, keep_mtime: bool) -> None:
     path.write_bytes(bytes(data))
     if keep_mtime:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    else:  # a new mtime in the store's whole seconds (nginx's ETag), however soon after the last write
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
 
 
 def test_a_remote_index_records_each_shard_s_content_and_a_local_one_none(served: tuple[Path, str],
@@ -149,6 +152,33 @@ def test_a_damaged_cached_file_is_dropped_and_fetched_again(served: tuple[Path, 
     assert outcome(index, cache) == clean
     ref = {p.read_bytes() for p in root.glob("*.tar")}
     assert {p.read_bytes() for p in cache.glob("*.shard")} <= ref
+
+
+def on_disk(folder: Path) -> int:
+    """The bytes of every file in ``folder``."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+SIDE_FILES = 4096  # a copy's checksum and the jobs that checked it: a few dozen bytes each
+
+
+def test_folder_bytes_stay_within_cache_bytes_plus_the_shard_in_flight_old_copies_included(
+        served: tuple[Path, str], tmp_path: Path) -> None:
+    root, base = served
+    largest = max(p.stat().st_size for p in root.glob("*.tar"))
+    bound = 2 * largest + 1  # two shards of four
+    cache = tmp_path / "cache"
+    first = index_of(base, tmp_path / "ix.wdsidx")
+    assert outcome(first, cache, cache_bytes=bound) == outcome(first, None)
+    assert 0 < on_disk(cache) <= bound + SIDE_FILES  # nothing in flight once the job ends
+    kept = {p.name for p in cache.glob("*.shard")}
+    for i in range(SHARDS):  # every shard indexed again with other bytes: its copy here is an old one
+        rewrite(root / f"train-{i:06d}.tar", keep_mtime=True)
+    again = index_of(base, tmp_path / "ix2.wdsidx")
+    for _ in range(2):
+        assert outcome(again, cache, cache_bytes=bound) == outcome(again, None)
+        assert on_disk(cache) <= bound + SIDE_FILES
+    assert not kept & {p.name for p in cache.glob("*.shard")}  # the old copies went first
 
 
 @contextlib.contextmanager

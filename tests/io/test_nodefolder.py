@@ -80,6 +80,43 @@ def test_the_last_process_of_a_job_to_leave_removes_its_folder(tmp_path: Path) -
     assert sorted(os.listdir(tmp_path)) == []
 
 
+WORKERS = """
+import sys
+import torch
+from wds_pad.io import nodefolder
+
+
+class Joins(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield nodefolder.node_folder(None, workers=2, local_world_size=None)  # a worker joins the folder too
+
+
+main = nodefolder.node_folder(None, workers=2, local_world_size=None)
+loader = torch.utils.data.DataLoader(Joins(), batch_size=None, num_workers=2, persistent_workers=PERSISTENT)
+for epoch in range(2):
+    assert set(loader) == {main}, main
+print(main, flush=True)
+"""
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_default_folder_is_gone_after_every_clean_exit_of_its_processes_and_their_workers(
+        tmp_path: Path, persistent: bool, ranks: int) -> None:
+    """Ranks whose DataLoader workers also use the folder (persistent ones still alive
+    when the rank's exit handlers start) end cleanly: no folder, not even an empty one."""
+    procs = [_python(WORKERS.replace("PERSISTENT", str(persistent)), tmp_path, TORCHELASTIC_RUN_ID="clean")
+             for _ in range(ranks)]
+    paths = set()
+    for proc in procs:
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err, err
+        paths.add(out.strip())
+    assert len(paths) == 1 and paths.pop().startswith(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == []
+
+
 def test_a_folder_whose_job_was_killed_is_removed_by_the_next_job_and_a_live_one_is_not(tmp_path: Path) -> None:
     killed = _python(JOIN.replace("sys.argv[1]) if len(sys.argv) > 1 else 0", "60)"), tmp_path,
                      TORCHELASTIC_RUN_ID="killed")

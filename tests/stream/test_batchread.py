@@ -19,7 +19,7 @@ import webdataset as wds
 from wds_pad import BucketedWebDataset, StaleShardError, Topology
 from wds_pad.index.build import build_index
 from wds_pad.index.layout import MEMBER_ARRAYS
-from wds_pad.stream import batchread
+from wds_pad.stream import batchcache, batchread
 
 
 def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -143,8 +143,8 @@ def test_member_work_is_prepared_once_per_chunk_of_batches(tmp_path: Path, monke
     plan batches (at least CHUNK_SAMPLES samples' worth) is computed together."""
     urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "mixed") for k in range(3)]
     index = build_index(urls, "aspect:width,height")
-    monkeypatch.setattr(batchread, "CHUNK_SAMPLES", 40)
-    monkeypatch.setattr(batchread, "CHUNK", 2)
+    monkeypatch.setattr(batchcache, "CHUNK_SAMPLES", 40)
+    monkeypatch.setattr(batchcache, "CHUNK", 2)
     calls: list[int] = []
     real = batchread.BatchReader._prepare
 
@@ -158,7 +158,7 @@ def test_member_work_is_prepared_once_per_chunk_of_batches(tmp_path: Path, monke
         ds = BucketedWebDataset(index, batch_size=batch_size, seed=3, topology=Topology(world_size=1, rank=0),
                                 check_agreement=False)
     got = list(ds)
-    chunk = batchread.chunk_batches(batch_size)
+    chunk = batchcache.chunk_batches(batch_size)
     assert chunk == max(2, 40 // batch_size)
     assert len(calls) == -(-len(got) // chunk) and sum(calls) == len(got)
     assert ds.read_stats.exact_batches == 0

@@ -89,6 +89,27 @@ def test_source_worker_split_interleaves_to_plan_order(index: Index, nw: int, st
     assert merged == list(range(start, len(plan)))
 
 
+@pytest.mark.parametrize("nw", [1, 2, 3])
+@pytest.mark.parametrize("run", [2, 3])
+@pytest.mark.parametrize("mode", ["epochs", "steps"])
+def test_source_runs_dealt_to_workers_interleave_to_plan_order(index: Index, nw: int, run: int, mode: str) -> None:
+    """Workers that send ``run`` batches at a time take runs of consecutive batches in turn,
+    across an epoch's end too (steps mode): DataLoader's round-robin over their runs gives
+    back the plan order, and each worker computes only its own batches' member work."""
+    spec = _spec(index, mode=Mode(mode))
+    start = Position(0, 3)
+    walk = [(e, j) for e in (0, 1) for j in range(3 if e == 0 else 0, len(spec.plan(e)))]
+    if mode == "epochs":
+        walk = [p for p in walk if p[0] == 0]
+    runs = []
+    for w in range(nw):
+        got = itertools.islice(PlannedSource(spec, start, worker=(w, nw), run=run).batches(), len(walk))
+        mine = [(p.epoch, j) for p, j in got]
+        runs.append([mine[k:k + run] for k in range(0, len(mine), run)])
+    merged = [b for group in itertools.zip_longest(*runs) for r in group if r is not None for b in r]
+    assert merged[:len(walk)] == walk
+
+
 def test_source_refs_follow_plan(index: Index) -> None:
     spec = _spec(index)
     refs = list(PlannedSource(spec, worker=(0, 1)))

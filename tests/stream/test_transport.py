@@ -9,13 +9,17 @@ by a killed worker or a killed main process.
 
 from __future__ import annotations
 
+import gc
 import io
+import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +27,10 @@ import pytest
 import torch
 
 import wds_pad
-from wds_pad import ConfigError, Topology
+from wds_pad import ConfigError, Topology, WorkerError
 from wds_pad.index.record import Index
 from wds_pad.stream.loader import Loader
+from wds_pad.stream import transport
 from wds_pad.stream.transport import SLOTS, Arena, PackedBatch
 
 from data_helpers import image_index, make_dataset
@@ -48,7 +53,11 @@ def _plain(batches: list) -> list:  # type: ignore[type-arg]
 
 
 def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """The names in /dev/shm, but for multiprocessing's named semaphores (spawn's queues
+    use them, its resource tracker removes them, and any process on the machine may be
+    making some now): not ours."""
+    names = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return {n for n in names if not n.startswith("sem.mp-")}
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
@@ -161,6 +170,60 @@ def test_the_ring_places_wraps_and_never_overwrites_a_held_batch() -> None:
         arena.release(got[2])
 
 
+def test_a_ring_is_sized_to_its_batches_and_grows_when_full() -> None:
+    assert transport.ring_bytes(1000) == transport.RING_BYTES  # small batches: the smallest ring
+    assert transport.ring_bytes(1 << 20) == transport.RING_BATCHES << 20
+    assert transport.ring_bytes(1 << 20, run=2) == 2 * transport.RING_BATCHES << 20  # batches sent two at a time
+    assert transport.ring_bytes(1000, size=transport.RING_BYTES) == 2 * transport.RING_BYTES
+    assert transport.ring_bytes(1 << 30) == transport.ARENA_BYTES  # never past the largest
+    ring, first = transport.place(None, False, 3000)
+    assert first is not None and ring.size == transport.RING_BYTES
+    held = [first]
+    while (got := transport.place(ring, False, 1 << 20))[0] is ring:
+        held.append(got[1])  # every batch held: the ring fills
+    bigger, spot = got
+    assert bigger.size == 2 * ring.size and spot is not None  # a larger ring, not a buffer per batch
+    assert transport.place(bigger, False, transport.ARENA_BYTES)[1] is None  # too large for any ring
+
+
+def test_a_worker_sends_a_few_hundred_samples_or_a_few_mib_at_a_time() -> None:
+    assert transport.run_length(64, 10_000) == 4  # 256 samples
+    assert transport.run_length(8, 2_000) == transport.MAX_RUN
+    assert transport.run_length(8, 500_000) == 1  # 4 MB batches: one at a time
+    assert transport.run_length(wds_pad.Budget(1000.0), 100) == 1  # a budget's batches vary
+    assert transport.run_length(1, 1e9) == 1
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_runs_of_batches_through_workers_keep_plan_order_across_epochs(index: Index, workers: int) -> None:
+    small = 2
+    assert transport.run_length(small, index.length.mean()) > 1  # the batches travel in runs here
+    one = Loader(_ds(index, batch_size=small, mode="steps"), num_workers=0)
+    want = [[s["__key__"] for s in b] for b in itertools.islice(one, 3 * len(one.dataset))]
+    loader = Loader(_ds(index, batch_size=small, mode="steps"), num_workers=workers)
+    it = iter(loader)
+    got = [[s["__key__"] for s in b] for b in itertools.islice(it, len(want))]
+    it.close()
+    assert got == want  # three epochs, runs crossing their ends
+
+
+def test_held_zero_copy_batches_stay_intact_while_the_ring_grows(index: Index, monkeypatch: pytest.MonkeyPatch) -> None:
+    want = list(Loader(_ds(index), num_workers=0))
+    sizes: list[int] = []
+    init = transport.Arena.__init__
+
+    def spy(self, shared, size=transport.ARENA_BYTES):  # type: ignore[no-untyped-def]
+        sizes.append(size)
+        init(self, shared, size)
+
+    monkeypatch.setattr(transport, "RING_BYTES", 8192)
+    monkeypatch.setattr(transport, "RING_BATCHES", 1)
+    monkeypatch.setattr(transport.Arena, "__init__", spy)
+    got = list(Loader(_ds(index, zero_copy=True), num_workers=0))  # every batch held at once
+    assert _plain(got) == want
+    assert len(sizes) > 1 and sizes == sorted(sizes) and sizes[-1] > sizes[0]
+
+
 def test_a_batch_without_its_ring_is_refused_clearly() -> None:
     batch = PackedBatch(None, (1, 2), 0, 0, 0, np.zeros((2, 0), np.int64), [], [], [], [], [], [],
                         ("b", "d", 0, 0, 0))
@@ -168,15 +231,28 @@ def test_a_batch_without_its_ring_is_refused_clearly() -> None:
         batch.samples(False, {})
 
 
-def test_a_killed_worker_fails_the_loop_and_leaves_no_shared_memory(index: Index) -> None:
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_killed_worker_fails_the_loop_with_one_error_and_leaves_no_shared_memory(
+        index: Index, context: str) -> None:
     before = _shm()
-    loader = Loader(_ds(index, batch_size=2, zero_copy=True), num_workers=2)
-    with pytest.raises(RuntimeError, match="DataLoader worker .* exited unexpectedly|killed by signal"):
+    loader = Loader(_ds(index, batch_size=2, zero_copy=True), num_workers=2, multiprocessing_context=context)
+    received, message = 0, ""
+    try:
         for i, _ in enumerate(loader):
+            received += 1
             if i == 1:
-                batches = _current_workers()
-                os.kill(batches[0], signal.SIGKILL)
+                victim = _current_workers()[0]
+                os.kill(victim, signal.SIGKILL)
+                time.sleep(0.5)  # the worker's end reaches this process while the loop body runs
+    except WorkerError as exc:  # raised by the loop, not from inside its body
+        message = str(exc)
+    assert re.search(rf"Loader: .*worker \d \(pid {victim}\) was killed by SIGKILL", message), message
+    gc.collect()
     assert _shm() <= before
+    fresh = Loader(_ds(index, batch_size=2, zero_copy=True), num_workers=2)  # the state names the last batch
+    fresh.load_state_dict(loader.state_dict())
+    want = list(Loader(_ds(index, batch_size=2), num_workers=0))
+    assert _plain(list(fresh)) == want[received:]
 
 
 def _current_workers() -> list[int]:
@@ -217,3 +293,19 @@ def test_a_killed_main_process_leaves_no_shared_memory(index: Index, tmp_path: P
 
             time.sleep(0.05)
     assert _shm() <= before
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_shard_cut_short_under_an_open_descriptor_is_one_clear_error(tmp_path: Path, zero_copy: bool) -> None:
+    """A batch read into one buffer from shards already open (their reads issued together)
+    notices a short read like the per-sample path does: the exact path reads the batch
+    again and names the shard."""
+    index = image_index(tmp_path, samples=64, shards=2, seed=3)
+    it = iter(Loader(_ds(index, batch_size=2, zero_copy=zero_copy), num_workers=0))
+    for _ in range(4):  # every shard opened
+        next(it)
+    for url in index.urls:
+        os.truncate(url, os.path.getsize(url) // 2)
+    with pytest.raises(wds_pad.WdsPadError, match=r"\.tar"):
+        for _ in it:
+            pass

@@ -17,7 +17,7 @@ from typing import Iterator
 import pytest
 
 import wds_pad.stream.workers as workers
-from wds_pad import Topology, WorkerStartError, WorkerStartWarning
+from wds_pad import Topology, WorkerError, WorkerStartError, WorkerStartWarning
 from wds_pad.errors import ConfigError
 from wds_pad.index.record import Index
 from wds_pad.stream.loader import Loader
@@ -142,6 +142,28 @@ def test_shardloader_replaces_a_stuck_worker_too(index: Index, hang) -> None:
     with pytest.warns(WorkerStartWarning, match="ShardLoader"):
         got = [s["__key__"] for s in ShardLoader(stream(), num_workers=2, worker_start_timeout=1.0)]
     assert got == expected
+
+
+def test_a_worker_that_dies_ends_a_shardloader_with_one_error(index: Index) -> None:
+    import multiprocessing
+    import signal
+
+    loader = ShardLoader(ShardStream(index, topology=Topology(1, 0), seed=1), num_workers=2, prefetch_factor=1)
+    with pytest.raises(WorkerError, match=r"ShardLoader: .*worker \d \(pid \d+\) (was killed by SIGTERM|exited with code 0).*"
+                                          r"shardloader\.state_dict\(\)"):
+        for i, _ in enumerate(loader):
+            if i == 1:
+                os.kill(multiprocessing.active_children()[0].pid, signal.SIGTERM)
+
+
+def test_a_worker_error_is_its_own_not_a_worker_death(index: Index) -> None:
+    def boom(sample: dict) -> dict:
+        raise RuntimeError("a stage of the user's failed")
+
+    stream = ShardStream(index, topology=Topology(1, 0), seed=1).map(boom)
+    with pytest.raises(RuntimeError, match="a stage of the user's failed") as err:
+        list(ShardLoader(stream, num_workers=2))
+    assert not isinstance(err.value, WorkerError)
 
 
 def test_the_users_worker_init_fn_still_runs_in_every_worker(index: Index, tmp_path: Path) -> None:

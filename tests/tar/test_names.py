@@ -211,7 +211,8 @@ def test_member_name_size_reads_as_read_entry_or_leaves_it_to_it(layout: list[by
     """The common layouts give read_entry's name and size; any other is None (read_entry
     reads it): never another answer."""
     from wds_pad.errors import TarFormatError
-    from wds_pad.tar.headers import Reader, member_name_size, read_entry
+    from wds_pad.tar.headers import member_name_size, read_entry
+    from wds_pad.tar.reader import Reader
 
     data = b"".join(layout) + b"abc" + bytes(509) + bytes(1024)
     h = len(b"".join(layout)) - 512

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext
 
 from wds_pad.errors import ConfigError, StaleShardError, TarFormatError
-from wds_pad.tar import headers as tar_headers
+from wds_pad.tar import reader as tar_reader
 from wds_pad.tar import lean as tar_lean
 from wds_pad.tar import leanstream as tar_leanstream
 from wds_pad.tar import members as tar_members
@@ -433,7 +433,7 @@ def test_seek_mode_reads_only_wanted_heads(tmp_path: Path) -> None:
 def test_stream_mode_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_tar(tmp_path / "c.tar", [(f"k{i}.{e}", os.urandom(i * 97 % 1500)) for i in range(30) for e in "xyz"])
     ref = scan_path(path, want=("x", "y", "z"))
-    monkeypatch.setattr(tar_headers, "_CHUNK", 700)  # headers and payloads straddle reads
+    monkeypatch.setattr(tar_reader, "_CHUNK", 700)  # headers and payloads straddle reads
     for step in (1, 333, 4096):
         got = list(scan_tar(NonSeekable(path.read_bytes(), step), "c", want=("x", "y", "z")))
         assert got == ref

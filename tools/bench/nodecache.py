@@ -32,6 +32,7 @@ Needs git (for the baseline) and nginx or the Python fallback; loopback only.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -224,8 +225,12 @@ def report(args: argparse.Namespace, root: Path) -> int:
     with http_server(www) as server:
         proxy = FaultProxy(server.host, server.port).start()
         try:
-            index = build_index([f"http://{proxy.host}:{proxy.port}/d/{n}" for n in names], "aspect:width,height",
-                                output=str(root / "ix.wdsidx"))
+            urls = [f"http://{proxy.host}:{proxy.port}/d/{n}" for n in names]
+            index = build_index(urls, "aspect:width,height", output=str(root / "ix.wdsidx"))
+            # the per-rank reader reads its own tree's index format (this tree's records more)
+            subprocess.run([sys.executable, "-m", "wds_pad", "index", *urls, "-o", str(root / "ix-baseline.wdsidx"),
+                            "--bucket-by", "aspect:width,height", "--no-progress"], check=True,
+                           stdout=subprocess.DEVNULL, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
             blocks = sum(-(-s.size // args.block_bytes) for s in index.shards)
             total = sum(s.size for s in index.shards)
             print(f"{args.samples} samples in {args.shards} shards ({total / 1e6:.1f} MB, {blocks} blocks of "
@@ -234,7 +239,7 @@ def report(args: argparse.Namespace, root: Path) -> int:
             figures = {
                 "node cache": measure("node", {}, str(root / "ix.wdsidx"), www / "d", root, proxy, blocks,
                                       args.block_bytes, total, args.kill_after),
-                "per-rank reader": measure("per-rank", {"PYTHONPATH": str(tree)}, str(root / "ix.wdsidx"), www / "d",
+                "per-rank reader": measure("per-rank", {"PYTHONPATH": str(tree)}, str(root / "ix-baseline.wdsidx"), www / "d",
                                            root, proxy, blocks, args.block_bytes, total, args.kill_after),
             }
         finally:

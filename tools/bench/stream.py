@@ -1,7 +1,7 @@
 """Benchmark: planned (random-order) streaming vs webdataset's sequential read and litData, in one run.
 
 Generates local shards with ``make_blob_shards`` (small ~10 KB samples: 32 shards, batch
-64; large ~500 KB samples), written by ``--producer`` (default ``webdataset``: what
+64; large ~500 KB samples: 8 shards, batch 8), written by ``--producer`` (default ``webdataset``: what
 ``wds.TarWriter`` writes, a pax header before every member, as most real shards are)
 and, beside them, by ``--also-producer`` (default ``tarfile-ustar``: plain ustar
 headers; ``none`` skips it). It indexes them with aspect buckets, warms the page cache,
@@ -42,7 +42,7 @@ path's ratios on the ``--producer`` shards, each beside the target it compares w
 the ratios docs/streaming.md cites (measured there on ``tarfile-ustar`` shards). The
 machine should be otherwise idle (the run says how busy other processes kept it). Usage::
 
-    python tools/bench/stream.py [--dir DIR] [--small 64000] [--large 1000] [--repeat 3]
+    python tools/bench/stream.py [--dir DIR] [--small 64000] [--large 4000] [--repeat 3]
                                  [--producer webdataset] [--also-producer tarfile-ustar] [--peer litdata]
 """
 
@@ -104,6 +104,17 @@ def ours_loader(ds: BucketedWebDataset, workers: int) -> int:
     for batch in Loader(ds, num_workers=workers):
         n += len(batch)
     return n
+
+
+def loader_start(ds: BucketedWebDataset, workers: int) -> float:
+    """Seconds from ``iter(Loader(ds, num_workers=workers))`` to its first batch: the
+    workers' start, paid again at every epoch (counted in the Loader's rates)."""
+    t = time.perf_counter()
+    it = iter(Loader(ds, num_workers=workers))
+    next(it)
+    secs = time.perf_counter() - t
+    it.close()
+    return secs
 
 
 def ours_stages(ds: BucketedWebDataset, checked: bool) -> int:
@@ -223,13 +234,15 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
 
     best = round_robin({key: c[0] for key, c in contenders.items()}, repeat,
                        timer=lambda fn: once(fn, cpu_seconds), check=check)
-    out: dict[str, dict[str, dict[str, float]]] = {k: {"rate": {}, "bw": {}, "cpu": {}} for k in kinds}
+    out: dict[str, dict[str, dict[str, float]]] = {k: {"rate": {}, "bw": {}, "cpu": {}, "start": {}} for k in kinds}
     for key, (_, expect, nbytes) in contenders.items():
         kind, name = key.split("|", 1)
         r = out[kind]
         count = expect if name != "raw read 8 MiB" else len(kinds[kind][1])
         r["rate"][name], r["bw"][name] = count / best[key].wall, nbytes / best[key].wall / 1e6
         r["cpu"][name] = best[key].cpu / count * 1e6
+    first = dataset(kinds[main][1], batch_size)
+    out[main]["start"]["wds_pad Loader(2)"] = min(loader_start(first, 2) for _ in range(repeat))
     for kind, (_, index) in kinds.items():  # outside the round robin: descriptors opened untimed
         ids, r = ids_of[kind], out[kind]
         pread_secs, pread_cpu = min(bare_pread(index, ids, batch_size) for _ in range(repeat))
@@ -319,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = parser(__doc__)
     add_sizes(ap)
-    ap.set_defaults(small=64_000)
+    ap.set_defaults(small=64_000, large=4_000)  # 2 GB at 500 KB: the workers' start-up is not the run
     ap.add_argument("--also-producer", default=USTAR, choices=[*PRODUCERS, "none"],
                     help=f"also measure the fast path and its peers on shards written by this producer "
                          f"(default: {USTAR}; none: only --producer's)")
@@ -357,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"the local fast path against its targets, on {args.producer} shards:")
     print(table(["comparison", "ratio", "target"], targets(results, args.producer), align="lrr"))
     print("  (the ratios over HTTP, locality='shard' at 20 ms: tools/bench/remote.py)")
+    starts = ", ".join(f"{label} {r[args.producer]['start']['wds_pad Loader(2)'] * 1e3:.0f} ms"
+                       for label, r in results.items())
+    print(f"Loader(2) start-up, iter() to the first batch (in its rates above; workers start at every epoch): "
+          f"{starts}")
     for kind in producers:
         print(f"\nratios docs/streaming.md cites (measured there on {USTAR} shards, which "
               f"--producer {USTAR} reruns in full), on {kind} shards:")

@@ -13,8 +13,9 @@ Invariants:
   anything;
 - ``--update -o INDEX`` without URLs re-indexes the shards INDEX lists, bucketed as
   INDEX was and with its costs (a version-1 INDEX is read converted: unchanged shards
-  keep their rows); ``--relocate OLD=NEW`` reads INDEX's shards where they moved to,
-  and the updated INDEX records them there; ``--rescan URL`` scans a shard again whatever
+  keep their rows); ``--relocate OLD=NEW`` is refused, naming ``relocate=``: written
+  again with the moved URLs, INDEX would get another digest and the states saved with
+  it would no longer resume; ``--rescan URL`` scans a shard again whatever
   its size and change stamp (what ``wds-pad verify --deep`` advises for a shard rewritten
   in place), and the report counts it among the scanned;
 - ``--distributed`` (implied under torchrun with more than one process) runs one job
@@ -36,10 +37,8 @@ from .common import (
     _positive,
     _report_excluded,
     _usage,
-    add_relocate,
     bucket_order,
     interrupt_exit,
-    relocation,
 )
 
 __all__ = ["add_parser"]
@@ -85,7 +84,9 @@ def add_parser(sub: Any) -> None:
                    help="--distributed: shards per part, the unit of work and of reuse (default 64)")
     p.add_argument("--timeout", type=_positive, default=600,
                    help="--distributed: seconds a rank may stay silent before the job stops (default 600)")
-    add_relocate(p)
+    p.add_argument("--relocate", action="append", default=[], metavar="OLD=NEW",
+                   help="refused: an index written again with moved URLs gets another digest and its saved states "
+                        "no longer resume; give --relocate to plan, inspect and verify (relocate= in Python)")
     p.set_defaults(func=_cmd_index)
 
 
@@ -140,6 +141,13 @@ def _cmd_index(args: argparse.Namespace) -> int:
     if args.relocate and not args.update:
         raise _usage("index", "--relocate applies to the index --update reads (-o INDEX); shards given as URLs "
                               "are indexed where they are")
+    if args.relocate:  # the new URLs would change INDEX's digest: every state saved with it refused
+        raise _usage("index", f"--update --relocate would write {args.output} again with the shards' new URLs, which "
+                              "changes its digest, so states saved with it could no longer resume; leave it as it "
+                              "is and read the shards where they moved to through relocate= (--relocate OLD=NEW "
+                              "on plan, inspect and verify; BucketedWebDataset(..., relocate={OLD: NEW}), "
+                              "load_index(..., relocate=...)), or index them afresh where they are: "
+                              "wds-pad index NEW_URLS -o NEW_INDEX")
     cost = parse_cost(args.cost) if args.cost is not None else None
     if args.rescan and not args.update:
         raise _usage("index", "--rescan scans shards again in an update: add --update (without it every shard "
@@ -149,8 +157,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         # again, before scanning, in every case)
         check_output(args.output, expand_urls(urls) if urls else (), force=args.force)
         if _exists(args.output):
-            # moved shards: where they are now
-            previous = load_index(args.output, relocate=relocation(args))
+            previous = load_index(args.output)
             urls = urls or list(previous.urls)
             if args.cost is None:
                 cost = cost_fn_of(previous)  # with the costs INDEX records
@@ -186,11 +193,6 @@ def _cmd_index(args: argparse.Namespace) -> int:
     finally:
         scan_log.setLevel(level)
     _report(index, args.output, time.monotonic() - start, previous, expand_urls(args.rescan) if args.rescan else ())
-    if args.relocate and previous is not None and index.digest != previous.digest:
-        sys.stderr.write(f"wds-pad index: {args.output} now records the shards where they moved to, so its digest "
-                         "changed and states saved with it before are refused on resume; to resume them, keep "
-                         "the index as it was and read the shards through relocate= (BucketedWebDataset(..., "
-                         "relocate={OLD: NEW}); --relocate OLD=NEW on wds-pad commands)\n")
     return 0
 
 

@@ -3,7 +3,8 @@ memory-mappable index file.
 
 Modules, in the order of the flow: ``buckets`` (a sub-package: the bucket functions, their
 CLI spelling, image headers, the cost functions), ``shardfile`` (a shard's size, change stamp, opening),
-``build`` (scanning shards through ``wds_pad.tar``, ``build_index``, update), ``rows``
+``build`` (scanning shards through ``wds_pad.tar``, ``build_index``, update), ``samples``
+(a scanned shard's bucket keys and costs), ``rows``
 (one shard's rows, joined into an Index: ``make_index``), ``distributed`` and
 ``jobstore`` (``build_index_distributed``: parts over the ranks of a torch.distributed
 job), ``record`` (the ``Index`` and ``ShardInfo`` records), ``layout`` (what the file

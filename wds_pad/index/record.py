@@ -37,18 +37,8 @@ import numpy as np
 from ..core.dataset import Dataset, IdRange
 from ..errors import ConfigError, IndexFormatError
 from ..tar.members import key_text
-from .layout import (
-    ARRAYS,
-    COST_ARRAYS,
-    LEGACY_MEMBER_ARRAYS,
-    MEMBER_ARRAYS,
-    ROW_ARRAYS,
-    content_digest,
-    file_header,
-    json_sections,
-    plain_offsets,
-    stored_urls,
-)
+from .layout import (ARRAYS, COST_ARRAYS, LEGACY_MEMBER_ARRAYS, MEMBER_ARRAYS, ROW_ARRAYS, content_digest, file_header,
+                     json_sections, plain_offsets, stored_urls)
 from .location import Relocation, index_folder
 
 __all__ = ["Index", "ShardInfo"]

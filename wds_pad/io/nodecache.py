@@ -8,7 +8,7 @@ and when each one is read (``NodeEpoch``, :mod:`wds_pad.io.shardplan`). A shard 
 holds is fetched whole once, by whichever process needs it first, and every read of it by
 any process of the node, whole-shard reads and single ones alike (foreign samples, early,
 late, padded copies), comes from that copy, read while it arrives. The files and their
-locks are :mod:`wds_pad.io.nodefiles`'.
+locks are :mod:`wds_pad.io.nodefiles`', the room in the folder :mod:`wds_pad.io.noderoom`'s.
 
 Invariants:
     * A range read from the node's copy is byte for byte what a ranged GET returns: the
@@ -23,7 +23,9 @@ Invariants:
       shard is never removed for one needed later than itself, nor while a process reads
       it: from a read of it to the next, within a window's steps of each other, the
       process holds the file's shared lock. A shard fetched ahead is fetched only within the bound; one a
-      read needs is fetched in any case.
+      read needs is fetched in any case, and once this process is done with a shard the
+      files past the bound that nobody reads go: the folder holds ``cache_bytes`` plus the
+      shards in flight, copies of shards indexed again included (:mod:`wds_pad.io.noderoom`).
     * A shard the node does not read in the next epoch is removed by the last of its
       users, after their last planned read of it; one it reads again stays, within
       ``cache_bytes``, for the next epoch and for a restart on the same folder.
@@ -47,32 +49,14 @@ import threading
 import time
 from typing import Callable, Iterator
 
-import numpy as np
-
 from wds_pad.errors import ReadError
 
-from . import nodecheck, nodefiles
+from . import nodecheck, nodefiles, noderoom
 from .nodeproblems import disk_full
 from .redact import redact
-from .shardplan import NodeEpoch, NodeShard
+from .shardplan import NodeEntry, NodeEpoch, NodeShard
 
 __all__ = ["NodeCache"]
-
-_FAR = 1 << 62  # the next use of a shard no plan reads again
-
-
-class _Entry:
-    __slots__ = ("shard", "epoch", "seen", "fd", "complete", "fetch", "present", "finished")
-
-    def __init__(self, shard: NodeShard, epoch: NodeEpoch) -> None:
-        self.shard, self.epoch = shard, epoch
-        self.seen = 0               # this process's planned reads of it counted so far
-        self.fd: int | None = None  # the read thread's descriptor of its copy
-        self.complete = False
-        self.fetch: concurrent.futures.Future[str] | None = None
-        self.present: bool | None = None  # a shard not held: is a complete copy here?
-        self.finished = False       # this process's planned reads of it are all counted
-
 
 class NodeCache:
     """One process's reads through the node's copies (see the module invariants).
@@ -106,14 +90,14 @@ class NodeCache:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._reads: concurrent.futures.ThreadPoolExecutor | None = None  # one thread: its descriptors
         self._epoch: NodeEpoch | None = None
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, NodeEntry] = {}
         self._by_name: dict[str, NodeShard] = {}
         self._left = 0        # this process's planned reads of the epoch not yet counted
         self._now = 0         # the step of its latest planned read
         self._cur = 0         # its order's first shard it has not finished reading
         self._next = 0        # its order's first shard not yet looked at for fetching ahead
         self._running: set[concurrent.futures.Future[str]] = set()  # fetches ahead
-        self._pending: tuple[_Entry, bool, bool] | None = None  # planned() -> read()
+        self._pending: tuple[NodeEntry, bool, bool] | None = None  # planned() -> read()
         self._queued: concurrent.futures.Future[bytes] | None = None  # the last read handed to the read thread
         self._done = self._closed = False
         self.peak_bytes = 0       # most bytes seen in the folder when a fetch made room
@@ -121,7 +105,7 @@ class NodeCache:
         self.evicted = 0          # shards it removed to make room
         self.finished = 0         # shards it removed after the node's last planned read
         self._take_epoch()
-        self.reclaimed = nodefiles.reclaim(folder, set(self._by_name))  # partial copies of them stay
+        self.reclaimed = noderoom.reclaim(folder, set(self._by_name))  # partial copies of them stay
 
     # -- the schedule --------------------------------------------------------------------
     def _take_epoch(self) -> None:
@@ -134,7 +118,7 @@ class NodeCache:
             with self._lock:
                 done = list(self._entries.values())
                 self._epoch = ep
-                self._entries = {url: _Entry(s, ep) for url, s in ep.shards.items()}
+                self._entries = {url: NodeEntry(s, ep) for url, s in ep.shards.items()}
                 self._by_name = {s.name: s for s in ep.shards.values()}
                 self._left = sum(int(s.mine.size) for s in ep.shards.values())
                 self._now = self._cur = self._next = 0
@@ -199,18 +183,18 @@ class NodeCache:
         self._queued = self._reads.submit(self._read, entry, start, length, last, pause)
         return self._queued
 
-    def _read(self, entry: _Entry, start: int, length: int, last: bool, pause: bool) -> bytes:
+    def _read(self, entry: NodeEntry, start: int, length: int, last: bool, pause: bool) -> bytes:
         data = self._wait_read(entry, start, length)
         self._after(entry, last, pause)
         return data
 
-    def _after(self, entry: _Entry, last: bool, pause: bool) -> None:
+    def _after(self, entry: NodeEntry, last: bool, pause: bool) -> None:
         if last:
             self._done_with(entry)
         elif pause:
             self._close(entry)  # its shared lock goes: evictable until this process reads it again
 
-    def _wait_read(self, entry: _Entry, start: int, length: int) -> bytes:
+    def _wait_read(self, entry: NodeEntry, start: int, length: int) -> bytes:
         end = min(start + length, entry.shard.size)
         seen, since, delay = -1, time.monotonic(), 0.0005
         while True:
@@ -244,7 +228,7 @@ class NodeCache:
             time.sleep(delay)
             delay = min(2 * delay, 0.01)
 
-    def _open(self, entry: _Entry) -> int | None:
+    def _open(self, entry: NodeEntry) -> int | None:
         if entry.fd is None:
             got = nodefiles.open_copy(self.folder, entry.shard.name)
             if got is not None:
@@ -272,29 +256,32 @@ class NodeCache:
         finally:
             os.close(got[0])
 
-    def _close(self, entry: _Entry) -> None:
+    def _close(self, entry: NodeEntry) -> None:
         if entry.fd is not None:
             os.close(entry.fd)
             entry.fd = None
 
-    def _done_with(self, entry: _Entry) -> None:
-        """This process's last planned read of the shard in the epoch: its descriptor goes,
-        and a shard the node does not read next epoch goes with its last user."""
+    def _done_with(self, entry: NodeEntry) -> None:
+        """This process's last planned read of the shard in the epoch: its descriptor goes, a
+        shard the node does not read next epoch goes with its last user, else the folder is trimmed."""
         self._close(entry)
+        if entry.fetch is not None and entry.fetch.running():  # this process publishes it: then it counts as done
+            concurrent.futures.wait([entry.fetch])
         ep = entry.epoch
-        if entry.shard.name not in ep.later and nodefiles.finish(
+        if entry.shard.name not in ep.later and noderoom.finish(
                 self.folder, entry.shard.name, ep.epoch, ep.me, entry.shard.users):
             with self._lock:
                 self.finished += 1
+        else:  # past the bound while it was read: what nobody reads now goes (old copies first)
+            self.evicted += noderoom.trim(self.folder, self.cache_bytes, self._rank)
 
     # -- fetching ------------------------------------------------------------------------
     def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._pool is None:
-            # fetches ahead (at most depth at once) plus the ones reads wait for
+        if self._pool is None:  # fetches ahead (at most depth at once) plus the ones reads wait for
             self._pool = concurrent.futures.ThreadPoolExecutor(self.depth + 2, thread_name_prefix="wds_pad-node-fetch")
         return self._pool
 
-    def _fetch(self, entry: _Entry, urgent: bool) -> concurrent.futures.Future[str] | None:
+    def _fetch(self, entry: NodeEntry, urgent: bool) -> concurrent.futures.Future[str] | None:
         with self._lock:
             if entry.fetch is not None and not entry.fetch.done():
                 return None
@@ -335,7 +322,7 @@ class NodeCache:
             if not self._closed:
                 self._prefetch()
 
-    def _fetch_file(self, entry: _Entry, urgent: bool) -> str:
+    def _fetch_file(self, entry: NodeEntry, urgent: bool) -> str:
         """Makes the shard's copy complete, unless another process is at it: "done" (fetched
         here), "present", "busy" (another writer), "skipped" (fetched ahead: no room)."""
         shard = entry.shard
@@ -363,77 +350,40 @@ class NodeCache:
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
-        held = sum(b for _, _, b in nodefiles.scan(self.folder))
+        held = sum(b for _, _, b in noderoom.scan(self.folder))
         raise disk_full(self.folder, shard.url, shard.size, held, self.cache_bytes)
 
     def _evict_unneeded(self, shard: NodeShard) -> int:
         """Removes the shards no plan of the node reads again (nor being read); how many."""
-        with nodefiles.folder_lock(self.folder):
-            removed = sum(nodefiles.remove(self.folder, stem, suffix) for stem, suffix, _ in nodefiles.scan(self.folder)
-                          if stem != shard.name and self._next_use(stem, self._now) == _FAR)
+        removed = noderoom.drop_unneeded(self.folder, shard.name, self._rank)
         self.evicted += removed
         return removed
 
-    def _write(self, shard: NodeShard, fd: int | None) -> str:
+    def _write(self, shard: NodeShard, fd: int) -> str:
         """Completes, checks and publishes the locked ``.part`` open as ``fd``."""
-        try:
-            if os.fstat(fd).st_size < shard.size:  # type: ignore[arg-type]
-                checksum = nodefiles.write_rest(fd, shard.url, shard.size, self._get, self.block_bytes, self.depth)[1]
-                with self._lock:
-                    self.fetched_shards += 1
-            else:
-                checksum = nodecheck.checksum_file(fd, shard.size)
-            nodecheck.as_indexed(fd, shard.url, checksum, shard.content)
-            nodecheck.write_sum(self.folder, shard.name, checksum)
-            nodecheck.record(self.folder, shard.name, self.checks.session)  # fetched by this job: checked
-            nodefiles.publish(self.folder, shard.name, fd)
-            fd = None
-            self.checks.fetched(shard.name)
-            return "done"
-        finally:
-            if fd is not None:
-                nodefiles.abandon(self.folder, shard.name, fd)  # failed: what it wrote stays for the next writer
+        if nodefiles.complete(self.folder, shard.name, fd, shard.url, shard.content, self._get,
+                              self.block_bytes, self.depth, self.checks.session):
+            with self._lock:
+                self.fetched_shards += 1
+        self.checks.fetched(shard.name)
+        return "done"
 
     def _claim(self, shard: NodeShard, urgent: bool) -> tuple[str, int | None]:
-        """Becomes the shard's writer if the folder has room for it within ``cache_bytes``
-        (every shard file counted at its full size), removing the shards used furthest ahead,
-        never one used before ``shard`` nor one being read; a shard a read needs is claimed
-        in any case. One process at a time decides, so what is fetched ahead stays within
-        the bound. (status, locked ``.part``) as :func:`nodefiles.claim`, or ("skipped", None)."""
-        with nodefiles.folder_lock(self.folder):
-            files = nodefiles.scan(self.folder)
-            if any(stem == shard.name and suffix == nodefiles.SHARD for stem, suffix, _ in files):
-                return "present", None
-            used = sum(b for stem, _, b in files if stem != shard.name) + shard.size
-            if used > self.cache_bytes:
-                now = self._now
-                bar = now if urgent else self._next_use(shard.name, now)
-                ranked = sorted(((self._next_use(stem, now), stem, suffix, b) for stem, suffix, b in files
-                                 if stem != shard.name), reverse=True)
-                for use, stem, suffix, b in ranked:
-                    if used <= self.cache_bytes or use <= bar:
-                        break
-                    if nodefiles.remove(self.folder, stem, suffix):
-                        used -= b
-                        self.evicted += 1
-            if used > self.cache_bytes and not urgent:
-                return "skipped", None
-            self.peak_bytes = max(self.peak_bytes, used)
-            return nodefiles.claim(self.folder, shard.name)
+        """Becomes the shard's writer within ``cache_bytes`` (:func:`noderoom.claim_within`):
+        never removing a shard used before ``shard``, nor, for a read that needs it now, one
+        used before this process's latest step. (status, locked ``.part``) as
+        :func:`nodefiles.claim`, or ("skipped", None)."""
+        now = self._now
+        bar = now if urgent else self._rank(shard.name)
+        got = noderoom.claim_within(self.folder, shard.name, self.cache_bytes, self._rank, bar, urgent)
+        self.evicted += got.evicted
+        if got.status != "skipped":
+            self.peak_bytes = max(self.peak_bytes, got.used)
+        return got.status, got.fd
 
-    def _next_use(self, stem: str, now: int) -> int:
-        """The step of the node's next planned read of the shard ``stem`` (the next
-        epoch's count after this one's steps; _FAR: none planned)."""
-        ep = self._epoch
-        if ep is None:
-            return _FAR
-        shard = self._by_name.get(stem)
-        if shard is not None and shard.steps.size:
-            i = int(np.searchsorted(shard.steps, now, side="left"))
-            if i < shard.steps.size:
-                return int(shard.steps[i])
-        later = ep.later.get(stem)
-        return ep.length + later if later is not None else _FAR
+    def _rank(self, stem: str) -> int:
+        """The step of the node's next planned read of ``stem`` after this process's latest."""
+        return noderoom.next_use(self._epoch, self._by_name, stem, self._now)
 
     def close(self) -> None:
         """Stops the helper threads; the read thread closes its descriptors (the copies stay)."""

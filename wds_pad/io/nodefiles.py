@@ -23,8 +23,10 @@ Invariants:
       path still names the file it locked, and that no ``.shard`` exists: a file removed
       meanwhile is never written into, and a shard is never fetched twice by this protocol.
     * The folder's other files: ``.lock`` (held while the folder's bytes are counted and
-      evicted) and ``<stem>.done`` (the users that finished with a shard in an epoch).
-      Nothing else is created, and nothing not named like these is removed.
+      evicted) and ``<stem>.done`` (the users that finished with a shard in an epoch), both
+      :mod:`wds_pad.io.noderoom`'s, which also removes files; ``<stem>.sum`` and
+      ``<stem>.ok``, :mod:`wds_pad.io.nodecheck`'s. Nothing else is created, and nothing
+      not named like these is removed.
     * An entry named like these that is not a regular file (a directory, a link, a
       device) is foreign: scans skip it and report it once per folder (a warning); a
       shard whose file name it takes is one :class:`ConfigError` naming it and the fix.
@@ -47,19 +49,19 @@ import secrets
 import stat
 import threading
 from collections import deque
-from typing import Callable, Container, Iterator
+from typing import Callable
 
-from .nodecheck import checksum_file, new_hash
-from .nodeproblems import _regular, _report, foreign, unwritable
+from .nodecheck import as_indexed, checksum_file, new_hash, record, write_sum
+from .nodeproblems import _regular, foreign, unwritable
 from .stale import _short_read
 
 __all__ = ["shard_name"]
 
 SHARD, PART, DONE = ".shard", ".part", ".done"
 _FILE = re.compile(r"([0-9a-f]{32}-[0-9]+)(\.shard|\.part|\.done|\.sum|\.ok|\.[0-9a-f]{8}\.tmp)")
-_SIDE = (".sum", ".ok")  # a copy's checksum and the jobs that checked it (wds_pad.io.nodecheck)
-_MODE = 0o666  # less the umask, as open() creates files
-_FLAGS = getattr(os, "O_CLOEXEC", 0)
+SIDE = (".sum", ".ok")  # a copy's checksum and the jobs that checked it (wds_pad.io.nodecheck)
+MODE = 0o666  # less the umask, as open() creates files
+FLAGS = getattr(os, "O_CLOEXEC", 0)
 
 Get = Callable[[str, int, int], "concurrent.futures.Future[bytes]"]
 
@@ -103,7 +105,7 @@ def parse(filename: str) -> tuple[str, str] | None:
     return m.group(1), (".tmp" if suffix.endswith(".tmp") else suffix)
 
 
-def _path(folder: str, stem: str, suffix: str) -> str:
+def path_of(folder: str, stem: str, suffix: str) -> str:
     return os.path.join(folder, stem + suffix)
 
 
@@ -119,12 +121,12 @@ def same_file(fd: int, path: str) -> bool:
 
 def _complete(folder: str, stem: str) -> bool:
     try:
-        return os.stat(_path(folder, stem, SHARD)).st_size == size_of(stem)
+        return os.stat(path_of(folder, stem, SHARD)).st_size == size_of(stem)
     except FileNotFoundError:
         return False
 
 
-def _try_lock(fd: int, how: int) -> bool:
+def try_lock(fd: int, how: int) -> bool:
     try:
         fcntl.flock(fd, how | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -153,9 +155,9 @@ def open_copy(folder: str, stem: str) -> tuple[int, bool] | None:
     ``.shard``, ``(fd, False)`` for a ``.part`` being written (or stale); None if neither
     exists. A ``.shard`` of the wrong size is removed first."""
     for suffix in (SHARD, PART):
-        path = _path(folder, stem, suffix)
+        path = path_of(folder, stem, suffix)
         try:
-            fd = os.open(path, os.O_RDONLY | _FLAGS)
+            fd = os.open(path, os.O_RDONLY | FLAGS)
         except FileNotFoundError:
             continue
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -174,7 +176,7 @@ def open_copy(folder: str, stem: str) -> tuple[int, bool] | None:
 def writer_gone(fd: int) -> bool:
     """Whether nobody holds the writer's lock of the file open as ``fd`` (a ``.part``
     whose writer died or gave up, or a file that was renamed complete)."""
-    if not _try_lock(fd, fcntl.LOCK_SH):
+    if not try_lock(fd, fcntl.LOCK_SH):
         return False
     fcntl.flock(fd, fcntl.LOCK_UN)
     return True
@@ -183,7 +185,7 @@ def writer_gone(fd: int) -> bool:
 def in_use(fd: int) -> bool:
     """Marks the complete shard open as ``fd`` as being read by this process (a shared lock,
     gone with the descriptor or the process): :func:`remove` leaves it alone. Whether it did."""
-    return _try_lock(fd, fcntl.LOCK_SH)
+    return try_lock(fd, fcntl.LOCK_SH)
 
 
 def present(folder: str, stem: str) -> bool:
@@ -196,21 +198,21 @@ def claim(folder: str, stem: str) -> tuple[str, int | None]:
     """Becomes the writer of shard ``stem``: ``("mine", fd)`` with its ``.part`` locked
     (created, or a stale one taken over: its bytes kept), ``("busy", None)`` while another
     process writes it, ``("present", None)`` once it is complete."""
-    part = _path(folder, stem, PART)
-    for path in (part, _path(folder, stem, SHARD)):
+    part = path_of(folder, stem, PART)
+    for path in (part, path_of(folder, stem, SHARD)):
         if not _regular(path):
             raise foreign(path)
     while True:
         if _complete(folder, stem):
             return "present", None
         try:
-            fd = os.open(part, os.O_RDWR | _FLAGS)
+            fd = os.open(part, os.O_RDWR | FLAGS)
         except FileNotFoundError:
             fd = _create(folder, stem)
             if fd is None:
                 continue  # another writer linked its .part first, or a sweep took the temp file
         else:
-            if not _try_lock(fd, fcntl.LOCK_EX):
+            if not try_lock(fd, fcntl.LOCK_EX):
                 os.close(fd)
                 return "busy", None
         if not same_file(fd, part):  # removed, or renamed complete, after it was opened
@@ -228,19 +230,19 @@ def claim(folder: str, stem: str) -> tuple[str, int | None]:
 
 def _create(folder: str, stem: str) -> int | None:
     """A new ``.part``, locked before it has its name; None if one was linked first."""
-    tmp = _path(folder, stem, f".{secrets.token_hex(4)}.tmp")
+    tmp = path_of(folder, stem, f".{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FLAGS, _MODE)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | FLAGS, MODE)
     except FileExistsError:  # pragma: no cover - 2**32 random names
         return None
     except OSError as exc:
         raise unwritable(folder, exc) from None
     try:
-        if not _try_lock(fd, fcntl.LOCK_EX):  # a sweep probing it: it may remove it
+        if not try_lock(fd, fcntl.LOCK_EX):  # a sweep probing it: it may remove it
             os.close(fd)
             return None
         try:
-            os.link(tmp, _path(folder, stem, PART))
+            os.link(tmp, path_of(folder, stem, PART))
         except FileExistsError:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
@@ -291,11 +293,33 @@ def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: 
     return len(offsets), f"blake2b={h.hexdigest()}"
 
 
+def complete(folder: str, stem: str, fd: int, url: str, content: str, get: Get, block_bytes: int, depth: int,
+             session: str) -> bool:
+    """Completes the locked ``.part`` open as ``fd`` (:func:`write_rest`), checks it is the
+    indexed shard (``content``: :func:`nodecheck.as_indexed`), keeps its checksum and
+    ``session`` (the job fetched it: checked) beside it, and publishes it; whether it
+    fetched anything. A failure leaves what was written for the next writer."""
+    size, fetched = size_of(stem), False
+    try:
+        if os.fstat(fd).st_size < size:
+            checksum, fetched = write_rest(fd, url, size, get, block_bytes, depth)[1], True
+        else:
+            checksum = checksum_file(fd, size)
+        as_indexed(fd, url, checksum, content)
+        write_sum(folder, stem, checksum)
+        record(folder, stem, session)
+    except BaseException:
+        abandon(folder, stem, fd)
+        raise
+    publish(folder, stem, fd)
+    return fetched
+
+
 def publish(folder: str, stem: str, fd: int) -> None:
     """Renames the locked, complete ``.part`` to ``.shard``, then lets its lock go."""
     try:
-        if os.fstat(fd).st_size == size_of(stem) and same_file(fd, _path(folder, stem, PART)):
-            os.rename(_path(folder, stem, PART), _path(folder, stem, SHARD))
+        if os.fstat(fd).st_size == size_of(stem) and same_file(fd, path_of(folder, stem, PART)):
+            os.rename(path_of(folder, stem, PART), path_of(folder, stem, SHARD))
     finally:
         release(fd)
 
@@ -303,148 +327,7 @@ def publish(folder: str, stem: str, fd: int) -> None:
 def abandon(folder: str, stem: str, fd: int) -> None:
     """Gives up writing: an empty ``.part`` is removed, a started one kept for a later writer."""
     try:
-        if os.fstat(fd).st_size == 0 and same_file(fd, _path(folder, stem, PART)):
-            os.unlink(_path(folder, stem, PART))
+        if os.fstat(fd).st_size == 0 and same_file(fd, path_of(folder, stem, PART)):
+            os.unlink(path_of(folder, stem, PART))
     finally:
         release(fd)
-
-
-# -- the folder --------------------------------------------------------------------------
-@contextlib.contextmanager
-def folder_lock(folder: str) -> Iterator[None]:
-    """Held while the folder's bytes are counted and files evicted (one process at a time)."""
-    try:
-        fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT | _FLAGS, _MODE)
-    except OSError as exc:
-        raise unwritable(folder, exc) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def scan(folder: str) -> list[tuple[str, str, int]]:
-    """(stem, suffix, bytes it takes: its full size for a ``.part``) of each shard file."""
-    out, odd = [], []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(folder):
-            parsed = parse(name)
-            if parsed is not None and parsed[1] in (SHARD, PART):
-                if not _regular(os.path.join(folder, name)):
-                    odd.append(name)
-                    continue
-                out.append((parsed[0], parsed[1], size_of(parsed[0])))
-    _report(folder, odd)
-    return out
-
-
-def remove(folder: str, stem: str, suffix: str) -> bool:
-    """Removes a complete shard that no process is reading (none holds :func:`in_use` of
-    it), or a stale ``.part`` (never one a live writer holds); whether it was removed."""
-    path = _path(folder, stem, suffix)
-    try:
-        fd = os.open(path, os.O_RDONLY | _FLAGS)
-    except FileNotFoundError:
-        return False
-    try:
-        if not _try_lock(fd, fcntl.LOCK_EX) or not same_file(fd, path):
-            return False
-        try:
-            os.unlink(path)
-        except OSError:  # a folder this process cannot write
-            return False
-        if suffix == SHARD:
-            _remove_side(folder, stem)
-        return True
-    finally:
-        os.close(fd)
-
-
-def reclaim(folder: str, known: Container[str]) -> int:
-    """What dead processes left: stale ``.part`` files of shards not in ``known`` (those in
-    it are kept, for the next writer to finish), temp files of dead writers, shards of the
-    wrong size and ``.done`` lists of shards no longer here; the number removed."""
-    removed = 0
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return 0
-    stems = {p[0] for p in map(parse, names) if p is not None and p[1] in (SHARD, PART)}
-    odd = []
-    for name in names:
-        parsed = parse(name)
-        if parsed is None:
-            continue
-        stem, suffix = parsed
-        path = os.path.join(folder, name)
-        if not _regular(path):
-            odd.append(name)  # not ours: left alone
-            continue
-        if suffix == PART and stem not in known:
-            removed += remove(folder, stem, PART)
-        elif suffix == ".tmp":
-            removed += _remove_unlocked(path)
-        elif suffix == SHARD:
-            with contextlib.suppress(FileNotFoundError, PermissionError, OSError):
-                if os.stat(path).st_size != size_of(stem):
-                    os.unlink(path)
-                    removed += 1
-        elif suffix in (DONE, *_SIDE) and stem not in stems:
-            with contextlib.suppress(OSError):  # a folder this process cannot write: left as it is
-                os.unlink(path)
-                removed += 1
-    _report(folder, odd)
-    return removed
-
-
-def _remove_side(folder: str, stem: str) -> None:
-    for suffix in _SIDE:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(_path(folder, stem, suffix))
-
-
-def _remove_unlocked(path: str) -> int:
-    try:
-        fd = os.open(path, os.O_RDONLY | _FLAGS)
-    except FileNotFoundError:
-        return 0
-    try:
-        if not _try_lock(fd, fcntl.LOCK_EX):
-            return 0
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-            return 1
-        return 0
-    finally:
-        os.close(fd)
-
-
-def finish(folder: str, stem: str, epoch: int, user: int, users: Container[int] | frozenset[int]) -> bool:
-    """User ``user`` has made its last planned read of the shard in ``epoch``; the last of
-    ``users`` removes the shard (which nobody plans to read again). True if it did."""
-    done = _path(folder, stem, DONE)
-    try:
-        fd = os.open(done, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _FLAGS, _MODE)
-    except OSError:
-        return False  # a folder this process cannot write: its copies stay
-    try:
-        os.write(fd, f"{epoch} {user}\n".encode())  # one small append: whole or not at all
-    finally:
-        os.close(fd)
-    try:
-        with open(done, encoding="ascii", errors="replace") as f:
-            lines = f.read().split("\n")
-    except FileNotFoundError:
-        return False
-    finished = set()
-    for line in lines:
-        e, _, u = line.partition(" ")
-        if e == str(epoch) and u.isdigit():
-            finished.add(int(u))
-    if not all(u in finished for u in users):  # type: ignore[union-attr]
-        return False
-    for suffix in (SHARD, DONE, *_SIDE):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(_path(folder, stem, suffix))
-    return True

@@ -9,10 +9,11 @@ id), which the job removes when it ends.
 
 Invariants:
     * Every process using a default folder holds a shared ``flock`` of its ``.users``
-      while it runs; at exit, a main process that can take it exclusive is the last one,
-      and removes the folder. The kernel drops the locks of a process that dies, so a
-      folder whose ``.users`` lock is free belongs to nobody: the next job that opens its
-      own default folder removes it.
+      while it runs; at exit, once its children (DataLoader workers) have ended, a process
+      that can take it exclusive is the last one, and removes the folder: after a clean
+      exit of all its processes no folder is left, not even an empty one. The kernel drops
+      the locks of a process that dies, so a folder whose ``.users`` lock is free belongs
+      to nobody: the next job that opens its own default folder removes it.
     * A folder appears whole (made as a temp folder holding ``.users``, then renamed) and
       goes whole (renamed aside under the exclusive lock, then deleted): a process that
       joins checks, holding its shared lock, that the path still names that ``.users``.
@@ -22,10 +23,10 @@ Invariants:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
 import hashlib
+import multiprocessing.util
 import os
 import secrets
 import shutil
@@ -150,7 +151,10 @@ def join(path: str) -> str:
             if same_file(fd, os.path.join(path, ".users")):
                 _JOINED[path] = fd
                 if len(_JOINED) == 1:
-                    atexit.register(_leave_all)
+                    # at exit, after multiprocessing ended this process's children (DataLoader
+                    # workers, persistent ones too, hold the lock as well): an atexit handler
+                    # would run before them, find the lock held and leave the folder behind
+                    multiprocessing.util.Finalize(None, _leave_all, exitpriority=-100)
                 break
             os.close(fd)
         else:  # pragma: no cover - 100 removals in a row

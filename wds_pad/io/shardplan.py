@@ -6,7 +6,7 @@ running account of it.
 :class:`~wds_pad.io.shardcache.ShardCache` keeps of each while it serves the epoch.
 :class:`NodeEpoch` (of :class:`NodeShard` records) is what the node's plans say of one
 epoch (``wds_pad.stream.stages.node_schedule``), for the node cache
-(:mod:`wds_pad.io.nodecache`).
+(:mod:`wds_pad.io.nodecache`), which keeps a :class:`NodeEntry` of each.
 
 Invariants:
     * ``PlannedShard``, ``NodeShard`` and ``NodeEpoch`` are frozen: the plan's word for one
@@ -127,3 +127,18 @@ class _Entry:
         self.held = 0            # the bytes it counts in the bound: its size, then its ranges' still to come
         self.compacted = False
         self.remaining: dict[tuple[int, int], int] = {}  # sliced: planned reads left per range
+
+
+class NodeEntry:
+    """What a :class:`~wds_pad.io.nodecache.NodeCache` keeps of a shard the node reads in an epoch."""
+
+    __slots__ = ("shard", "epoch", "seen", "fd", "complete", "fetch", "present", "finished")
+
+    def __init__(self, shard: NodeShard, epoch: NodeEpoch) -> None:
+        self.shard, self.epoch = shard, epoch
+        self.seen = 0               # this process's planned reads of it counted so far
+        self.fd: int | None = None  # the read thread's descriptor of its copy
+        self.complete = False
+        self.fetch: concurrent.futures.Future[str] | None = None
+        self.present: bool | None = None  # a shard not held: is a complete copy here?
+        self.finished = False       # this process's planned reads of it are all counted

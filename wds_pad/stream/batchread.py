@@ -43,13 +43,11 @@ from ..io.ranges import RangeReader
 from ..tar.members import KEY_ERRORS
 from ..tar.names import (SIZE, Members, name_token_rows, size_token_rows, slice_sample, slice_sample_at,
                          token_list)
-from .transport import Arena, PackedBatch, allocate
+from .transport import Arena, PackedBatch, allocate, place
 
-__all__ = ["BatchCache", "BatchReader", "BIG_SAMPLE", "CHUNK", "CHUNK_SAMPLES", "member_refs"]
+__all__ = ["BatchReader", "BIG_SAMPLE", "member_refs"]
 
 from ..io.readahead import BIG_SAMPLE  # read one payload per pread (no copy out of a range buffer)
-CHUNK = 32  # plan batches computed together (Plan.batches), at least
-CHUNK_SAMPLES = 4096  # ... and at least this many samples' worth (batch 1: 4096 batches)
 
 _TABLES: weakref.WeakKeyDictionary[Index, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 
@@ -121,6 +119,7 @@ class BatchReader:
         self.by_name = {n: ix for n, ix in zip(names, indexes)}
         self._work: dict[tuple[int, int], _Work] = {}
         self._arenas: dict[bool, Arena] = {}  # batch buffers, shared or not (transport.Arena)
+        self.run = 1  # batches sent at a time (transport.run_length): what a ring is sized for
         #: after :meth:`read` returned None: the member table entries of that batch's
         #: samples (None: it has a sample the table does not record), for the exact path
         self.fallback_members: list[Members] | None = None
@@ -236,10 +235,8 @@ class BatchReader:
         ln = lengths[lo:hi]
         base = np.cumsum(ln) - ln
         bounds = None
-        arena = self._arenas.get(shared)
-        if arena is None or arena.id[0] != os.getpid():
-            arena = self._arenas[shared] = Arena(shared)
-        got = arena.alloc(nbytes)
+        arena, got = place(self._arenas.get(shared), shared, nbytes, self.run)
+        self._arenas[shared] = arena
         if got is None:  # the ring is full (or the batch too large for it): a buffer of its own
             buf, arr = allocate(nbytes, shared)
             ring, begin, seq = None, 0, -1
@@ -272,15 +269,21 @@ class BatchReader:
         ln = lengths[lo:hi]
         view = memoryview(arr)
         urls, offsets = c.urls[lo:hi], c.offsets[lo:hi]
-        preadv = os.preadv
-        for url, o, nb, b in zip(urls, offsets, c.lengths[lo:hi], base.tolist()):
-            fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
-            if fd is None:
-                fd = local_fd(url)  # opens it: the stale-shard check, once per stream
-                if fd is None:
-                    return None  # not a local file: RangeReader's remote path
-            if preadv(fd, (view[b:b + nb],), o) != nb:
+        preadv, nbs, starts = os.preadv, c.lengths[lo:hi], base.tolist()
+        open_fds = list(map(fds.get, urls))
+        if None not in open_fds:  # every shard open already: no open can close one under us
+            iovs = [(view[b:b + nb],) for b, nb in zip(starts, nbs)]
+            if list(map(preadv, open_fds, iovs, offsets)) != nbs:
                 return None
+        else:
+            for url, o, nb, b in zip(urls, offsets, nbs, starts):
+                fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
+                if fd is None:
+                    fd = local_fd(url)  # opens it: the stale-shard check, once per stream
+                    if fd is None:
+                        return None  # not a local file: RangeReader's remote path
+                if preadv(fd, (view[b:b + nb],), o) != nb:
+                    return None
         # every member's header against the table, in numpy: its name field, its size field
         cnt = counts[lo:hi]
         pos = np.repeat(base, cnt) + heads[mlo:mhi]
@@ -381,33 +384,3 @@ def member_refs(work: _Work) -> list[Members]:
         out.append((exts[m:j], heads[m:j], sizes[m:j], ntoks[m:j], stoks[m:j]))
         m = j
     return out
-
-
-def chunk_batches(batch_size: int) -> int:
-    """How many plan batches to compute together: at least ``CHUNK``, and enough for
-    ``CHUNK_SAMPLES`` samples (a small batch pays numpy's fixed costs once per chunk)."""
-    return max(CHUNK, CHUNK_SAMPLES // max(1, int(batch_size)))
-
-
-class BatchCache:
-    """Plan batches computed a chunk at a time (``Plan.batches``), for one stream; with a
-    ``reader``, each chunk's member work is prepared with it (:meth:`BatchReader.prepare`)."""
-
-    def __init__(self, step: int = 1, reader: BatchReader | None = None) -> None:
-        self.step = step
-        self.reader = reader
-        self._plan: Any = None
-        self._batches: dict[int, Batch] = {}
-
-    def get(self, plan: Any, j: int) -> Batch:
-        if plan is not self._plan or j not in self._batches:
-            chunked = getattr(plan, "batches", None)
-            if chunked is None:  # a plan without chunked evaluation: one batch at a time
-                return plan[j]  # type: ignore[no-any-return]
-            self._plan = plan
-            got = chunked(j, j + chunk_batches(getattr(plan, "batch_size", 1)) * self.step, self.step)
-            self._batches = {b.index: b for b in got}
-            if self.reader is not None:
-                self.reader._work.clear()  # a plan's other chunk, or another plan: never read now
-                self.reader.prepare(got)
-        return self._batches.pop(j)

@@ -25,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -42,12 +41,11 @@ from ..core.policy import Mode, PadTo, Policy, _enum, check_epoch
 from ..io.options import ReadOptions, ReadStats
 from ..core.seed import shared_seed
 from .agreement import check_agreement
-from .batchread import BatchCache, BatchReader
-from .collate import run_collation, where_samples as _where
-from .fetch import Counters, all_local as _all_local, fetch, substitute
+from .batches import BatchMaker
+from .fetch import Counters, fetch
 from .live import OpenIterators, refuse_resplitting
-from .stages import PlannedSource, apply_stages, batch_refs, join_node_folder, whole_shards
-from .transport import LooseBatch, as_views, packs
+from .stages import PlannedSource, join_node_folder
+from .transport import packs
 from ..state import Cursor, PlanSpec, epoch_length, make_state, restore
 from ..core.topology import Topology
 
@@ -62,6 +60,11 @@ def _per_index(value: Any, n: int, name: str, kind: type) -> tuple[Any, ...]:
         if isinstance(v, bool) or not isinstance(v, kind):
             raise ConfigError(f"{name} must be {kind.__name__} values, got {v!r}")
     return tuple(values)
+
+
+def _unmoved(done: tuple[int, int]) -> None:
+    """A Loader's worker keeps no position: the Loader counts what the trainer received,
+    and the worker's batches are dealt in runs (transport.run_length)."""
 
 
 class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # type: ignore[misc]
@@ -327,70 +330,11 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         source = self._source()
         fetcher = fetch(self.read_options, handler=self.handler, spec=self.spec, counters=self.counters)
         self._read_stats = fetcher.reader.stats
-        stages, collate = self.stages, self.collation_fn
         in_worker = get_worker_info() is not None
-        pack = self._pack and in_worker and packs(stages, collate)  # the main process unpacks
+        pack = self._pack and in_worker and packs(self.stages, self.collation_fn)  # the main process unpacks
         views = self.zero_copy and not in_worker  # one process: members are views here
-        if _all_local(self.spec, fetcher.reader):
-            yield from self._iterate_batches(source, fetcher, pack, views)
-            return
-        # whole remote shards, as planned: the node's copies, or this process's memory (stages.whole_shards)
-        shards = whole_shards(fetcher.reader, source) if self.spec.locality is not Locality.NONE else nullcontext()
-        batch: list[Any] = []
-        refs: list[dict[str, Any]] = []  # the fetched samples: their keys name them in errors
-        current: tuple[int, int] | None = None
-        with shards:
-            for sample in fetcher(iter(source)):
-                key = (sample["__epoch__"], sample["__batch__"])
-                if key != current and batch:
-                    out = self._collated(batch, refs, pack, views)
-                    self._advance(current)  # type: ignore[arg-type]
-                    yield out
-                    batch, refs = [], []
-                current = key
-                refs.append(sample)
-                batch.append(self._transform(sample, fetcher) if stages else sample)
-        if batch:
-            out = self._collated(batch, refs, pack, views)
-            self._advance(current)  # type: ignore[arg-type]
-            yield out
-
-    def _collated(self, batch: list[Any], refs: list[dict[str, Any]], pack: bool, views: bool) -> Any:
-        if pack:
-            return LooseBatch(batch)  # collated where it is unpacked
-        return run_collation(self.collation_fn, as_views(batch) if views else batch, _where(refs))
-
-    def _iterate_batches(self, source: PlannedSource, fetcher: Any, pack: bool, views: bool) -> Iterator[Any]:
-        """Local shards: batch by batch, through the member table where it records the
-        samples (batchread.py), else (or when anything differs) on the exact path; into
-        one buffer when the batch travels packed or hands out views (transport.py)."""
-        spec, stages, collate = self.spec, self.stages, self.collation_fn
-        info = get_worker_info()
-        fast = BatchReader(fetcher.reader, spec.names, spec.indexes)
-        cache = BatchCache(1 if info is None else info.num_workers, fast)
-        for plan, j in source.batches():
-            batch = cache.get(plan, j)
-            if pack or views:
-                packed = fast.read_packed(batch, shared=pack)
-                if pack and packed is not None:
-                    self._advance((batch.epoch, j))
-                    yield packed
-                    continue
-                samples = None if packed is None else packed.samples(zero_copy=True)
-            else:
-                samples = fast.read(batch)
-            exact = samples is None  # its members are bytes
-            if exact:
-                samples = list(fetcher(iter(batch_refs(spec, plan, j, batch, fast.fallback_members))))
-            if not samples:
-                continue
-            if stages:
-                batch_samples = [self._transform(sample, fetcher) for sample in samples]
-            else:
-                batch_samples = samples
-            out = self._collated(batch_samples, samples, pack, views and exact)
-            self._advance((batch.epoch, j))
-            yield out
+        yield from BatchMaker(self.spec, self.stages, self.collation_fn, self.handler, self.counters, fetcher,
+                              _unmoved if pack else self._advance, pack, views)(source)
 
     def _source(self) -> PlannedSource:
         """Where this iteration starts: a seek into the plan (or the elastic view)."""
@@ -418,17 +362,3 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             moved = cursor.at(epoch, k).forward(self.spec, info.num_workers)
             self._cursor = replace(moved, worker=(info.id, info.num_workers))
         return self._cursor
-
-    def _transform(self, sample: dict[str, Any], fetcher: Any) -> Any:
-        try:
-            return apply_stages(self.stages, sample)
-        except Exception as exc:
-            if self.handler is None or not self.handler(exc):
-                if isinstance(exc, WdsPadError):
-                    raise
-                raise type(exc)(f"transform failed for sample {sample['__key__']!r} of "
-                                f"{sample['__url__']!r}: {exc}") from exc
-            message = f"transform failed for sample {sample['__key__']!r} of {sample['__url__']!r}: {exc}"
-            ref = {**sample, "__offset__": -1, "__length__": 0}
-            alt = substitute(self.spec, fetcher.reader, ref, self.counters, message)
-            return apply_stages(self.stages, alt)

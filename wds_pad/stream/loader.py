@@ -37,8 +37,8 @@ from typing import Any, Iterator, Mapping
 from .loaderargs import check_loader_args, check_start_timeout
 from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
-from .transport import unpack
-from .workers import START_TIMEOUT, shut_down, worker_batches
+from .transport import unpacked
+from .workers import START_TIMEOUT, shut_down, watched, worker_batches
 from ..state import Cursor, make_state, restore
 from ..state.schema import PER_RANK
 
@@ -233,9 +233,10 @@ class Loader:
         try:
             _widen_pipe(batches)
             ds.seek(replace(start, pinned=False))
-            for batch in batches:
-                self._cursor = self._cursor.forward(ds.spec, 1)
-                yield unpack(batch, collate, zero_copy, rings)
+            for item in watched(batches, "Loader"):
+                for batch in unpacked(item, collate, zero_copy, rings):  # a run of batches, or one
+                    self._cursor = self._cursor.forward(ds.spec, 1)
+                    yield batch
         finally:  # an error or an early stop too: no worker outlives the loop
             shut_down(batches)
         ds.seek(ds.cursor.at(self._cursor.epoch, self._cursor.index))

@@ -33,25 +33,23 @@ from webdataset.filters import default_collation_fn
 
 from .collate import run_collation
 from .loaderargs import check_loader_args, check_start_timeout
-from .workers import START_TIMEOUT, shut_down, worker_batches
+from .workers import START_TIMEOUT, shut_down, watched, worker_batches
 from ..errors import ConfigError, StaleShardError, StateMismatchError
 from ..index.codec import load_index
 from ..index.record import Index
 from ..core.policy import check_epoch
 from ..index.shardfile import shard_info
-from ..io.descriptors import out_of_descriptors, runs_out
-from ..io.fs import get_filesystem
 from ..io.redact import redact
 from ..core.seed import shared_seed
 from .live import OpenIterators, refuse_resplitting
 from ..core.shardsplit import WorkerPlan, worker_plan
 from ..index.location import is_relative
 from ..io.urls import canonical_url
-from .shards import dealing_order, local_path, shard_counts
+from .shardread import ShardReader
+from .shards import dealing_order, shard_counts
 from ..state import fingerprint_of
 from ..state.cursor import Cursor, ShardProgress, WorkerPosition
 from ..state.shards import make_shard_state, restore_shards, shard_plan_fields
-from ..tar.scan import scan_tar
 from ..core.topology import Topology
 
 __all__ = ["ShardLoader", "ShardStream"]
@@ -236,7 +234,8 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         logical = (wid + (progress.next_worker if self._tag else 0)) % n
         start = progress.positions[logical] if progress.positions else WorkerPosition()
         live = [start]
-        it: Any = self._samples(self.plan(logical, n), start, live)
+        reader = ShardReader(self.counts, self.sizes, self.name, self.exts, self.storage_options, self.open_options)
+        it: Any = reader.samples(self.plan(logical, n), start, live)
         for stage in self.stages:
             it = stage(it)
         track = info is None and not self._tag
@@ -265,61 +264,6 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
         worker._tag = True
         worker.seek(self._cursor.with_shards(progress))
         return worker
-
-    def _samples(self, plan: WorkerPlan, start: WorkerPosition,
-                 live: list[WorkerPosition]) -> Iterator[dict[str, Any]]:
-        k, offset, yielded = start.shard, start.offset, start.yielded
-        empty = 0
-        while yielded < plan.target:
-            url, pad = plan.shard_at(k)
-            got = 0
-            for sample, next_offset in self._read(url, offset, pad):
-                if yielded >= plan.target:
-                    if k < len(plan.shards):
-                        raise StaleShardError(f"shard {redact(url)!r} holds more samples than the index "
-                                              f"records (at key {sample['__key__']!r}); re-index the shards")
-                    break
-                yielded, got = yielded + 1, got + 1
-                live[0] = WorkerPosition(k, next_offset, yielded)
-                yield sample
-            if k < len(plan.shards) and offset == 0 and got != self.counts[url]:
-                raise StaleShardError(f"shard {redact(url)!r} holds {got} samples, the index records "
-                                      f"{self.counts[url]}; re-index the shards")
-            k, offset = k + 1, 0
-            live[0] = WorkerPosition(k, 0, yielded)
-            empty = 0 if got else empty + 1
-            if empty > len(plan.shards) + len(plan.cycle):
-                raise ConfigError(f"the shards of index {self.name!r} hold no samples to pad with")
-
-    def _read(self, url: str, offset: int, pad: bool) -> Iterator[tuple[dict[str, Any], int]]:
-        """Samples of one shard from byte ``offset`` on, with the offset after each."""
-        fs, path = get_filesystem(url, self.storage_options)
-        meta = {} if (lp := local_path(url)) is None else {"__local_path__": lp}
-        try:
-            f = fs.open(path, "rb", **self.open_options)
-        except FileNotFoundError:
-            raise StaleShardError(f"shard {redact(url)!r} no longer exists; restore it or re-index") from None
-        except OSError as exc:  # one shard is open at a time: running out is the limit's fault
-            if runs_out(exc):
-                raise out_of_descriptors(f"cannot open shard {redact(url)!r}", exc,
-                                         fewer="DataLoader workers") from exc
-            raise
-        with f:
-            size = getattr(f, "size", None)
-            size = fs.size(path) if size is None else size
-            if size != self.sizes[url][0]:
-                raise StaleShardError(f"shard {redact(url)!r} has {size} bytes, the index records "
-                                      f"{self.sizes[url][0]}: it changed; re-index the shards")
-            if offset >= size:
-                return
-            if offset:
-                f.seek(offset)  # a seek locally; fsspec files then fetch ranges from here on
-            for s in scan_tar(f, url, want=self.exts, seekable=False):
-                if len(s.data) != len(s.members):
-                    raise StaleShardError(f"sample {s.key!r} of {redact(url)!r} has members the index does "
-                                          "not know; the shard changed, re-index it")
-                sample: dict[str, Any] = {"__key__": s.key, "__url__": url, **meta, **s.data, "__pad__": pad}
-                yield sample, offset + s.offset + s.length
 
 
 def _dealing_order(index: Index) -> list[str]:
@@ -412,7 +356,7 @@ class ShardLoader:
         batches = worker_batches(ds._for_workers(progress), n, self.kwargs, owner="ShardLoader",
                                  start_timeout=self.worker_start_timeout)
         try:
-            for logical, pos, item in batches:
+            for logical, pos, item in watched(batches, "ShardLoader"):
                 positions[logical] = WorkerPosition(*(int(v) for v in pos))
                 ds.seek(ds.cursor.with_shards(ShardProgress(tuple(positions), (int(logical) + 1) % n, False)))
                 yield item

@@ -10,7 +10,9 @@ Invariants:
   identical plan in every process (DataLoader workers too);
 - ``PlannedSource`` yields this rank's planned sample references in exact plan order;
   with N DataLoader workers, worker w yields plan batches j with (j - start) mod N == w,
-  so DataLoader's round-robin hands the trainer batches in plan order for any N;
+  so DataLoader's round-robin hands the trainer batches in plan order for any N; with
+  ``run`` R (a worker that sends R batches at a time, transport.py), runs of R
+  consecutive batches are dealt instead: ((j - start) div R) mod N == w;
 - ``PlannedSource`` starts at a ``Cursor`` (``Position(epoch, index)``; state/cursor.py), a
   seek into the plan: resuming there reads no earlier batch; a cursor in an epoch resumed
   on another layout walks its elastic view's plan instead of the epoch's;
@@ -51,7 +53,8 @@ from ..state.elastic import ElasticView
 from ..state.cursor import Cursor
 from ..state.spec import PlanSpec
 from ..tar.members import KEY_ERRORS
-from .batchread import BatchCache, BatchReader, member_refs
+from .batchcache import BatchCache
+from .batchread import BatchReader, member_refs
 from .collate import run_collation
 
 __all__ = ["PlannedSource", "apply_stages", "node_schedule", "plan_batched", "shard_schedule", "whole_shards"]
@@ -71,13 +74,15 @@ class PlannedSource:
             elastic view (a resumed epoch on another layout) walks the view's plan in
             its epoch.
         worker: (worker_id, num_workers); default: from torch's get_worker_info().
+        run: consecutive batches a worker takes in turn (1: every num_workers-th batch).
     """
 
     def __init__(self, spec: PlanSpec, start: Cursor | None = None,
-                 worker: tuple[int, int] | None = None) -> None:
+                 worker: tuple[int, int] | None = None, run: int = 1) -> None:
         self.spec = spec
         self.start = start or Cursor()
         self.worker = worker
+        self.run = max(1, int(run))
 
     def _worker(self) -> tuple[int, int]:
         if self.worker is not None:
@@ -100,6 +105,7 @@ class PlannedSource:
     def batches(self) -> Iterator[tuple[Plan, int]]:
         """(plan, batch index) of every batch this worker produces, in plan order."""
         wid, nw = self._worker()
+        run = self.run
         epoch, first = self.start.epoch, self.start.index
         counter = 0
         while True:
@@ -108,7 +114,7 @@ class PlannedSource:
                 raise ConfigError(f"resume position {first} is past the end of epoch {epoch} "
                                   f"({len(walk)} batches on this rank)")
             for k in range(first, len(walk)):
-                if counter % nw == wid:
+                if (counter // run) % nw == wid:
                     yield plan, int(walk[k])
                 counter += 1
             if self.spec.mode is not Mode.STEPS:

@@ -20,6 +20,9 @@ Invariants:
   with the last process that maps it, whichever way the processes end (``kill -9``
   included). Under the ``file_system`` strategy torch's ``torch_shm_manager`` removes
   the names when the job's processes are gone;
+- a worker sends its batches of local shards a run at a time (:class:`PackedRun`, of
+  :func:`run_length` consecutive plan batches, the runs dealt to the workers in turn),
+  so the main process receives them in plan order, one message per run;
 - only batches without per-sample stages, collated by a known collation (the default,
   ``list``, webdataset's ``default_collation_fn``) travel packed: collation then runs in
   the main process, on the rebuilt samples, and costs what it costs in one process.
@@ -42,10 +45,17 @@ from webdataset.filters import default_collation_fn
 
 from .collate import collate_batch, collate_columns, run_collation, where_samples
 
-__all__ = ["Arena", "LooseBatch", "PackedBatch", "allocate", "as_views", "packs", "unpack"]
+__all__ = ["Arena", "LooseBatch", "PackedBatch", "PackedRun", "allocate", "as_views", "packs", "place", "ring_bytes",
+           "run_length", "unpack", "unpacked"]
 
 
-ARENA_BYTES = 64 << 20  # a worker's ring of batch buffers, made once, its pages reused
+ARENA_BYTES = 64 << 20  # the largest ring of batch buffers a reader makes, its pages reused
+RING_BYTES = 4 << 20  # the smallest: a ring is sized to the batches it carries (ring_bytes)
+RING_BATCHES = 4  # a ring holds this many messages of batches the size of the one it is made
+# for: a worker's two prefetched ones (DataLoader's default), the one it makes, the trainer's
+RUN_SAMPLES = 256  # a worker sends batches of this many samples in all at once ...
+RUN_BYTES = 4 << 20  # ... unless they hold more bytes than this
+MAX_RUN = 8
 SLOTS = 256  # batches a ring can hold at once (one release flag each, at the ring's start)
 _HEADER = 8 * SLOTS
 _IDS = itertools.count()
@@ -70,6 +80,15 @@ def allocate(nbytes: int, shared: bool) -> tuple[Any, np.ndarray]:
     return tensor, tensor.numpy()
 
 
+def ring_bytes(nbytes: int, size: int = 0, run: int = 1) -> int:
+    """The size of a ring for batches of about ``nbytes`` sent ``run`` at a time, or of the
+    ring that replaces a full one of ``size``: room for ``RING_BATCHES`` runs of them, twice
+    the full one, between ``RING_BYTES`` and ``ARENA_BYTES``. Every page of a ring is
+    touched once (a page fault in the worker and in the main process), so it is no larger
+    than what is in flight: a worker's prefetched batches and the ones the trainer holds."""
+    return min(ARENA_BYTES, max(RING_BYTES, RING_BATCHES * max(1, run) * nbytes, 2 * size))
+
+
 class Arena:
     """A ring of batch buffers, made once per reader: fresh (shared) memory costs a page
     fault a page, a reused ring nothing.
@@ -78,11 +97,13 @@ class Arena:
     done in the ring's flags (``SLOTS`` int64 at its start, :func:`_release`) when no
     member of it is held any more, and the ring reuses its space from the oldest batch
     on. A batch that does not fit (the oldest still held, or larger than half the ring)
-    gets a buffer of its own.
+    gets a buffer of its own; a reader whose ring is full replaces it with a larger one
+    (:func:`ring_bytes`), the consumer keeps the old one as long as a batch of it is held.
     """
 
     def __init__(self, shared: bool, size: int = ARENA_BYTES) -> None:
         self.shared = shared
+        self.size = size
         self.owner, self.arr = allocate(size + _HEADER, shared)
         self.flags = self.arr[:_HEADER].view(np.int64)
         self.flags[:] = 0
@@ -121,6 +142,20 @@ class Arena:
     def release(self, seq: int) -> None:
         """Give batch ``seq``'s space back now (it was not handed out)."""
         _release(self.flags, seq)
+
+
+def place(arena: Arena | None, shared: bool, nbytes: int,
+          run: int = 1) -> tuple[Arena, tuple[np.ndarray, int, int] | None]:
+    """Where a reader puts a batch of ``nbytes`` (sent ``run`` at a time): its ring (made now
+    for this process if ``arena`` is None or another process's; a larger one if it is full)
+    and the batch's place there (:meth:`Arena.alloc`), or None: a buffer of its own."""
+    if arena is None or arena.id[0] != os.getpid():
+        arena = Arena(shared, ring_bytes(nbytes, run=run))
+    got = arena.alloc(nbytes)
+    if got is None and arena.size < ARENA_BYTES and 2 * nbytes <= ARENA_BYTES:
+        arena = Arena(shared, ring_bytes(nbytes, arena.size))
+        got = arena.alloc(nbytes)
+    return arena, got
 
 
 def _release(flags: np.ndarray, seq: int) -> None:
@@ -210,6 +245,24 @@ class PackedBatch:
         return rings[self.ring]
 
 
+class PackedRun(list):  # type: ignore[type-arg]
+    """A run of consecutive plan batches of one worker (PackedBatch or LooseBatch each, in
+    plan order), sent as one message: DataLoader's cost per message (its queues, a wake-up
+    of each process, a pickle) is paid once per run. Every run the worker is dealt is sent,
+    empty or short ones too, so DataLoader's round-robin keeps plan order."""
+
+
+def run_length(batch_size: Any, sample_bytes: float) -> int:
+    """Plan batches a worker sends in one message (``PlannedSource``'s ``run``): enough for
+    ``RUN_SAMPLES`` samples, at most ``RUN_BYTES`` of them, from 1 to ``MAX_RUN``; 1 for a
+    budget (its batches' sizes vary). ``sample_bytes``: the mean byte range of a sample."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        return 1
+    by_count = -(-RUN_SAMPLES // batch_size)
+    by_bytes = int(RUN_BYTES // max(1.0, batch_size * float(sample_bytes)))
+    return max(1, min(MAX_RUN, by_count, by_bytes))
+
+
 class LooseBatch(list):  # type: ignore[type-arg]
     """A batch of sample dicts read on the exact path, sent uncollated beside packed
     batches (pickled, as before): the main process collates it as it collates those."""
@@ -232,6 +285,12 @@ def as_views(samples: list[Any]) -> list[Any]:
                 if type(v) is bytes and not k.startswith("__"):
                     s[k] = memoryview(v)
     return samples
+
+
+def unpacked(item: Any, collation_fn: Any, zero_copy: bool, rings: dict[Any, np.ndarray]) -> Iterator[Any]:
+    """The batches of one message from a worker (a PackedRun, or one batch), unpacked."""
+    for batch in item if isinstance(item, PackedRun) else (item,):
+        yield unpack(batch, collation_fn, zero_copy, rings)
 
 
 def unpack(batch: Any, collation_fn: Any, zero_copy: bool, rings: dict[Any, np.ndarray]) -> Any:

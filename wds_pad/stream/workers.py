@@ -14,7 +14,13 @@ Invariants:
 - the loaders shut their DataLoader iterator down (:func:`shut_down`) however their loop
   ends, an error included, in the process that started its workers: an iterator left to
   the garbage collector may be collected in a later forked child, where torch's
-  ``__del__`` cannot test another process's children and prints an ignored error.
+  ``__del__`` cannot test another process's children and prints an ignored error;
+- a worker that dies while the loop runs (a signal, the out-of-memory killer, a crash)
+  ends it with one :class:`WorkerError` naming the worker, its pid and how it ended,
+  raised where the loop asks for its next batch (:func:`watched`): torch's SIGCHLD
+  handler, which raises a bare RuntimeError wherever the main thread happens to be (in
+  the training step too), is not told about our workers; torch's own check of its
+  workers, every few seconds while a batch is awaited, finds the dead one.
 
 Why: CPython 3.11.9 and older (gh-112275, fixed in 3.11.10 and 3.12) can deadlock a forked
 child when another thread holds the interpreter's thread-state lock at the moment of the
@@ -28,15 +34,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 import warnings
 from typing import Any, Callable, Iterator
 
 from torch.utils.data import DataLoader
 
-from ..errors import WorkerStartError, WorkerStartWarning
+from ..errors import WorkerError, WorkerStartError, WorkerStartWarning
 
-__all__ = ["ATTEMPTS", "START_TIMEOUT", "shut_down", "worker_batches"]
+__all__ = ["ATTEMPTS", "START_TIMEOUT", "shut_down", "watched", "worker_batches"]
 
 START_TIMEOUT = 10.0  # seconds for a forked worker to reach its worker_init_fn
 ATTEMPTS = 3
@@ -98,6 +105,56 @@ def shut_down(batches: Any) -> None:
     _shut_down(batches)
 
 
+def _unwatch_sigchld(batches: Any) -> None:
+    """Keep torch's SIGCHLD handler off these workers (see the module doc). Best effort:
+    torch's private registry; without it, the handler's bare RuntimeError can surface in
+    the training step, and :func:`watched` still turns the one it sees into a WorkerError."""
+    try:
+        from torch.utils.data._utils import signal_handling
+
+        if getattr(batches, "_worker_pids_set", False):
+            signal_handling._remove_worker_pids(id(batches))
+            batches._worker_pids_set = False
+    except Exception:  # noqa: BLE001 - another torch: its handler stays
+        pass
+
+
+def _ended(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (on Linux often the kernel's out-of-memory killer: see dmesg)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return "exited" if code is None else f"exited with code {code}"
+
+
+def watched(batches: Any, owner: str) -> Iterator[Any]:
+    """The items of a DataLoader iterator made by :func:`worker_batches`; a worker that
+    died ends them with one WorkerError (the module doc).
+
+    Raises:
+        WorkerError: a worker died; names it, its pid and how it ended.
+    """
+    while True:
+        try:
+            item = next(batches)
+        except StopIteration:
+            return
+        except RuntimeError as exc:
+            workers = list(getattr(batches, "_workers", ()))
+            dead = [(i, w) for i, w in enumerate(workers) if w.exitcode is not None]  # none ends before we stop it
+            if not dead and not any(m in str(exc) for m in ("exited unexpectedly", "killed by signal")):
+                raise  # a worker's own error, re-raised by torch: it says what went wrong
+            which = "; ".join(f"worker {i} (pid {w.pid}) {_ended(w.exitcode)}" for i, w in dead) or str(exc)
+            raise WorkerError(
+                f"{owner}: a DataLoader worker died while the loop ran: {which}. The loop cannot go on "
+                f"without its batches; {owner.lower()}.state_dict() still holds the last batch the loop "
+                "received, so restart from it (with fewer workers, or more memory, if it ran out)") from exc
+        yield item
+
+
 def worker_batches(dataset: Any, num_workers: int, kwargs: dict[str, Any], *, owner: str,
                    start_timeout: float = START_TIMEOUT) -> Iterator[Any]:
     """A DataLoader iterator over ``dataset`` whose workers have all started.
@@ -116,13 +173,16 @@ def worker_batches(dataset: Any, num_workers: int, kwargs: dict[str, Any], *, ow
         WorkerStartError: a worker was stuck in the fork in each of ``ATTEMPTS`` attempts.
     """
     if start_method(kwargs.get("multiprocessing_context")) != "fork":
-        return iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, **kwargs))
+        batches = iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, **kwargs))
+        _unwatch_sigchld(batches)
+        return batches
     fork = multiprocessing.get_context("fork")
     stuck: list[int] = []
     for attempt in range(1, ATTEMPTS + 1):
         flags = fork.RawArray("b", num_workers)
         given = dict(kwargs, worker_init_fn=_MarkStarted(flags, kwargs.get("worker_init_fn")))
         batches = iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, **given))
+        _unwatch_sigchld(batches)
         stuck = _wait_started(batches, flags, start_timeout)
         if not stuck:
             return batches

@@ -2,8 +2,8 @@
 grouping of members into samples, the general scanner and parser, the indexer's lean
 (columnar) scanners, and the header check of the member-table fast path.
 
-Modules, from the bytes up: ``headers`` (a shard's bytes at offsets, one archive entry
-with ``tarfile``'s rules, every fault message), ``members`` (the per-member step:
+Modules, from the bytes up: ``reader`` (a shard's bytes at offsets), ``headers`` (one
+archive entry with ``tarfile``'s rules, every fault message), ``members`` (the per-member step:
 entries grouped into webdataset samples; a key's bytes), ``scan`` (``scan_tar``, ``parse_sample``,
 ``parse_sample_at``: the general parser), ``columns`` (``ScanRows``: a shard's samples as
 columns), ``settle`` (the lean path's header checks in numpy), ``leanstream`` and ``lean``

@@ -1,8 +1,8 @@
 """Bytes of a tar shard, read entry by entry with ``tarfile``'s rules, and its fault messages.
 
 The layer under both tar drivers (:mod:`.scan`, the general parser, and :mod:`.lean`,
-the indexer's lean path): :class:`Reader` serves a shard's bytes at absolute offsets
-from a read-ahead buffer, :func:`read_entry` reads the archive entry at an offset (its
+the indexer's lean path): :class:`.reader.Reader` serves a shard's bytes at absolute
+offsets, :func:`read_entry` reads the archive entry at an offset (its
 extension headers folded in), and :func:`fault` / :func:`truncated` build every
 :class:`TarFormatError` either driver raises. The header constants (``BLOCK``,
 ``FIELDS``, ``ENC``, ``HINT``, ...) are the package's vocabulary.
@@ -25,19 +25,15 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 import struct
 import sys
 import zlib
-from typing import BinaryIO
 
-from ..errors import ShardError, TarFormatError
+from ..errors import TarFormatError
+from .reader import Reader
 
 BLOCK = 512
-_CHUNK = 1 << 20  # stream mode read size
-WINDOW = 4096  # seek mode read size: a header plus a small payload (json) in one read
 ENC = sys.getfilesystemencoding()  # what tarfile (and so webdataset) decodes names with
 _PAX_RE = re.compile(rb"(\d+) ([^=]+)=")  # tarfile's pax record pattern
 _PAX_KEYS = re.compile(rb"path=|size=|sparse")  # pax records that matter here (others: mtime, ...)
@@ -181,112 +177,6 @@ def truncated(r: Reader, name: str | None, data: int, size: int, nxt: int, got: 
     end = r.eof if r.eof >= 0 else data + max(got, 0)
     return fault(r.url, end, f"truncated inside the payload ({size} bytes at byte offset {data}, padded to "
                               f"{nxt}): the file ends", name=name)
-
-
-class Reader:
-    """Bytes of a shard at absolute offsets, with a read-ahead buffer.
-
-    ``at(off, n)`` is short only at end of file; ``eof`` is the file size once known
-    (from the start in seek mode, when the stream runs dry in stream mode), else -1.
-    The per-member loops read the buffer in place: ``buf`` holds the bytes from offset
-    ``base``; ``fd`` is the descriptor of a regular local file in seek mode (``os.pread``
-    reads it), else -1; ``file`` the file object (None: ``buf`` is all the bytes);
-    ``seek_mode`` whether it seeks (else it reads forward only).
-    """
-
-    __slots__ = ("file", "fd", "buf", "base", "seek_mode", "url", "eof")
-
-    def __init__(self, f: BinaryIO | None, url: str, seek: bool, data: bytes = b"") -> None:
-        self.file, self.url, self.seek_mode = f, url, seek
-        self.fd = -1
-        self.buf, self.base, self.eof = data, 0, len(data) if f is None else -1
-        if f is None or not seek:
-            return
-        try:
-            fd = f.fileno()
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode):
-                self.fd, self.eof = fd, st.st_size
-        except (AttributeError, OSError, ValueError):
-            pass
-        if self.fd < 0:
-            self.eof = self._io(lambda: f.seek(0, os.SEEK_END), 0)
-
-    def _io(self, call, offset: int):  # type: ignore[no-untyped-def]
-        try:
-            return call()
-        except OSError as exc:
-            raise ShardError(f"{self.url}: reading at byte offset {offset} failed: {exc}") from exc
-
-    def at(self, off: int, n: int) -> bytes:
-        rel = off - self.base
-        if rel >= 0 and rel + n <= len(self.buf):
-            return self.buf[rel : rel + n]
-        if self.file is None:
-            return self.buf[max(rel, 0) : rel + n] if rel < len(self.buf) else b""
-        return self._fill_seek(off, n) if self.seek_mode else self._fill_stream(off, n)
-
-    def _fill_seek(self, off: int, n: int) -> bytes:
-        want = max(n, WINDOW)
-        if self.fd >= 0:
-            parts = [self._io(lambda: os.pread(self.fd, want, off), off)]
-        else:
-            self._io(lambda: self.file.seek(off), off)  # type: ignore[union-attr]
-            parts = [self._io(lambda: self.file.read(want), off)]  # type: ignore[union-attr]
-        got = len(parts[0])
-        while parts[-1] and got < want and off + got < self.eof:  # short reads before EOF
-            if self.fd >= 0:
-                parts.append(self._io(lambda: os.pread(self.fd, want - got, off + got), off + got))
-            else:
-                parts.append(self._io(lambda: self.file.read(want - got), off + got))  # type: ignore[union-attr]
-            got += len(parts[-1])
-        self.buf, self.base = b"".join(parts) if len(parts) > 1 else parts[0], off
-        return self.buf[:n]
-
-    def _fill_stream(self, off: int, n: int) -> bytes:
-        buf, base, read = self.buf, self.base, self.file.read  # type: ignore[union-attr]
-        end = base + len(buf)
-        if off < base:
-            raise RuntimeError(f"stream reader asked to go back from {base} to {off}")
-        if off < end:
-            parts, base = [buf[off - base :]], off
-        else:  # drop whole chunks until one reaches `off`; it becomes the buffer, uncopied
-            parts = []
-            while self.eof < 0:
-                chunk = self._io(lambda: read(_CHUNK), end)
-                if not chunk:
-                    self.eof = end
-                elif end + len(chunk) > off:
-                    parts, base = [chunk], end
-                    end += len(chunk)
-                    break
-                end += len(chunk)
-            if not parts:
-                self.buf, self.base = b"", end
-                return b""
-        have = end - off
-        while have < n and self.eof < 0:
-            chunk = self._io(lambda: read(max(_CHUNK, n - have)), end)
-            if not chunk:
-                self.eof = end
-            parts.append(chunk)
-            have += len(chunk)
-            end += len(chunk)
-        self.buf, self.base = b"".join(parts) if len(parts) > 1 else parts[0], base
-        rel = off - base
-        return self.buf[rel : rel + n]
-
-
-class FdFile:
-    """A file-like over a descriptor, for a :class:`Reader` in seek mode (reads use ``os.pread``)."""
-
-    __slots__ = ("fd",)
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def fileno(self) -> int:
-        return self.fd
 
 
 # (header_offset, data_offset, size, next_header_offset, name, is_regular)

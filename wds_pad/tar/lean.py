@@ -45,7 +45,7 @@ from typing import BinaryIO, Callable, Collection, Sequence
 
 from ..errors import ShardError, TarFormatError
 from .columns import Accumulator, ScanRows
-from .headers import Reader
+from .reader import Reader
 from .leanstream import lean_stream
 from .members import OnError, check_options, read_samples
 from .settle import PAX, PAX_MATTERS, PAX_MAX, ZERO_BLOCK, Segment, drop_pax, settle, settle_many

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import ShardError
 from .columns import Accumulator
-from .headers import Reader
+from .reader import Reader
 from .settle import PAX, PAX_MATTERS, PAX_MAX, POW8_11, ZERO_BLOCK, drop_pax, settle
 
 __all__ = ["lean_stream"]

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
-from .headers import BLOCK, ENC, FIELDS, WINDOW, Reader, fault, read_entry, truncated
+from .headers import BLOCK, ENC, FIELDS, fault, read_entry, truncated
+from .reader import WINDOW, Reader
 
 KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _SKIP_META_RE = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta

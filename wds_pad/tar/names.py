@@ -45,7 +45,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import StaleShardError, TarFormatError
-from .headers import ENC, HINT, REINDEX, Reader, member_name_size, read_entry
+from .headers import ENC, HINT, REINDEX, member_name_size, read_entry
+from .reader import Reader
 from .members import KEY_RE, is_meta, key_bytes
 from .settle import PAX_MATTERS
 

@@ -25,7 +25,8 @@ from typing import BinaryIO
 
 from ..errors import StaleShardError, TarFormatError
 
-from .headers import HINT, REINDEX, FdFile, Reader, read_entry
+from .headers import HINT, REINDEX, read_entry
+from .reader import FdFile, Reader
 from .members import KEY_RE, Member, OnError, ScannedSample, check_options, is_meta, read_samples, split_key
 
 __all__ = ["Member", "OnError", "ScannedSample", "parse_sample", "parse_sample_at", "scan_tar", "split_key"]
