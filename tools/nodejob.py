@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--budget", type=float, default=0.0, help="a cost budget per batch instead of --batch-size "
+                    "(the index must record costs)")
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--block-bytes", type=int, default=64 * 2**20)
@@ -89,7 +91,8 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     opts = ReadOptions(cache_dir=args.cache_dir, block_bytes=args.block_bytes, cache_bytes=args.cache_bytes,
                        max_in_flight=8)
     warnings.simplefilter("ignore", DroppedBucketWarning)
-    ds = BucketedWebDataset(args.index, batch_size=args.batch_size, seed=args.seed, locality=args.locality,
+    from wds_pad import Budget
+    ds = BucketedWebDataset(args.index, batch_size=Budget(args.budget) if args.budget else args.batch_size, seed=args.seed, locality=args.locality,
                             window=args.window, cp_size=args.cp, read_options=opts, check_agreement=False)
     loader = Loader(ds, num_workers=args.workers)
     state_dir = Path(args.state)
@@ -277,14 +280,15 @@ def check_logs(state: Path, nprocs: int, expected: dict[int, dict[tuple[int, int
 
 def expected_batches(index: str, nprocs: int, epochs: int, **kw: Any) -> dict[int, dict[tuple[int, int], list[str]]]:
     """Each rank's planned batches: (epoch, batch index) -> sample keys."""
-    from wds_pad import BucketedWebDataset, DroppedBucketWarning, Topology, load_index
+    from wds_pad import BucketedWebDataset, Budget, DroppedBucketWarning, Topology, load_index
 
     warnings.simplefilter("ignore", DroppedBucketWarning)
     ix = load_index(index)
     out: dict[int, dict[tuple[int, int], list[str]]] = {}
     for r in range(nprocs):
         local = kw.get("local_world_size") or nprocs
-        ds = BucketedWebDataset(ix, batch_size=kw["batch_size"], seed=kw["seed"], locality=kw.get("locality", "shard"),
+        size = Budget(kw["budget"]) if kw.get("budget") else kw["batch_size"]
+        ds = BucketedWebDataset(ix, batch_size=size, seed=kw["seed"], locality=kw.get("locality", "shard"),
                                 window=kw["window"], topology=Topology(nprocs, r, cp_size=kw["cp"], local_world_size=local),
                                 check_agreement=False)
         out[r] = {(e, j): [ix.key(int(i)) for i in ds.plan(e)[j].samples] for e in range(epochs)

@@ -25,6 +25,7 @@ import nodechaos  # tools/ is on sys.path (tests/conftest.py)
 import nodejob
 from data_helpers import serve_dir
 from wds_pad.cli.synth import make_blob_shards
+from wds_pad import load_index
 from wds_pad.index.build import build_index
 
 pytest_plugins = ["conftest_servers"]
@@ -197,29 +198,39 @@ def test_a_torchrun_job_without_cache_dir_shares_a_folder_of_its_own_and_removes
     assert counts["wrong"] == counts["missing"] == counts["unplanned"] == counts["differing"] == 0, counts
 
 
+@pytest.mark.parametrize("sizing", ["batch", "budget"])
 def test_two_nodes_with_node_locality_fetch_nothing_again_after_the_first_epoch(
-        served: tuple[Any, str, int], shard_dir: Path, tmp_path: Path) -> None:
+        served: tuple[Any, str, int], shard_dir: Path, tmp_path: Path, sizing: str) -> None:
     """2 simulated nodes x 2 ranks (LOCAL_WORLD_SIZE=2, each node its own cache_dir),
-    ``locality="node"``: a node keeps its shards, and the few other nodes' shards it reads,
-    every epoch, so from epoch 1 on the job makes (almost) no GET; bytes exact."""
+    ``locality="node"``, a fixed batch or a cost budget: a node keeps its shards, and the
+    other nodes' shards it reads (even a sample of one read once an epoch), every epoch, so
+    epochs 1 and 2 make no GET at all; bytes exact."""
     proxy, index, blocks = served
     kw = {**KW, "cp": 1, "locality": "node", "local_world_size": 2}
-    expected = nodejob.expected_batches(index, NPROCS, EPOCHS, **kw)
+    if sizing == "budget":  # 4000-byte samples of widths 16..1024: a few to a batch
+        index = str(tmp_path / "costs.wdsidx")
+        build_index([s.url for s in load_index(served[1]).shards], "aspect:width,height",
+                    output=index, cost="json:width")
+        kw = {**kw, "budget": 2048.0}
+    expected = nodejob.expected_batches(index, NPROCS, 3, **kw)
     cache, state = tmp_path / "cache", tmp_path / "state"
     state.mkdir()
-    args = job_args(index, shard_dir, cache, state, pause=True)
+    args = job_args(index, shard_dir, cache, state, pause=True, epochs=3)
     args[args.index("--cp") + 1] = "1"
-    job = nodejob.Job(args + ["--locality", "node", "--local-world-size", "2"], NPROCS, run="nodes").start()
-    wait_for(state / "done0", job)
-    epoch0 = proxy.requests_seen
-    (state / "go0").write_text("")
-    wait_for(state / "done1", job)
-    epoch1 = proxy.requests_seen - epoch0
-    (state / "go1").write_text("")
+    args += ["--locality", "node", "--local-world-size", "2"]
+    if sizing == "budget":
+        args += ["--budget", str(kw["budget"])]
+    proxy.reset_counters()
+    job = nodejob.Job(args, NPROCS, run="nodes").start()
+    seen = []
+    for e in range(3):
+        wait_for(state / f"done{e}", job)
+        seen.append(proxy.requests_seen - sum(seen))
+        (state / f"go{e}").write_text("")
     finished(job)
     counts = nodejob.check_logs(state, NPROCS, expected)
     assert counts["wrong"] == counts["missing"] == counts["repeated"] == counts["unplanned"] == 0, counts
-    print(f"GETs per shard, two nodes: epoch 0 {epoch0 / blocks:.2f}, epoch 1 {epoch1 / blocks:.2f}")
-    assert epoch0 <= 2 * blocks  # each node its own shards, and a few of the other's
-    assert epoch1 <= 0.05 * blocks
+    print(f"GETs, two nodes, {sizing}: per epoch {seen} ({blocks} blocks in the shards)")
+    assert seen[0] <= 2 * blocks  # each node its own shards, and a few of the other's
+    assert seen[1] == seen[2] == 0
     assert sorted(p.name for p in cache.iterdir()) == ["node0", "node1"]
