@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--block-bytes", type=int, default=64 * 2**20)
     ap.add_argument("--cache-bytes", type=int, default=2 * 2**30)
-    ap.add_argument("--locality", choices=["shard", "node"], default="shard")
+    ap.add_argument("--locality", choices=["none", "shard", "node"], default="shard")
     ap.add_argument("--local-world-size", type=int, default=0,
                     help="processes per simulated node (0: every process on one node); each node then "
                          "has its own folder under --cache-dir")

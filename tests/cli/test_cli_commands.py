@@ -9,7 +9,7 @@ from pathlib import Path
 import wds_pad.cli.app as app
 
 CLI = Path(app.__file__).resolve().parent
-COMMANDS = ["plan", "demo", "index", "inspect", "verify"]
+COMMANDS = ["plan", "demo", "index", "inspect", "verify", "simulate"]
 
 
 def _cli_imports(path: Path) -> set[str]:

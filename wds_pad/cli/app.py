@@ -1,4 +1,4 @@
-"""The ``wds-pad`` command line: index | inspect | plan | verify | demo.
+"""The ``wds-pad`` command line: index | inspect | plan | verify | demo | simulate.
 
 The top parser, the dispatch to one module per command (``plan``, ``demo``, ``index``,
 ``inspect``, ``verify``: each registers itself with ``add_parser``), and the handling
@@ -21,14 +21,14 @@ import sys
 import threading
 from typing import Any, Sequence
 
-from . import demo, index, inspect, plan, verify
+from . import demo, index, inspect, plan, simulate, verify
 from .common import EXIT_USAGE, Terminated, _UsageError, cli_wording, interrupt_exit
 from ..errors import WdsPadError
 
 __all__ = ["main"]
 
 #: the subcommands, in the order ``wds-pad --help`` lists them
-COMMANDS = (plan, demo, index, inspect, verify)
+COMMANDS = (plan, demo, index, inspect, verify, simulate)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 
 from .shufflequality import shuffle_quality
 
-__all__ = ["LocalityFigures", "NodeFigures", "figures", "node_figures"]
+__all__ = ["LocalityFigures", "NodeFigures", "figures", "node_figures", "node_held", "node_reads"]
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,27 @@ def imported(shards: np.ndarray) -> np.ndarray:
     return uniq[count >= IMPORT_READS]
 
 
+def node_reads(plans: Sequence[Any], shard_of: Sequence[Any], lengths: Sequence[Any]) -> tuple[list[tuple[list[_Reads], int]], bool]:
+    """Per distinct plan of a node (CP peers' shared plan once, with their count), its
+    reads per dataset; and whether the node imports other nodes' shards (``node``)."""
+    counted: dict[int, tuple[Any, int]] = {}
+    for p in plans:
+        plan, count = counted.get(id(p), (p, 0))
+        counted[id(p)] = (plan, count + 1)
+    imports = any(getattr(getattr(plan, "locality", None), "value", None) == "node" for plan, _ in counted.values())
+    return [(_reads(plan, shard_of, lengths), count) for plan, count in counted.values()], imports
+
+
+def node_held(reads: Sequence[list[_Reads]], di: int, imports: bool) -> np.ndarray:
+    """The shards of dataset ``di`` a node holds in an epoch: those its processes read
+    whole and, with ``imports`` (``locality="node"``), the other nodes' shards it reads."""
+    held = np.unique(np.concatenate([r[di].whole for r in reads] + [np.zeros(0, np.int64)]))
+    if imports:
+        held = np.union1d(held, imported(np.concatenate([r[di].shard[r[di].single] for r in reads]
+                                                        + [np.zeros(0, np.int64)])))
+    return held
+
+
 def node_figures(plans: Sequence[Any], shard_of: Sequence[Any], lengths: Sequence[Any],
                  shard_bytes: Sequence[Any], block_bytes: int) -> NodeFigures:
     """The reading cost of one node's epoch when its processes share one copy of each shard.
@@ -181,18 +202,10 @@ def node_figures(plans: Sequence[Any], shard_of: Sequence[Any], lengths: Sequenc
         shards' blocks once, plus each process's single reads of shards it does not
         hold), the single reads its copy serves, and the GETs of the same processes alone.
     """
-    counted: dict[int, tuple[Any, int]] = {}
-    for p in plans:
-        plan, count = counted.get(id(p), (p, 0))
-        counted[id(p)] = (plan, count + 1)
-    reads = [(_reads(plan, shard_of, lengths), count) for plan, count in counted.values()]
-    imports = any(getattr(getattr(plan, "locality", None), "value", None) == "node" for plan, _ in counted.values())
+    reads, imports = node_reads(plans, shard_of, lengths)
     gets = shards = single = served = alone = 0
     for di in range(len(shard_of)):
-        held = np.unique(np.concatenate([r[di].whole for r, _ in reads] + [np.zeros(0, np.int64)]))
-        if imports:  # locality="node": another node's shard the node reads again is held too
-            held = np.union1d(held, imported(np.concatenate([r[di].shard[r[di].single] for r, _ in reads]
-                                                            + [np.zeros(0, np.int64)])))
+        held = node_held([r for r, _ in reads], di, imports)
         shards += int(held.size)
         gets += _blocks(shard_bytes[di], held, block_bytes)[0]
         for r, count in reads:
