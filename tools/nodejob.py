@@ -58,6 +58,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--local-world-size", type=int, default=0,
                     help="processes per simulated node (0: every process on one node); each node then "
                          "has its own folder under --cache-dir")
+    ap.add_argument("--step-ms", type=float, default=0.0, help="a training step's time, slept after each batch")
     ap.add_argument("--lockstep", action="store_true",
                     help="a barrier of every rank after each batch, as a training step's all-reduce makes")
     ap.add_argument("--pause", action="store_true",
@@ -102,14 +103,20 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     with open(state_dir / f"log-rank{rank}.jsonl", "a") as log:
         for epoch in range(loader.epoch, args.epochs):
             loader.set_epoch(epoch)  # the restored epoch keeps its position
+            start = time.perf_counter()
             for batch in loader:
+                wait = time.perf_counter() - start  # in next(): what the step waited for its data
                 wrong = sum(not _same(s, reference[s["__key__"]]) for s in batch)
                 log.write(json.dumps({"run": run, "e": batch[0]["__epoch__"], "b": batch[0]["__batch__"],
-                                      "keys": [s["__key__"] for s in batch], "wrong": wrong}) + "\n")
+                                      "keys": [s["__key__"] for s in batch], "wrong": wrong,
+                                      "wait": round(wait, 6)}) + "\n")
                 log.flush()
                 atomic_write(str(state), [json.dumps(loader.state_dict()).encode()])
+                if args.step_ms:
+                    time.sleep(args.step_ms / 1000)  # the training step
                 if args.lockstep:
                     dist.barrier()
+                start = time.perf_counter()
             if args.pause:
                 dist.barrier()
                 if rank == 0:
