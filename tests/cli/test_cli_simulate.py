@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+from dataclasses import replace
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,10 @@ def test_the_time_model_waits_for_each_steps_bytes_on_the_slowest_node() -> None
     b = np.zeros((2, 3), np.int64)  # node 1 needs nothing
     first, share, stalls = _timeline([[a], [b]], link)
     assert first == pytest.approx(2 * 0.5 + 1.0)
-    # step 1 is free at 3.0 (ready 2.0); step 2's bytes arrive at 2.0 + 0.5 + 4.0 = 6.5 > 4.0: a stall
+    # step 1 is asked for at 3.0 and ready; step 2 at 4.0, its bytes start then: 4.0 + 0.5 + 4.0 (a stall)
     assert (stalls, share) == (1, 0.5)
+    # started two steps ahead (when step 0 is asked for, after step 0's bytes): ready at 6.5, asked at 4.0
+    assert _timeline([[a], [b]], replace(link, lookahead=2))[2] == 1
+    # a faster link two steps ahead: step 2's 400 bytes arrive by 2.0 + 0.5 + 0.4 < 4.0
+    assert _timeline([[a]], replace(link, lookahead=2, bandwidth=1000.0))[1:] == (0.0, 0)
     assert _timeline([[b]], link) == (0.0, 0.0, 0)

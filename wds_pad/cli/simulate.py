@@ -23,7 +23,7 @@ import json
 import sys
 from typing import Any
 
-from .common import _nbytes, _positive, _usage, check_node_layout, format_table
+from .common import _nbytes, _non_negative, _positive, _usage, check_node_layout, format_table
 from .planoptions import add_planning_options, plan_sources, planning_kwargs, sizing
 
 __all__ = ["add_parser"]
@@ -51,6 +51,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--bandwidth-mbps", type=_number, default=1000.0, help="a node's bandwidth to the store")
     p.add_argument("--step-ms", type=_number, default=100.0, help="the training step's time, data aside")
     p.add_argument("--in-flight", type=_positive, default=8, help="GETs a node has under way at once")
+    p.add_argument("--lookahead-steps", type=_non_negative, default=0,
+                   help="steps ahead a node starts on a step's bytes (0: when the step asks for them)")
     p.add_argument("--block-bytes", type=_positive, help="bytes of one GET of a shard read whole "
                    "(default: ReadOptions' block_bytes)")
     p.add_argument("--price-per-get", type=_number, default=0.0, help="USD per GET (S3 standard: 0.0000004)")
@@ -97,7 +99,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     sim = simulate(plans, [ix.shard for ix in indexes], [ix.length for ix in indexes],
                    [[max(s.size, 0) for s in ix.shards] for ix in indexes], block, epochs=epochs,
                    link=Link(latency_s=args.latency_ms / 1000, bandwidth=args.bandwidth_mbps * 1e6 / 8,
-                             step_s=args.step_ms / 1000, in_flight=args.in_flight),
+                             step_s=args.step_ms / 1000, in_flight=args.in_flight,
+                             lookahead=args.lookahead_steps),
                    prices=Prices(per_get=args.price_per_get, per_gb=args.price_per_gb), warm=args.warm)
     out = sys.stdout
     if args.json:

@@ -11,12 +11,13 @@ before is still in its folder (a shard is kept exactly when the node holds it ag
 so it costs no GET again; ``warm`` starts on a folder left by an earlier run of the
 same job (it holds what the first epoch holds).
 
-Time is a model, not a measurement: each node downloads continuously over its own link
-(``latency_s`` per round of ``in_flight`` GETs, ``bandwidth`` bytes per second), a shard's
-bytes are due at the first step that reads it and a single read's at its step; the job
-takes step s once every node has what steps up to s need, and a step of ``step_s``
-after the previous one. The first batch comes when step 0's bytes have arrived; a step
-stalls when its bytes arrive after the previous step is done.
+Time is a model, not a measurement: each node downloads over its own link (``latency_s``
+per round of ``in_flight`` GETs, ``bandwidth`` bytes per second), a shard's bytes are
+due at the first step that reads it and a single read's at its step; a node starts on a
+step's bytes ``lookahead`` steps before the step is asked for (0: when it is), one step's
+after another; the job takes a step once every node has its bytes, and asks for the next
+``step_s`` later. The first batch comes when step 0's bytes have arrived; a step stalls
+when its bytes arrive after it is asked for.
 
 Invariants:
 - pure (no I/O, no clock): from the plans and, per dataset, each sample's shard and byte
@@ -48,6 +49,7 @@ class Link:
     bandwidth: float = 125e6          # bytes per second (1000 Mbit/s)
     step_s: float = 0.100
     in_flight: int = 8                # GETs a node has under way at once
+    lookahead: int = 0                # steps ahead a node starts on a step's bytes (0: when asked)
 
 
 @dataclass(frozen=True)
@@ -190,26 +192,37 @@ def _node_epoch(node: Sequence[Any], shard_of: Sequence[Any], lengths: Sequence[
 
 
 def _timeline(due: list[list[np.ndarray]], link: Link) -> tuple[float, float, int]:
-    """(first batch s, share of steps after the first that stall, stalls) of the job."""
+    """(first batch s, share of steps after the first that stall, stalls) of the job.
+
+    Step s is asked for at ``q[s]`` (the previous batch's arrival plus a step); a node
+    starts on step s's bytes once its link is free and step ``s - lookahead`` is asked
+    for; the job takes the batch once every node has its bytes. A step after the first
+    stalls when its bytes arrive after it is asked for.
+    """
     if not due or not due[0]:
         return 0.0, 0.0, 0
-    ready = None
-    for node in due:
-        table = np.concatenate(node, axis=1)
-        rounds = np.ceil(table[0] / max(link.in_flight, 1))
-        arrive = np.cumsum(rounds * link.latency_s + table[1] / link.bandwidth)
-        ready = arrive if ready is None else np.maximum(ready, arrive)
-    assert ready is not None
-    if ready.size == 0:
+    tables = [np.concatenate(node, axis=1) for node in due]
+    n = tables[0].shape[1]
+    if n == 0:
         return 0.0, 0.0, 0
-    t = float(ready[0])
+    cost = [np.ceil(t[0] / max(link.in_flight, 1)) * link.latency_s + t[1] / link.bandwidth for t in tables]
+    free = [0.0] * len(tables)
+    asked = np.zeros(n)
+    ahead = max(int(link.lookahead), 0)
+    first = 0.0
     stalls = 0
-    for s in range(1, ready.size):
-        free = t + link.step_s
-        if ready[s] > free + 1e-12:
+    taken = 0.0
+    for s in range(n):
+        asked[s] = 0.0 if s == 0 else taken + link.step_s
+        start = float(asked[max(s - ahead, 0)])
+        ready = asked[s]
+        for k, c in enumerate(cost):
+            if c[s] > 0:
+                free[k] = max(free[k], start) + float(c[s])
+                ready = max(ready, free[k])
+        if s == 0:
+            first = float(ready)
+        elif ready > asked[s] + 1e-12:
             stalls += 1
-            t = float(ready[s])
-        else:
-            t = free
-    return float(ready[0]), stalls / max(ready.size - 1, 1), stalls
-
+        taken = float(ready)
+    return first, stalls / max(n - 1, 1), stalls
