@@ -49,12 +49,13 @@ def served(nginx_server: Any, shard_dir: Path, fault_proxy: Any, tmp_path: Path)
     return proxy, str(tmp_path / "ix.wdsidx")
 
 
-def predicted(index: str, locality: str, sizing: list[str], per_node: int) -> dict[str, Any]:
+def predicted(index: str, locality: str, sizing: list[str], per_node: int, *extra: str,
+              epochs: int = EPOCHS) -> dict[str, Any]:
     out = io.StringIO()
     with redirect_stdout(out):
         code = main(["simulate", index, "--world-size", str(NPROCS), "--local-world-size", str(per_node),
                      *sizing, "--seed", str(SEED), "--window", str(WINDOW), "--locality", locality,
-                     "--epochs", str(EPOCHS), "--block-bytes", str(BLOCK), "--json"])
+                     "--epochs", str(epochs), "--block-bytes", str(BLOCK), "--json", *extra])
     assert code == 0
     return json.loads(out.getvalue())
 
@@ -94,3 +95,29 @@ def test_simulated_gets_per_epoch_are_the_gets_counted_at_the_server(
     print(f"{locality} {sizing} {NPROCS // per_node} node(s): counted {seen}, simulated {sim['gets_per_epoch']}")
     for got, want in zip(seen, sim["gets_per_epoch"]):
         assert abs(got - want) <= 0.02 * max(want, got), (seen, sim["gets_per_epoch"])
+
+
+@pytest.mark.parametrize("locality, per_node", [("node", 2), ("shard", 4)])
+def test_a_new_job_on_the_warm_cache_folders_makes_the_gets_simulate_warm_says(
+        served: tuple[Any, str], shard_dir: Path, tmp_path: Path, locality: str, per_node: int) -> None:
+    """A job of one epoch, then another on the cache folders it left: the second job's
+    GETs (the HEADs of its once-per-job check of the copies it found set apart) are
+    ``simulate --warm``'s, and the first one's are the cold simulation's."""
+    proxy, index = served
+    cache = tmp_path / "cache"
+    args = ["--index", index, "--reference", str(shard_dir), "--cache-dir", str(cache), "--epochs", "1",
+            "--workers", "2", "--cp", "1", "--batch-size", "4", "--seed", str(SEED), "--window", str(WINDOW),
+            "--block-bytes", str(BLOCK), "--locality", locality, "--local-world-size", str(per_node)]
+    gets = []
+    for run in ("cold", "warm"):
+        state = tmp_path / run
+        state.mkdir()
+        proxy.reset_counters()
+        job = nodejob.Job(args + ["--state", str(state)], NPROCS, run=run).start()
+        assert job.wait() == [0] * NPROCS, job.outputs()
+        gets.append(proxy.requests_seen - sum(r.method == "HEAD" for r in proxy.requests))
+    cold = predicted(index, locality, ["--batch-size", "4"], per_node, epochs=1)["gets_per_epoch"][0]
+    warm = predicted(index, locality, ["--batch-size", "4"], per_node, "--warm", epochs=1)["gets_per_epoch"][0]
+    print(f"{locality}, {NPROCS // per_node} node(s): counted cold {gets[0]}, warm {gets[1]}; simulated {cold}, {warm}")
+    assert abs(gets[0] - cold) <= 0.02 * cold
+    assert abs(gets[1] - warm) <= max(0.02 * warm, 0)

@@ -57,8 +57,9 @@ def add_parser(sub: Any) -> None:
                    "(default: ReadOptions' block_bytes)")
     p.add_argument("--price-per-get", type=_number, default=0.0, help="USD per GET (S3 standard: 0.0000004)")
     p.add_argument("--price-per-gb", type=_number, default=0.0, help="USD per GB read (egress)")
-    p.add_argument("--warm", action="store_true", help="a restart: the nodes' cache folders hold what an "
-                   "earlier run of the job left")
+    p.add_argument("--warm", action="store_true", help="the nodes' cache folders hold what each node holds in "
+                   "the first simulated epoch: a job resumed in that epoch, or a new job on the folders of an "
+                   "earlier one where a node holds the same shards every epoch (node locality, shard on one node)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=_cmd_simulate)
 
