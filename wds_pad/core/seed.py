@@ -17,12 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-import sys
 from typing import Any, Hashable
 
 import numpy as np
 
 from ..errors import ConfigError, SeedError
+from .collective import dist_for
 
 __all__ = ["MAX_SEED", "check_seed", "derive_rng", "derive_seed", "encode_key", "json_digest", "shared_seed",
            "stable_digest"]
@@ -141,7 +141,7 @@ def shared_seed(seed: int | None = None, group: Any = None) -> int:
     """
     if seed is not None:
         return check_seed(seed)
-    dist = _initialized_dist() if group is None else _import_dist()
+    dist = dist_for(group)
     if dist is None:
         import os
 
@@ -162,15 +162,3 @@ def shared_seed(seed: int | None = None, group: Any = None) -> int:
     dist.broadcast(tensor, src=src, group=group)
     return int(tensor.item())
 
-
-def _import_dist() -> Any:
-    import torch.distributed as dist
-
-    return dist
-
-
-def _initialized_dist() -> Any:
-    if "torch" not in sys.modules:
-        return None
-    dist = _import_dist()
-    return dist if dist.is_available() and dist.is_initialized() else None
