@@ -37,7 +37,7 @@ from .schema import (
     STATE_FORMAT,
     STATE_VERSION,
     TOPOLOGY_FIELDS,
-    _flatten,
+    flatten,
     _table,
     check_schema,
     elastic_fingerprint,
@@ -73,8 +73,8 @@ def _unexpected_differences(entry: Mapping[str, Any], state: Mapping[str, Any]) 
     plan = state.get("plan")
     if state.get("kind") == "shards" or (isinstance(plan, Mapping) and plan.get("policy") == "none"):
         varying.update(_POSITION_FIELDS)
-    a = _flatten({k: v for k, v in entry.items() if k != PER_RANK}, "")
-    b = _flatten({k: v for k, v in state.items() if k != PER_RANK}, "")
+    a = flatten({k: v for k, v in entry.items() if k != PER_RANK}, "")
+    b = flatten({k: v for k, v in state.items() if k != PER_RANK}, "")
 
     def varies(leaf: str) -> bool:
         return any(leaf == f or leaf.startswith((f + ".", f + "[")) for f in varying)
@@ -199,8 +199,8 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
     now_fp = fingerprint
     layout_keys = {f"plan.{k}" for k in LAYOUT_FIELDS}
     if state["fingerprint"] != now_fp:
-        saved = _flatten(saved_plan, "plan")
-        now_fields = _flatten(plan_fields, "plan")
+        saved = flatten(saved_plan, "plan")
+        now_fields = flatten(plan_fields, "plan")
         keys = sorted(set(saved) | set(now_fields))
         diff = [(k, saved.get(k), now_fields.get(k)) for k in keys if saved.get(k) != now_fields.get(k)]
         layout_rows = [r for r in diff if r[0] in layout_keys]

@@ -20,7 +20,7 @@ from typing import Any
 from ..core.collective import all_gather, group_size
 from ..core.policy import Policy
 from ..errors import StateMismatchError
-from ..state.schema import _flatten
+from ..state.schema import flatten
 from ..state.cursor import Cursor
 from ..state.spec import PlanSpec
 
@@ -63,7 +63,7 @@ def check_agreement(spec: PlanSpec, cursor: Cursor, group: Any = None) -> None:
             detail = ", ".join(f"{k}: rank {ref['rank']} {ref[k]!r} vs rank {other['rank']} {other[k]!r}"
                                for k in fields if k != "fingerprint")
             # one row per leaf field: "datasets[0].index_digest", not two whole dataset lists
-            mine_f, theirs_f = (_flatten(x["plan"], "plan") for x in (ref, other))
+            mine_f, theirs_f = (flatten(x["plan"], "plan") for x in (ref, other))
             plan_diff = [k for k in {**mine_f, **theirs_f} if mine_f.get(k) != theirs_f.get(k)]
             if plan_diff:
                 detail += (", " if detail else "") + "plan fields differ: " + ", ".join(
