@@ -84,7 +84,7 @@ def fingerprint_of(fields: Mapping[str, Any]) -> str:
     return json_digest(fields, compact=True, allow_nan=False)
 
 
-def _table(rows: list[tuple[str, Any, Any]]) -> str:
+def mismatch_table(rows: list[tuple[str, Any, Any]]) -> str:
     return "; ".join(f"{name}: saved {saved!r}, now {now!r}" for name, saved, now in rows)
 
 

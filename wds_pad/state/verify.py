@@ -38,7 +38,7 @@ from .schema import (
     STATE_VERSION,
     TOPOLOGY_FIELDS,
     flatten,
-    _table,
+    mismatch_table,
     check_schema,
     elastic_fingerprint,
     elastic_segments,
@@ -186,7 +186,7 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
                         "name it by rank)" if layout_same else
                         "restart with the saved topology, or pass allow_elastic=True to resume "
                         "the rest of the epoch on this data-parallel layout")
-                raise TopologyMismatchError(f"loader state is from another topology: {_table(topo_rows)}; {hint}")
+                raise TopologyMismatchError(f"loader state is from another topology: {mismatch_table(topo_rows)}; {hint}")
     saved_plan = state.get("plan") or {}
     try:
         made = fingerprint_of(saved_plan)
@@ -207,7 +207,7 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
         other_rows = [r for r in diff if r[0] not in layout_keys]
         if layout_rows and not allow_elastic and not other_rows and not rows:
             raise TopologyMismatchError(
-                f"loader state was saved on another data-parallel layout: {_table(layout_rows)}; "
+                f"loader state was saved on another data-parallel layout: {mismatch_table(layout_rows)}; "
                 "restart with the saved topology, or pass allow_elastic=True to resume the rest of "
                 "the epoch on this data-parallel layout")
         rows.extend(other_rows + ([] if allow_elastic else layout_rows))
@@ -215,7 +215,7 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
             rows.append(("fingerprint", state["fingerprint"], now_fp))
     if rows:
         raise StateMismatchError(
-            f"loader state belongs to another plan: {_table(rows)}; resume with the same "
+            f"loader state belongs to another plan: {mismatch_table(rows)}; resume with the same "
             "index, seed, batch size, padding policy, mode, datasets and data-parallel layout, "
             "or start afresh"
         )
