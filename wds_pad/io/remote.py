@@ -65,7 +65,7 @@ def _get_kind(fs: fsspec.AbstractFileSystem) -> str:
     return ""
 
 
-def _total_size(content_range: Any) -> int | None:
+def range_total_size(content_range: Any) -> int | None:
     """The object size of a Content-Range header (``bytes 0-99/12345``); None if unknown."""
     if not isinstance(content_range, str):
         return None

@@ -26,7 +26,7 @@ from wds_pad.errors import StaleShardError
 
 from .faults import call_store
 from .redact import redact
-from .remote import http_get, s3_get, Target, _total_size
+from .remote import Target, http_get, range_total_size, s3_get
 
 __all__ = ["change_stamp"]
 
@@ -137,7 +137,7 @@ class ShardCheck:
             whole = start == 0 and want is not None and end == want[0]
             data, content_range, etag = await http_get(target.fs, target.path, start, end, whole)
         if url not in self.verdicts:  # the first answer decides; all run on one IO loop
-            self.verdicts[url] = self.changed(url, _total_size(content_range),
+            self.verdicts[url] = self.changed(url, range_total_size(content_range),
                                               change_stamp({"ETag": etag}))
         verdict = self.verdicts[url]
         if verdict is not None:
