@@ -96,7 +96,7 @@ def test_several_processes_without_a_group_cannot_draw(monkeypatch: pytest.Monke
 _SEED_JOB = r"""
 import datetime, json
 import torch.distributed as dist
-import wds_pad.core.seed as seed_mod
+import wds_pad.core.collective as seed_mod
 from wds_pad import shared_seed
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

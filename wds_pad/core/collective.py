@@ -17,10 +17,15 @@ Invariants:
 
 from __future__ import annotations
 
+import os
+import secrets
 import sys
 from typing import Any
 
-__all__ = ["all_gather", "broadcast", "default_store", "dist_for", "group_size"]
+from ..errors import SeedError
+from .seed import SEED_BITS, check_seed
+
+__all__ = ["all_gather", "broadcast", "default_store", "dist_for", "group_size", "shared_seed"]
 
 
 def dist_for(group: Any = None) -> Any:
@@ -75,3 +80,42 @@ def default_store() -> Any:
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
+
+
+def shared_seed(seed: int | None = None, group: Any = None) -> int:
+    """Return the seed every rank of the job agrees on.
+
+    Args:
+        seed: a configured seed, returned as is (after validation).
+        group: the process group to broadcast over (default: the default group).
+
+    Returns:
+        The configured seed; or, if none, a fresh 63-bit seed drawn from the OS on the
+        group's rank 0 and broadcast, so that every rank returns the same value. In a
+        single process without torch.distributed, just a fresh draw.
+
+    Raises:
+        SeedError: several processes (WORLD_SIZE > 1) but no initialised process group
+            to agree on a drawn seed — configure a seed or initialise torch.distributed.
+    """
+    if seed is not None:
+        return check_seed(seed)
+    dist = dist_for(group)
+    if dist is None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world.strip() not in ("", "1"):
+            raise SeedError(
+                f"WORLD_SIZE={world} but torch.distributed is not initialised, so a drawn "
+                "seed cannot be shared; pass seed=<int> or init_process_group() first"
+            )
+        return secrets.randbits(SEED_BITS)
+    import torch
+
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    value = secrets.randbits(SEED_BITS) if dist.get_rank(group) == 0 else 0
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(tensor, src=src, group=group)
+    return int(tensor.item())
+

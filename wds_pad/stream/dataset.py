@@ -39,7 +39,7 @@ from ..core.budget import Budget
 from ..core.locality import Locality
 from ..core.policy import Mode, PadTo, Policy, check_epoch, parse_enum
 from ..io.options import ReadOptions, ReadStats
-from ..core.seed import shared_seed
+from ..core.collective import shared_seed
 from .agreement import check_agreement
 from .batches import BatchMaker
 from .fetch import Counters, fetch
