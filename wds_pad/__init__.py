@@ -38,6 +38,7 @@ from .errors import (
 from .core.budget import Budget, BudgetModel
 from .core.dataset import Dataset, IdRange
 from .core.locality import Locality, ShardMap
+from .core.packing import Pack
 from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
 from .core.policy import Mode, PadTo, Policy
 from .core.seed import derive_rng, shared_seed
@@ -94,6 +95,7 @@ __all__ = [
     "Loader",
     "Locality",
     "Mode",
+    "Pack",
     "PadTo",
     "Plan",
     "PlanSpec",
