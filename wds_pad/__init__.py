@@ -41,7 +41,8 @@ from .core.locality import Locality, ShardMap
 from .core.packing import Pack
 from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
 from .core.policy import Mode, PadTo, Policy
-from .core.seed import derive_rng, shared_seed
+from .core.collective import shared_seed
+from .core.seed import derive_rng
 from .core.topology import Topology
 from .version import __version__
 

@@ -32,7 +32,7 @@ from .budgetplan import budget_buckets
 from .buckettable import Planning, SizedBuckets
 from .dataset import Dataset
 from .packing import Pack
-from .planrecord import Bins, Plan, _rank_batches
+from .planrecord import Bins, Plan, rank_batches
 from .policy import Policy
 
 __all__ = ["PackNumbers", "pack_buckets", "pack_remainder"]
@@ -122,7 +122,7 @@ def group_plan(plan: Plan, pack: Pack, accumulation_steps: int) -> Plan:
     grouped = Bins([s[::B] for s in pack_starts])
     schedule, window = plan.schedule[::B], plan.window[::B] // B
     counts = plan.buckets.counts
-    batch_step, offsets = _rank_batches(counts, (steps // B).tolist(), schedule, window, 1, grouped)
+    batch_step, offsets = rank_batches(counts, (steps // B).tolist(), schedule, window, 1, grouped)
     widest = int(np.diff(offsets).max(initial=1)) if offsets.size > 1 else 1
     stats = tuple(replace(s, steps=s.steps // B) for s in plan.stats)
     out = replace(plan, schedule=schedule, window=window, batch_step=batch_step, offsets=offsets, stats=stats,

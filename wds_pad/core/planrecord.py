@@ -118,7 +118,7 @@ class Plan:
     batch_step: np.ndarray
     offsets: np.ndarray
     stats: tuple[BucketStats, ...] = field(repr=False)
-    buckets: _Buckets = field(repr=False)
+    buckets: Buckets = field(repr=False)
     locality: Locality = Locality.NONE
     shard_window: int = 8  # shards a rank visits at once (locality="shard")
     sizing: Count | Budget | None = None  # how batches are sized (None: Count(batch_size))
@@ -237,7 +237,7 @@ class Plan:
 
 
 class EntryOrder(Protocol):
-    """Where a rank's entries come from: the keyed global order (``_Buckets``), a
+    """Where a rank's entries come from: the keyed global order (``Buckets``), a
     shard-local order (core/localbuckets.py), a budget's strata (core/budgetplan.py) or an
     elastic remainder of one of them (core/remainder.py, core/budgetremainder.py)."""
 
@@ -246,7 +246,7 @@ class EntryOrder(Protocol):
         ...
 
 
-class _Buckets:
+class Buckets:
     """The kept buckets' facts a rank's entries are computed from: O(buckets).
 
     Entry k of kept bucket b on dp_rank d is global position p = d + k * dp_size; it
@@ -301,7 +301,7 @@ class Bins:
         return self.flat[self.base[np.asarray(b, np.int64)] + np.asarray(w, np.int64)]
 
 
-def _rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.ndarray, window: np.ndarray,
+def rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.ndarray, window: np.ndarray,
                   bs: int, bins: Bins | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(batch_step, offsets) of a rank with ``counts`` entries per kept bucket: its batch for
     global step s is its entries [k*bs, (k+1)*bs) of bucket schedule[s], k = window[s]
@@ -346,7 +346,7 @@ def _within_memory(compute: Any, entries: int, what: str) -> tuple[np.ndarray, n
         ) from exc
 
 
-def _at(bk: _Buckets, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _at(bk: Buckets, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
     the rank (the elastic remainder of an epoch reads the whole layout's order)."""
     if bk.local is not None:

@@ -43,7 +43,7 @@ from typing import Callable
 import numpy as np
 
 from .budget import Budget, BudgetModel, fits_one_more
-from .permute import ROUNDS, _mix, permute
+from .permute import ROUNDS, mix64, permute
 from .seed import derive_seed
 
 __all__ = ["BucketBatches"]
@@ -54,8 +54,8 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 def _keys(base: int, idx: np.ndarray) -> np.ndarray:
     """Round keys (ROUNDS, len(idx)) of the permutations ``idx`` derived from ``base``."""
     with np.errstate(over="ignore"):
-        key = _mix(np.uint64(base) + (np.asarray(idx, np.uint64) + np.uint64(1)) * _GOLDEN)
-        return np.stack([_mix(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
+        key = mix64(np.uint64(base) + (np.asarray(idx, np.uint64) + np.uint64(1)) * _GOLDEN)
+        return np.stack([mix64(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
 
 
 class BucketBatches:
