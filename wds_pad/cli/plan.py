@@ -40,6 +40,7 @@ from .common import (
     relocation,
 )
 from .budgetfill import print_budget
+from .packfill import print_packs
 from .reading import print_reading
 
 __all__ = ["add_parser", "synthetic_dataset"]
@@ -103,6 +104,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--budget-model", choices=["sum", "max"], default="sum",
                    help="sum: a batch costs its samples' costs summed; max: its count x its largest cost")
     p.add_argument("--max-samples", type=positive_int, help="with --budget: at most this many samples a batch")
+    size.add_argument("--pack", type=positive_int, metavar="L",
+                      help="batches of packed sequences: packs of at most L tokens (costs; index files built "
+                           "with --cost), see docs/packing.md")
+    p.add_argument("--packs-per-batch", type=positive_int, metavar="B", help="with --pack: packs per batch (default 1)")
+    p.add_argument("--max-segments", type=positive_int, metavar="S", help="with --pack: at most S samples a pack")
+    p.add_argument("--oversize", choices=["refuse", "alone"],
+                   help="with --pack: a sample longer than L is refused (default) or travels alone in its pack")
     p.add_argument("--accumulation-steps", type=positive_int, default=1,
                    help="micro-batches per optimizer step: every rank's batch count a multiple of it, "
                         "each run of it from one bucket")
@@ -139,6 +147,8 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
         raise usage_error("plan", "--budget needs INDEX file(s) built with --cost: --buckets has no costs")
     if args.budget is None and (args.max_samples is not None or args.budget_model != "sum"):
         raise usage_error("plan", "--budget-model and --max-samples go with --budget LIMIT")
+    if args.buckets and args.pack is not None:
+        raise usage_error("plan", "--pack needs INDEX file(s) built with --cost: --buckets has no costs")
     if args.buckets:
         if args.locality != "none":
             raise usage_error("plan", f"--locality {args.locality} needs INDEX file(s): --buckets has no shards")
@@ -159,7 +169,7 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     for i, (path, weight) in enumerate(zip(args.index, weights)):
         idx = load_index(path, relocate=relocation(args))
         _refuse_twice(i, path, idx, seen)
-        ds = idx.to_dataset(repeats=args.repeats, weight=weight, costs=args.budget is not None)
+        ds = idx.to_dataset(repeats=args.repeats, weight=weight, costs=args.budget is not None or args.pack is not None)
         if ds.name in names:
             ds = Dataset(f"{ds.name}#{i}", ds.buckets, repeats=ds.repeats, weight=ds.weight, cost=ds.cost,
                          cost_order=ds.cost_order)
@@ -200,6 +210,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from ..core.budget import Budget
 
         args.batch_size = Budget(args.budget, args.budget_model, args.max_samples)
+    if args.pack is None and (args.packs_per_batch or args.max_segments or args.oversize):
+        raise usage_error("plan", "--packs-per-batch, --max-segments and --oversize go with --pack L")
+    if args.pack is not None:
+        from ..core.packing import Pack
+
+        args.batch_size = Pack(args.pack, args.packs_per_batch or 1, args.max_segments, args.oversize or "refuse")
     sources, lookups = _plan_sources(args)
     check_node_layout("plan", args)
     ranks = range(args.world_size) if args.rank == "all" else [args.rank]
@@ -218,6 +234,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print_summary(plan, out, all_ranks=args.rank == "all")  # equal on every rank
             if args.budget is not None:
                 print_budget(sources, topo, args, common, out)
+            if args.pack is not None:
+                print_packs(sources, topo, args, common, out)
             if args.index:
                 print_reading(plan, getattr(args, "loaded", []), sources, topo, args, out)
             return 0

@@ -52,6 +52,7 @@ from .buckettable import Planning, SizedBuckets, bucket_table, padded
 from .dataset import Dataset, as_datasets
 from .localbuckets import LocalBuckets
 from .locality import Locality
+from .packplan import pack_buckets
 from .permute import round_keys
 from .planrecord import Batch, Bins, BucketStats, Plan, Buckets, rank_batches
 from .policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, resolve_policy
@@ -174,7 +175,7 @@ def plan_epoch(
         bucket_table=tuple(table), schedule=schedule, window=window_of, batch_step=batch_step,
         offsets=offsets, stats=tuple(got.stats), buckets=buckets, locality=locality,
         shard_window=shard_window, sizing=sizing, bins=bins,
-        accumulation=k,
+        accumulation=k, packs=sized.packs,
     )
 
 
@@ -201,7 +202,8 @@ def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at:
 
 
 #: each sizing's bucket planner, by the sizing's ``kind``
-BUCKET_PLANNERS: dict[str, Callable[..., SizedBuckets]] = {"count": count_buckets, "budget": budget_buckets}
+BUCKET_PLANNERS: dict[str, Callable[..., SizedBuckets]] = {
+    "count": count_buckets, "budget": budget_buckets, "pack": pack_buckets}
 
 
 def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Count | Budget) -> int:

@@ -46,6 +46,7 @@ from .budget import Budget
 from .budgetremainder import plan_budget_remainder
 from .dataset import as_datasets
 from .locality import Locality
+from .packplan import pack_remainder
 from .plan import plan_epoch
 from .planrecord import BucketStats, Plan, Buckets, rank_batches
 from .shardschedule import PlannedShardUses
@@ -352,4 +353,4 @@ def _count_remainder(datasets: Any, topology: Topology, segments: Sequence[Segme
 
 #: each sizing's remainder planner, by the sizing's ``kind``
 REMAINDER_PLANNERS: dict[str, Callable[..., tuple[Plan, str]]] = {
-    "count": _count_remainder, "budget": plan_budget_remainder}
+    "count": _count_remainder, "budget": plan_budget_remainder, "pack": pack_remainder}

@@ -42,7 +42,7 @@ from typing import Callable
 
 import numpy as np
 
-from .budget import Budget, BudgetModel, fits_one_more, pack
+from .budget import Budget, BudgetModel, fits_one_more
 from .permute import ROUNDS, mix64, permute
 from .seed import derive_seed
 
@@ -123,7 +123,7 @@ class BucketBatches:
                             np.repeat(_keys(self.base_key, np.zeros(1, np.int64)), self.complete, axis=1))
         else:
             order = np.zeros(0, np.int64)
-        packed, offsets = pack(weights[order], budget)
+        packed, offsets = budget.pack(weights[order])
         seq = order[packed]
         self.over_budget = int(np.count_nonzero(weights > budget.limit))
         copy = np.zeros(seq.size, bool)

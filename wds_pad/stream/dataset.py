@@ -74,7 +74,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         index: an Index or index path, or a list of them (one dataset each).
         batch_size: samples per batch per data-parallel rank, or a ``wds_pad.Budget``:
             batches sized by the samples' costs (an index built with ``--cost``;
-            docs/planning.md, "Budgets").
+            docs/planning.md, "Budgets"), or a ``wds_pad.Pack``: batches of packs of at
+            most ``seq_len`` tokens, each sample carrying ``__pack__`` (docs/packing.md).
         topology: default ``Topology.detect(group=group, cp_size=cp_size)``.
         seed: default ``shared_seed(None, group)`` (drawn on rank 0, broadcast).
         epoch: the epoch to start with (epochs mode: change with ``set_epoch``).
