@@ -25,8 +25,9 @@ import json
 import sys
 from typing import Any
 
-from .common import _int_at_least, _positive, _print_summary, _usage, check_node_layout
+from .common import check_node_layout, int_at_least, positive_int, print_summary, usage_error
 from .budgetfill import print_budget
+from .packfill import print_packs
 from .planoptions import add_planning_options, plan_sources, planning_kwargs, sizing, synthetic_dataset
 from .reading import print_reading
 
@@ -37,7 +38,7 @@ def _rank_arg(text: str) -> int | str:
     if text == "all":
         return text
     try:
-        return _int_at_least(0, "an integer >= 0", text)
+        return int_at_least(0, "an integer >= 0", text)
     except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"--rank must be an integer or 'all' ({exc})") from None
 
@@ -47,7 +48,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="print this rank's (or every rank's) planned batches",
                        description="Plan an epoch (or K steps) for one rank or all ranks.")
     p.add_argument("--rank", type=_rank_arg, required=True, help="a rank, or 'all'")
-    p.add_argument("--steps", type=_positive, help="steps mode: how many global steps to print")
+    p.add_argument("--steps", type=positive_int, help="steps mode: how many global steps to print")
     add_planning_options(p)
     out = p.add_mutually_exclusive_group(required=True)
     out.add_argument("--json", action="store_true", help="one JSON object per batch")
@@ -61,13 +62,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ..core.topology import Topology
 
     if args.mode == "steps" and args.steps is None and args.json:
-        raise _usage("plan", "--mode steps needs --steps K (how many global steps to print)")
-    sizing(args)
+        raise usage_error("plan", "--mode steps needs --steps K (how many global steps to print)")
+    sizing(args, "plan")
     sources, lookups = plan_sources(args, "plan")
     check_node_layout("plan", args)
     ranks = range(args.world_size) if args.rank == "all" else [args.rank]
     if args.rank != "all" and args.rank >= args.world_size:
-        raise _usage("plan", f"--rank {args.rank} is out of range for --world-size {args.world_size}")
+        raise usage_error("plan", f"--rank {args.rank} is out of range for --world-size {args.world_size}")
     common = planning_kwargs(args)
     out = sys.stdout
     for i, rank in enumerate(ranks):
@@ -76,9 +77,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         warn = i == 0
         if args.summary:
             plan = plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=True, **common)
-            _print_summary(plan, out, all_ranks=args.rank == "all")  # equal on every rank
+            print_summary(plan, out, all_ranks=args.rank == "all")  # equal on every rank
             if args.budget is not None:
                 print_budget(sources, topo, args, common, out)
+            if args.pack is not None:
+                print_packs(sources, topo, args, common, out)
             if args.index:
                 print_reading(plan, getattr(args, "loaded", []), sources, topo, args, out)
             return 0

@@ -2,9 +2,10 @@
 simulate``), and the datasets they name.
 
 One parser-building function, :func:`add_planning_options`, so an option added to
-planning appears on every such command under the same name; :func:`plan_sources` turns
-the parsed options into the datasets to plan (index files, or a synthetic ``--buckets``
-dataset) and :func:`planning_kwargs` into ``plan_epoch``'s keyword arguments.
+planning appears on every such command under the same name; :func:`sizing` turns the
+sizing options into what ``batch_size`` plans, :func:`plan_sources` the inputs into the
+datasets to plan (index files, or a synthetic ``--buckets`` dataset) and
+:func:`planning_kwargs` the rest into ``plan_epoch``'s keyword arguments.
 
 Invariants:
 - a bad combination of options is a usage error (exit 2) of the command given, before
@@ -18,69 +19,81 @@ import argparse
 from typing import Any
 
 from .common import (
-    _epoch_arg,
-    _locality_arg,
-    _non_negative,
-    _positive,
-    _positive_number,
-    _seed_arg,
-    _usage,
     add_relocate,
+    epoch_arg,
+    locality_arg,
+    non_negative,
+    positive_int,
+    positive_number,
     relocation,
+    seed_arg,
+    usage_error,
 )
 
-__all__ = ["add_planning_options", "plan_sources", "planning_kwargs", "synthetic_dataset"]
+__all__ = ["add_planning_options", "plan_sources", "planning_kwargs", "sizing", "synthetic_dataset"]
 
 
 def add_planning_options(p: argparse.ArgumentParser) -> None:
     """The options of a plan: its inputs, layout, sizing, seed, padding and locality."""
     p.add_argument("index", nargs="*", help="index file(s); each is one dataset (or use --buckets)")
     p.add_argument("--buckets", type=_parse_buckets, help="synthetic dataset: 'a=4,b=0,c=7'")
-    p.add_argument("--world-size", type=_positive, required=True)
-    p.add_argument("--cp-size", type=_positive, default=1)
+    p.add_argument("--world-size", type=positive_int, required=True)
+    p.add_argument("--cp-size", type=positive_int, default=1)
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--batch-size", type=_positive, help="samples per batch per DP rank")
-    size.add_argument("--budget", type=_positive_number, metavar="LIMIT",
+    size.add_argument("--batch-size", type=positive_int, help="samples per batch per DP rank")
+    size.add_argument("--budget", type=positive_number, metavar="LIMIT",
                       help="a cost budget per batch instead of a batch size (index files built with --cost)")
     p.add_argument("--budget-model", choices=["sum", "max"], default="sum",
                    help="sum: a batch costs its samples' costs summed; max: its count x its largest cost")
-    p.add_argument("--max-samples", type=_positive, help="with --budget: at most this many samples a batch")
-    p.add_argument("--accumulation-steps", type=_positive, default=1,
+    p.add_argument("--max-samples", type=positive_int, help="with --budget: at most this many samples a batch")
+    size.add_argument("--pack", type=positive_int, metavar="L",
+                      help="batches of packed sequences: packs of at most L tokens (costs; index files built "
+                           "with --cost), see docs/packing.md")
+    p.add_argument("--packs-per-batch", type=positive_int, metavar="B", help="with --pack: packs per batch (default 1)")
+    p.add_argument("--max-segments", type=positive_int, metavar="S", help="with --pack: at most S samples a pack")
+    p.add_argument("--oversize", choices=["refuse", "alone"],
+                   help="with --pack: a sample longer than L is refused (default) or travels alone in its pack")
+    p.add_argument("--accumulation-steps", type=positive_int, default=1,
                    help="micro-batches per optimizer step: every rank's batch count a multiple of it, "
                         "each run of it from one bucket")
-    p.add_argument("--seed", type=_seed_arg, required=True, help="an integer in [0, 2**64)")
-    p.add_argument("--epoch", type=_epoch_arg, default=0, help="an integer in [0, 2**31 - 1]")
+    p.add_argument("--seed", type=seed_arg, required=True, help="an integer in [0, 2**64)")
+    p.add_argument("--epoch", type=epoch_arg, default=0, help="an integer in [0, 2**31 - 1]")
     p.add_argument("--pad", choices=["auto", "cyclic", "drop", "none"], default="auto")
     p.add_argument("--pad-to", choices=["batch", "rank"], default="batch")
-    p.add_argument("--repeats", type=_non_negative, default=0, help="repeats of every dataset")
+    p.add_argument("--repeats", type=non_negative, default=0, help="repeats of every dataset")
     p.add_argument("--weights", help="comma-separated weights, one per index")
     p.add_argument("--oversubscribe", action="store_true")
     p.add_argument("--mode", choices=["epochs", "steps"], default="epochs")
-    p.add_argument("--locality", type=_locality_arg, default="none",
+    p.add_argument("--locality", type=locality_arg, default="none",
                    help="none: buckets shuffled over all shards; shard: each rank reads its own shards "
                         "(needs index files)")
-    p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
+    p.add_argument("--window", type=positive_int, default=8, help="shards a rank visits at once (--locality shard)")
     add_relocate(p)
-    p.add_argument("--local-world-size", type=_positive, metavar="L",
+    p.add_argument("--local-world-size", type=positive_int, metavar="L",
                    help="processes per node (torchrun's --nproc-per-node), the node layout; --summary adds the "
                         "GETs of the planned rank's node when its processes share one copy of each shard")
 
 
 def planning_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``plan_epoch``'s keyword arguments from the options (after ``--budget`` became the
-    ``Budget`` in ``args.batch_size``)."""
+    """``plan_epoch``'s keyword arguments from the options (after :func:`sizing`)."""
     return dict(seed=args.seed, batch_size=args.batch_size, policy=args.pad,
                 oversubscribe=args.oversubscribe, pad_to=args.pad_to, locality=args.locality,
                 window=args.window, accumulation_steps=args.accumulation_steps)
 
 
-def sizing(args: argparse.Namespace) -> None:
-    """``--budget LIMIT`` (with its model and bound) as the ``Budget`` planned in place of
-    a batch size, in ``args.batch_size``."""
+def sizing(args: argparse.Namespace, cmd: str) -> None:
+    """``--budget`` or ``--pack`` (with their options) as the ``Budget`` or ``Pack``
+    planned in place of a batch size, in ``args.batch_size``."""
     if args.budget is not None:
         from ..core.budget import Budget
 
         args.batch_size = Budget(args.budget, args.budget_model, args.max_samples)
+    if args.pack is None and (args.packs_per_batch or args.max_segments or args.oversize):
+        raise usage_error(cmd, "--packs-per-batch, --max-segments and --oversize go with --pack L")
+    if args.pack is not None:
+        from ..core.packing import Pack
+
+        args.batch_size = Pack(args.pack, args.packs_per_batch or 1, args.max_segments, args.oversize or "refuse")
 
 
 def _parse_buckets(text: str) -> dict[str, int]:
@@ -121,14 +134,16 @@ def plan_sources(args: argparse.Namespace, cmd: str) -> tuple[list[Any], list[An
     from ..core.dataset import Dataset
 
     if bool(args.index) == bool(args.buckets):
-        raise _usage(cmd, "give either INDEX file(s) or --buckets, not both and not neither")
+        raise usage_error(cmd, "give either INDEX file(s) or --buckets, not both and not neither")
     if args.buckets and args.budget is not None:
-        raise _usage(cmd, "--budget needs INDEX file(s) built with --cost: --buckets has no costs")
+        raise usage_error(cmd, "--budget needs INDEX file(s) built with --cost: --buckets has no costs")
     if args.budget is None and (args.max_samples is not None or args.budget_model != "sum"):
-        raise _usage(cmd, "--budget-model and --max-samples go with --budget LIMIT")
+        raise usage_error(cmd, "--budget-model and --max-samples go with --budget LIMIT")
+    if args.buckets and args.pack is not None:
+        raise usage_error(cmd, "--pack needs INDEX file(s) built with --cost: --buckets has no costs")
     if args.buckets:
         if args.locality != "none":
-            raise _usage(cmd, f"--locality {args.locality} needs INDEX file(s): --buckets has no shards")
+            raise usage_error(cmd, f"--locality {args.locality} needs INDEX file(s): --buckets has no shards")
         ds = synthetic_dataset(args.buckets)
         return [Dataset(ds.name, ds.buckets, repeats=args.repeats)], [None]
     from ..index.codec import load_index  # lazily: only when an index file is planned
@@ -138,15 +153,15 @@ def plan_sources(args: argparse.Namespace, cmd: str) -> tuple[list[Any], list[An
         try:
             weights = [float(w) for w in args.weights.split(",")]
         except ValueError:
-            raise _usage(cmd, f"--weights {args.weights!r} is not a list of numbers") from None
+            raise usage_error(cmd, f"--weights {args.weights!r} is not a list of numbers") from None
         if len(weights) != len(args.index):
-            raise _usage(cmd, f"--weights has {len(weights)} values for {len(args.index)} index files")
+            raise usage_error(cmd, f"--weights has {len(weights)} values for {len(args.index)} index files")
     datasets, lookups, names = [], [], set()
     seen: dict[tuple[str, tuple[str, ...]], tuple[int, str]] = {}
     for i, (path, weight) in enumerate(zip(args.index, weights)):
         idx = load_index(path, relocate=relocation(args))
         _refuse_twice(cmd, i, path, idx, seen)
-        ds = idx.to_dataset(repeats=args.repeats, weight=weight, costs=args.budget is not None)
+        ds = idx.to_dataset(repeats=args.repeats, weight=weight, costs=args.budget is not None or args.pack is not None)
         if ds.name in names:
             ds = Dataset(f"{ds.name}#{i}", ds.buckets, repeats=ds.repeats, weight=ds.weight, cost=ds.cost,
                          cost_order=ds.cost_order)
@@ -172,7 +187,7 @@ def _refuse_twice(cmd: str, i: int, path: str, idx: Any, seen: dict[tuple[str, t
     same_file = first == path or os.path.realpath(first) == os.path.realpath(path)
     what = (f"index {path!r} is given twice (INDEX {j + 1} and {i + 1})" if same_file else
             f"index {path!r} holds the same samples as {first!r} (digest {idx.digest[:16]}, the same shards)")
-    raise _usage(cmd, f"{what}: each of its samples would be planned twice per epoch, as two datasets; "
+    raise usage_error(cmd, f"{what}: each of its samples would be planned twice per epoch, as two datasets; "
                          "give each index once (to see every sample more than once per epoch: --repeats N)")
 
 

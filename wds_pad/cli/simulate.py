@@ -23,7 +23,7 @@ import json
 import sys
 from typing import Any
 
-from .common import _nbytes, _non_negative, _positive, _usage, check_node_layout, format_table
+from .common import check_node_layout, format_bytes, format_table, non_negative, positive_int, usage_error
 from .planoptions import add_planning_options, plan_sources, planning_kwargs, sizing
 
 __all__ = ["add_parser"]
@@ -46,14 +46,14 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("simulate", help="predict a job's GETs, bytes, stalls and price before it runs",
                        description="Predict, from the plans of every rank, what a job will read.")
     add_planning_options(p)
-    p.add_argument("--epochs", type=_positive, default=1, help="epochs to simulate, from --epoch on")
+    p.add_argument("--epochs", type=positive_int, default=1, help="epochs to simulate, from --epoch on")
     p.add_argument("--latency-ms", type=_number, default=20.0, help="latency of one GET")
     p.add_argument("--bandwidth-mbps", type=_number, default=1000.0, help="a node's bandwidth to the store")
     p.add_argument("--step-ms", type=_number, default=100.0, help="the training step's time, data aside")
-    p.add_argument("--in-flight", type=_positive, default=8, help="GETs a node has under way at once")
-    p.add_argument("--lookahead-steps", type=_non_negative, default=0,
+    p.add_argument("--in-flight", type=positive_int, default=8, help="GETs a node has under way at once")
+    p.add_argument("--lookahead-steps", type=non_negative, default=0,
                    help="steps ahead a node starts on a step's bytes (0: when the step asks for them)")
-    p.add_argument("--block-bytes", type=_positive, help="bytes of one GET of a shard read whole "
+    p.add_argument("--block-bytes", type=positive_int, help="bytes of one GET of a shard read whole "
                    "(default: ReadOptions' block_bytes)")
     p.add_argument("--price-per-get", type=_number, default=0.0, help="USD per GET (S3 standard: 0.0000004)")
     p.add_argument("--price-per-gb", type=_number, default=0.0, help="USD per GB read (egress)")
@@ -71,16 +71,16 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from ..io.options import ReadOptions
 
     if not args.index:
-        raise _usage("simulate", "give INDEX file(s): the simulation needs each sample's shard and bytes")
+        raise usage_error("simulate", "give INDEX file(s): the simulation needs each sample's shard and bytes")
     if args.bandwidth_mbps <= 0:
-        raise _usage("simulate", "--bandwidth-mbps must be > 0")
-    sizing(args)
+        raise usage_error("simulate", "--bandwidth-mbps must be > 0")
+    sizing(args, "simulate")
     sources, _ = plan_sources(args, "simulate")
     check_node_layout("simulate", args)
     indexes = getattr(args, "loaded", [])
     per_node = args.local_world_size or 1
     if args.world_size % per_node:
-        raise _usage("simulate", f"--world-size {args.world_size} is not a multiple of --local-world-size {per_node}")
+        raise usage_error("simulate", f"--world-size {args.world_size} is not a multiple of --local-world-size {per_node}")
     kw = planning_kwargs(args)
     epochs = list(range(args.epoch, args.epoch + args.epochs))
     plans = []
@@ -119,11 +119,11 @@ def _print(sim: Any, args: argparse.Namespace, per_node: int, out: Any) -> None:
     headers = ["epoch", "steps", "GETs", "bytes"] + [f"node {n} GETs" for n in range(min(nodes, 4))]
     rows = []
     for e, epoch in enumerate(sim.epochs):
-        rows.append([epoch, sim.steps[e], sim.gets_per_epoch[e], _nbytes(sim.bytes_per_epoch[e])]
+        rows.append([epoch, sim.steps[e], sim.gets_per_epoch[e], format_bytes(sim.bytes_per_epoch[e])]
                     + [sim.nodes[n][e].gets for n in range(min(nodes, 4))])
     out.write(format_table(headers, rows) + "\n")
     if nodes > 4:
         out.write(f"(nodes 4-{nodes - 1} in --json)\n")
     out.write(f"first batch after {sim.first_batch_s:.2f} s; {100 * sim.stall_share:.1f}% of steps wait for "
-              f"data ({sim.stalls}); peak cache folder {_nbytes(sim.peak_cache_bytes)} a node; "
+              f"data ({sim.stalls}); peak cache folder {format_bytes(sim.peak_cache_bytes)} a node; "
               f"cost {sim.cost_usd:.6f} USD\n")
