@@ -332,7 +332,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             yield from self._iterate()
             return
         self.agree()
-        yield from self._counted(self._clock.timed(self._iterate(), "wait_ns", count=True))
+        # in one process the loop's wait is the time batches take to make: one timing for both
+        yield from self._counted(self._clock.timed(self._iterate(), "wait_ns", count=True, also="make_ns"))
 
     def _iterate(self) -> Iterator[Any]:
         source = self._source()
@@ -345,9 +346,10 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         clock.start_reader(self._read_stats)
         pack = self._pack and in_worker and packs(self.stages, self.collation_fn)  # the main process unpacks
         views = self.zero_copy and not in_worker  # one process: members are views here
-        made = clock.timed(BatchMaker(self.spec, self.stages, self.collation_fn, self.handler, self.counters,
-                                      fetcher, _unmoved if pack else self._advance, pack, views, clock)(source),
-                           "make_ns")
+        made = BatchMaker(self.spec, self.stages, self.collation_fn, self.handler, self.counters,
+                          fetcher, _unmoved if pack else self._advance, pack, views, clock)(source)
+        if in_worker:
+            made = clock.timed(made, "make_ns")
         try:
             yield from clock.noted(made) if in_worker and self._pack else made
         finally:

@@ -150,23 +150,24 @@ class Clock:
             _add(self.by_url, note.by_url)
 
     # -- timing, per batch -----------------------------------------------------------------
-    def timed(self, items: Iterable[Any], key: str, count: bool = False) -> Iterator[Any]:
+    def timed(self, items: Iterable[Any], key: str, count: bool = False, also: str = "") -> Iterator[Any]:
         """``items``, adding the time spent inside their ``next()`` to counter ``key``
-        (and each item to ``batches`` if ``count``); closes ``items`` when closed."""
+        (and to ``also``: one process times its wait and its making at once; and each
+        item to ``batches`` if ``count``); closes ``items`` when closed."""
         it = iter(items)
         now, own = time.perf_counter_ns, self.own
         try:
-            while True:
-                began = now()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    own[key] += now() - began
-                    return
-                own[key] += now() - began
+            began = now()
+            for item in it:
+                spent = now() - began
+                own[key] += spent
+                if also:
+                    own[also] += spent
                 if count:
                     own["batches"] += 1
                 yield item
+                began = now()
+            own[key] += now() - began
         finally:
             close = getattr(it, "close", None)
             if close is not None:
