@@ -222,3 +222,40 @@ def test_a_slow_rank_is_named_in_every_trial_on_gloo(served: tuple[Any, Path], t
             assert t["slowest"] == 1 and t["cause"] == "tar_s", t["text"]
             assert t["ratio"] > 1.0 and t["text"].startswith("rank 1 waits "), t["text"]
     assert results[0] == results[1]  # every rank got the same report
+
+
+_SLOW_SHARDS_JOB = r"""
+import datetime, json, sys
+import torch.distributed as dist
+from wds_pad import BucketedWebDataset, Loader, stall_report
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+rank = dist.get_rank()
+# the same shards and rows; rank 1 reads them through a proxy that adds latency to every GET
+index = sys.argv[2] if rank == 1 else sys.argv[1]
+ds = BucketedWebDataset(index, batch_size=4, seed=7, check_agreement=False)
+reporter = stall_report(Loader(ds, num_workers=int(sys.argv[3])))
+for _ in reporter:
+    pass
+r = reporter.reports[-1]
+dist.destroy_process_group()
+print(json.dumps({"slowest": r.slowest, "cause": r.cause, "shard": r.shard, "text": r.text,
+                  "gets": [s.gets for s in r.ranks]}))
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_rank_with_slow_shards_is_named_with_its_shard_on_gloo(served: tuple[Any, Path], fault_proxy: Any,
+                                                                tmp_path: Path, workers: int) -> None:
+    server = served[0]
+    direct = str(tmp_path / "direct.wdsidx")
+    build_index(f"{server.url}/stats/train-{{000000..{SHARDS - 1:06d}}}.tar", BUCKET_BY, output=direct)
+    proxy: FaultProxy = fault_proxy(server)
+    slow = _proxied_index(served, proxy, tmp_path)
+    proxy.set_latency(400)  # a large slowdown: seconds of GET wait against tenths of a second
+    results = run_gloo_job(tmp_path, _SLOW_SHARDS_JOB, 2, args=(direct, slow, str(workers)), timeout=240)
+    for r in results:
+        assert r["slowest"] == 1 and r["cause"] == "get_s", r["text"]
+        assert r["shard"].startswith(f"{proxy.url}/stats/train-") and r["shard"] in r["text"], r["text"]
+        assert r["gets"][0] > 0 and r["gets"][1] > 0
+    assert results[0] == results[1]
