@@ -395,10 +395,12 @@ def _elastic_phase(params: dict[str, Any]) -> dict[str, Any]:
 
     from wds_pad import BucketedWebDataset, Loader, load_state_file, save_state_file
 
-    from wds_pad import Budget
+    from wds_pad import Budget, Pack
 
     rank, world = dist.get_rank(), dist.get_world_size()
     size = Budget(params["budget"]) if params.get("budget") else params["batch_size"]
+    if params.get("pack"):
+        size = Pack(**params["pack"])
     ds = BucketedWebDataset(params["index"], batch_size=size, seed=params["seed"],
                             oversubscribe=True, locality=params.get("locality", "none"),
                             accumulation_steps=params.get("accumulation_steps", 1))
@@ -413,7 +415,8 @@ def _elastic_phase(params: dict[str, Any]) -> dict[str, Any]:
             n += 1
             log.write(json.dumps({"step": int(batch[0]["__step__"]), "bucket": batch[0]["__bucket__"],
                                   "keys": [s["__key__"] for s in batch],
-                                  "pad": [bool(s["__pad__"]) for s in batch]}) + "\n")
+                                  "pad": [bool(s["__pad__"]) for s in batch],
+                                  "pack": [s.get("__pack__") for s in batch]}) + "\n")
             log.flush()
             if n == save_at:
                 save_state_file(loader.state_dict(), params["state_dir"], rank)

@@ -157,3 +157,21 @@ def test_a_module_lives_at_one_path(old: str) -> None:
 
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(old)
+
+
+#: the one module that reaches torch.distributed, and the CLI command that makes a group
+DISTRIBUTED = {"core/collective.py", "cli/index.py"}
+
+
+@pytest.mark.parametrize("path", EVERY, ids=[str(p.relative_to(PACKAGE)) for p in EVERY])
+def test_torch_distributed_is_reached_through_core_collective(path: Path) -> None:
+    rel = path.relative_to(PACKAGE).as_posix()
+    if rel in DISTRIBUTED:
+        return
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        for name in names:
+            assert not name.startswith("torch.distributed"), (
+                f"{rel}:{node.lineno} imports {name}: reach the process group through "
+                "wds_pad.core.collective (dist_for, all_gather, broadcast, default_store)")

@@ -6,10 +6,13 @@ Examples::
     python tools/make_shards.py images /tmp/wds-demo --samples 300 --shards 6
     python tools/make_shards.py blobs /tmp/wds-bench --samples 10000 --sample-bytes 10000 --shards 10
     python tools/make_shards.py blobs /tmp/wds-ustar --producer tarfile-ustar
+    python tools/make_shards.py tokens /tmp/wds-tokens --samples 1000 --shards 10
 
 ``images``: small real PNG/JPEG images in aspect-ratio buckets of skewed sizes, each with
 a ``.json`` holding width/height/label. ``blobs``: random ``.bin`` payloads of about
-``--sample-bytes`` with a ``.json`` holding width/height. Output is deterministic for a
+``--sample-bytes`` with a ``.json`` holding width/height. ``tokens``: token samples
+(``tokens.npy``, the same as raw uint16 ``tokens.bin``) of log-normal lengths with a
+``.json`` holding ``tokens`` and ``source`` (docs/packing.md). Output is deterministic for a
 given ``--seed``. ``--producer`` picks what writes the tar bytes, as real datasets are
 made: ``webdataset`` (default: ``wds.TarWriter``, a pax header per member),
 ``wds-shardwriter``, ``tarfile-pax``/``-gnu``/``-ustar`` (Python's tarfile),
@@ -37,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("kind", choices=("images", "blobs"), help="what to write")
+    parser.add_argument("kind", choices=("images", "blobs", "tokens"), help="what to write")
     parser.add_argument("out_dir", help="local output directory (created if missing)")
     parser.add_argument(
         "--samples", type=int, default=None, help="samples in total (images: 300, blobs: 1000)"
@@ -63,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
                 shards=6 if args.shards is None else args.shards,
                 seed=args.seed,
                 formats=tuple(f.strip() for f in args.formats.split(",")),
+                producer=args.producer,
+            )
+        elif args.kind == "tokens":  # tokens.npy / tokens.bin and a .json with tokens and source
+            paths = _synth.make_token_shards(
+                args.out_dir,
+                samples=1000 if args.samples is None else args.samples,
+                shards=10 if args.shards is None else args.shards,
+                seed=args.seed,
                 producer=args.producer,
             )
         else:

@@ -38,9 +38,11 @@ from .errors import (
 from .core.budget import Budget, BudgetModel
 from .core.dataset import Dataset, IdRange
 from .core.locality import Locality, ShardMap
+from .core.packing import Pack
 from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
 from .core.policy import Mode, PadTo, Policy
-from .core.seed import derive_rng, shared_seed
+from .core.collective import shared_seed
+from .core.seed import derive_rng
 from .core.topology import Topology
 from .version import __version__
 
@@ -69,6 +71,7 @@ _LAZY: dict[str, str] = {
     "fetch": "stream.fetch",
     "load_index": "index.codec",
     "load_state_file": "state.files",
+    "pack_collate": "stream.packcollate",
     "plan_batched": "stream.stages",
     "save_state_file": "state.files",
     "split_by_node": "stream.shards",
@@ -98,6 +101,7 @@ __all__ = [
     "Loader",
     "Locality",
     "Mode",
+    "Pack",
     "PadTo",
     "Plan",
     "PlanSpec",
@@ -138,6 +142,7 @@ __all__ = [
     "iter_steps",
     "load_index",
     "load_state_file",
+    "pack_collate",
     "plan_batched",
     "plan_epoch",
     "save_state_file",

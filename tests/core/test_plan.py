@@ -717,7 +717,7 @@ def test_a_batch_that_memory_cannot_hold_is_a_config_error(monkeypatch: pytest.M
     plan = plan_epoch({k: [i] for i, k in enumerate("abcde")}, Topology(1, 0), seed=1, batch_size=bs,
                       policy="cyclic", oversubscribe=True)
     assert len(plan) == 5 and int(plan.offsets[-1]) == 5 * bs
-    monkeypatch.setattr(records._Buckets, "entries", no_memory)
+    monkeypatch.setattr(records.Buckets, "entries", no_memory)
     with pytest.raises(ConfigError, match=rf"batch 0 holds {bs} planned entries, more than this machine "
                                           r"can allocate.*lower the batch size") as err:
         plan[0]

@@ -19,7 +19,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from wds_pad.core.locality import ShardMap
-from wds_pad.core.dataset import Dataset, _as_datasets
+from wds_pad.core.dataset import Dataset, as_datasets
 from wds_pad.core.plan import plan_epoch
 from wds_pad.core.remainder import Segment, plan_remainder
 from wds_pad.core.topology import Topology
@@ -37,7 +37,7 @@ def _data(buckets: list[int], shards: int, locality: str) -> Any:
 
 
 def _dataset(data: dict[str, np.ndarray]) -> Dataset:
-    return _as_datasets(data)[0]
+    return as_datasets(data)[0]
 
 
 def _real(plan: Any, batches: Any) -> Counter[int]:

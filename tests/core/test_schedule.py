@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Dataset, Topology, plan_epoch
-from wds_pad.core.schedule import _schedule
+from wds_pad.core.schedule import step_schedule
 
 
 def test_dataset_weights_act_as_poisson_rates() -> None:
@@ -35,10 +35,10 @@ def test_each_bucket_takes_its_steps_in_window_order(spec: list[Any], seed: int,
     dss = [Dataset(f"ds{i}", {}, weight=w) for i, (w, _) in enumerate(spec)]
     table: list[tuple[int, Hashable]] = [(di, k) for di, (_, steps) in enumerate(spec) for k in range(len(steps))]
     steps = [s for _, per_bucket in spec for s in per_bucket]
-    schedule, window = _schedule(dss, table, steps, seed, epoch)
+    schedule, window = step_schedule(dss, table, steps, seed, epoch)
     assert schedule.dtype == np.int16 and window.dtype == np.int32  # O(steps): stored narrow
     assert np.bincount(schedule, minlength=len(table)).tolist() == steps
     for b in range(len(table)):  # window k of a bucket is its k-th step
         assert window[schedule == b].tolist() == list(range(steps[b]))
-    again = _schedule(dss, table, steps, seed, epoch)
+    again = step_schedule(dss, table, steps, seed, epoch)
     assert schedule.tobytes() == again[0].tobytes() and window.tobytes() == again[1].tobytes()

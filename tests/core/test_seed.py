@@ -96,7 +96,7 @@ def test_several_processes_without_a_group_cannot_draw(monkeypatch: pytest.Monke
 _SEED_JOB = r"""
 import datetime, json
 import torch.distributed as dist
-import wds_pad.core.seed as seed_mod
+import wds_pad.core.collective as seed_mod
 from wds_pad import shared_seed
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -135,17 +135,17 @@ def test_drawn_seed_is_broadcast_from_rank_zero(tmp_path: Path) -> None:
 def test_check_seed_is_the_one_rule_of_the_api_and_the_cli() -> None:
     import argparse
 
-    from wds_pad.cli.common import _seed_arg
+    from wds_pad.cli.common import seed_arg
     from wds_pad.core.seed import MAX_SEED, check_seed
 
     assert MAX_SEED == 2**64 - 1
     for good in (0, 2**64 - 1):
-        assert check_seed(good) == shared_seed(good) == _seed_arg(str(good)) == good
+        assert check_seed(good) == shared_seed(good) == seed_arg(str(good)) == good
     for bad in (-1, 2**64):
         with pytest.raises(ConfigError, match=r"seed must be in \[0, 2\*\*64\)"):
             check_seed(bad)
         with pytest.raises(argparse.ArgumentTypeError, match=r"seed must be in \[0, 2\*\*64\)"):
-            _seed_arg(str(bad))
+            seed_arg(str(bad))
 
 
 def test_json_digest_is_blake2b_of_the_json_text_with_the_callers_options() -> None:

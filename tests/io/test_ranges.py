@@ -401,13 +401,13 @@ def test_always_stalled_request_fails_in_bounded_time(http: tuple[str, _State]) 
 
 
 def test_backoff_is_deterministic_and_capped() -> None:
-    from wds_pad.io.remote import _backoff
+    from wds_pad.io.remote import backoff_delay
 
     opts = ReadOptions(backoff=0.2, backoff_max=1.0)
-    delays = [_backoff(opts, "s3://b/x.tar", 10, a) for a in range(1, 8)]
-    assert delays == [_backoff(opts, "s3://b/x.tar", 10, a) for a in range(1, 8)]
+    delays = [backoff_delay(opts, "s3://b/x.tar", 10, a) for a in range(1, 8)]
+    assert delays == [backoff_delay(opts, "s3://b/x.tar", 10, a) for a in range(1, 8)]
     assert 0.1 <= delays[0] <= 0.2 and all(0.5 <= d <= 1.0 for d in delays[3:])
-    assert delays != [_backoff(opts, "s3://b/y.tar", 10, a) for a in range(1, 8)]
+    assert delays != [backoff_delay(opts, "s3://b/y.tar", 10, a) for a in range(1, 8)]
 
 
 # ---------------------------------------------------------------- concurrency

@@ -192,3 +192,44 @@ def test_the_start_method_is_read_without_fixing_the_default() -> None:
     assert multiprocessing.get_start_method(allow_none=True) == before
     assert start_method("spawn") == "spawn"
     assert start_method(multiprocessing.get_context("forkserver")) == "forkserver"
+
+
+class _Fetching:
+    """A DataLoader iterator whose next batch's shared memory cannot be fetched: torch's
+    resource sharer lost the connection to the worker that holds it."""
+
+    def __init__(self, workers: list) -> None:
+        self._workers = workers
+
+    def __iter__(self) -> "_Fetching":
+        return self
+
+    def __next__(self) -> None:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_worker_killed_while_its_batch_is_fetched_is_one_worker_error() -> None:
+    import multiprocessing
+    import signal
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    child.start()
+    os.kill(child.pid, signal.SIGKILL)  # not yet reaped: watched() waits for it to be
+    try:
+        with pytest.raises(WorkerError, match=rf"worker 0 \(pid {child.pid}\) was killed by SIGKILL"):
+            next(workers.watched(_Fetching([child]), "Loader"))
+    finally:
+        child.join()
+
+
+def test_a_lost_connection_with_every_worker_alive_is_not_called_a_death() -> None:
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    child.start()
+    try:
+        with pytest.raises(ConnectionResetError):
+            next(workers.watched(_Fetching([child]), "Loader"))
+    finally:
+        child.kill()
+        child.join()

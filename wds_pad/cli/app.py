@@ -22,7 +22,7 @@ import threading
 from typing import Any, Sequence
 
 from . import demo, index, inspect, plan, verify
-from .common import EXIT_USAGE, Terminated, _UsageError, cli_wording, interrupt_exit
+from .common import EXIT_USAGE, Terminated, UsageError, cli_wording, interrupt_exit
 from ..errors import WdsPadError
 
 __all__ = ["main"]
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
-    except _UsageError as exc:
+    except UsageError as exc:
         sys.stderr.write(f"{exc}\n")
         return EXIT_USAGE
     except WdsPadError as exc:

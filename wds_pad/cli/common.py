@@ -6,7 +6,7 @@ Every command module imports from here; this module imports no command and not
 matplotlib at import time.
 
 Invariants:
-- a usage error is raised as :class:`_UsageError` with its whole line
+- a usage error is raised as :class:`UsageError` with its whole line
   (``wds-pad <cmd>: error: ...``) and exits with :data:`EXIT_USAGE` (2);
 - advice the library words for Python (``on_error='skip'``) is printed in the CLI's
   spelling (``--on-error skip``) by :func:`cli_wording`;
@@ -34,12 +34,12 @@ _SHOW = 5  # excluded samples / skipped shards listed in reports
 
 
 # -- usage errors and interrupts -------------------------------------------------------
-class _UsageError(Exception):
+class UsageError(Exception):
     pass
 
 
-def _usage(cmd: str, message: str) -> _UsageError:
-    return _UsageError(f"wds-pad {cmd}: error: {message}")
+def usage_error(cmd: str, message: str) -> UsageError:
+    return UsageError(f"wds-pad {cmd}: error: {message}")
 
 
 class Terminated(KeyboardInterrupt):
@@ -72,7 +72,7 @@ def cli_wording(message: str) -> str:
 
 
 # -- argument parsers ------------------------------------------------------------------
-def _int_at_least(minimum: int, what: str, text: str) -> int:
+def int_at_least(minimum: int, what: str, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -82,15 +82,15 @@ def _int_at_least(minimum: int, what: str, text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    return _int_at_least(1, "a positive integer", text)
+def positive_int(text: str) -> int:
+    return int_at_least(1, "a positive integer", text)
 
 
-def _non_negative(text: str) -> int:
-    return _int_at_least(0, "an integer >= 0", text)
+def non_negative(text: str) -> int:
+    return int_at_least(0, "an integer >= 0", text)
 
 
-def _positive_number(text: str) -> float:
+def positive_number(text: str) -> float:
     """A finite number > 0 (a budget: ``8192``, ``1.5e6``)."""
     import math
 
@@ -118,13 +118,13 @@ def _library_int(check: Callable[[Any], int], what: str, text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _seed_arg(text: str) -> int:
+def seed_arg(text: str) -> int:
     from ..core.seed import check_seed
 
     return _library_int(check_seed, "seed", text)
 
 
-def _epoch_arg(text: str) -> int:
+def epoch_arg(text: str) -> int:
     from ..core.policy import check_epoch
 
     return _library_int(check_epoch, "epoch", text)
@@ -191,7 +191,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: s
     return "\n".join([line(headers), rule] + [line(r) for r in cells])
 
 
-def _print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
+def print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
     """A plan's per-bucket table (``plan --summary``, the demo); ``all_ranks``: the
     table stands for every rank (``--rank all``), and its last line says so."""
     topo = plan.topology
@@ -206,6 +206,8 @@ def _print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
                "truncated", "status", "steps/epoch"]
     budget = plan.budget
     size = f"budget {budget.limit:g} ({budget.model.value})" if budget is not None else f"batch {plan.batch_size}"
+    if plan.sizing.kind == "pack":  # B packs of at most seq_len tokens
+        size = plan.sizing.describe()
     unit = plan.sizing.pad_unit(topo.dp_size, plan.pad_to, plan.accumulation)
     accumulation = f", accumulation {plan.accumulation}" if plan.accumulation > 1 else ""
     out.write(f"epoch {plan.epoch}: world_size {topo.world_size}, dp_size {topo.dp_size}, "
@@ -218,7 +220,7 @@ def _print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
               f"{plan.steps} steps per epoch, {_batches_per_rank(plan, all_ranks)}\n")
 
 
-def _locality_arg(text: str) -> str:
+def locality_arg(text: str) -> str:
     """``--locality``: any value of the library's ``Locality``, with its message otherwise."""
     from ..core.locality import Locality
     from ..core.policy import parse_enum
@@ -240,7 +242,7 @@ def check_node_layout(cmd: str, args: argparse.Namespace) -> None:
 
     if args.local_world_size is None:
         if args.locality == "node":
-            raise _usage(cmd, "--locality node needs --local-world-size L, the processes each node runs "
+            raise usage_error(cmd, "--locality node needs --local-world-size L, the processes each node runs "
                               "(torchrun's --nproc-per-node): the shards are dealt to nodes")
         return
     try:
@@ -251,7 +253,7 @@ def check_node_layout(cmd: str, args: argparse.Namespace) -> None:
     except TopologyError as exc:
         flags = re.sub(r"\b(local_world_size|world_size|cp_size)\b",
                        lambda m: "--" + m.group(1).replace("_", "-"), str(exc))
-        raise _usage(cmd, flags) from None
+        raise usage_error(cmd, flags) from None
 
 
 def _batches_per_rank(plan: Any, all_ranks: bool) -> str:
@@ -273,7 +275,7 @@ def _stats_in_order(stats: Sequence[Any]) -> list[Any]:
     return sorted(stats, key=lambda s: (datasets.index(s.dataset), order[s.bucket]))
 
 
-def _nbytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -281,7 +283,7 @@ def _nbytes(n: float) -> str:
     return f"{n:.1f} TB"  # pragma: no cover
 
 
-def _plural(n: int, word: str) -> str:
+def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
@@ -292,21 +294,21 @@ def _short_reason(url: str, reason: str) -> str:
     return head if sep and "on_error='skip'" in hint else reason
 
 
-def _report_excluded(index: Any, out: Any) -> None:
+def report_excluded(index: Any, out: Any) -> None:
     """The skipped shards and excluded samples, with reasons (the first few)."""
     shards = list(index.excluded.get("shards", []))
     samples = list(index.excluded.get("samples", []))
     count = int(index.excluded.get("count", len(samples)))
     if shards:
-        out.write(f"skipped {_plural(len(shards), 'shard')} (on error: skip):\n")
+        out.write(f"skipped {plural(len(shards), 'shard')} (on error: skip):\n")
         for s in shards[:_SHOW]:
             kept = s.get("samples_kept", 0)
-            note = f" [{_plural(kept, 'sample')} before the fault kept]" if kept else ""
+            note = f" [{plural(kept, 'sample')} before the fault kept]" if kept else ""
             out.write(f"  {s['url']}: {_short_reason(s['url'], s['reason'])}{note}\n")
         if len(shards) > _SHOW:
             out.write(f"  ... and {len(shards) - _SHOW} more (wds-pad inspect --json INDEX)\n")
     if count:
-        out.write(f"excluded {_plural(count, 'sample')}:\n")
+        out.write(f"excluded {plural(count, 'sample')}:\n")
         for s in samples[:_SHOW]:
             out.write(f"  {s['key']!r} in {s['url']} at byte offset {s['offset']}: {s['reason']}\n")
         if count > _SHOW:

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from .common import _positive, _print_summary, _seed_arg, bucket_order, format_table
+from .common import positive_int, print_summary, seed_arg, bucket_order, format_table
 from .plot import draw_buckets
 
 __all__ = ["add_parser", "run_demo"]
@@ -27,12 +27,12 @@ def add_parser(sub: Any) -> None:
     """Register the ``demo`` subcommand."""
     p = sub.add_parser("demo", help="run the main job end to end on a generated dataset")
     p.add_argument("--out", default="demo-out", help="directory for the generated data and plot")
-    p.add_argument("--world-size", type=_positive, default=8)
-    p.add_argument("--cp-size", type=_positive, default=2)
-    p.add_argument("--batch-size", type=_positive, default=4)
-    p.add_argument("--seed", type=_seed_arg, default=1234)
-    p.add_argument("--samples", type=_positive, default=400, help="images to generate")
-    p.add_argument("--shards", type=_positive, default=8, help="shards to write them into")
+    p.add_argument("--world-size", type=positive_int, default=8)
+    p.add_argument("--cp-size", type=positive_int, default=2)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--seed", type=seed_arg, default=1234)
+    p.add_argument("--samples", type=positive_int, default=400, help="images to generate")
+    p.add_argument("--shards", type=positive_int, default=8, help="shards to write them into")
     p.set_defaults(func=run_demo)
 
 
@@ -65,7 +65,7 @@ def run_demo(args: argparse.Namespace) -> int:
                                 seed=args.seed, oversubscribe=True, check_agreement=False)
         datasets.append(ds.decode("pil").to_tuple("png;jpg", "json", "__bucket__", "__pad__", "__key__"))
     out.write(f"3. plan for world size {world}, cp size {cp} (dp size {world // cp}), batch size {bs}:\n\n")
-    _print_summary(datasets[0].plan(), out)
+    print_summary(datasets[0].plan(), out)
     out.write("\n4. streaming every rank (decoding images, checking sizes against their JSON):\n\n")
     streams: list[list[tuple[Any, list[str]]]] = []
     rows = []

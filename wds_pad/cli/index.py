@@ -32,11 +32,11 @@ import time
 from typing import Any
 
 from .common import (
-    _nbytes,
-    _plural,
-    _positive,
-    _report_excluded,
-    _usage,
+    format_bytes,
+    plural,
+    positive_int,
+    report_excluded,
+    usage_error,
     bucket_order,
     interrupt_exit,
 )
@@ -70,7 +70,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rescan", action="append", metavar="URL_OR_PATTERN",
                    help="with --update: scan this shard again even if its size and change stamp are unchanged "
                         "(rewritten in place; `wds-pad verify --deep` names such shards); repeatable")
-    p.add_argument("--workers", type=_positive, default=8, help="shards scanned concurrently (default 8)")
+    p.add_argument("--workers", type=positive_int, default=8, help="shards scanned concurrently (default 8)")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise",
                    help="bad shard or sample: stop with an error (default), or leave it out and report it")
     p.add_argument("--name", help="dataset name the index plans under (default: the INDEX file stem)")
@@ -80,9 +80,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--distributed", action="store_true",
                    help="one job over every rank of torchrun (gloo): parts of --part-shards shards per rank, "
                         "merged by rank 0; a rerun redoes only missing parts (implied under torchrun)")
-    p.add_argument("--part-shards", type=_positive, default=64,
+    p.add_argument("--part-shards", type=positive_int, default=64,
                    help="--distributed: shards per part, the unit of work and of reuse (default 64)")
-    p.add_argument("--timeout", type=_positive, default=600,
+    p.add_argument("--timeout", type=positive_int, default=600,
                    help="--distributed: seconds a rank may stay silent before the job stops (default 600)")
     p.add_argument("--relocate", action="append", default=[], metavar="OLD=NEW",
                    help="refused: an index written again with moved URLs gets another digest and its saved states "
@@ -136,13 +136,13 @@ def _cmd_index(args: argparse.Namespace) -> int:
     previous = None
     urls = list(args.urls)
     if not urls and not args.update:
-        raise _usage("index", "give the shard URLs or patterns to index, or --update -o INDEX to index again "
+        raise usage_error("index", "give the shard URLs or patterns to index, or --update -o INDEX to index again "
                               "the shards an existing INDEX lists")
     if args.relocate and not args.update:
-        raise _usage("index", "--relocate applies to the index --update reads (-o INDEX); shards given as URLs "
+        raise usage_error("index", "--relocate applies to the index --update reads (-o INDEX); shards given as URLs "
                               "are indexed where they are")
     if args.relocate:  # the new URLs would change INDEX's digest: every state saved with it refused
-        raise _usage("index", f"--update --relocate would write {args.output} again with the shards' new URLs, which "
+        raise usage_error("index", f"--update --relocate would write {args.output} again with the shards' new URLs, which "
                               "changes its digest, so states saved with it could no longer resume; leave it as it "
                               "is and read the shards where they moved to through relocate= (--relocate OLD=NEW "
                               "on plan, inspect and verify; BucketedWebDataset(..., relocate={OLD: NEW}), "
@@ -150,7 +150,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
                               "wds-pad index NEW_URLS -o NEW_INDEX")
     cost = parse_cost(args.cost) if args.cost is not None else None
     if args.rescan and not args.update:
-        raise _usage("index", "--rescan scans shards again in an update: add --update (without it every shard "
+        raise usage_error("index", "--rescan scans shards again in an update: add --update (without it every shard "
                               "is scanned anyway)")
     if args.update:
         # refuse a bad -o before reading it as the previous index (build_index checks it
@@ -199,14 +199,14 @@ def _cmd_index(args: argparse.Namespace) -> int:
 def _report(index: Any, output: str, elapsed: float, previous: Any, rescanned: Any = ()) -> None:
     out = sys.stdout
     nbytes = sum(max(s.size, 0) for s in index.shards)
-    out.write(f"indexed {_plural(len(index.shards), 'shard')} ({_nbytes(nbytes)}), "
-              f"{_plural(len(index), 'sample')} in {_plural(len(index.buckets), 'bucket')} "
+    out.write(f"indexed {plural(len(index.shards), 'shard')} ({format_bytes(nbytes)}), "
+              f"{plural(len(index), 'sample')} in {plural(len(index.buckets), 'bucket')} "
               f"in {elapsed:.2f} s -> {output}\n")
     if previous is not None:
         old = {(s.url, s.size, s.stamp) for s in previous.shards if s.error is None}
         again = set(rescanned)
         kept = sum((s.url, s.size, s.stamp) in old and s.url not in again for s in index.shards if s.error is None)
-        out.write(f"update: {_plural(len(index.shards) - kept, 'shard')} scanned, {kept} unchanged\n")
+        out.write(f"update: {plural(len(index.shards) - kept, 'shard')} scanned, {kept} unchanged\n")
     counts = index.bucket_counts()
     if counts:
         top = ", ".join(f"{k}={counts[k]}" for k in bucket_order(counts)[:12])
@@ -216,7 +216,7 @@ def _report(index: Any, output: str, elapsed: float, previous: Any, rescanned: A
         c = index.cost
         out.write(f"cost {index.cost_kind}: min {_number(c.min())}, mean {_number(c.mean())}, "
                   f"max {_number(c.max())} (wds-pad inspect: per bucket)\n")
-    _report_excluded(index, out)
+    report_excluded(index, out)
 
 
 def _number(value: Any) -> str:

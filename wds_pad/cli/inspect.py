@@ -24,12 +24,12 @@ import sys
 from typing import Any, Hashable
 
 from .common import (
-    _locality_arg,
-    _nbytes,
-    _non_negative,
-    _positive,
-    _report_excluded,
-    _usage,
+    locality_arg,
+    format_bytes,
+    non_negative,
+    positive_int,
+    report_excluded,
+    usage_error,
     add_relocate,
     bucket_order,
     check_node_layout,
@@ -55,21 +55,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("index", metavar="INDEX", help="index file (path or URL)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of bucket sizes (needs matplotlib)")
-    p.add_argument("--world-size", type=_positive, help="with --batch-size: also show padding for this job")
-    p.add_argument("--batch-size", type=_positive, help="samples per batch per DP rank")
-    p.add_argument("--cp-size", type=_positive, default=1, help="context-parallel size (default 1)")
-    p.add_argument("--seed", type=_non_negative, default=0, help="plan seed (padding amounts do not depend on it)")
+    p.add_argument("--world-size", type=positive_int, help="with --batch-size: also show padding for this job")
+    p.add_argument("--batch-size", type=positive_int, help="samples per batch per DP rank")
+    p.add_argument("--cp-size", type=positive_int, default=1, help="context-parallel size (default 1)")
+    p.add_argument("--seed", type=non_negative, default=0, help="plan seed (padding amounts do not depend on it)")
     p.add_argument("--pad", choices=["auto", "cyclic", "drop", "none"], default="auto", help="padding policy")
-    p.add_argument("--repeats", type=_non_negative, default=0)
+    p.add_argument("--repeats", type=non_negative, default=0)
     p.add_argument("--oversubscribe", action="store_true")
-    p.add_argument("--locality", type=_locality_arg, default=None,
+    p.add_argument("--locality", type=locality_arg, default=None,
                    help="with --world-size/--batch-size: also show what rank 0's epoch costs to read")
-    p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
+    p.add_argument("--window", type=positive_int, default=8, help="shards a rank visits at once (--locality shard)")
     p.add_argument("--budget", type=_budget_arg, metavar="B",
                    help="an index with costs: also count, per bucket, the samples dearer than B and name them "
                         "(each travels alone in a batch under a budget of B)")
     add_relocate(p)
-    p.add_argument("--local-world-size", type=_positive, metavar="L",
+    p.add_argument("--local-world-size", type=positive_int, metavar="L",
                    help="with --locality: processes per node; also show what node 0's epoch costs to read "
                         "when its processes share one copy of each shard")
     p.set_defaults(func=_cmd_inspect)
@@ -122,7 +122,7 @@ def _padding_stats(args: argparse.Namespace, index: Any) -> dict[Hashable, Any] 
     if args.world_size is None and args.batch_size is None:
         return None
     if args.world_size is None or args.batch_size is None:
-        raise _usage("inspect", "padding needs both --world-size and --batch-size")
+        raise usage_error("inspect", "padding needs both --world-size and --batch-size")
     from ..core.plan import plan_epoch
     from ..core.topology import Topology
 
@@ -165,7 +165,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from ..index.codec import load_index
 
     if args.local_world_size is not None and args.locality is None:
-        raise _usage("inspect", "--local-world-size L needs --locality (with --world-size and --batch-size): "
+        raise usage_error("inspect", "--local-world-size L needs --locality (with --world-size and --batch-size): "
                                 "it adds node 0's reading cost to the locality lines")
     if args.locality is not None:
         check_node_layout("inspect", args)
@@ -173,7 +173,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         args.plot = plot_path(args.plot)
     index = load_index(args.index, relocate=relocation(args))
     if args.budget is not None and index.cost is None:
-        raise _usage("inspect", f"--budget needs an index with costs; {args.index} has none (build it with "
+        raise usage_error("inspect", f"--budget needs an index with costs; {args.index} has none (build it with "
                                 "`wds-pad index ... --cost json:FIELD|image:pixels|bytes`)")
     pad = _padding_stats(args, index)
     what_if = _what_if_locality(index, args) if pad is not None and args.locality is not None else None
@@ -224,16 +224,16 @@ def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Na
     rows = []
     for key in bucket_order(counts):
         n = counts[key]
-        row = [str(key), n, f"{100 * n / total:.1f}%" if total else "-", _nbytes(sizes[key]),
-               _nbytes(sizes[key] / n) if n else "-"]
+        row = [str(key), n, f"{100 * n / total:.1f}%" if total else "-", format_bytes(sizes[key]),
+               format_bytes(sizes[key] / n) if n else "-"]
         if pad is not None:
             s = pad[key]
             row += [s.padded_copies, s.truncated, "dropped" if s.dropped else ("empty" if not n else "kept")]
         rows.append(row)
     if pad is not None:
         headers += ["pad copies", "truncated", "status"]
-    rows.append(["total", total, "100.0%" if total else "-", _nbytes(sum(sizes.values())),
-                 _nbytes(sum(sizes.values()) / total) if total else "-"]
+    rows.append(["total", total, "100.0%" if total else "-", format_bytes(sum(sizes.values())),
+                 format_bytes(sum(sizes.values()) / total) if total else "-"]
                 + ([sum(s.padded_copies for s in pad.values()), sum(s.truncated for s in pad.values()), ""]
                    if pad is not None else []))
     out.write(format_table(headers, rows, align="lrrrr" + ("rrl" if pad is not None else "")) + "\n")
@@ -243,7 +243,7 @@ def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Na
     per_shard = [s.samples for s in index.shards if s.size >= 0]
     nbytes = sum(max(s.size, 0) for s in index.shards)
     skipped = [s for s in index.shards if s.error is not None]
-    out.write(f"\nshards: {len(index.shards)}, {_nbytes(nbytes)}, samples per shard "
+    out.write(f"\nshards: {len(index.shards)}, {format_bytes(nbytes)}, samples per shard "
               f"min {min(per_shard, default=0)} / max {max(per_shard, default=0)}, "
               f"{len(skipped)} with errors\n")
     missing, why = index.members_missing()
@@ -252,7 +252,7 @@ def _print_tables(index: Any, pad: dict[Hashable, Any] | None, args: argparse.Na
                   f"exact path (every tar header parsed): {why}\n")
     else:
         out.write("member table: every sample (streaming reads payloads without parsing tar headers)\n")
-    _report_excluded(index, out)
+    report_excluded(index, out)
     if index.cost is not None:
         _print_costs(index, args.budget, out)
 

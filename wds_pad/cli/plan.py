@@ -26,20 +26,21 @@ import sys
 from typing import Any
 
 from .common import (
-    _epoch_arg,
-    _int_at_least,
-    _locality_arg,
-    _non_negative,
-    _positive,
-    _positive_number,
-    _print_summary,
-    _seed_arg,
-    _usage,
+    epoch_arg,
+    int_at_least,
+    locality_arg,
+    non_negative,
+    positive_int,
+    positive_number,
+    print_summary,
+    seed_arg,
+    usage_error,
     add_relocate,
     check_node_layout,
     relocation,
 )
 from .budgetfill import print_budget
+from .packfill import print_packs
 from .reading import print_reading
 
 __all__ = ["add_parser", "synthetic_dataset"]
@@ -69,7 +70,7 @@ def _rank_arg(text: str) -> int | str:
     if text == "all":
         return text
     try:
-        return _int_at_least(0, "an integer >= 0", text)
+        return int_at_least(0, "an integer >= 0", text)
     except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"--rank must be an integer or 'all' ({exc})") from None
 
@@ -93,34 +94,41 @@ def add_parser(sub: Any) -> None:
                        description="Plan an epoch (or K steps) for one rank or all ranks.")
     p.add_argument("index", nargs="*", help="index file(s); each is one dataset (or use --buckets)")
     p.add_argument("--buckets", type=_parse_buckets, help="synthetic dataset: 'a=4,b=0,c=7'")
-    p.add_argument("--world-size", type=_positive, required=True)
+    p.add_argument("--world-size", type=positive_int, required=True)
     p.add_argument("--rank", type=_rank_arg, required=True, help="a rank, or 'all'")
-    p.add_argument("--cp-size", type=_positive, default=1)
+    p.add_argument("--cp-size", type=positive_int, default=1)
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--batch-size", type=_positive, help="samples per batch per DP rank")
-    size.add_argument("--budget", type=_positive_number, metavar="LIMIT",
+    size.add_argument("--batch-size", type=positive_int, help="samples per batch per DP rank")
+    size.add_argument("--budget", type=positive_number, metavar="LIMIT",
                       help="a cost budget per batch instead of a batch size (index files built with --cost)")
     p.add_argument("--budget-model", choices=["sum", "max"], default="sum",
                    help="sum: a batch costs its samples' costs summed; max: its count x its largest cost")
-    p.add_argument("--max-samples", type=_positive, help="with --budget: at most this many samples a batch")
-    p.add_argument("--accumulation-steps", type=_positive, default=1,
+    p.add_argument("--max-samples", type=positive_int, help="with --budget: at most this many samples a batch")
+    size.add_argument("--pack", type=positive_int, metavar="L",
+                      help="batches of packed sequences: packs of at most L tokens (costs; index files built "
+                           "with --cost), see docs/packing.md")
+    p.add_argument("--packs-per-batch", type=positive_int, metavar="B", help="with --pack: packs per batch (default 1)")
+    p.add_argument("--max-segments", type=positive_int, metavar="S", help="with --pack: at most S samples a pack")
+    p.add_argument("--oversize", choices=["refuse", "alone"],
+                   help="with --pack: a sample longer than L is refused (default) or travels alone in its pack")
+    p.add_argument("--accumulation-steps", type=positive_int, default=1,
                    help="micro-batches per optimizer step: every rank's batch count a multiple of it, "
                         "each run of it from one bucket")
-    p.add_argument("--seed", type=_seed_arg, required=True, help="an integer in [0, 2**64)")
-    p.add_argument("--epoch", type=_epoch_arg, default=0, help="an integer in [0, 2**31 - 1]")
+    p.add_argument("--seed", type=seed_arg, required=True, help="an integer in [0, 2**64)")
+    p.add_argument("--epoch", type=epoch_arg, default=0, help="an integer in [0, 2**31 - 1]")
     p.add_argument("--pad", choices=["auto", "cyclic", "drop", "none"], default="auto")
     p.add_argument("--pad-to", choices=["batch", "rank"], default="batch")
-    p.add_argument("--repeats", type=_non_negative, default=0, help="repeats of every dataset")
+    p.add_argument("--repeats", type=non_negative, default=0, help="repeats of every dataset")
     p.add_argument("--weights", help="comma-separated weights, one per index")
     p.add_argument("--oversubscribe", action="store_true")
     p.add_argument("--mode", choices=["epochs", "steps"], default="epochs")
-    p.add_argument("--steps", type=_positive, help="steps mode: how many global steps to print")
-    p.add_argument("--locality", type=_locality_arg, default="none",
+    p.add_argument("--steps", type=positive_int, help="steps mode: how many global steps to print")
+    p.add_argument("--locality", type=locality_arg, default="none",
                    help="none: buckets shuffled over all shards; shard: each rank reads its own shards "
                         "(needs index files)")
-    p.add_argument("--window", type=_positive, default=8, help="shards a rank visits at once (--locality shard)")
+    p.add_argument("--window", type=positive_int, default=8, help="shards a rank visits at once (--locality shard)")
     add_relocate(p)
-    p.add_argument("--local-world-size", type=_positive, metavar="L",
+    p.add_argument("--local-world-size", type=positive_int, metavar="L",
                    help="processes per node (torchrun's --nproc-per-node), the node layout; --summary adds the "
                         "GETs of the planned rank's node when its processes share one copy of each shard")
     out = p.add_mutually_exclusive_group(required=True)
@@ -134,14 +142,16 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     from ..core.dataset import Dataset
 
     if bool(args.index) == bool(args.buckets):
-        raise _usage("plan", "give either INDEX file(s) or --buckets, not both and not neither")
+        raise usage_error("plan", "give either INDEX file(s) or --buckets, not both and not neither")
     if args.buckets and args.budget is not None:
-        raise _usage("plan", "--budget needs INDEX file(s) built with --cost: --buckets has no costs")
+        raise usage_error("plan", "--budget needs INDEX file(s) built with --cost: --buckets has no costs")
     if args.budget is None and (args.max_samples is not None or args.budget_model != "sum"):
-        raise _usage("plan", "--budget-model and --max-samples go with --budget LIMIT")
+        raise usage_error("plan", "--budget-model and --max-samples go with --budget LIMIT")
+    if args.buckets and args.pack is not None:
+        raise usage_error("plan", "--pack needs INDEX file(s) built with --cost: --buckets has no costs")
     if args.buckets:
         if args.locality != "none":
-            raise _usage("plan", f"--locality {args.locality} needs INDEX file(s): --buckets has no shards")
+            raise usage_error("plan", f"--locality {args.locality} needs INDEX file(s): --buckets has no shards")
         ds = synthetic_dataset(args.buckets)
         return [Dataset(ds.name, ds.buckets, repeats=args.repeats)], [None]
     from ..index.codec import load_index  # lazily: only when an index file is planned
@@ -151,15 +161,15 @@ def _plan_sources(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
         try:
             weights = [float(w) for w in args.weights.split(",")]
         except ValueError:
-            raise _usage("plan", f"--weights {args.weights!r} is not a list of numbers") from None
+            raise usage_error("plan", f"--weights {args.weights!r} is not a list of numbers") from None
         if len(weights) != len(args.index):
-            raise _usage("plan", f"--weights has {len(weights)} values for {len(args.index)} index files")
+            raise usage_error("plan", f"--weights has {len(weights)} values for {len(args.index)} index files")
     datasets, lookups, names = [], [], set()
     seen: dict[tuple[str, tuple[str, ...]], tuple[int, str]] = {}
     for i, (path, weight) in enumerate(zip(args.index, weights)):
         idx = load_index(path, relocate=relocation(args))
         _refuse_twice(i, path, idx, seen)
-        ds = idx.to_dataset(repeats=args.repeats, weight=weight, costs=args.budget is not None)
+        ds = idx.to_dataset(repeats=args.repeats, weight=weight, costs=args.budget is not None or args.pack is not None)
         if ds.name in names:
             ds = Dataset(f"{ds.name}#{i}", ds.buckets, repeats=ds.repeats, weight=ds.weight, cost=ds.cost,
                          cost_order=ds.cost_order)
@@ -185,7 +195,7 @@ def _refuse_twice(i: int, path: str, idx: Any, seen: dict[tuple[str, tuple[str, 
     same_file = first == path or os.path.realpath(first) == os.path.realpath(path)
     what = (f"index {path!r} is given twice (INDEX {j + 1} and {i + 1})" if same_file else
             f"index {path!r} holds the same samples as {first!r} (digest {idx.digest[:16]}, the same shards)")
-    raise _usage("plan", f"{what}: each of its samples would be planned twice per epoch, as two datasets; "
+    raise usage_error("plan", f"{what}: each of its samples would be planned twice per epoch, as two datasets; "
                          "give each index once (to see every sample more than once per epoch: --repeats N)")
 
 
@@ -195,16 +205,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ..core.topology import Topology
 
     if args.mode == "steps" and args.steps is None and args.json:
-        raise _usage("plan", "--mode steps needs --steps K (how many global steps to print)")
+        raise usage_error("plan", "--mode steps needs --steps K (how many global steps to print)")
     if args.budget is not None:
         from ..core.budget import Budget
 
         args.batch_size = Budget(args.budget, args.budget_model, args.max_samples)
+    if args.pack is None and (args.packs_per_batch or args.max_segments or args.oversize):
+        raise usage_error("plan", "--packs-per-batch, --max-segments and --oversize go with --pack L")
+    if args.pack is not None:
+        from ..core.packing import Pack
+
+        args.batch_size = Pack(args.pack, args.packs_per_batch or 1, args.max_segments, args.oversize or "refuse")
     sources, lookups = _plan_sources(args)
     check_node_layout("plan", args)
     ranks = range(args.world_size) if args.rank == "all" else [args.rank]
     if args.rank != "all" and args.rank >= args.world_size:
-        raise _usage("plan", f"--rank {args.rank} is out of range for --world-size {args.world_size}")
+        raise usage_error("plan", f"--rank {args.rank} is out of range for --world-size {args.world_size}")
     common = dict(seed=args.seed, batch_size=args.batch_size, policy=args.pad,
                   oversubscribe=args.oversubscribe, pad_to=args.pad_to, locality=args.locality,
                   window=args.window, accumulation_steps=args.accumulation_steps)
@@ -215,9 +231,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         warn = i == 0
         if args.summary:
             plan = plan_epoch(sources, topo, epoch=args.epoch, mode=args.mode, warn=True, **common)
-            _print_summary(plan, out, all_ranks=args.rank == "all")  # equal on every rank
+            print_summary(plan, out, all_ranks=args.rank == "all")  # equal on every rank
             if args.budget is not None:
                 print_budget(sources, topo, args, common, out)
+            if args.pack is not None:
+                print_packs(sources, topo, args, common, out)
             if args.index:
                 print_reading(plan, getattr(args, "loaded", []), sources, topo, args, out)
             return 0

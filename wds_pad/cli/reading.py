@@ -20,7 +20,7 @@ import argparse
 from dataclasses import asdict
 from typing import Any, Sequence
 
-from .common import _nbytes
+from .common import format_bytes
 
 __all__ = ["print_reading", "reading_figures", "reading_json"]
 
@@ -99,7 +99,7 @@ def print_reading(plan: Any, indexes: Sequence[Any], sources: Sequence[Any], top
                   f"({100 * f.foreign_fraction:.1f}%; {f.foreign} foreign), "
                   f"{f.distinct_per_batch:.1f} distinct shards per batch, shuffle quality "
                   f"{f.shuffle_quality:.2f} bits, "
-                  f"{f.gets} GETs per epoch (blocks of {_nbytes(block)}), bytes read / used "
+                  f"{f.gets} GETs per epoch (blocks of {format_bytes(block)}), bytes read / used "
                   f"{f.bytes_read / max(f.bytes_used, 1):.2f}\n")
         if node is not None:
             out.write(_node_line(node, topo) + "\n")

@@ -34,7 +34,7 @@ from wds_pad.errors import ConfigError
 from .producers import PRODUCERS, available_producers, check_producer, write_samples
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_SKEW", "PRODUCERS", "available_producers", "make_blob_shards",
-           "make_image_shards", "write_samples"]
+           "make_image_shards", "make_token_shards", "token_ids", "write_samples"]
 
 #: (width, height) ratios of the synthetic buckets, largest bucket first.
 DEFAULT_RATIOS: tuple[tuple[int, int], ...] = ((1, 1), (4, 3), (3, 4), (16, 9), (9, 16))
@@ -230,3 +230,46 @@ def make_blob_shards(
 
     return _write_shards(out_dir, lengths, sample_at, producer)
 
+
+
+def token_ids(i: int, n: int, vocab: int = 256) -> np.ndarray:
+    """The tokens of sample ``i`` of :func:`make_token_shards` (``n`` of them): a run that a
+    reader can check, starting at ``i mod vocab``, none of them 0 (kept for padding)."""
+    return (1 + (i + np.arange(n, dtype=np.int64)) % (vocab - 1)).astype(np.int32)
+
+
+def make_token_shards(
+    out_dir: str | os.PathLike[str],
+    *,
+    samples: int,
+    shards: int,
+    seed: int = 0,
+    median: float = 40.0,
+    longest: int = 256,
+    sources: Sequence[str] = ("web", "code"),
+    producer: str = "webdataset",
+) -> list[str]:
+    """Write language-model shards: sample ``i`` has ``tokens.npy`` (int32, :func:`token_ids`),
+    ``tokens.bin`` (the same tokens as raw uint16 bytes) and ``json`` ``{"tokens": n,
+    "source": ..., "index": i}``; lengths are log-normal around ``median``, 1 .. ``longest``.
+
+    Raises:
+        ConfigError: an argument out of range, or an unknown or unavailable producer.
+    """
+    _check_layout(samples, shards, DEFAULT_RATIOS, DEFAULT_SKEW)
+    if isinstance(longest, bool) or not isinstance(longest, int) or longest < 1 or not sources:
+        raise ConfigError(f"longest must be an int >= 1 and sources not empty, got {longest!r}, {sources!r}")
+    rng = np.random.default_rng(seed)
+    lengths_tok = np.clip(np.round(rng.lognormal(np.log(median), 0.9, samples)), 1, longest).astype(np.int64)
+    origin = rng.integers(0, len(sources), samples)
+    _, lengths = _layout(samples, shards, DEFAULT_SKEW, rng)
+
+    def sample_at(i: int) -> dict[str, Any]:
+        tok = token_ids(i, int(lengths_tok[i]))
+        buf = io.BytesIO()
+        np.save(buf, tok)
+        meta = {"tokens": int(tok.size), "source": sources[int(origin[i])], "index": i}
+        return {"__key__": f"{i:08d}", "tokens.npy": buf.getvalue(), "tokens.bin": tok.astype("<u2").tobytes(),
+                "json": json.dumps(meta, sort_keys=True).encode()}
+
+    return _write_shards(out_dir, lengths, sample_at, producer)

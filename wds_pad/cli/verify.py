@@ -18,7 +18,7 @@ import shlex
 import sys
 from typing import Any
 
-from .common import _plural, add_relocate, relocation
+from .common import plural, add_relocate, relocation
 
 __all__ = ["add_parser"]
 
@@ -66,5 +66,5 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                          f"`wds-pad verify` again{'' if len(problems) > len(unreachable) else note}\n")
     if problems:
         return 1
-    sys.stdout.write(f"{_plural(checked, 'shard')} OK{' (deep)' if args.deep else ''}{note}\n")
+    sys.stdout.write(f"{plural(checked, 'shard')} OK{' (deep)' if args.deep else ''}{note}\n")
     return 0

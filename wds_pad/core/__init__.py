@@ -8,7 +8,6 @@ Owns: ``Topology``, ``plan_epoch`` / ``Plan`` / ``Dataset`` / ``Policy`` / ``Mod
 JSON digest (``json_digest``).
 
 May import: ``wds_pad.errors``, numpy and the standard library. Never fsspec, never the
-clock, never torch.distributed at import time (``Topology.detect`` and ``shared_seed``
-import it lazily, inside the call: they are the two places that talk to a process
-group). ``tests/core/test_layout.py`` imports this package with those blocked.
+clock, never torch.distributed at import time (every use of a process group goes through
+``collective``, which imports it lazily, inside the call). ``tests/core/test_layout.py`` imports this package with those blocked.
 """

@@ -112,6 +112,7 @@ class SizedBuckets:
     order: EntryOrder | None          # where entries come from (None: the keyed order of core/planrecord.py)
     local: Any = None                 # the shard-local order (LocalBuckets), whose set_steps takes the schedule
     keyed: list[tuple[Any, int, int, int, list[list[int]]]] = field(default_factory=list)
+    packs: Any = None                 # a Pack's pack of each entry (core/packplan.py's PackNumbers), or None
 
 
 def padded(unit: int, policy: Policy, oversubscribe: bool, step_entries: int) -> Callable[..., Measured]:

@@ -88,6 +88,11 @@ class Budget:
         """What a batch of samples with ``costs`` costs under this budget's model."""
         return batch_cost(costs, self.model)
 
+    def pack(self, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Items of ``weights``, in order, packed into batches within this budget: :func:`pack`
+        (a sizing that packs otherwise, core/packing.py, overrides it)."""
+        return pack(weights, self)
+
     def pad_unit(self, dp_size: int, pad_to: Any = None, accumulation_steps: int = 1) -> int:
         """A stratum, one entry per DP rank: what a bucket is padded to (its batch count is
         then made a multiple of ``accumulation_steps``, whatever ``pad_to``)."""

@@ -36,13 +36,13 @@ import numpy as np
 from ..errors import StateError, StateMismatchError
 from .budget import Budget
 from .budgetplan import RankCuts, shard_cut
-from .dataset import _as_datasets
+from .dataset import as_datasets
 from .lockstep import lockstep_cuts
 from .locality import Locality
-from .planrecord import Bins, BucketStats, Plan, _Buckets, _rank_batches
+from .planrecord import Bins, BucketStats, Plan, Buckets, rank_batches
 from .shardschedule import PlannedShardUses
 from .policy import Policy, PadTo
-from .schedule import _schedule
+from .schedule import step_schedule
 from .seed import derive_seed, json_digest
 from .strata import BucketBatches
 from .topology import Topology
@@ -77,7 +77,7 @@ def _taken(lv: _Level, seg: Any, epoch: int, counts: np.ndarray, starts: Any) ->
         return np.repeat(per[:, None], lv.dp, axis=1)
     out = np.zeros((nb, lv.dp), np.int64)
     for d in range(lv.dp):
-        step_of, _ = _rank_batches(counts[:, d], [], sched, lv.window, 1, starts(d))
+        step_of, _ = rank_batches(counts[:, d], [], sched, lv.window, 1, starts(d))
         pos = int(seg.positions[d])
         if pos > step_of.size:
             raise StateMismatchError(
@@ -205,7 +205,7 @@ def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[
     base = plan_epoch(datasets, segments[0].topology(), seed=seed, epoch=epoch,
                       batch_size=budget, policy=policy, mode=mode, oversubscribe=oversubscribe, pad_to=pad_to,
                       warn=False, locality=locality, window=window, accumulation_steps=k)
-    dss = _as_datasets(datasets)
+    dss = as_datasets(datasets)
     shard = base.locality.dealt
     pol = "none" if base.policy is Policy.NONE else "cyclic"
     top_up = base.pad_to is PadTo.BATCH
@@ -246,7 +246,7 @@ def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[
             nxt.runs.append(made[1])
         nxt.tab = np.asarray(tab, np.int64)
         table = [base.bucket_table[t] for t in tab]
-        nxt.schedule, nxt.window = _schedule(dss, table, [bb.batches for bb in nxt.batches], seed, epoch, group=k)
+        nxt.schedule, nxt.window = step_schedule(dss, table, [bb.batches for bb in nxt.batches], seed, epoch, group=k)
         levels.append(nxt)
     top = levels[-1]
     d = int(topology.dp_rank)  # type: ignore[arg-type]
@@ -254,15 +254,15 @@ def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[
     counts_d = np.asarray([bb.count(d) for bb in top.batches], np.int64)
     bins = Bins([bb.cuts[d] if shard else bb.offsets for bb in top.batches])
     steps = [bb.batches for bb in top.batches]
-    batch_step, offsets = _rank_batches(counts_d, steps, top.schedule, top.window, 1, bins)
+    batch_step, offsets = rank_batches(counts_d, steps, top.schedule, top.window, 1, bins)
     if shard:
         shard_map = [dealt.layout.shard for dealt in base.buckets.local.dealt]
         src = _ExplicitRemainder(top, d, shard_map)
-        buckets = _Buckets([], top.dp, d, order=src, local=src, counts=counts_d)
+        buckets = Buckets([], top.dp, d, order=src, local=src, counts=counts_d)
     else:
         orders = [dss[di].sorted_by_cost(key) for di, key in base.bucket_table]
         base_n = [_stat(base, di, key).samples for di, key in base.bucket_table]
-        buckets = _Buckets([], top.dp, d, order=_StrataRemainder(levels, base_n, orders, d), counts=counts_d)
+        buckets = Buckets([], top.dp, d, order=_StrataRemainder(levels, base_n, orders, d), counts=counts_d)
     stats = tuple(_top_stat(base, t, bb, top.dp, shard) for t, bb in zip(top.tab.tolist(), top.batches))
     widest = int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1
     plan = Plan(epoch=base.epoch, topology=topology, batch_size=max(1, widest), policy=base.policy, mode=base.mode,

@@ -11,7 +11,7 @@ Index turns itself into one through its duck-typed ``to_dataset()``). Invariants
   depend on the order the caller built the mapping in (invariant 4);
 - ``bucket_order`` is total and machine-independent over the keys ``encode_key``
   accepts (None, then bools, then numbers by value, strings, bytes, tuples);
-- ``_as_datasets`` returns a non-empty list of Datasets with unique names, or raises
+- ``as_datasets`` returns a non-empty list of Datasets with unique names, or raises
   a ConfigError that says which forms are accepted.
 """
 
@@ -215,7 +215,7 @@ def _max_id(ids: Any) -> int:
     return int(ids[-1]) if len(ids) else -1
 
 
-def _as_datasets(source: Any) -> list[Dataset]:
+def as_datasets(source: Any) -> list[Dataset]:
     items = list(source) if isinstance(source, (list, tuple)) else [source]
     out: list[Dataset] = []
     for item in items:

@@ -27,8 +27,8 @@ import numpy as np
 
 from ..errors import ConfigError
 from .dataset import Dataset, IdRange
-from .locality import _DealtDataset, layouts
-from .permute import ROUNDS, _mix, permute
+from .locality import DealtDataset, layouts
+from .permute import ROUNDS, mix64, permute
 from .seed import derive_seed
 
 __all__ = ["LocalBuckets"]
@@ -41,8 +41,8 @@ def _window_keys(base: int, idx: np.ndarray) -> np.ndarray:
     """Round keys (ROUNDS, len(idx)) of the permutations ``idx`` of one bucket: the numpy
     image of ``round_keys(mix(base + (idx + 1) * golden))``, bitwise on every machine."""
     with np.errstate(over="ignore"):
-        key = _mix(np.uint64(base) + (idx.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
-        return np.stack([_mix(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
+        key = mix64(np.uint64(base) + (idx.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+        return np.stack([mix64(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
 
 
 def _floor_mul_div(k: np.ndarray, f: np.ndarray, r: np.ndarray) -> np.ndarray:
@@ -92,7 +92,7 @@ class _LocalBucket:
     costs O(its shards), not O(shards); the per-window and per-rank tables are dense.
     """
 
-    def __init__(self, dealt: _DealtDataset, ids: Any, passes: int, m: int, length: int,
+    def __init__(self, dealt: DealtDataset, ids: Any, passes: int, m: int, length: int,
                  dp: int, base_key: int, group: int = 1) -> None:
         sh, s = dealt.layout.shard, int(dealt.layout.shard_bytes.size)
         if isinstance(ids, IdRange) and dealt.layout.grouped:
@@ -254,7 +254,7 @@ class LocalBuckets:
         lays = layouts(raw, dss)
         stable = group > 0  # locality="node": dealt to nodes, the same every epoch
         group = max(group, 1)
-        self.dealt = [_DealtDataset(lay, ds.name, seed, epoch, dp // group, window, stable=stable)
+        self.dealt = [DealtDataset(lay, ds.name, seed, epoch, dp // group, window, stable=stable)
                       for lay, ds in zip(lays, dss)]
         self.buckets = [
             _LocalBucket(self.dealt[di], ids, passes, n * passes, length, dp,

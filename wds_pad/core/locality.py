@@ -173,7 +173,7 @@ def layouts(raw: Sequence[Any], dss: Sequence[Dataset]) -> list[_Layout]:
     return out
 
 
-class _DealtDataset:
+class DealtDataset:
     """One dataset's shard deal and windows for an epoch: identical on every rank.
 
     The shards are dealt to ``owners``: the DP ranks (``locality="shard"``: a new deal

@@ -57,7 +57,7 @@ def permute_one(x: int, n: int, key: int) -> int:
             return y
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
+def mix64(z: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(_C1)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(_C2)
     return z ^ (z >> np.uint64(31))
@@ -88,7 +88,7 @@ def permute(x: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarray:
             h, m = half[todo], mask[todo]
             left, right = y >> h, y & m
             for r in range(ROUNDS):
-                left, right = right, left ^ (_mix(right ^ keys[r, todo]) & m)
+                left, right = right, left ^ (mix64(right ^ keys[r, todo]) & m)
             y = (left << h) | right
             out[todo] = y
             todo = todo[y >= n64[todo]]

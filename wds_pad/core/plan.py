@@ -49,13 +49,14 @@ from ..errors import ConfigError, DroppedBucketWarning
 from .budget import Budget
 from .budgetplan import budget_buckets
 from .buckettable import Planning, SizedBuckets, bucket_table, padded
-from .dataset import Dataset, _as_datasets
+from .dataset import Dataset, as_datasets
 from .localbuckets import LocalBuckets
 from .locality import Locality
+from .packplan import pack_buckets
 from .permute import round_keys
-from .planrecord import Batch, Bins, BucketStats, Plan, _Buckets, _rank_batches
+from .planrecord import Batch, Bins, BucketStats, Plan, Buckets, rank_batches
 from .policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, resolve_policy
-from .schedule import _schedule
+from .schedule import step_schedule
 from .seed import check_seed, derive_seed
 from .sizing import Count, as_sizing
 from .topology import Topology
@@ -148,7 +149,7 @@ def plan_epoch(
     k = _check_accumulation(accumulation_steps, policy, pad_to, sizing)
     node_ranks = topology.dp_ranks_per_node if locality is Locality.NODE else 0
     raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
-    dss = _as_datasets(datasets)
+    dss = as_datasets(datasets)
     at = Planning(seed=seed, epoch=epoch, dp=int(topology.dp_size), d=int(topology.dp_rank),  # type: ignore[arg-type]
                   policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to, accumulation_steps=k,
                   locality=locality, window=shard_window, node_ranks=node_ranks)
@@ -157,16 +158,16 @@ def plan_epoch(
     _warn_dropped(warn, got.dropped, got.dropped_samples, got.total_samples, epoch)
 
     table = got.table
-    schedule, window_of = _schedule(dss, table, sized.steps, seed, epoch, group=k)
+    schedule, window_of = step_schedule(dss, table, sized.steps, seed, epoch, group=k)
     if sized.local is not None:  # a window's span of the epoch, in steps
         sized.local.set_steps(int(schedule.size))
-    buckets = _Buckets(sized.keyed, at.dp, at.d, order=sized.order, local=sized.local, counts=sized.counts)
+    buckets = Buckets(sized.keyed, at.dp, at.d, order=sized.order, local=sized.local, counts=sized.counts)
     bins = Bins(sized.starts) if sized.starts is not None else None
     if bins is None:
         width = sizing.batch_size  # type: ignore[union-attr]
-        batch_step, offsets = _rank_batches(buckets.counts, sized.steps, schedule, window_of, width)
+        batch_step, offsets = rank_batches(buckets.counts, sized.steps, schedule, window_of, width)
     else:
-        batch_step, offsets = _rank_batches(buckets.counts, sized.steps, schedule, window_of, 1, bins)
+        batch_step, offsets = rank_batches(buckets.counts, sized.steps, schedule, window_of, 1, bins)
         width = max(1, int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1)
     return Plan(
         epoch=epoch, topology=topology, batch_size=width, policy=policy, mode=mode, pad_to=pad_to,
@@ -174,7 +175,7 @@ def plan_epoch(
         bucket_table=tuple(table), schedule=schedule, window=window_of, batch_step=batch_step,
         offsets=offsets, stats=tuple(got.stats), buckets=buckets, locality=locality,
         shard_window=shard_window, sizing=sizing, bins=bins,
-        accumulation=k,
+        accumulation=k, packs=sized.packs,
     )
 
 
@@ -201,7 +202,8 @@ def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at:
 
 
 #: each sizing's bucket planner, by the sizing's ``kind``
-BUCKET_PLANNERS: dict[str, Callable[..., SizedBuckets]] = {"count": count_buckets, "budget": budget_buckets}
+BUCKET_PLANNERS: dict[str, Callable[..., SizedBuckets]] = {
+    "count": count_buckets, "budget": budget_buckets, "pack": pack_buckets}
 
 
 def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Count | Budget) -> int:

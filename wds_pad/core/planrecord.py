@@ -70,10 +70,11 @@ class Batch:
     bucket: Hashable
     samples: np.ndarray  # int64 sample ids
     pad: np.ndarray      # bool: True for a padded copy
+    pack: np.ndarray | None = None  # under a Pack: each sample's pack number in the batch
 
     def to_json(self, topology: Topology) -> dict[str, Any]:
         """The ``wds-pad plan --json`` record of this batch."""
-        return {
+        row = {
             "rank": topology.rank,
             "dp_rank": topology.dp_rank,
             "step": self.step,
@@ -83,6 +84,9 @@ class Batch:
             "samples": self.samples.tolist(),
             "pad": self.pad.tolist(),
         }
+        if self.pack is not None:
+            row["pack"] = self.pack.tolist()
+        return row
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,12 +118,13 @@ class Plan:
     batch_step: np.ndarray
     offsets: np.ndarray
     stats: tuple[BucketStats, ...] = field(repr=False)
-    buckets: _Buckets = field(repr=False)
+    buckets: Buckets = field(repr=False)
     locality: Locality = Locality.NONE
     shard_window: int = 8  # shards a rank visits at once (locality="shard")
     sizing: Count | Budget | None = None  # how batches are sized (None: Count(batch_size))
     bins: Bins | None = field(default=None, repr=False)  # where each batch starts (a budget's batches vary)
     accumulation: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
+    packs: Any = field(default=None, repr=False)  # a Pack's pack numbers (core/packplan.py), or None
 
     def __post_init__(self) -> None:
         if self.sizing is None:
@@ -162,7 +167,8 @@ class Plan:
             return self.buckets.entries(np.full(size, b, dtype=np.int64), k)
 
         samples, pad = _within_memory(batch, size, f"batch {i}")
-        return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad)
+        pack = None if self.packs is None else self.packs.numbers([b], [int(self.window[step])], [size])
+        return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad, pack)
 
     def __iter__(self) -> Iterator[Batch]:
         # consecutive batches in blocks of about 64K entries: one permutation pass each
@@ -189,6 +195,7 @@ class Plan:
             return self.buckets.entries(b, k)
 
         samples, pad = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
+        packs = None if self.packs is None else self.packs.numbers(self.schedule[steps], self.window[steps], sizes)
         out = []
         table, names, epoch = self.bucket_table, self.datasets, self.epoch
         new = object.__new__  # the fields are computed here: skip the frozen __init__'s setattr per field
@@ -197,7 +204,8 @@ class Plan:
             ds, key = table[t]
             b = new(Batch)
             b.__dict__.update(epoch=epoch, step=st, index=i, dataset=names[ds], bucket=key,
-                              samples=samples[at : at + size], pad=pad[at : at + size])
+                              samples=samples[at : at + size], pad=pad[at : at + size],
+                              pack=None if packs is None else packs[at : at + size])
             out.append(b)
         return out
 
@@ -229,7 +237,7 @@ class Plan:
 
 
 class EntryOrder(Protocol):
-    """Where a rank's entries come from: the keyed global order (``_Buckets``), a
+    """Where a rank's entries come from: the keyed global order (``Buckets``), a
     shard-local order (core/localbuckets.py), a budget's strata (core/budgetplan.py) or an
     elastic remainder of one of them (core/remainder.py, core/budgetremainder.py)."""
 
@@ -238,7 +246,7 @@ class EntryOrder(Protocol):
         ...
 
 
-class _Buckets:
+class Buckets:
     """The kept buckets' facts a rank's entries are computed from: O(buckets).
 
     Entry k of kept bucket b on dp_rank d is global position p = d + k * dp_size; it
@@ -293,7 +301,7 @@ class Bins:
         return self.flat[self.base[np.asarray(b, np.int64)] + np.asarray(w, np.int64)]
 
 
-def _rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.ndarray, window: np.ndarray,
+def rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.ndarray, window: np.ndarray,
                   bs: int, bins: Bins | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(batch_step, offsets) of a rank with ``counts`` entries per kept bucket: its batch for
     global step s is its entries [k*bs, (k+1)*bs) of bucket schedule[s], k = window[s]
@@ -338,7 +346,7 @@ def _within_memory(compute: Any, entries: int, what: str) -> tuple[np.ndarray, n
         ) from exc
 
 
-def _at(bk: _Buckets, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _at(bk: Buckets, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
     the rank (the elastic remainder of an epoch reads the whole layout's order)."""
     if bk.local is not None:

@@ -135,7 +135,6 @@ def parse_enum(cls: type[Enum], value: Any, what: str) -> Any:
         raise ConfigError(f"unknown {what} {value!r}; expected one of: {allowed}") from None
 
 
-_enum = parse_enum  # the name core's callers outside it used before parse_enum was public
 
 
 def resolve_policy(policy: Policy | str, mode: Mode | str, oversubscribe: bool) -> Policy:

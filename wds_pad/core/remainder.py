@@ -44,13 +44,14 @@ import numpy as np
 from ..errors import StateError, StateMismatchError
 from .budget import Budget
 from .budgetremainder import plan_budget_remainder
-from .dataset import _as_datasets
+from .dataset import as_datasets
 from .locality import Locality
+from .packplan import pack_remainder
 from .plan import plan_epoch
-from .planrecord import BucketStats, Plan, _Buckets, _rank_batches
+from .planrecord import BucketStats, Plan, Buckets, rank_batches
 from .shardschedule import PlannedShardUses
 from .policy import PadTo, Policy, parse_enum
-from .schedule import _schedule
+from .schedule import step_schedule
 from .sizing import Count, as_sizing
 from .topology import Topology
 
@@ -304,7 +305,7 @@ def _count_remainder(datasets: Any, topology: Topology, segments: Sequence[Segme
                   oversubscribe=oversubscribe, pad_to=pad_to, warn=False, locality=locality, window=window,
                   accumulation_steps=k)
     base = plan_epoch(datasets, segments[0].topology(), **common)  # type: ignore[arg-type]
-    dss = _as_datasets(datasets)
+    dss = as_datasets(datasets)
     bs, pol = base.batch_size, base.policy
     by_name = {(s.dataset, s.bucket): s for s in base.stats}
     stats0 = [by_name[(base.datasets[di], key)] for di, key in base.bucket_table]
@@ -321,19 +322,19 @@ def _count_remainder(datasets: Any, topology: Topology, segments: Sequence[Segme
         one_run = seg.steps is not None and deal == RR and lv.deal == RR
         nxt, steps = _next_level(lv, seg, epoch, one_run, dp, deal, bs, unit, pad)
         table = [base.bucket_table[int(t)] for t in nxt.tab]
-        nxt.schedule, nxt.window = _schedule(dss, table, steps, seed, epoch, group=k)
+        nxt.schedule, nxt.window = step_schedule(dss, table, steps, seed, epoch, group=k)
         levels.append(nxt)
     top = levels[-1]
     table = tuple(base.bucket_table[int(t)] for t in top.tab)
     d = int(topology.dp_rank)  # type: ignore[arg-type]
     counts = top.counts(np.asarray([d], np.int64))[:, 0]
     steps = (-(-top.length // (top.dp * bs))).tolist()
-    batch_step, offsets = _rank_batches(counts, steps, top.schedule, top.window, bs)
+    batch_step, offsets = rank_batches(counts, steps, top.schedule, top.window, bs)
     shard_map = None
     if locality.dealt:
         shard_map = [dealt.layout.shard for dealt in base.buckets.local.dealt]  # type: ignore[union-attr]
     rest = _RemainderBuckets(levels, base.buckets, d, shard_map)
-    buckets = _Buckets([], top.dp, d, order=rest, local=rest, counts=counts)
+    buckets = Buckets([], top.dp, d, order=rest, local=rest, counts=counts)
     stats = tuple(
         BucketStats(dataset=base.datasets[di], bucket=key, samples=stats0[int(t)].samples,
                     repeats=stats0[int(t)].repeats, length=int(r), padded_length=int(n),
@@ -352,4 +353,4 @@ def _count_remainder(datasets: Any, topology: Topology, segments: Sequence[Segme
 
 #: each sizing's remainder planner, by the sizing's ``kind``
 REMAINDER_PLANNERS: dict[str, Callable[..., tuple[Plan, str]]] = {
-    "count": _count_remainder, "budget": plan_budget_remainder}
+    "count": _count_remainder, "budget": plan_budget_remainder, "pack": pack_remainder}

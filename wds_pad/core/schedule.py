@@ -26,7 +26,7 @@ from .dataset import Dataset
 from .seed import derive_rng
 
 
-def _schedule(
+def step_schedule(
     dss: Sequence[Dataset], table: Sequence[tuple[int, Hashable]], steps: Sequence[int],
     seed: int, epoch: int, group: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -36,7 +36,7 @@ def _schedule(
     optimizer step (gradient accumulation) come from one bucket."""
     if group > 1:
         groups = [int(s) // group for s in steps]
-        schedule, _ = _schedule(dss, table, groups, seed, epoch)
+        schedule, _ = step_schedule(dss, table, groups, seed, epoch)
         schedule = np.repeat(schedule, group)
         return schedule, _windows(schedule, len(table))
     steps_arr = np.asarray(steps, dtype=np.int64)

@@ -1,8 +1,8 @@
-"""The shared seed and stable RNG derivation.
+"""Seeds and stable RNG derivation (the seed every rank shares is agreed in core/collective.py).
 
 Invariants:
 - Every rank of a job uses the same seed: a configured one as is, or one drawn from
-  the OS on rank 0 and broadcast over torch.distributed.
+  the OS on rank 0 and broadcast (:func:`~wds_pad.core.collective.shared_seed`).
 - Every random choice derives from (seed, parts...) through a stable hash (blake2b of
   a canonical, type-tagged encoding): never Python's ``hash()``, the pid or the clock,
   so the same inputs give the same numbers in every process, on every machine, under
@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
-import sys
 from typing import Any, Hashable
 
 import numpy as np
 
-from ..errors import ConfigError, SeedError
+from ..errors import ConfigError
 
-__all__ = ["MAX_SEED", "check_seed", "derive_rng", "derive_seed", "encode_key", "json_digest", "shared_seed",
+__all__ = ["MAX_SEED", "check_seed", "derive_rng", "derive_seed", "encode_key", "json_digest",
            "stable_digest"]
 
 SEED_BITS = 63
@@ -118,59 +116,3 @@ def check_seed(seed: Any) -> int:
     if not 0 <= seed <= MAX_SEED:
         raise ConfigError(f"seed must be in [0, 2**64), got {seed}; pick a seed between 0 and {MAX_SEED}")
     return seed
-
-
-_validate = check_seed  # the former private name
-
-
-def shared_seed(seed: int | None = None, group: Any = None) -> int:
-    """Return the seed every rank of the job agrees on.
-
-    Args:
-        seed: a configured seed, returned as is (after validation).
-        group: the process group to broadcast over (default: the default group).
-
-    Returns:
-        The configured seed; or, if none, a fresh 63-bit seed drawn from the OS on the
-        group's rank 0 and broadcast, so that every rank returns the same value. In a
-        single process without torch.distributed, just a fresh draw.
-
-    Raises:
-        SeedError: several processes (WORLD_SIZE > 1) but no initialised process group
-            to agree on a drawn seed — configure a seed or initialise torch.distributed.
-    """
-    if seed is not None:
-        return check_seed(seed)
-    dist = _initialized_dist() if group is None else _import_dist()
-    if dist is None:
-        import os
-
-        world = os.environ.get("WORLD_SIZE", "1")
-        if world.strip() not in ("", "1"):
-            raise SeedError(
-                f"WORLD_SIZE={world} but torch.distributed is not initialised, so a drawn "
-                "seed cannot be shared; pass seed=<int> or init_process_group() first"
-            )
-        return secrets.randbits(SEED_BITS)
-    import torch
-
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    value = secrets.randbits(SEED_BITS) if dist.get_rank(group) == 0 else 0
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast(tensor, src=src, group=group)
-    return int(tensor.item())
-
-
-def _import_dist() -> Any:
-    import torch.distributed as dist
-
-    return dist
-
-
-def _initialized_dist() -> Any:
-    if "torch" not in sys.modules:
-        return None
-    dist = _import_dist()
-    return dist if dist.is_available() and dist.is_initialized() else None

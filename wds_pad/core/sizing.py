@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from .budget import Budget
+from .packing import Pack
 from .policy import PadTo, check_positive
 
 __all__ = ["Count", "Sizing", "as_sizing"]
@@ -74,12 +75,12 @@ class Count:
         return self.batch_size
 
 
-def as_sizing(batch_size: int | Count | Budget) -> Count | Budget:
-    """The sizing ``batch_size`` names: a Budget or a Count as given, an int as its Count.
+def as_sizing(batch_size: int | Count | Budget | Pack) -> Count | Budget | Pack:
+    """The sizing ``batch_size`` names: a Budget, a Pack or a Count as given, an int as its Count.
 
     Raises:
         ConfigError: anything else (named as ``batch_size``).
     """
-    if isinstance(batch_size, (Count, Budget)):
+    if isinstance(batch_size, (Count, Budget, Pack)):
         return batch_size
     return Count(batch_size)

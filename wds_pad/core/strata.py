@@ -42,8 +42,8 @@ from typing import Callable
 
 import numpy as np
 
-from .budget import Budget, BudgetModel, fits_one_more, pack
-from .permute import ROUNDS, _mix, permute
+from .budget import Budget, BudgetModel, fits_one_more
+from .permute import ROUNDS, mix64, permute
 from .seed import derive_seed
 
 __all__ = ["BucketBatches"]
@@ -54,8 +54,8 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 def _keys(base: int, idx: np.ndarray) -> np.ndarray:
     """Round keys (ROUNDS, len(idx)) of the permutations ``idx`` derived from ``base``."""
     with np.errstate(over="ignore"):
-        key = _mix(np.uint64(base) + (np.asarray(idx, np.uint64) + np.uint64(1)) * _GOLDEN)
-        return np.stack([_mix(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
+        key = mix64(np.uint64(base) + (np.asarray(idx, np.uint64) + np.uint64(1)) * _GOLDEN)
+        return np.stack([mix64(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
 
 
 class BucketBatches:
@@ -123,7 +123,7 @@ class BucketBatches:
                             np.repeat(_keys(self.base_key, np.zeros(1, np.int64)), self.complete, axis=1))
         else:
             order = np.zeros(0, np.int64)
-        packed, offsets = pack(weights[order], budget)
+        packed, offsets = budget.pack(weights[order])
         seq = order[packed]
         self.over_budget = int(np.count_nonzero(weights > budget.limit))
         copy = np.zeros(seq.size, bool)

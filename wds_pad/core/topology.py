@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 from ..errors import TopologyError
+from .collective import dist_for
 
 __all__ = ["Topology"]
 
@@ -215,7 +216,7 @@ class Topology:
         sizes: dict[str, Any] = {"dp_size": dp_size} if dp_size is not None else {"cp_size": cp_size}
         if group is None:  # the machine's processes, as torchrun says; a given group may be a subset
             sizes["local_world_size"] = _local_world_size()
-        dist = _dist_if_initialized() if group is None else _dist()
+        dist = dist_for(group)
         if dist is not None:
             return cls(world_size=dist.get_world_size(group), rank=dist.get_rank(group), **sizes)
         env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
@@ -262,7 +263,7 @@ class Topology:
         cp_size = math.prod(shape[i] for i in rest)
         dp_rank = _row_major([coord[i] for i in dp_idx], [shape[i] for i in dp_idx])
         cp_rank = _row_major([coord[i] for i in rest], [shape[i] for i in rest])
-        dist = _dist_if_initialized()  # a mesh object needs no process group to be read
+        dist = dist_for()  # a mesh object needs no process group to be read
         rank = dist.get_rank() if dist is not None else int(dp_rank * cp_size + cp_rank)
         return cls(world_size=dp_size * cp_size, rank=rank, cp_size=cp_size, dp_size=dp_size,
                    dp_rank=dp_rank, cp_rank=cp_rank)
@@ -293,19 +294,3 @@ def _row_major(coord: Sequence[int], shape: Sequence[int]) -> int:
         index = index * s + int(c)
     return index
 
-
-def _dist() -> Any:
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return None
-    return dist if dist.is_available() else None
-
-
-def _dist_if_initialized() -> Any:
-    import sys
-
-    if "torch" not in sys.modules:  # a process group cannot exist without torch imported
-        return None
-    dist = _dist()
-    return dist if dist is not None and dist.is_initialized() else None

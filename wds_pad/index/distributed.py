@@ -40,6 +40,7 @@ import tempfile
 import time
 from typing import Any, Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
+from ..core.collective import all_gather, broadcast, dist_for
 from ..core.seed import json_digest
 from ..errors import ConfigError, IndexFormatError, ShardError, WdsPadError
 from ..io.redact import redact
@@ -170,9 +171,8 @@ def build_index_distributed(
         IndexFormatError: the parts could not be merged (more than 64 member
             extensions together, a damaged part).
     """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    dist = dist_for()
+    if dist is None:
         raise ConfigError("build_index_distributed needs a torch.distributed process group: call "
                           "torch.distributed.init_process_group() first, or run `wds-pad index --distributed` "
                           "under torchrun")
@@ -185,7 +185,7 @@ def build_index_distributed(
     cost_fn = parse_cost(cost) if cost is not None else None
 
     # 1. rank 0 expands the URLs and checks the output; every rank gets the list or the error
-    box: list[Any] = [None]
+    box: list[Any] = [None]  # rank 0 fills it
     if rank == 0:
         try:
             shard_urls = expand_urls(urls, storage_options)
@@ -194,7 +194,7 @@ def build_index_distributed(
             box[0] = {"ok": True, "urls": shard_urls, "job": new_job_id(), "rescan": sorted(again)}
         except WdsPadError as exc:
             box[0] = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
-    dist.broadcast_object_list(box, src=0)
+    box[0] = broadcast(box[0])
     if not box[0]["ok"]:
         raise job_error(box[0])
     shard_urls: list[str] = box[0]["urls"]
@@ -222,8 +222,7 @@ def build_index_distributed(
                                 "stats": None if done else {u: s for u, s in zip(urls_i, st) if s is not None}}
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather
         mine = failure(rank, exc)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+    gathered: list[Any] = all_gather(mine) or [mine]
     for status in gathered:
         if not status["ok"]:
             raise job_error(status)

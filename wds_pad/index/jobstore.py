@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import wds_pad.errors as _errors  # job_error looks a class up by name
 
+from ..core.collective import default_store
 from ..errors import ReadError, WdsPadError
 
 __all__ = ["Job", "failure", "job_error", "linger", "new_job_id"]
@@ -33,15 +34,9 @@ _BEAT = 1.0  # seconds between heartbeats
 _POLL = 0.2  # seconds between looks at the store while waiting
 
 
-def _default_store() -> Any:
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._get_default_store()
-
-
 def new_job_id() -> int:
     """(Rank 0) a number no earlier job of this process group's store has used."""
-    return int(_default_store().add(_KEY + "jobs", 1))
+    return int(default_store().add(_KEY + "jobs", 1))
 
 
 class Job:
@@ -50,7 +45,7 @@ class Job:
     def __init__(self, job_id: int, rank: int, world: int, timeout: float, bar: Any = None) -> None:
         self.rank, self.world, self.timeout = rank, world, timeout
         self.prefix = f"{_KEY}{job_id}/"
-        self.store = _default_store()
+        self.store = default_store()
         self.bar = bar
         self._stop = threading.Event()
         self.store.add(f"{self.prefix}beat/{rank}", 1)

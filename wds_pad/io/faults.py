@@ -6,14 +6,14 @@ one of our errors here, so the same cause always gives the same error and advice
 
 Invariants:
     * One failed read attempt is ``stale``, ``permanent`` (raised at once, by
-      :func:`_attempt_error`) or ``transient`` (retried, then :func:`_retries_exhausted`),
+      :func:`attempt_error`) or ``transient`` (retried, then :func:`retries_exhausted`),
       looking through the causes an HTTP status hides behind (s3fs, botocore).
     * A fault of the store itself ("cannot reach the store", "no credentials") is a
       :class:`ReadError`; "does not exist" is the caller's error (:class:`ShardError`,
       :class:`IndexFormatError`), each with its own advice (:func:`call_store`).
     * An exception that is no store's fault (a bad argument, a bug) propagates as it is.
     * Every message passes through :func:`redact`; a cause whose text holds a credential
-      is not chained (:func:`_chain`), since tracebacks print it.
+      is not chained (:func:`error_chain`), since tracebacks print it.
 """
 
 from __future__ import annotations
@@ -97,13 +97,13 @@ def _classify(exc: BaseException) -> str:
     return "permanent"
 
 
-def _cause(exc: BaseException, timeout: float) -> str:
+def cause_text(exc: BaseException, timeout: float) -> str:
     if isinstance(exc, TimeoutError) and not str(exc):
         return f"TimeoutError: no answer within {timeout} s"
     return redact(f"{type(exc).__name__}: {exc}")
 
 
-def _chain(exc: BaseException) -> BaseException | None:
+def error_chain(exc: BaseException) -> BaseException | None:
     """The cause to chain, or None when its text holds a credential (tracebacks print it)."""
     text = f"{exc} {exc.__cause__ or ''} {exc.__context__ or ''}"
     return exc if redact(text) == text else None
@@ -169,7 +169,7 @@ def _store_fault(exc: BaseException) -> tuple[str, BaseException] | None:
     return None
 
 
-def _store_error(exc: BaseException, url: str, what: str, missing: type[WdsPadError],
+def store_error(exc: BaseException, url: str, what: str, missing: type[WdsPadError],
                  fix: str, action: str = "read") -> WdsPadError | None:
     """Our error for a failed call to the store holding ``url`` (see :func:`call_store`)."""
     found = _store_fault(exc)
@@ -178,7 +178,7 @@ def _store_error(exc: BaseException, url: str, what: str, missing: type[WdsPadEr
     fault, culprit = found
     where = f"{what} {redact(url)!r}"
     cause = ("TimeoutError: no answer in time" if isinstance(culprit, TimeoutError)
-             and not str(culprit) else _cause(culprit, 0))
+             and not str(culprit) else cause_text(culprit, 0))
     advice = _advice(fault, url)
     if advice is not None:
         return ReadError(f"cannot {action} {where}: {advice[0]} ({cause}); {advice[1]}")
@@ -220,20 +220,20 @@ def call_store(fn: Callable[[], Any], url: str, *, what: str = "shard",
     except WdsPadError:
         raise
     except Exception as exc:  # noqa: BLE001 - judged below, raised as ours
-        error = _store_error(exc, url, what, missing, fix, action)
+        error = store_error(exc, url, what, missing, fix, action)
         if error is None:
             raise
         failure: BaseException = exc
     # Raised outside the except clause so no __context__ holds an unredacted text.
-    raise error from _chain(failure)
+    raise error from error_chain(failure)
 
 
 # ---------------------------------------------------------------- a failed read attempt
 
-def _attempt_error(exc: BaseException, what: str, url: str, timeout: float) -> Exception | None:
+def attempt_error(exc: BaseException, what: str, url: str, timeout: float) -> Exception | None:
     """The error a failed attempt to read ``what`` ends in at once; None if it is transient
-    (to be retried; see :func:`_retries_exhausted`)."""
-    kind, cause = _classify(exc), _cause(exc, timeout)
+    (to be retried; see :func:`retries_exhausted`)."""
+    kind, cause = _classify(exc), cause_text(exc, timeout)
     if kind == "stale":
         return StaleShardError(f"{what} is past the end of the shard ({cause}): it changed "
                                "or shrank since it was indexed; rebuild the index")
@@ -250,10 +250,10 @@ def _attempt_error(exc: BaseException, what: str, url: str, timeout: float) -> E
     return None
 
 
-def _retries_exhausted(exc: BaseException, what: str, attempt: int, url: str, timeout: float,
+def retries_exhausted(exc: BaseException, what: str, attempt: int, url: str, timeout: float,
                        retries: int) -> ReadError:
     """The error after a transient fault outlasted every retry: what to raise, and how."""
-    cause, advice = _cause(exc, timeout), _advice_for(exc, url)
+    cause, advice = cause_text(exc, timeout), _advice_for(exc, url)
     hint = (f"ReadOptions.timeout (now {timeout} s)" if isinstance(exc, TimeoutError)
             else f"ReadOptions.retries (now {retries}) or backoff_max")
     return ReadError(f"reading {what} failed after {attempt} attempts; last error: "

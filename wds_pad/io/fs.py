@@ -13,7 +13,7 @@ Invariants:
       nor prints "Unclosed client session".
     * Options under a protocol name (``{"s3": {...}}``) reach that protocol only; those of
       protocols absent from the URL are dropped. The caller's options are never mutated
-      (:func:`_copy_dicts`), and their credentials are registered for :func:`redact`.
+      (:func:`copy_dicts`), and their credentials are registered for :func:`redact`.
     * A store refusing already here is judged as every store fault is
       (:mod:`wds_pad.io.faults`); an unknown protocol or refused options is a
       :class:`ConfigError`.
@@ -31,8 +31,8 @@ import fsspec
 
 from wds_pad.errors import ConfigError, ShardError
 
-from .faults import _chain, _store_error
-from .redact import _register_secrets, redact
+from .faults import error_chain, store_error
+from .redact import register_secrets, redact
 
 __all__ = ["get_filesystem"]
 
@@ -87,10 +87,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_parent_sessions)
 
 
-def _copy_dicts(value: Any) -> Any:
+def copy_dicts(value: Any) -> Any:
     """Copies nested mappings (fsspec mutates them) and leaves other values shared."""
     if isinstance(value, Mapping):
-        return {k: _copy_dicts(v) for k, v in value.items()}
+        return {k: copy_dicts(v) for k, v in value.items()}
     return value
 
 
@@ -135,8 +135,8 @@ def get_filesystem(url: str, storage_options: Mapping[str, Any] | None = None,
     """
     if not isinstance(url, str) or not url:
         raise ConfigError(f"a shard URL must be a non-empty str, got {redact(repr(url))}")
-    options = _copy_dicts(storage_options or {})
-    _register_secrets(options)
+    options = copy_dicts(storage_options or {})
+    register_secrets(options)
     bits = url.split("::")
     # the protocol names, only when a bit or an option could be one (a plain local path
     # with no options, the common case, skips building the set: 0.1 ms a shard)
@@ -178,13 +178,13 @@ def get_filesystem(url: str, storage_options: Mapping[str, Any] | None = None,
         failure: BaseException = exc
         store = None
     except Exception as exc:  # noqa: BLE001 - a store refusing already here (credentials, DNS)
-        store = _store_error(exc, url, "the store of", ShardError, "check the URL")
+        store = store_error(exc, url, "the store of", ShardError, "check the URL")
         if store is None:
             raise
         failure = exc
     if store is not None:
-        raise store from _chain(failure)
+        raise store from error_chain(failure)
     error = ConfigError(f"cannot open a filesystem for {redact(url)!r}: {redact(repr(failure))}; "
                         "check the URL's protocol, that its fsspec implementation is installed, "
                         "and storage_options")
-    raise error from _chain(failure)
+    raise error from error_chain(failure)

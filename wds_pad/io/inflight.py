@@ -43,12 +43,12 @@ import fsspec.asyn
 
 from wds_pad.errors import ReadError, WdsPadError
 
-from .faults import _attempt_error, _cause, _chain, _retries_exhausted
-from .localfiles import _check_range
+from .faults import attempt_error, cause_text, error_chain, retries_exhausted
+from .localfiles import check_range
 from .options import ReadOptions, ReadStats
 from .redact import redact
-from .remote import _backoff, _Target, _watched
-from .stale import _short_read, _ShardCheck
+from .remote import backoff_delay, Target, watched_future
+from .stale import short_read, ShardCheck
 
 if TYPE_CHECKING:
     from .shardcache import ShardCache
@@ -62,7 +62,7 @@ class _Request:
 
     __slots__ = ("url", "target", "start", "end", "parts", "future", "data", "cached")
 
-    def __init__(self, url: str, target: _Target, offset: int, length: int) -> None:
+    def __init__(self, url: str, target: Target, offset: int, length: int) -> None:
         self.url, self.target = url, target
         self.start, self.end = offset, offset + length
         self.parts = [(offset, length)]
@@ -80,7 +80,7 @@ class _Request:
         return True
 
 
-class _InFlight:
+class InFlight:
     """The read-ahead loop of remote ranges (see the module invariants).
 
     Mixed into :class:`~wds_pad.io.ranges.RangeReader`, which owns the state below.
@@ -89,13 +89,13 @@ class _InFlight:
     options: ReadOptions
     stats: ReadStats
     _stats_lock: threading.Lock
-    _check: _ShardCheck
+    _check: ShardCheck
     _pool: concurrent.futures.ThreadPoolExecutor | None
     _cache: ShardCache | None
     _fd_limit: int  # a share of the descriptor limit (wds_pad.io.descriptors.fd_budget)
 
     if TYPE_CHECKING:
-        def _target(self, url: str) -> _Target: ...
+        def _target(self, url: str) -> Target: ...
 
         def _pread(self, url: str, offset: int, length: int) -> bytes: ...
 
@@ -134,10 +134,10 @@ class _InFlight:
             req.future = asyncio.run_coroutine_threadsafe(
                 self._fetch(target, pool, req.url, req.start, length, len(req.parts)), loop)
 
-    async def _fetch(self, target: _Target, pool: concurrent.futures.Executor | None,
+    async def _fetch(self, target: Target, pool: concurrent.futures.Executor | None,
                      url: str, start: int, length: int, nparts: int, block: bool = False) -> bytes:
         opts, attempt = self.options, 0
-        _watched(asyncio.current_task())  # cancelled by a consumer gone, it may still fail
+        watched_future(asyncio.current_task())  # cancelled by a consumer gone, it may still fail
         what = f"{length} bytes at byte offset {start} of {redact(url)!r}" + (
             f" (one request for {nparts} merged ranges)" if nparts > 1 else "")
         while True:
@@ -150,7 +150,7 @@ class _InFlight:
                 else:
                     call = asyncio.get_running_loop().run_in_executor(pool, functools.partial(
                         target.fs.cat_file, target.path, start=start, end=start + length))
-                data = await asyncio.wait_for(_watched(call), opts.timeout)
+                data = await asyncio.wait_for(watched_future(call), opts.timeout)
             except WdsPadError:
                 raise
             except Exception as exc:  # noqa: BLE001 - judged below, raised as ours
@@ -164,10 +164,10 @@ class _InFlight:
             # Raised outside the except clause so no __context__ holds an unredacted text.
             error = self._judge(failure, what, attempt, url)
             if error is not None:
-                raise error from _chain(failure)
-            delay = _backoff(opts, url, start, attempt)
+                raise error from error_chain(failure)
+            delay = backoff_delay(opts, url, start, attempt)
             logger.info("retrying %s in %.2f s after %s", what, delay,
-                        _cause(failure, opts.timeout))
+                        cause_text(failure, opts.timeout))
             await asyncio.sleep(delay)
 
     def _ignored_range(self, url: str, start: int, length: int, got: int, block: bool) -> ReadError:
@@ -197,7 +197,7 @@ class _InFlight:
                ) -> Exception | None:
         """Returns the error to raise for a failed attempt, or None to retry it."""
         opts = self.options
-        error = _attempt_error(exc, what, url, opts.timeout)
+        error = attempt_error(exc, what, url, opts.timeout)
         if error is not None:
             return error
         with self._stats_lock:
@@ -205,7 +205,7 @@ class _InFlight:
             if attempt <= opts.retries:
                 self.stats.retries += 1
                 return None
-        return _retries_exhausted(exc, what, attempt, url, opts.timeout, opts.retries)
+        return retries_exhausted(exc, what, attempt, url, opts.timeout, opts.retries)
 
     def _read_general(self, it: Iterator[Any], nxt: tuple[str, int, int] | None,
                       ) -> Iterator[bytes]:
@@ -236,7 +236,7 @@ class _InFlight:
                 while True:
                     if nxt is None and not exhausted:
                         try:
-                            nxt = _check_range(next(it))
+                            nxt = check_range(next(it))
                         except StopIteration:
                             exhausted = True
                     if nxt is None:
@@ -283,7 +283,7 @@ class _InFlight:
                 if len(data) < size:  # longer: refused by _fetch (the server ignored Range)
                     for off, ln in head.parts:
                         if off + ln - head.start > len(data):
-                            raise _short_read(head.url, off, ln,
+                            raise short_read(head.url, off, ln,
                                               max(0, len(data) - (off - head.start)))
                 if not head.cached:
                     st.bytes += size

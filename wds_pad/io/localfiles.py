@@ -1,7 +1,7 @@
 """Local shard files: cached descriptors, and the fast path that reads them inline.
 
 The local half of :class:`~wds_pad.io.ranges.RangeReader` (a mixin it inherits): while
-every range of a stream is a local file, ``read_many`` runs :meth:`_LocalFiles._read_local`
+every range of a stream is a local file, ``read_many`` runs :meth:`LocalFiles._read_local`
 and nothing else.
 
 Invariants:
@@ -34,16 +34,16 @@ from typing import TYPE_CHECKING, Any
 from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError
 
 from .descriptors import out_of_descriptors, runs_out
-from .faults import _cause
+from .faults import cause_text
 from .options import ReadStats
 from .redact import redact
-from .stale import _short_read, _ShardCheck
+from .stale import short_read, ShardCheck
 
 if TYPE_CHECKING:
-    from .remote import _Target
+    from .remote import Target
 
 
-def _check_range(rng: Any) -> tuple[str, int, int]:
+def check_range(rng: Any) -> tuple[str, int, int]:
     try:
         url, offset, length = rng
         offset, length = operator.index(offset), operator.index(length)
@@ -58,7 +58,7 @@ def _check_range(rng: Any) -> tuple[str, int, int]:
     return url, offset, length
 
 
-def _close_fds(fds: dict[str, int]) -> None:
+def close_fds(fds: dict[str, int]) -> None:
     for fd in fds.values():
         try:
             os.close(fd)
@@ -67,20 +67,20 @@ def _close_fds(fds: dict[str, int]) -> None:
     fds.clear()
 
 
-class _LocalFiles:
+class LocalFiles:
     """The descriptors of local shards and the inline fast path (see the module invariants).
 
     Mixed into :class:`~wds_pad.io.ranges.RangeReader`, which owns the state below.
     """
 
     stats: ReadStats
-    _check: _ShardCheck
+    _check: ShardCheck
     _fds: dict[str, int]  # shard URL -> its open descriptor
     _fd_limit: int  # descriptors kept at most (idle ones beyond it are closed)
     _busy: dict[int, int]  # descriptor -> reads in flight on read-ahead threads
 
     if TYPE_CHECKING:
-        def _target(self, url: str) -> _Target: ...
+        def _target(self, url: str) -> Target: ...
 
         def is_local(self, url: str) -> bool: ...
 
@@ -120,7 +120,7 @@ class _LocalFiles:
         if runs_out(error):
             raise out_of_descriptors(what, error, held=len(self._fds),
                                      fewer="DataLoader workers or local_threads") from error
-        raise ShardError(f"{what}: {_cause(error, 0)}; check the path, or rebuild the index "
+        raise ShardError(f"{what}: {cause_text(error, 0)}; check the path, or rebuild the index "
                          "if shards moved") from error
 
     def _pread(self, url: str, offset: int, length: int) -> bytes:
@@ -128,7 +128,7 @@ class _LocalFiles:
             return os.pread(self._fd(url, offset), length, offset)
         except OSError as exc:
             raise ReadError(f"reading {length} bytes at byte offset {offset} of "
-                            f"{redact(url)!r} failed: {_cause(exc, 0)}; check the disk") from exc
+                            f"{redact(url)!r} failed: {cause_text(exc, 0)}; check the disk") from exc
 
     def _read_local(self, it: Iterator[Any]) -> Iterator[bytes]:
         """Fast path while every range is local: inline pread; returns the first other."""
@@ -139,20 +139,20 @@ class _LocalFiles:
                     url, offset, length = rng
                     fd = fds.get(url)
                 except (TypeError, ValueError):
-                    _check_range(rng)
+                    check_range(rng)
                     raise
                 if fd is None:
-                    url, offset, length = _check_range(rng)
+                    url, offset, length = check_range(rng)
                     if not self.is_local(url):
                         return (url, offset, length)
                     fd = self._fd(url, offset)
                 try:
                     data = pread(fd, length, offset)
                 except (OSError, ValueError, TypeError, OverflowError):
-                    _check_range(rng)
+                    check_range(rng)
                     data = self._pread(url, offset, length)
                 if len(data) != length:
-                    raise _short_read(url, offset, length, len(data))
+                    raise short_read(url, offset, length, len(data))
                 count += 1
                 nbytes += length
                 yield data

@@ -52,8 +52,8 @@ from collections import deque
 from typing import Callable
 
 from .nodecheck import as_indexed, checksum_file, new_hash, record, write_sum
-from .nodeproblems import _regular, foreign, unwritable
-from .stale import _short_read
+from .nodeproblems import is_regular_file, foreign, unwritable
+from .stale import short_read
 
 __all__ = ["shard_name"]
 
@@ -200,7 +200,7 @@ def claim(folder: str, stem: str) -> tuple[str, int | None]:
     process writes it, ``("present", None)`` once it is complete."""
     part = path_of(folder, stem, PART)
     for path in (part, path_of(folder, stem, SHARD)):
-        if not _regular(path):
+        if not is_regular_file(path):
             raise foreign(path)
     while True:
         if _complete(folder, stem):
@@ -281,7 +281,7 @@ def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: 
             off, n, fut = pending.popleft()
             data = fut.result()
             if len(data) != n:
-                raise _short_read(url, off, n, len(data))
+                raise short_read(url, off, n, len(data))
             h.update(data)
             view = memoryview(data)
             while view:

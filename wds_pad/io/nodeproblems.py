@@ -23,14 +23,14 @@ __all__ = ["disk_full", "foreign", "unwritable"]
 _REPORTED: set[str] = set()  # folders whose foreign entries were reported
 
 
-def _regular(path: str) -> bool:
+def is_regular_file(path: str) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except FileNotFoundError:
         return True  # gone: nothing foreign
 
 
-def _report(folder: str, names: list[str]) -> None:
+def report_once(folder: str, names: list[str]) -> None:
     if names and folder not in _REPORTED:
         _REPORTED.add(folder)
         warnings.warn(f"the node's shard folder {folder!r} holds {len(names)} entr{'y' if len(names) == 1 else 'ies'} "

@@ -38,7 +38,7 @@ from wds_pad.errors import ConfigError
 
 from .nodefiles import (
     DONE, FLAGS, MODE, PART, SHARD, SIDE, claim, parse, path_of, same_file, size_of, try_lock)
-from .nodeproblems import _regular, _report, unwritable
+from .nodeproblems import is_regular_file, report_once, unwritable
 from .shardplan import NodeEpoch, NodeShard
 
 __all__ = ["FAR", "Claimed", "claim_within", "drop_unneeded", "finish", "folder_lock", "next_use", "reclaim",
@@ -149,11 +149,11 @@ def scan(folder: str) -> list[tuple[str, str, int]]:
         for name in os.listdir(folder):
             parsed = parse(name)
             if parsed is not None and parsed[1] in (SHARD, PART):
-                if not _regular(os.path.join(folder, name)):
+                if not is_regular_file(os.path.join(folder, name)):
                     odd.append(name)
                     continue
                 out.append((parsed[0], parsed[1], size_of(parsed[0])))
-    _report(folder, odd)
+    report_once(folder, odd)
     return out
 
 
@@ -196,7 +196,7 @@ def reclaim(folder: str, known: Container[str]) -> int:
             continue
         stem, suffix = parsed
         path = os.path.join(folder, name)
-        if not _regular(path):
+        if not is_regular_file(path):
             odd.append(name)  # not ours: left alone
             continue
         if suffix == PART and stem not in known:
@@ -212,7 +212,7 @@ def reclaim(folder: str, known: Container[str]) -> int:
             with contextlib.suppress(OSError):  # a folder this process cannot write: left as it is
                 os.unlink(path)
                 removed += 1
-    _report(folder, odd)
+    report_once(folder, odd)
     return removed
 
 

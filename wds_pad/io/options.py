@@ -16,8 +16,8 @@ from typing import Any
 
 from wds_pad.errors import ConfigError
 
-from .fs import _copy_dicts
-from .redact import _register_secrets
+from .fs import copy_dicts
+from .redact import register_secrets
 
 __all__ = ["ReadOptions", "ReadStats"]
 
@@ -99,8 +99,8 @@ class ReadOptions:
         if not isinstance(self.storage_options, Mapping):
             raise ConfigError("ReadOptions.storage_options must be a mapping, got "
                               f"{type(self.storage_options).__name__}")
-        object.__setattr__(self, "storage_options", _copy_dicts(self.storage_options))
-        _register_secrets(self.storage_options)
+        object.__setattr__(self, "storage_options", copy_dicts(self.storage_options))
+        register_secrets(self.storage_options)
 
 
 @dataclass

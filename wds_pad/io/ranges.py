@@ -45,8 +45,8 @@ from wds_pad.errors import ConfigError
 from .descriptors import fd_budget
 from .faults import call_store
 from .fs import get_filesystem
-from .inflight import _InFlight
-from .localfiles import _close_fds, _LocalFiles
+from .inflight import InFlight
+from .localfiles import close_fds, LocalFiles
 from .options import ReadOptions, ReadStats
 from .readahead import LocalReadAhead
 from .nodecache import NodeCache
@@ -54,8 +54,8 @@ from .nodefolder import job_session
 from .shardcache import PlannedShard, ShardCache
 from .shardplan import NodeEpoch
 from .redact import redact
-from .remote import _Target
-from .stale import _ShardCheck, change_stamp
+from .remote import Target
+from .stale import ShardCheck, change_stamp
 
 # the reader's API, and the names the old module held (the alias wds_pad.read leads here;
 # they live in wds_pad.io.faults, .fs, .options, .readahead, .redact and .stale)
@@ -63,7 +63,7 @@ __all__ = ["LocalReadAhead", "RangeReader", "ReadOptions", "ReadStats", "call_st
            "get_filesystem", "redact"]
 
 
-class RangeReader(_LocalFiles, _InFlight):
+class RangeReader(LocalFiles, InFlight):
     """Reads byte ranges from any fsspec filesystem, concurrently and in order.
 
     One reader per process or DataLoader worker; it pickles as its options, and after
@@ -85,12 +85,12 @@ class RangeReader(_LocalFiles, _InFlight):
         if not isinstance(self.options, ReadOptions):
             raise ConfigError(f"options must be a ReadOptions, got {type(options).__name__}")
         self.expected = expected
-        self._check = _ShardCheck(expected)  # one check per listed shard, when first opened
+        self._check = ShardCheck(expected)  # one check per listed shard, when first opened
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
         self._head_lock = threading.Lock()
         self._pid = os.getpid()
-        self._targets: dict[str, _Target] = {}
+        self._targets: dict[str, Target] = {}
         self._fds: dict[str, int] = {}  # never replaced: the finalizer closes what it holds
         self._busy: dict[int, int] = {}  # descriptor -> reads in flight on read-ahead threads
         self._fd_limit = fd_budget()  # a share of the soft RLIMIT_NOFILE, read now
@@ -98,7 +98,7 @@ class RangeReader(_LocalFiles, _InFlight):
         self._cache: ShardCache | NodeCache | None = None
         # a reader per stream is common (BucketedWebDataset makes one per iteration): its
         # descriptors must not outlive it, or every epoch leaks one per shard
-        weakref.finalize(self, _close_fds, self._fds)
+        weakref.finalize(self, close_fds, self._fds)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options, "expected": self.expected}
@@ -119,7 +119,7 @@ class RangeReader(_LocalFiles, _InFlight):
         """
         if self._pid == os.getpid() and self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        _close_fds(self._fds)  # after a fork: the child's inherited copies
+        close_fds(self._fds)  # after a fork: the child's inherited copies
         self._targets, self._pool, self._busy = {}, None, {}
         self._pid, self._fd_limit = os.getpid(), fd_budget()
 
@@ -151,10 +151,10 @@ class RangeReader(_LocalFiles, _InFlight):
         """
         return self._target(url).local
 
-    def _target(self, url: str) -> _Target:
+    def _target(self, url: str) -> Target:
         target = self._targets.get(url)
         if target is None:
-            target = self._targets[url] = _Target(
+            target = self._targets[url] = Target(
                 *get_filesystem(url, self.options.storage_options))
         return target
 

@@ -2,7 +2,7 @@
 
 Invariants:
     * :func:`redact` replaces with ``***`` every credential it can tell: values of
-      secret-like storage options registered in this process (:func:`_register_secrets`,
+      secret-like storage options registered in this process (:func:`register_secrets`,
       called by ``ReadOptions`` and ``get_filesystem``), ``user:password@`` in URLs,
       signed query parameters and the values of ``secret=...``-like assignments.
     * Prose about credentials is kept word for word: in ``name: value`` sentences only a
@@ -78,14 +78,14 @@ def _hide_assigned(text: str) -> str:
     return "".join(out)
 
 
-def _register_secrets(options: Any, name: str = "") -> None:
+def register_secrets(options: Any, name: str = "") -> None:
     """Remembers credential values found in storage options so redact() can hide them."""
     if isinstance(options, Mapping):
         for key, value in options.items():
-            _register_secrets(value, str(key))
+            register_secrets(value, str(key))
     elif isinstance(options, (list, tuple)):
         for value in options:
-            _register_secrets(value, name)
+            register_secrets(value, name)
     elif isinstance(options, str) and _SECRET_NAME.search(name) and len(options) >= 4:
         with _SECRETS_LOCK:
             _SECRETS.add(options)

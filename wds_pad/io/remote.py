@@ -2,16 +2,16 @@
 tried again.
 
 Invariants:
-    * A :class:`_Target` is made once per shard URL and reader: its filesystem, path and
+    * A :class:`Target` is made once per shard URL and reader: its filesystem, path and
       whether a ranged GET can show its headers (s3fs, fsspec's HTTP) to the stale-shard
       check; other filesystems answer through ``_cat_file`` alone.
-    * :func:`_s3_get` and :func:`_http_get` send exactly the request fsspec's own
+    * :func:`s3_get` and :func:`http_get` send exactly the request fsspec's own
       ``_cat_file`` sends for one range, and return its Content-Range and ETag too; a
       whole object is asked for over HTTP without a Range header, and a 200 answer's
       length stands for the object's size.
-    * A retry waits :func:`_backoff`: exponential, capped, with jitter derived from
+    * A retry waits :func:`backoff_delay`: exponential, capped, with jitter derived from
       (url, offset, attempt), never the clock.
-    * A request whose consumer went away may still fail: :func:`_watched` marks its
+    * A request whose consumer went away may still fail: :func:`watched_future` marks its
       error retrieved, so asyncio prints nothing.
 """
 
@@ -29,13 +29,13 @@ from fsspec.implementations.local import LocalFileSystem
 from .options import ReadOptions
 
 
-def _backoff(options: ReadOptions, url: str, offset: int, attempt: int) -> float:
+def backoff_delay(options: ReadOptions, url: str, offset: int, attempt: int) -> float:
     base = min(options.backoff * 2 ** (attempt - 1), options.backoff_max)
     jitter = zlib.crc32(f"{url}|{offset}|{attempt}".encode()) / 2**32
     return base * (0.5 + 0.5 * jitter)
 
 
-class _Target:
+class Target:
     """A shard's filesystem and path; ``get`` says how a ranged GET shows its headers:
     "s3" (s3fs), "http" (fsspec's aiohttp HTTPFileSystem) or "" (``_cat_file``, no headers)."""
 
@@ -65,7 +65,7 @@ def _get_kind(fs: fsspec.AbstractFileSystem) -> str:
     return ""
 
 
-def _total_size(content_range: Any) -> int | None:
+def range_total_size(content_range: Any) -> int | None:
     """The object size of a Content-Range header (``bytes 0-99/12345``); None if unknown."""
     if not isinstance(content_range, str):
         return None
@@ -73,7 +73,7 @@ def _total_size(content_range: Any) -> int | None:
     return int(total) if total.isdigit() else None
 
 
-async def _s3_get(fs: Any, path: str, start: int, end: int) -> tuple[bytes, Any, Any]:
+async def s3_get(fs: Any, path: str, start: int, end: int) -> tuple[bytes, Any, Any]:
     """s3fs's ``_cat_file`` for one range, keeping ContentRange and ETag of the response."""
     from s3fs.core import _error_wrapper
 
@@ -92,7 +92,7 @@ async def _s3_get(fs: Any, path: str, start: int, end: int) -> tuple[bytes, Any,
     return await _error_wrapper(call_and_read, retries=fs.retries)
 
 
-async def _http_get(fs: Any, url: str, start: int, end: int, whole: bool = False) -> tuple[bytes, Any, Any]:
+async def http_get(fs: Any, url: str, start: int, end: int, whole: bool = False) -> tuple[bytes, Any, Any]:
     """fsspec HTTPFileSystem's ``_cat_file`` for one range, keeping Content-Range and ETag.
 
     ``whole``: the range is the whole object, asked for without a Range header (a server
@@ -119,7 +119,7 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()  # seen: asyncio no longer prints it when the future is collected
 
 
-def _watched(aw: Any) -> Any:
+def watched_future(aw: Any) -> Any:
     """``aw`` as a future whose failure counts as retrieved once it is done.
 
     A request whose consumer stopped (or failed on an earlier range) is cancelled, but it

@@ -31,7 +31,7 @@ import concurrent.futures
 from typing import Callable, Iterator
 
 from .shardmemory import compact, from_kept, read_blocks
-from .shardplan import PlannedShard, _Entry
+from .shardplan import PlannedShard, ShardEntry
 
 __all__ = ["PlannedShard", "ShardCache"]
 
@@ -58,7 +58,7 @@ class ShardCache:
         self._count = 0             # shards started, not yet dropped
         self._order: list[PlannedShard] = []
         self._next = 0              # first shard of _order not yet started
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, ShardEntry] = {}
         self._left = 0              # planned ranges of the epoch not yet served
         self._held = 0              # bytes of started, not yet dropped shards
         self.peak_bytes = 0
@@ -79,7 +79,7 @@ class ShardCache:
                 self._done = True
                 return
             self._order, self._next = [s for s in order if s.uses > 0], 0
-            self._entries = {s.url: _Entry(s) for s in self._order}
+            self._entries = {s.url: ShardEntry(s) for s in self._order}
             self._left = sum(s.uses for s in self._order)
             self._limit = self.cache_bytes
             self._largest = max((s.size for s in self._order), default=0)
@@ -113,7 +113,7 @@ class ShardCache:
         return True
 
     # -- fetching ------------------------------------------------------------------------
-    def _start(self, entry: _Entry) -> None:
+    def _start(self, entry: ShardEntry) -> None:
         size, url = entry.shard.size, entry.shard.url
         entry.started = True
         self._count += 1
@@ -124,7 +124,7 @@ class ShardCache:
         entry.blocks = [self._get(url, off, min(self.block_bytes, size - off))
                         for off in range(0, size, self.block_bytes)]
 
-    def _ahead(self, needed: _Entry) -> None:
+    def _ahead(self, needed: ShardEntry) -> None:
         """Start ``needed`` (if not yet), then what comes next while it fits."""
         if not needed.started:
             self._start(needed)
@@ -154,7 +154,7 @@ class ShardCache:
             self._drop(entry)
         return out
 
-    def _read_ranged(self, entry: _Entry, url: str, start: int, length: int,
+    def _read_ranged(self, entry: ShardEntry, url: str, start: int, length: int,
                      ranges: int) -> concurrent.futures.Future[bytes]:
         """A shard with planned ranges: from its first read it counts in the bound as the
         bytes of its ranges still to be read (held as just those bytes, sliced out when
@@ -187,7 +187,7 @@ class ShardCache:
         self._ahead(entry)  # the room it freed goes to the next shards now
         return out
 
-    def _drop(self, entry: _Entry) -> None:
+    def _drop(self, entry: ShardEntry) -> None:
         self._held -= entry.held
         entry.held = 0
         self._count -= 1

@@ -2,7 +2,7 @@
 running account of it.
 
 :class:`PlannedShard` is made by the shard-level path from the plan (one epoch's schedule,
-``wds_pad.stream.stages.shard_schedule``); :class:`_Entry` is what a
+``wds_pad.stream.stages.shard_schedule``); :class:`ShardEntry` is what a
 :class:`~wds_pad.io.shardcache.ShardCache` keeps of each while it serves the epoch.
 :class:`NodeEpoch` (of :class:`NodeShard` records) is what the node's plans say of one
 epoch (``wds_pad.stream.stages.node_schedule``), for the node cache
@@ -11,7 +11,7 @@ epoch (``wds_pad.stream.stages.node_schedule``), for the node cache
 Invariants:
     * ``PlannedShard``, ``NodeShard`` and ``NodeEpoch`` are frozen: the plan's word for one
       epoch, never changed by a cache.
-    * An ``_Entry`` starts with every planned range of its shard still to serve
+    * An ``ShardEntry`` starts with every planned range of its shard still to serve
       (``left == uses``), its ``skip`` single reads still to skip, nothing held and
       nothing fetched; the cache alone changes it.
 """
@@ -111,7 +111,7 @@ class NodeEpoch:
     span: int = 1
 
 
-class _Entry:
+class ShardEntry:
     __slots__ = ("shard", "blocks", "left", "started", "skip", "served", "kept", "held",
                  "compacted", "remaining")
 

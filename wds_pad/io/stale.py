@@ -10,10 +10,10 @@ Invariants:
       :class:`StaleShardError`, a remote one without another request.
     * The size is compared when both are known; the stamp only when the index recorded
       one of the same kind (an ETag with an ETag, an mtime with an mtime).
-    * A copy read instead of the store (the node cache) is checked by :meth:`_ShardCheck.head`:
+    * A copy read instead of the store (the node cache) is checked by :meth:`ShardCheck.head`:
       one ``info`` call per listed shard, the same verdict and text.
     * Unlisted shards and other filesystems (chained caches, memory, ...) are not checked
-      beyond the short-read test (:func:`_short_read`).
+      beyond the short-read test (:func:`short_read`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from wds_pad.errors import StaleShardError
 
 from .faults import call_store
 from .redact import redact
-from .remote import _http_get, _s3_get, _Target, _total_size
+from .remote import Target, http_get, range_total_size, s3_get
 
 __all__ = ["change_stamp"]
 
@@ -54,13 +54,13 @@ def change_stamp(info: Mapping[str, Any]) -> str:
     return ""
 
 
-def _short_read(url: str, offset: int, length: int, got: int) -> StaleShardError:
+def short_read(url: str, offset: int, length: int, got: int) -> StaleShardError:
     return StaleShardError(
         f"shard {redact(url)!r} returned {got} of {length} bytes at byte offset {offset}: "
         "it changed or shrank since it was indexed; rebuild the index (wds-pad index)")
 
 
-class _ShardCheck:
+class ShardCheck:
     """The indexed ``(size, stamp)`` of shard URLs, and the verdict on each once known.
 
     A verdict is None (checked, unchanged) or the :class:`StaleShardError` message.
@@ -102,7 +102,7 @@ class _ShardCheck:
                                                   change_stamp({"mtime": st.st_mtime}))
         return self.verdicts.get(url)
 
-    def head(self, target: _Target, url: str) -> bool:
+    def head(self, target: Target, url: str) -> bool:
         """Asks the store about a listed shard not checked yet (one ``info``: a HEAD over
         HTTP and S3, a stat elsewhere), for a copy read instead of the store; whether it
         asked. A changed shard raises :class:`StaleShardError` with the text a read of
@@ -124,7 +124,7 @@ class _ShardCheck:
             raise StaleShardError(verdict)
         return asked
 
-    async def get(self, target: _Target, url: str, start: int, end: int) -> bytes:
+    async def get(self, target: Target, url: str, start: int, end: int) -> bytes:
         """One ranged GET; the first response of a listed S3/HTTP shard also checks it."""
         if self.expected is None or not target.get:
             return await target.fs._cat_file(target.path, start=start, end=end)
@@ -132,12 +132,12 @@ class _ShardCheck:
             raise StaleShardError(self.verdicts[url])
         want = self.expected.get(url)
         if target.get == "s3":
-            data, content_range, etag = await _s3_get(target.fs, target.path, start, end)
+            data, content_range, etag = await s3_get(target.fs, target.path, start, end)
         else:  # a whole shard (locality="shard") is asked for without Range
             whole = start == 0 and want is not None and end == want[0]
-            data, content_range, etag = await _http_get(target.fs, target.path, start, end, whole)
+            data, content_range, etag = await http_get(target.fs, target.path, start, end, whole)
         if url not in self.verdicts:  # the first answer decides; all run on one IO loop
-            self.verdicts[url] = self.changed(url, _total_size(content_range),
+            self.verdicts[url] = self.changed(url, range_total_size(content_range),
                                               change_stamp({"ETag": etag}))
         verdict = self.verdicts[url]
         if verdict is not None:

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from ..core.seed import json_digest
 from ..errors import StateError, TopologyMismatchError
 from ..io.atomic import atomic_write
-from .schema import STATE_FILE_FORMAT, _is_count, check_schema
+from .schema import STATE_FILE_FORMAT, is_count, check_schema
 
 __all__ = ["load_state_file", "save_state_file", "state_path"]
 
@@ -32,7 +32,7 @@ def _checksum(state: Mapping[str, Any], saved_by_rank: Any = None) -> str:
 
 
 def _check_rank(rank: Any, what: str) -> int:
-    if not _is_count(rank):
+    if not is_count(rank):
         raise StateError(f"{what} must be an int >= 0 (a rank), got {type(rank).__name__} {rank!r}")
     return int(rank)
 
@@ -134,7 +134,7 @@ def load_state_file(path: str, rank: int, prefix: str = "loader") -> dict[str, A
         raise StateError(f"state file {path!r} is corrupt: its checksum does not match its "
                          "content; resume from an earlier checkpoint")
     saved_by = doc["saved_by_rank"]
-    if not _is_count(saved_by):
+    if not is_count(saved_by):
         raise StateError(f"state file {path!r}: field 'saved_by_rank' must be an int >= 0, got {saved_by!r}")
     if saved_by != rank:
         raise TopologyMismatchError(

@@ -36,7 +36,8 @@ from ..core.seed import json_digest
 from ..errors import StateError
 
 __all__ = ["MAX_INDEX", "PER_RANK", "READABLE_VERSIONS", "STATE_FORMAT", "STATE_VERSION", "check_schema",
-           "elastic_fingerprint", "elastic_segments", "fingerprint_of", "keyed_by_rank", "rank_key"]
+           "elastic_fingerprint", "elastic_segments", "fingerprint_of", "flatten", "is_count", "keyed_by_rank",
+           "rank_key"]
 
 STATE_FORMAT = "wds_pad.state"
 STATE_VERSION = 2
@@ -83,11 +84,11 @@ def fingerprint_of(fields: Mapping[str, Any]) -> str:
     return json_digest(fields, compact=True, allow_nan=False)
 
 
-def _table(rows: list[tuple[str, Any, Any]]) -> str:
+def mismatch_table(rows: list[tuple[str, Any, Any]]) -> str:
     return "; ".join(f"{name}: saved {saved!r}, now {now!r}" for name, saved, now in rows)
 
 
-def _is_count(v: Any, minimum: int = 0) -> bool:
+def is_count(v: Any, minimum: int = 0) -> bool:
     return not isinstance(v, bool) and isinstance(v, int) and v >= minimum
 
 
@@ -99,7 +100,7 @@ def check_schema(state: Any) -> dict[str, Any]:
         raise StateError(f"not a wds_pad loader state (format {state.get('format')!r}); "
                          "pass the dict returned by state_dict()")
     version = state.get("version")
-    if not _is_count(version):
+    if not is_count(version):
         raise StateError(f"loader state field 'version' must be an int, got {type(version).__name__} "
                          f"{version!r}; pass the dict returned by state_dict() unchanged")
     if version not in READABLE_VERSIONS:
@@ -109,11 +110,11 @@ def check_schema(state: Any) -> dict[str, Any]:
                          "that saved it")
     for name, limit in (("epoch", MAX_EPOCH), ("index", MAX_INDEX)):
         value = state.get(name)
-        if not _is_count(value) or value > limit:
+        if not is_count(value) or value > limit:
             raise StateError(f"loader state field {name!r} must be an int in [0, {limit}], got {value!r}; "
                              "pass the dict returned by state_dict() unchanged")
     n = state.get("batches_in_epoch")
-    if n is not None and (not _is_count(n) or n > MAX_INDEX):
+    if n is not None and (not is_count(n) or n > MAX_INDEX):
         raise StateError(f"loader state field 'batches_in_epoch' must be an int in [0, {MAX_INDEX}], got {n!r}")
     for name, allowed in (("kind", KINDS), ("mode", MODES)):
         if state.get(name) not in allowed:
@@ -128,18 +129,18 @@ def check_schema(state: Any) -> dict[str, Any]:
                          "pass the dict returned by state_dict() unchanged")
     if plan is not None and not isinstance(plan, Mapping):
         raise StateError(f"loader state field 'plan' must be a dict, got {type(plan).__name__}")
-    if version >= 2 and not _is_count(plan.get("dp_size"), 1):  # type: ignore[union-attr]
+    if version >= 2 and not is_count(plan.get("dp_size"), 1):  # type: ignore[union-attr]
         raise StateError(f"loader state field 'plan.dp_size' must be an int >= 1, got "
                          f"{plan.get('dp_size')!r}; pass the dict returned by state_dict() unchanged")  # type: ignore[union-attr]
     topo = state.get("topology")
     if topo is not None and (not isinstance(topo, Mapping) or
-                             not all(_is_count(topo.get(k)) for k in TOPOLOGY_FIELDS)):
+                             not all(is_count(topo.get(k)) for k in TOPOLOGY_FIELDS)):
         raise StateError(f"loader state field 'topology' must map {', '.join(TOPOLOGY_FIELDS)} "
                          f"to ints >= 0, got {topo!r}")
     elastic_segments(state)
     worker = state.get("worker")
-    if worker is not None and (not isinstance(worker, Mapping) or not _is_count(worker.get("id"))
-                               or not _is_count(worker.get("num_workers"), 1)):
+    if worker is not None and (not isinstance(worker, Mapping) or not is_count(worker.get("id"))
+                               or not is_count(worker.get("num_workers"), 1)):
         raise StateError(f"loader state field 'worker' must be {{'id': int, 'num_workers': int}}, got {worker!r}")
     per = state.get(PER_RANK)
     if per is not None and (not isinstance(per, Mapping) or not all(
@@ -162,15 +163,15 @@ def elastic_segments(state: Mapping[str, Any]) -> tuple[Segment, ...]:
     segments = elastic.get("segments") if isinstance(elastic, Mapping) else None
 
     def ok(s: Any) -> bool:
-        if not (isinstance(s, (list, tuple)) and len(s) in (2, 3, 4) and _is_count(s[0], 1)):
+        if not (isinstance(s, (list, tuple)) and len(s) in (2, 3, 4) and is_count(s[0], 1)):
             return False
         if len(s) >= 3 and not isinstance(s[2], str):
             return False
-        if len(s) == 4 and not _is_count(s[3], 1):
+        if len(s) == 4 and not is_count(s[3], 1):
             return False
         if isinstance(s[1], list):
-            return len(s[1]) == s[0] and all(_is_count(i) and i <= MAX_INDEX for i in s[1])
-        return _is_count(s[1]) and s[1] <= MAX_INDEX
+            return len(s[1]) == s[0] and all(is_count(i) and i <= MAX_INDEX for i in s[1])
+        return is_count(s[1]) and s[1] <= MAX_INDEX
     if not isinstance(segments, list) or not all(ok(s) for s in segments):
         raise StateError(f"loader state field 'elastic' must be {{'segments': [[dp_size, steps or "
                          f"[index per dp_rank], fingerprint(, DP ranks per node)], ...]}}, got {elastic!r}")
@@ -187,16 +188,16 @@ def elastic_fingerprint(state: Mapping[str, Any]) -> str:
     return segments[-1].fingerprint if segments else ""
 
 
-def _flatten(value: Any, prefix: str) -> dict[str, Any]:
+def flatten(value: Any, prefix: str) -> dict[str, Any]:
     """``{"datasets": [{"repeats": 1}]}`` -> ``{"plan.datasets[0].repeats": 1}``: one row per field."""
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}.{k}"))
+            out.update(flatten(v, f"{prefix}.{k}"))
         return out
     if isinstance(value, (list, tuple)) and any(isinstance(v, Mapping) for v in value):
         out = {f"{prefix}.count": len(value)}
         for i, v in enumerate(value):
-            out.update(_flatten(v, f"{prefix}[{i}]"))
+            out.update(flatten(v, f"{prefix}[{i}]"))
         return out
     return {prefix: value}

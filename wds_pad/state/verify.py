@@ -37,8 +37,8 @@ from .schema import (
     STATE_FORMAT,
     STATE_VERSION,
     TOPOLOGY_FIELDS,
-    _flatten,
-    _table,
+    flatten,
+    mismatch_table,
     check_schema,
     elastic_fingerprint,
     elastic_segments,
@@ -73,8 +73,8 @@ def _unexpected_differences(entry: Mapping[str, Any], state: Mapping[str, Any]) 
     plan = state.get("plan")
     if state.get("kind") == "shards" or (isinstance(plan, Mapping) and plan.get("policy") == "none"):
         varying.update(_POSITION_FIELDS)
-    a = _flatten({k: v for k, v in entry.items() if k != PER_RANK}, "")
-    b = _flatten({k: v for k, v in state.items() if k != PER_RANK}, "")
+    a = flatten({k: v for k, v in entry.items() if k != PER_RANK}, "")
+    b = flatten({k: v for k, v in state.items() if k != PER_RANK}, "")
 
     def varies(leaf: str) -> bool:
         return any(leaf == f or leaf.startswith((f + ".", f + "[")) for f in varying)
@@ -186,7 +186,7 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
                         "name it by rank)" if layout_same else
                         "restart with the saved topology, or pass allow_elastic=True to resume "
                         "the rest of the epoch on this data-parallel layout")
-                raise TopologyMismatchError(f"loader state is from another topology: {_table(topo_rows)}; {hint}")
+                raise TopologyMismatchError(f"loader state is from another topology: {mismatch_table(topo_rows)}; {hint}")
     saved_plan = state.get("plan") or {}
     try:
         made = fingerprint_of(saved_plan)
@@ -199,15 +199,15 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
     now_fp = fingerprint
     layout_keys = {f"plan.{k}" for k in LAYOUT_FIELDS}
     if state["fingerprint"] != now_fp:
-        saved = _flatten(saved_plan, "plan")
-        now_fields = _flatten(plan_fields, "plan")
+        saved = flatten(saved_plan, "plan")
+        now_fields = flatten(plan_fields, "plan")
         keys = sorted(set(saved) | set(now_fields))
         diff = [(k, saved.get(k), now_fields.get(k)) for k in keys if saved.get(k) != now_fields.get(k)]
         layout_rows = [r for r in diff if r[0] in layout_keys]
         other_rows = [r for r in diff if r[0] not in layout_keys]
         if layout_rows and not allow_elastic and not other_rows and not rows:
             raise TopologyMismatchError(
-                f"loader state was saved on another data-parallel layout: {_table(layout_rows)}; "
+                f"loader state was saved on another data-parallel layout: {mismatch_table(layout_rows)}; "
                 "restart with the saved topology, or pass allow_elastic=True to resume the rest of "
                 "the epoch on this data-parallel layout")
         rows.extend(other_rows + ([] if allow_elastic else layout_rows))
@@ -215,7 +215,7 @@ def _verify(state: dict[str, Any], *, kind: str, mode: str, topology: Topology, 
             rows.append(("fingerprint", state["fingerprint"], now_fp))
     if rows:
         raise StateMismatchError(
-            f"loader state belongs to another plan: {_table(rows)}; resume with the same "
+            f"loader state belongs to another plan: {mismatch_table(rows)}; resume with the same "
             "index, seed, batch size, padding policy, mode, datasets and data-parallel layout, "
             "or start afresh"
         )

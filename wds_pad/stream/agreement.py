@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.collective import all_gather, group_size
 from ..core.policy import Policy
 from ..errors import StateMismatchError
-from ..state.schema import _flatten
+from ..state.schema import flatten
 from ..state.cursor import Cursor
 from ..state.spec import PlanSpec
 
@@ -39,9 +40,7 @@ def check_agreement(spec: PlanSpec, cursor: Cursor, group: Any = None) -> None:
     Raises:
         StateMismatchError: on every rank, naming the ranks and fields that differ.
     """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:  # one process: nothing to compare
         return
     view = cursor.view
     resumed = view is not None and view.epoch == cursor.epoch
@@ -51,8 +50,7 @@ def check_agreement(spec: PlanSpec, cursor: Cursor, group: Any = None) -> None:
             "mode": spec.mode.value, "plan": spec.fingerprint_fields(),
             "lockstep": spec.resolved_policy is not Policy.NONE,
             "elastic": view.fingerprint if resumed else ""}  # type: ignore[union-attr]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered: list[Any] = all_gather(mine, group) or [mine]
     ref = gathered[0]
     # every rank decides from the same gathered values, so every rank raises alike
     lockstep = any(x.get("lockstep", True) for x in gathered)
@@ -65,7 +63,7 @@ def check_agreement(spec: PlanSpec, cursor: Cursor, group: Any = None) -> None:
             detail = ", ".join(f"{k}: rank {ref['rank']} {ref[k]!r} vs rank {other['rank']} {other[k]!r}"
                                for k in fields if k != "fingerprint")
             # one row per leaf field: "datasets[0].index_digest", not two whole dataset lists
-            mine_f, theirs_f = (_flatten(x["plan"], "plan") for x in (ref, other))
+            mine_f, theirs_f = (flatten(x["plan"], "plan") for x in (ref, other))
             plan_diff = [k for k in {**mine_f, **theirs_f} if mine_f.get(k) != theirs_f.get(k)]
             if plan_diff:
                 detail += (", " if detail else "") + "plan fields differ: " + ", ".join(

@@ -129,6 +129,9 @@ class BatchMaker:
                 samples = None if packed is None else packed.samples(zero_copy=True)
             else:
                 samples = fast.read(batch)
+                if samples is not None and batch.pack is not None:  # a Pack: each sample's pack
+                    for sample, pk in zip(samples, batch.pack.tolist()):
+                        sample["__pack__"] = pk
             exact = samples is None  # its members are bytes
             if exact:
                 samples = list(fetcher(iter(batch_refs(spec, plan, j, batch, fast.fallback_members))))

@@ -256,7 +256,8 @@ class BatchReader:
         st.requests += hi - lo
         st.bytes += nbytes
         return PackedBatch(buf, ring, begin, nbytes, seq, bounds, c.exts[mlo:mhi], counts[lo:hi].tolist(),
-                           c.keys[lo:hi], c.urls[lo:hi], c.ids[lo:hi], c.pads[lo:hi], meta)
+                           c.keys[lo:hi], c.urls[lo:hi], c.ids[lo:hi], c.pads[lo:hi], meta,
+                           None if batch.pack is None else batch.pack.tolist())
 
     def _fill(self, c: _Chunk, lo: int, hi: int, mlo: int, mhi: int, arr: np.ndarray,
               base: np.ndarray) -> np.ndarray | None:

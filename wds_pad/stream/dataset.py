@@ -37,10 +37,10 @@ from ..index.codec import load_index
 from ..index.record import Index
 from ..core.budget import Budget
 from ..core.locality import Locality
-from ..core.policy import Mode, PadTo, Policy, _enum, check_epoch
+from ..core.policy import Mode, PadTo, Policy, check_epoch, parse_enum
 from ..io.options import ReadOptions, ReadStats
 from .stats import Clock, StreamStats
-from ..core.seed import shared_seed
+from ..core.collective import shared_seed
 from .agreement import check_agreement
 from .batches import BatchMaker
 from .fetch import Counters, fetch
@@ -75,7 +75,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         index: an Index or index path, or a list of them (one dataset each).
         batch_size: samples per batch per data-parallel rank, or a ``wds_pad.Budget``:
             batches sized by the samples' costs (an index built with ``--cost``;
-            docs/planning.md, "Budgets").
+            docs/planning.md, "Budgets"), or a ``wds_pad.Pack``: batches of packs of at
+            most ``seq_len`` tokens, each sample carrying ``__pack__`` (docs/packing.md).
         topology: default ``Topology.detect(group=group, cp_size=cp_size)``.
         seed: default ``shared_seed(None, group)`` (drawn on rank 0, broadcast).
         epoch: the epoch to start with (epochs mode: change with ``set_epoch``).
@@ -168,11 +169,11 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
                                                                                 **storage_options}})
         self.spec = PlanSpec(
             indexes=indexes, names=names, topology=topology, seed=shared_seed(seed, group),
-            batch_size=batch_size, policy=_enum(Policy, pad, "padding policy"),
-            mode=_enum(Mode, mode, "mode"), pad_to=_enum(PadTo, pad_to, "pad_to"),
+            batch_size=batch_size, policy=parse_enum(Policy, pad, "padding policy"),
+            mode=parse_enum(Mode, mode, "mode"), pad_to=parse_enum(PadTo, pad_to, "pad_to"),
             oversubscribe=bool(oversubscribe), repeats=_per_index(repeats, n, "repeats", int),
             weights=tuple(float(w) for w in _per_index(weights, n, "weights", (int, float))),  # type: ignore[arg-type]
-            locality=_enum(Locality, locality, "locality"), window=window,
+            locality=parse_enum(Locality, locality, "locality"), window=window,
             accumulation_steps=accumulation_steps,
         )
         epoch = check_epoch(epoch)

@@ -35,6 +35,7 @@ from dataclasses import replace
 from typing import Any, Iterator, Mapping
 
 from .loaderargs import check_loader_args, check_start_timeout
+from ..core.collective import all_gather, dist_for
 from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
 from .stats import StreamStats
@@ -69,12 +70,9 @@ def _widen_pipe(batches: Any) -> None:
 def _gather_entries(own: dict[str, Any], group: Any) -> dict[str, Any]:
     """Every rank's ``per_rank`` entries, merged (one all_gather_object); ``own`` alone
     without an initialised process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    gathered = all_gather(own, group)
+    if gathered is None:
         return own
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, own, group=group)
     merged: dict[str, Any] = {}
     for entries in gathered:
         merged.update(entries)
@@ -105,9 +103,8 @@ def _refuse_early_topology(ds: BucketedWebDataset) -> None:
     """
     if not getattr(ds, "_detected_topology", False) or ds.group is not None:
         return
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    dist = dist_for()
+    if dist is None:
         return
     world = dist.get_world_size()
     if world != ds.topology.world_size:

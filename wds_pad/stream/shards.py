@@ -36,7 +36,7 @@ from ..index.codec import load_index
 from ..index.record import Index
 from ..io.ranges import RangeReader, ReadOptions
 from ..io.redact import redact
-from ..core.seed import shared_seed
+from ..core.collective import shared_seed
 from ..core.shardsplit import WorkerPlan, deal_shards, worker_plan
 from ..io.urls import canonical_url, expand_urls
 from ..tar.scan import parse_sample

@@ -40,7 +40,7 @@ from ..index.record import Index
 from ..core.policy import check_epoch
 from ..index.shardfile import shard_info
 from ..io.redact import redact
-from ..core.seed import shared_seed
+from ..core.collective import shared_seed
 from .live import OpenIterators, refuse_resplitting
 from ..core.shardsplit import WorkerPlan, worker_plan
 from ..index.location import is_relative

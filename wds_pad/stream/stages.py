@@ -65,7 +65,7 @@ class PlannedSource:
 
     Each reference is a dict with ``__url__``, ``__key__``, ``__bucket__``,
     ``__dataset__``, ``__pad__``, ``__epoch__``, ``__step__``, ``__batch__`` (index in
-    the rank's plan), ``__index__`` (sample id), ``__offset__`` and ``__length__``.
+    the rank's plan), ``__index__`` (sample id), ``__offset__``, ``__length__`` (``__pack__``: a Pack's).
 
     Args:
         spec: the PlanSpec.
@@ -141,9 +141,8 @@ class PlannedSource:
 
 def batch_refs(spec: PlanSpec, plan: Plan, j: int, batch: Any = None,
                members: list[Any] | None = None) -> list[dict[str, Any]]:
-    """The sample references of batch ``j`` of ``plan`` (``batch``: ``plan[j]``, if known);
-    with ``members`` (batchread.member_refs), each reference carries its sample's under
-    ``__members__``, and ``fetch`` slices its bytes without parsing tar headers."""
+    """The sample references of batch ``j`` of ``plan`` (``batch``: ``plan[j]``, if known); with ``members``
+    (batchread.member_refs) each carries its sample's under ``__members__`` (``fetch`` parses no header)."""
     batch = plan[j] if batch is None else batch
     ds = plan.datasets.index(batch.dataset)
     ix = spec.indexes[ds]
@@ -160,6 +159,8 @@ def batch_refs(spec: PlanSpec, plan: Plan, j: int, batch: Any = None,
     if members is not None:
         for ref, m in zip(refs, members):
             ref["__members__"] = m
+    for ref, pk in zip(refs, () if batch.pack is None else batch.pack.tolist()):  # a Pack: each sample's pack
+        ref["__pack__"] = pk
     return refs
 
 

@@ -1,7 +1,7 @@
 """Which rank waits on data, and why: a cross-rank summary of every rank's StreamStats.
 
 Invariants:
-- one ``all_gather_object`` of each rank's :class:`~wds_pad.stream.stats.StreamStats`
+- one ``all_gather`` (core/collective.py) of each rank's :class:`~wds_pad.stream.stats.StreamStats`
   over the job's group per report (the collective the agreement check uses); without an
   initialised process group, or with one rank, a report of this rank alone;
 - every rank gets the same :class:`StallReport`: the slowest rank (most ``wait_s``) against
@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass, fields, replace
 from typing import Any, Iterator
 
+from ..core.collective import all_gather
 from ..errors import ConfigError
 from ..io.redact import redact
 from .stats import STAGES, StreamStats
@@ -35,12 +36,9 @@ CAUSES = {"get_s": "GETs", "cache_wait_s": "the shard cache", "tar_s": "tar/memb
 
 def gather_stats(stats: StreamStats, group: Any = None) -> tuple[StreamStats, ...]:
     """Every rank's stats, in rank order (a collective over ``group`` when one is running)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    gathered = all_gather(stats.as_dict(), group)
+    if gathered is None:
         return (stats,)
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, stats.as_dict(), group=group)
     return tuple(sorted((StreamStats(**g) for g in gathered), key=lambda s: s.rank))
 
 

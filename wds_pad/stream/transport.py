@@ -191,6 +191,7 @@ class PackedBatch:
     ids: list[int]
     pads: list[bool]
     meta: tuple[Any, Any, int, int, int]
+    packs: list[int] | None = None  # under a Pack: each sample's ``__pack__``
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -228,6 +229,9 @@ class PackedBatch:
                     d[exts[x]] = view[starts[x]:ends[x]].tobytes()
             m = j
             append(d)
+        if self.packs is not None:
+            for d, pk in zip(out, self.packs):
+                d["__pack__"] = pk
         if self.ring is not None and not zero_copy:  # copied out: its space is free now
             view.release()
             _release(whole[:_HEADER].view(np.int64), self.seq)

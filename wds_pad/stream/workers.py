@@ -130,6 +130,18 @@ def _ended(code: int | None) -> str:
     return "exited" if code is None else f"exited with code {code}"
 
 
+def _dead_workers(batches: Any, wait: float) -> list[tuple[int, Any]]:
+    """The workers of ``batches`` that ended (none ends before we stop it), waiting up to
+    ``wait`` seconds for one that is dying to be reaped."""
+    workers = list(getattr(batches, "_workers", ()))
+    deadline = time.monotonic() + wait
+    while True:
+        dead = [(i, w) for i, w in enumerate(workers) if w.exitcode is not None]
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.05)
+
+
 def watched(batches: Any, owner: str) -> Iterator[Any]:
     """The items of a DataLoader iterator made by :func:`worker_batches`; a worker that
     died ends them with one WorkerError (the module doc).
@@ -142,10 +154,12 @@ def watched(batches: Any, owner: str) -> Iterator[Any]:
             item = next(batches)
         except StopIteration:
             return
-        except RuntimeError as exc:
-            workers = list(getattr(batches, "_workers", ()))
-            dead = [(i, w) for i, w in enumerate(workers) if w.exitcode is not None]  # none ends before we stop it
-            if not dead and not any(m in str(exc) for m in ("exited unexpectedly", "killed by signal")):
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            # RuntimeError: torch saw the worker gone; ConnectionError/EOFError: it died while
+            # the main process fetched a batch's shared memory from it (torch's resource sharer)
+            dead = _dead_workers(batches, wait=0.0 if isinstance(exc, RuntimeError) else 2.0)
+            if not dead and (not isinstance(exc, RuntimeError) or
+                             not any(m in str(exc) for m in ("exited unexpectedly", "killed by signal"))):
                 raise  # a worker's own error, re-raised by torch: it says what went wrong
             which = "; ".join(f"worker {i} (pid {w.pid}) {_ended(w.exitcode)}" for i, w in dead) or str(exc)
             raise WorkerError(

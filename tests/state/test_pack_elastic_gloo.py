@@ -1,0 +1,85 @@
+"""A real gloo job of packed batches under gradient accumulation, killed on 4 ranks and
+resumed on 3 to the epoch's end; audited sample by sample.
+
+The index records each sample's payload bytes as its cost (``--cost bytes``); batches are
+``Pack(L, packs=2)`` with 2 micro-batches per optimizer step. The 4-rank job is killed
+(SIGKILL) after every rank saved its state mid-epoch; the 3-rank job resumes it with
+``allow_elastic=True``. In both jobs every rank gets the same number of batches (whole
+optimizer steps in the finished one), all take the same bucket at each step, every
+batch is two packs each within L (a sample costlier than L alone); over the two jobs
+every sample of the epoch is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dist_helpers import Job, bucket_keys_of, format_outputs, launch, session_dataset
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+HELPERS = Path(__file__).resolve().parents[1] / "dist_helpers.py"
+ENV = {"PYTHONPATH": str(HELPERS.parents[1])}  # the ranks import this checkout's wds_pad
+
+
+def _run(world: int, out: Path, params: dict[str, Any], kill: bool) -> list[list[dict[str, Any]]]:
+    out.mkdir(parents=True)
+    params = {**params, "log": str(out)}
+    argv = [sys.executable, str(HELPERS), str(out), json.dumps([{"scenario": "elastic_phase", **params}])]
+    if not kill:
+        launch(argv, world, timeout=150, env=ENV)
+    else:
+        with Job(argv, world, timeout=150, env=ENV) as job:
+            deadline = time.monotonic() + 150
+            while not all((out / f"saved{r}").exists() for r in range(world)):
+                assert job.running() and time.monotonic() < deadline, format_outputs(job.collect())
+                time.sleep(0.1)
+            job.kill(signal.SIGKILL)
+    return [[json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(world)]
+
+
+def test_packed_under_accumulation_killed_on_4_resumed_on_3_trains_every_sample_once(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    from wds_pad import build_index, load_index
+
+    data = session_dataset(tmp_path_factory)
+    index = str(tmp_path / "costed.wdsidx")
+    build_index(list(load_index(data["index"]).urls), "aspect:width,height", output=index, cost="bytes")
+    ix = load_index(index)
+    cost = {ix.key(i): float(ix.cost[i]) for i in range(len(ix))}
+    seq_len = int(3 * sorted(cost.values())[len(cost) // 2])
+    common = {"index": index, "batch_size": 0, "seed": 7, "accumulation_steps": 2,
+              "pack": {"seq_len": seq_len, "packs": 2, "oversize": "alone"}}
+    jobs = [(4, {"save_at": 4}), (3, {"old_world": 4})]
+    trained: Counter[str] = Counter()
+    for j, (world, extra) in enumerate(jobs):
+        params = {**common, **extra, "state_dir": str(tmp_path / f"state{j}")}
+        if j:
+            params["resume_from"] = str(tmp_path / f"state{j - 1}")
+        logs = _run(world, tmp_path / f"job{j}", params, kill="save_at" in extra)
+        if "save_at" in extra:
+            logs = [log[:extra["save_at"]] for log in logs]  # trained before the state was saved
+            assert all(len(log) == extra["save_at"] for log in logs)
+        else:
+            assert all(len(log) % 2 == 0 and log for log in logs), f"job {j}: not whole optimizer steps"
+        assert len({len(log) for log in logs}) == 1, f"job {j}: unequal batch counts"
+        for i in range(len(logs[0])):
+            assert len({(log[i]["step"], log[i]["bucket"]) for log in logs}) == 1, f"job {j} batch {i}: not lockstep"
+        for log in logs:
+            for b in log:
+                assert sorted(set(b["pack"])) == [0, 1], f"job {j}: a batch is not two packs"
+                for p in (0, 1):
+                    keys = [k for k, q in zip(b["keys"], b["pack"]) if q == p]
+                    assert len(keys) == 1 or sum(cost[k] for k in keys) <= seq_len, f"job {j}: a pack over L"
+        trained.update(k for log in logs for b in log for k, pad in zip(b["keys"], b["pad"]) if not pad)
+    every = [k for keys in bucket_keys_of(index).values() for k in keys]
+    twice = {k: n for k, n in trained.items() if n > 1}
+    never = set(every) - set(trained)
+    assert not twice and not never, f"trained twice: {sorted(twice)[:10]}, never: {sorted(never)[:10]}"
