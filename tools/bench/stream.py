@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 from _common import add_sizes, case_shards, cpu_seconds, once, parser, round_robin, table
 from _litdata_peer import litdata_convert, litdata_stream
+from _stats_cost import counter_ns_per_batch
 
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
@@ -306,6 +307,10 @@ def targets(results: dict[str, dict[str, dict[str, dict[str, float]]]], main: st
     cpu = small["cpu"]
     rows.append(["10 KB, cpu us/sample of Loader(2) (all processes) over one process",
                  f"{cpu['wds_pad Loader(2)'] / cpu['wds_pad direct']:.2f}x", "<= 1.3x"])
+    per_batch_us = counter_ns_per_batch() / 1e3  # the stats counters: per batch, never per sample
+    rows += [[f"10 KB, the stats counters over cpu us/sample, batch {b}",
+              f"{per_batch_us / b / cpu[name]:.2%}", "< 1%"] for b, name in ((64, "wds_pad direct"),
+                                                                             (1, "wds_pad batch 1"))]
     return rows
 
 

@@ -34,6 +34,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -141,6 +142,8 @@ class InFlight:
             f" (one request for {nparts} merged ranges)" if nparts > 1 else "")
         while True:
             attempt += 1
+            with self._stats_lock:  # on the IO loop's thread: one GET per attempt
+                self.stats.gets += 1
             try:
                 if pool is None:
                     call = self._check.get(target, url, start, start + length)
@@ -155,6 +158,8 @@ class InFlight:
             else:
                 if len(data) > length:  # never sliced: the bytes might not be the ones asked for
                     raise self._ignored_range(url, start, length, len(data), block)
+                with self._stats_lock:
+                    self.stats.get_bytes += len(data)
                 return data  # type: ignore[no-any-return]
             # Raised outside the except clause so no __context__ holds an unredacted text.
             error = self._judge(failure, what, attempt, url)
@@ -259,12 +264,21 @@ class InFlight:
                 head = pending[0]
                 data = head.data
                 if data is None and head.future is not None:
+                    if head.cached and head.future.done():
+                        st.cache_hits += 1
+                    began = time.perf_counter_ns()  # per request: the wait on the store or the cache
                     try:
                         data = head.future.result(timeout=guard)
                     except concurrent.futures.TimeoutError:
                         raise ReadError(f"reading byte offset {head.start} of "
                                         f"{redact(head.url)!r} hung past {guard:.0f} s; the IO "
                                         "loop is blocked") from None
+                    waited = time.perf_counter_ns() - began
+                    if head.cached:
+                        st.cache_wait_ns += waited
+                    else:
+                        st.get_wait_ns += waited
+                    st.wait_ns_by_url[head.url] = st.wait_ns_by_url.get(head.url, 0) + waited
                 size = head.end - head.start
                 if len(data) < size:  # longer: refused by _fetch (the server ignored Range)
                     for off, ln in head.parts:

@@ -120,7 +120,14 @@ class ReadStats:
     peak_cache_bytes: int = 0  # most shard bytes held (fetched ahead or in use) at once
     exact_batches: int = 0  # batches whose tar headers were parsed: no member table for a sample, or it differed
     exact_samples: int = 0  # samples read that way
+    gets: int = 0  # GETs sent to a remote store, retries and whole-shard blocks included
+    get_bytes: int = 0  # bytes those GETs returned
+    get_wait_ns: int = 0  # time the reading thread waited on its own ranged GETs
+    cache_wait_ns: int = 0  # time it waited on the shard cache (memory or the node's copies)
+    cache_hits: int = 0  # reads the shard cache answered with bytes already held (no wait)
+    # the two waits above per shard URL, to name the slowest shard (not in as_dict())
+    wait_ns_by_url: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, int]:
-        """Returns the counters as a plain dict."""
-        return asdict(self)
+        """Returns the counters as a plain dict (without the per-shard waits)."""
+        return {k: v for k, v in asdict(self).items() if k != "wait_ns_by_url"}

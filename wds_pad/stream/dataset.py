@@ -39,6 +39,7 @@ from ..core.budget import Budget
 from ..core.locality import Locality
 from ..core.policy import Mode, PadTo, Policy, check_epoch, parse_enum
 from ..io.options import ReadOptions, ReadStats
+from .stats import Clock, StreamStats
 from ..core.collective import shared_seed
 from .agreement import check_agreement
 from .batches import BatchMaker
@@ -188,6 +189,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         self.stages: list[Callable[[Any], Any]] = []
         self.counters = Counters()
         self._read_stats: ReadStats | None = None
+        self._clock = Clock()  # where data time goes (stats.py)
         self._cursor = Cursor(epoch)  # where the next iteration starts (state/cursor.py)
         self._agreed: set[int] = set()
 
@@ -241,6 +243,12 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         retries, peak in flight); None before the first iteration. With DataLoader
         workers each worker has its own reader, not visible here."""
         return self._read_stats
+
+    def stats(self) -> StreamStats:
+        """Where this rank's data time went so far: wait, GETs, bytes, cache hits and
+        seconds per stage, its DataLoader workers' summed in (docs/streaming.md,
+        "Where data time goes")."""
+        return self._clock.stats(self.spec.topology.rank)
 
     @property
     def epoch(self) -> int:
@@ -325,17 +333,28 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             yield from self._iterate()
             return
         self.agree()
-        yield from self._counted(self._iterate())
+        # in one process the loop's wait is the time batches take to make: one timing for both
+        yield from self._counted(self._clock.timed(self._iterate(), "wait_ns", count=True, also="make_ns"))
 
     def _iterate(self) -> Iterator[Any]:
         source = self._source()
         fetcher = fetch(self.read_options, handler=self.handler, spec=self.spec, counters=self.counters)
         self._read_stats = fetcher.reader.stats
         in_worker = get_worker_info() is not None
+        if in_worker:  # a worker counts its own iteration; the main process sums the workers
+            self._clock = Clock()
+        clock = self._clock
+        clock.start_reader(self._read_stats)
         pack = self._pack and in_worker and packs(self.stages, self.collation_fn)  # the main process unpacks
         views = self.zero_copy and not in_worker  # one process: members are views here
-        yield from BatchMaker(self.spec, self.stages, self.collation_fn, self.handler, self.counters, fetcher,
-                              _unmoved if pack else self._advance, pack, views)(source)
+        made = BatchMaker(self.spec, self.stages, self.collation_fn, self.handler, self.counters,
+                          fetcher, _unmoved if pack else self._advance, pack, views, clock)(source)
+        if in_worker:
+            made = clock.timed(made, "make_ns")
+        try:
+            yield from clock.noted(made) if in_worker and self._pack else made
+        finally:
+            clock.end_reader()
 
     def _source(self) -> PlannedSource:
         """Where this iteration starts: a seek into the plan (or the elastic view)."""

@@ -38,6 +38,7 @@ from .loaderargs import check_loader_args, check_start_timeout
 from ..core.collective import all_gather, dist_for
 from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
+from .stats import StreamStats
 from .transport import unpacked
 from .workers import START_TIMEOUT, shut_down, watched, worker_batches
 from ..state import Cursor, make_state, restore
@@ -206,6 +207,11 @@ class Loader:
         self.dataset.seek(cursor)
         self._cursor = cursor
 
+    def stats(self) -> StreamStats:
+        """Where this rank's data time went so far, its workers' counters summed in
+        (:meth:`BucketedWebDataset.stats`; docs/streaming.md, "Where data time goes")."""
+        return self.dataset.stats()
+
     def __iter__(self) -> Iterator[Any]:
         yield from self.dataset._counted(self._iterate())  # the dataset counts its loader's iterators
 
@@ -226,14 +232,21 @@ class Loader:
         # batches cross in shared memory and are unpacked here (transport.py)
         batches = worker_batches(ds.packed(), self.num_workers, self.kwargs, owner="Loader",
                                  start_timeout=self.worker_start_timeout)
-        collate, zero_copy, rings = ds.collation_fn, ds.zero_copy, {}  # type: ignore[var-annotated]
         try:
             _widen_pipe(batches)
             ds.seek(replace(start, pinned=False))
-            for item in watched(batches, "Loader"):
-                for batch in unpacked(item, collate, zero_copy, rings):  # a run of batches, or one
-                    self._cursor = self._cursor.forward(ds.spec, 1)
-                    yield batch
+            yield from ds._clock.timed(self._received(batches), "wait_ns", count=True)
         finally:  # an error or an early stop too: no worker outlives the loop
             shut_down(batches)
+            ds._clock.end_workers()
         ds.seek(ds.cursor.at(self._cursor.epoch, self._cursor.index))
+
+    def _received(self, batches: Any) -> Iterator[Any]:
+        """The workers' batches, unpacked here (transport.py), their counters kept (stats.py)."""
+        ds = self.dataset
+        clock, collate, zero_copy, rings = ds._clock, ds.collation_fn, ds.zero_copy, {}  # type: ignore[var-annotated]
+        for item in clock.received(watched(batches, "Loader")):
+            # a run of batches, or one; unpacking and collating here is counted as collation
+            for batch in clock.timed(unpacked(item, collate, zero_copy, rings), "unpack_ns"):
+                self._cursor = self._cursor.forward(ds.spec, 1)
+                yield batch
