@@ -40,6 +40,7 @@ from .core.dataset import Dataset, IdRange
 from .core.locality import Locality, ShardMap
 from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
 from .core.policy import Mode, PadTo, Policy
+from .core.sampleseed import sample_rng
 from .core.seed import derive_rng, shared_seed
 from .core.topology import Topology
 from .version import __version__
@@ -133,6 +134,7 @@ __all__ = [
     "load_state_file",
     "plan_batched",
     "plan_epoch",
+    "sample_rng",
     "save_state_file",
     "shared_seed",
     "split_by_node",

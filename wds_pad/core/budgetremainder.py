@@ -269,7 +269,7 @@ def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[
                 pad_to=base.pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
                 schedule=top.schedule, window=top.window, batch_step=batch_step, offsets=offsets, stats=stats,
                 buckets=buckets, locality=base.locality, shard_window=base.shard_window, sizing=budget, bins=bins,
-                accumulation=k)
+                accumulation=k, seed=base.seed)
     if shard:
         src.plan = plan
     return plan, _digest(segments, top, table)

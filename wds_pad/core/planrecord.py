@@ -27,6 +27,7 @@ from .budget import Budget
 from .locality import Locality
 from .permute import ROUNDS, permute
 from .policy import Mode, PadTo, Policy
+from .sampleseed import mix_seeds, seed_bases
 from .sizing import Count
 from .topology import Topology
 
@@ -70,6 +71,7 @@ class Batch:
     bucket: Hashable
     samples: np.ndarray  # int64 sample ids
     pad: np.ndarray      # bool: True for a padded copy
+    seeds: np.ndarray | None = None  # uint64: each entry's seed (core/sampleseed.py)
 
     def to_json(self, topology: Topology) -> dict[str, Any]:
         """The ``wds-pad plan --json`` record of this batch."""
@@ -82,6 +84,7 @@ class Batch:
             "bucket": self.bucket,
             "samples": self.samples.tolist(),
             "pad": self.pad.tolist(),
+            **({} if self.seeds is None else {"seeds": self.seeds.tolist()}),
         }
 
 
@@ -120,6 +123,7 @@ class Plan:
     sizing: Count | Budget | None = None  # how batches are sized (None: Count(batch_size))
     bins: Bins | None = field(default=None, repr=False)  # where each batch starts (a budget's batches vary)
     accumulation: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
+    seed: int | None = None  # the shared seed: each entry's seed derives from it (None: no seeds)
 
     def __post_init__(self) -> None:
         if self.sizing is None:
@@ -159,10 +163,26 @@ class Plan:
 
         def batch() -> tuple[np.ndarray, np.ndarray]:
             k = np.arange(first, first + size, dtype=np.int64)
-            return self.buckets.entries(np.full(size, b, dtype=np.int64), k)
+            bb = np.full(size, b, dtype=np.int64)
+            return self._seeded(bb, k, *self.buckets.entries(bb, k))
 
-        samples, pad = _within_memory(batch, size, f"batch {i}")
-        return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad)
+        samples, pad, seeds = _within_memory(batch, size, f"batch {i}")
+        return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad, seeds)
+
+    def _seeded(self, b: np.ndarray, k: np.ndarray, samples: np.ndarray,
+                pad: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(samples, pad, seeds) of entries ``k`` of kept buckets ``b`` (core/sampleseed.py)."""
+        if self.seed is None:
+            return samples, pad, None
+        bases = self.__dict__.get("_seed_bases")
+        if bases is None:
+            bases = self.__dict__["_seed_bases"] = seed_bases(self.seed, self.epoch, self.datasets)
+        copy_numbers = getattr(self.buckets.order, "copies", None)
+        copies = copy_numbers(b, k) if copy_numbers is not None else None
+        if copies is None:
+            copies = pad.astype(np.int64)
+        ds = np.asarray([di for di, _ in self.bucket_table], np.int64)
+        return samples, pad, mix_seeds(bases[ds[b]] if b.size else bases[:0], samples, copies)
 
     def __iter__(self) -> Iterator[Batch]:
         # consecutive batches in blocks of about 64K entries: one permutation pass each
@@ -182,13 +202,13 @@ class Plan:
         before = np.cumsum(sizes) - sizes
         total = int(sizes.sum())
 
-        def entries() -> tuple[np.ndarray, np.ndarray]:
-            b = np.repeat(self.schedule[steps], sizes)
+        def entries() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+            b = np.repeat(self.schedule[steps], sizes).astype(np.int64)
             first = self._first(self.schedule[steps].astype(np.int64), self.window[steps].astype(np.int64))
             k = np.repeat(first - before, sizes) + np.arange(total, dtype=np.int64)
-            return self.buckets.entries(b, k)
+            return self._seeded(b, k, *self.buckets.entries(b, k))
 
-        samples, pad = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
+        samples, pad, seeds = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
         out = []
         table, names, epoch = self.bucket_table, self.datasets, self.epoch
         new = object.__new__  # the fields are computed here: skip the frozen __init__'s setattr per field
@@ -197,7 +217,8 @@ class Plan:
             ds, key = table[t]
             b = new(Batch)
             b.__dict__.update(epoch=epoch, step=st, index=i, dataset=names[ds], bucket=key,
-                              samples=samples[at : at + size], pad=pad[at : at + size])
+                              samples=samples[at : at + size], pad=pad[at : at + size],
+                              seeds=None if seeds is None else seeds[at : at + size])
             out.append(b)
         return out
 
@@ -277,6 +298,20 @@ class _Buckets:
         the rank (the elastic remainder of an epoch reads the whole layout's order)."""
         return _at(self, b, pos)
 
+    def copies(self, b: np.ndarray, k: np.ndarray) -> np.ndarray | None:
+        """Copy numbers of entries ``k`` of kept buckets ``b``: ``p // n`` at global position p
+        (the pass, then the padded copies' cycles); None when another order gives the entries."""
+        if self.order is not self:
+            numbers = getattr(self.order, "copies", None)
+            return None if numbers is None else numbers(b, k)  # type: ignore[no-any-return]
+        return self.positions(b, self.d + self.dp * np.asarray(k, np.int64))
+
+    def positions(self, b: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
+        """Copy numbers at global positions ``pos`` of kept buckets ``b`` (None: a local order)."""
+        if self.local is not None:
+            return None
+        return np.asarray(pos, np.int64) // np.maximum(self.n[np.asarray(b, np.int64)], 1)
+
 
 class Bins:
     """Where each batch of each kept bucket starts among a rank's entries of that bucket,
@@ -325,7 +360,7 @@ def _rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.
     return batch_step, offsets
 
 
-def _within_memory(compute: Any, entries: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+def _within_memory(compute: Any, entries: int, what: str) -> Any:
     """``compute()``, with a MemoryError (below the planner's limit, but more than this
     machine holds) turned into a ConfigError that says what to lower."""
     try:
