@@ -90,6 +90,27 @@ def test_seeds_survive_a_resume_on_another_layout(c: dict[str, Any], data: st.Da
         assert np.array_equal(plan[i].seeds, plan.batches(i, len(plan))[0].seeds)
 
 
+@SETTINGS
+@given(layouts, st.data())
+def test_budgeted_plans_number_every_pass_and_keep_seeds_across_a_resume(c: dict[str, Any],
+                                                                        data: st.DataObject) -> None:
+    base = _dataset(c["sizes"], c["repeats"])
+    cost = np.arange(sum(c["sizes"]), dtype=np.float64) % 7 + 1
+    ds = Dataset("d", base.buckets, repeats=c["repeats"], cost=cost)
+    kw = {"seed": 11, "epoch": 0, "batch_size": wds_pad.Budget(12.0), "policy": "cyclic", "oversubscribe": True}
+    old = [plan_epoch(ds, Topology(c["dp"], r), warn=False, **kw) for r in range(c["dp"])]
+    seeds = [z for _, _, z in _rows(old)]
+    real = [(s, z) for s, p, z in _rows(old) if not p]
+    assert len({z for _, z in real}) == len(real)  # each pass of a sample: its own seed
+    steps = data.draw(st.integers(0, old[0].steps))
+    new = [plan_remainder(ds, Topology(c["other"], r), [Segment(c["dp"], steps=steps)], **kw).plan
+           for r in range(c["other"])]
+    seen = {(s, z) for plan in old for b in plan if b.step < steps for s, p, z in zip(b.samples, b.pad, b.seeds)
+            if not p}
+    assert {(s, z) for s, p, z in _rows(new) if not p} == set(real) - seen
+    assert len(seeds) == len(_rows(old))
+
+
 def test_seeds_are_pinned_and_sample_rng_replays_them() -> None:
     # a change here changes every augmentation of every saved run: never change it silently
     got = sample_seeds(7, 3, "train", np.arange(3), 0).tolist()

@@ -161,28 +161,29 @@ class Plan:
         size = int(self.offsets[i + 1] - self.offsets[i])
         first = int(self._first(np.asarray([b]), np.asarray([int(self.window[step])]))[0])
 
-        def batch() -> tuple[np.ndarray, np.ndarray]:
+        def batch() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
             k = np.arange(first, first + size, dtype=np.int64)
             bb = np.full(size, b, dtype=np.int64)
-            return self._seeded(bb, k, *self.buckets.entries(bb, k))
+            return self._seeded(bb, k)
 
         samples, pad, seeds = _within_memory(batch, size, f"batch {i}")
         return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad, seeds)
 
-    def _seeded(self, b: np.ndarray, k: np.ndarray, samples: np.ndarray,
-                pad: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def _seeded(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(samples, pad, seeds) of entries ``k`` of kept buckets ``b`` (core/sampleseed.py)."""
+        order = self.buckets.order
+        if hasattr(order, "numbered"):
+            samples, pad, copies = order.numbered(b, k)
+        else:
+            samples, pad = self.buckets.entries(b, k)
+            copies = order.copies(b, k) if hasattr(order, "copies") else None
         if self.seed is None:
             return samples, pad, None
-        bases = self.__dict__.get("_seed_bases")
-        if bases is None:
-            bases = self.__dict__["_seed_bases"] = seed_bases(self.seed, self.epoch, self.datasets)
-        copy_numbers = getattr(self.buckets.order, "copies", None)
-        copies = copy_numbers(b, k) if copy_numbers is not None else None
-        if copies is None:
-            copies = pad.astype(np.int64)
-        ds = np.asarray([di for di, _ in self.bucket_table], np.int64)
-        return samples, pad, mix_seeds(bases[ds[b]] if b.size else bases[:0], samples, copies)
+        if "_seed_bases" not in self.__dict__:  # per kept bucket: its dataset's key
+            ds = np.asarray([di for di, _ in self.bucket_table], np.int64)
+            self.__dict__["_seed_bases"] = seed_bases(self.seed, self.epoch, self.datasets)[ds]
+        copies = pad.astype(np.int64) if copies is None else copies
+        return samples, pad, mix_seeds(self.__dict__["_seed_bases"][b], samples, copies)
 
     def __iter__(self) -> Iterator[Batch]:
         # consecutive batches in blocks of about 64K entries: one permutation pass each
@@ -206,7 +207,7 @@ class Plan:
             b = np.repeat(self.schedule[steps], sizes).astype(np.int64)
             first = self._first(self.schedule[steps].astype(np.int64), self.window[steps].astype(np.int64))
             k = np.repeat(first - before, sizes) + np.arange(total, dtype=np.int64)
-            return self._seeded(b, k, *self.buckets.entries(b, k))
+            return self._seeded(b, k)
 
         samples, pad, seeds = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
         out = []
@@ -299,8 +300,7 @@ class _Buckets:
         return _at(self, b, pos)
 
     def copies(self, b: np.ndarray, k: np.ndarray) -> np.ndarray | None:
-        """Copy numbers of entries ``k`` of kept buckets ``b``: ``p // n`` at global position p
-        (the pass, then the padded copies' cycles); None when another order gives the entries."""
+        """Copy numbers of entries ``k`` of kept buckets ``b`` (``p // n``, core/sampleseed.py), or None."""
         if self.order is not self:
             numbers = getattr(self.order, "copies", None)
             return None if numbers is None else numbers(b, k)  # type: ignore[no-any-return]

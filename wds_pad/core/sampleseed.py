@@ -8,7 +8,8 @@ The **copy number** tells the appearances of one sample in one epoch apart: for 
 at global position p of a bucket of n samples in the keyed global order it is ``p // n``
 (its pass, ``0 .. repeats``, for the bucket's own entries; ``repeats + 1`` and up for the
 padded copies that extend it cyclically). Entry orders that do not expose positions (the
-shard-local orders, budgets) number a sample's own entries 0 and its padded copies 1.
+shard-local orders) number a sample's own entries 0 and its padded copies 1; a budget's
+strata number each entry by its pass, plus ``PADDED`` for a padded copy.
 
 Invariants (hypothesis properties in tests/core/test_sampleseed.py):
 - pure and vectorised: ``sample_seeds`` is numpy uint64 arithmetic (a splitmix64 mix of
@@ -28,7 +29,10 @@ import numpy as np
 from .permute import _mix
 from .seed import derive_seed
 
-__all__ = ["mix_seeds", "sample_rng", "sample_seeds", "seed_bases"]
+__all__ = ["PADDED", "mix_seeds", "sample_rng", "sample_seeds", "seed_bases"]
+
+#: added to a padded copy's pass by the entry orders that number passes, not positions (budgets)
+PADDED = 1 << 32
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _COPY = np.uint64(0xD6E8FEB86659FD93)
