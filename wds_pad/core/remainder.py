@@ -41,7 +41,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from ..errors import StateError, StateMismatchError
+from ..errors import ConfigError, StateError, StateMismatchError
 from .budget import Budget
 from .budgetremainder import plan_budget_remainder
 from .dataset import _as_datasets
@@ -287,7 +287,8 @@ def _digest(segments: Sequence[Segment], top: _Level, table: Sequence[tuple[int,
 def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment], *, seed: int, epoch: int,
                    batch_size: int | Count | Budget, policy: Policy | str, mode: Any = "epochs", oversubscribe: bool = False,
                    pad_to: PadTo | str = PadTo.BATCH, locality: Locality | str = Locality.NONE,
-                   window: int = 8, accumulation_steps: int = 1) -> Remainder:
+                   window: int = 8, accumulation_steps: int = 1, mix_by: str = "samples",
+                   epoch_size: float | None = None) -> Remainder:
     """This rank's plan of what ``segments`` left of ``epoch`` (see the module docstring).
 
     Args:
@@ -302,6 +303,9 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     """
     if not segments:
         raise StateError("plan_remainder needs at least one segment")
+    if any(ds.proportion is not None for ds in _as_datasets(datasets)):
+        raise ConfigError("an epoch planned with proportions resumes on the layout it was saved on: its elastic "
+                          "remainder (another number of DP ranks) is not planned; restart with the saved topology")
     sizing = as_sizing(batch_size)
     plan, digest = REMAINDER_PLANNERS[sizing.kind](
         datasets, topology, segments, seed=seed, epoch=epoch, batch_size=sizing, policy=policy, mode=mode,
