@@ -42,6 +42,7 @@ from .core.packing import Pack
 from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
 from .core.policy import Mode, PadTo, Policy
 from .core.collective import shared_seed
+from .core.sampleseed import sample_rng
 from .core.seed import derive_rng
 from .core.topology import Topology
 from .version import __version__
@@ -145,6 +146,7 @@ __all__ = [
     "pack_collate",
     "plan_batched",
     "plan_epoch",
+    "sample_rng",
     "save_state_file",
     "shared_seed",
     "split_by_node",

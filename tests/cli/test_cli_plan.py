@@ -18,7 +18,7 @@ import pytest
 from wds_pad import Dataset, Topology, plan_epoch
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = {"rank", "dp_rank", "step", "epoch", "dataset", "bucket", "samples", "pad"}
+KEYS = {"rank", "dp_rank", "step", "epoch", "dataset", "bucket", "samples", "pad", "seeds"}
 
 
 def wds_pad(*args: str) -> subprocess.CompletedProcess[str]:

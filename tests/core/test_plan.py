@@ -313,7 +313,7 @@ def test_plan_input_forms_and_indexing() -> None:
     with pytest.raises(IndexError, match="out of range"):
         p2[2]
     rec = p2[0].to_json(p2.topology)
-    assert set(rec) == {"rank", "dp_rank", "step", "epoch", "dataset", "bucket", "samples", "pad"}
+    assert set(rec) == {"rank", "dp_rank", "step", "epoch", "dataset", "bucket", "samples", "pad", "seeds"}
     assert json.loads(json.dumps(rec)) == rec
 
 

@@ -62,6 +62,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--pad", choices=["auto", "cyclic", "drop", "none"], default="auto", help="padding policy")
     p.add_argument("--repeats", type=non_negative, default=0)
     p.add_argument("--oversubscribe", action="store_true")
+    p.add_argument("--proportions", type=float, metavar="P", help="the index's share of an epoch (one index: "
+                   "with --epoch-size, the epoch it is planned to)")
+    p.add_argument("--mix-by", choices=["samples", "cost"], default="samples", help="with --proportions")
+    p.add_argument("--epoch-size", type=float, metavar="N", help="with --proportions: the epoch's samples (or cost)")
     p.add_argument("--locality", type=locality_arg, default=None,
                    help="with --world-size/--batch-size: also show what rank 0's epoch costs to read")
     p.add_argument("--window", type=positive_int, default=8, help="shards a rank visits at once (--locality shard)")
@@ -127,8 +131,8 @@ def _padding_stats(args: argparse.Namespace, index: Any) -> dict[Hashable, Any] 
     from ..core.topology import Topology
 
     topo = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size)
-    plan = plan_epoch(index.to_dataset(repeats=args.repeats), topo, seed=args.seed, batch_size=args.batch_size,
-                      policy=args.pad, oversubscribe=args.oversubscribe, warn=False)
+    plan = plan_epoch(_dataset(index, args), topo, seed=args.seed, batch_size=args.batch_size,
+                      policy=args.pad, oversubscribe=args.oversubscribe, warn=False, **_mixing(args))
     return {s.bucket: s for s in plan.stats}
 
 
@@ -195,6 +199,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dataset(index: Any, args: argparse.Namespace) -> Any:
+    """The index as the planned Dataset: its repeats, and its ``--proportions`` (core/proportion.py)."""
+    import dataclasses
+
+    ds = index.to_dataset(repeats=args.repeats, **({"costs": True} if args.mix_by == "cost" else {}))
+    return ds if args.proportions is None else dataclasses.replace(ds, proportion=args.proportions)
+
+
+def _mixing(args: argparse.Namespace) -> dict[str, Any]:
+    return {"mix_by": args.mix_by, "epoch_size": args.epoch_size}
+
+
 def _what_if_locality(index: Any, args: argparse.Namespace) -> tuple[Any, dict[str, Any], Any, Any]:
     """Rank 0's plan under ``--locality``, what it and the other locality cost to read
     (and node 0's, with ``--local-world-size``), its dataset and topology."""
@@ -204,10 +220,11 @@ def _what_if_locality(index: Any, args: argparse.Namespace) -> tuple[Any, dict[s
 
     topo = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size,
                     local_world_size=args.local_world_size)
-    ds = index.to_dataset(repeats=args.repeats)
+    ds = _dataset(index, args)
     source = ds if args.locality == "none" else shard_map_of(index, ds)
     plan = plan_epoch(source, topo, seed=args.seed, batch_size=args.batch_size, policy=args.pad,
-                      oversubscribe=args.oversubscribe, warn=False, locality=args.locality, window=args.window)
+                      oversubscribe=args.oversubscribe, warn=False, locality=args.locality, window=args.window,
+                      **_mixing(args))
     return plan, reading_figures(plan, [index], [ds], topo, args), ds, topo
 
 

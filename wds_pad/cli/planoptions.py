@@ -63,6 +63,11 @@ def add_planning_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=non_negative, default=0, help="repeats of every dataset")
     p.add_argument("--weights", help="comma-separated weights, one per index")
     p.add_argument("--oversubscribe", action="store_true")
+    p.add_argument("--proportions", help="comma-separated shares of an epoch, one per index (or one for --buckets)")
+    p.add_argument("--mix-by", choices=["samples", "cost"], default="samples",
+                   help="with --proportions: count shares in samples or in cost (index files built with --cost)")
+    p.add_argument("--epoch-size", type=positive_number, metavar="N",
+                   help="with --proportions: the epoch's samples (or cost); default: the datasets' own")
     p.add_argument("--mode", choices=["epochs", "steps"], default="epochs")
     p.add_argument("--locality", type=locality_arg, default="none",
                    help="none: buckets shuffled over all shards; shard: each rank reads its own shards "
@@ -78,7 +83,8 @@ def planning_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``plan_epoch``'s keyword arguments from the options (after :func:`sizing`)."""
     return dict(seed=args.seed, batch_size=args.batch_size, policy=args.pad,
                 oversubscribe=args.oversubscribe, pad_to=args.pad_to, locality=args.locality,
-                window=args.window, accumulation_steps=args.accumulation_steps)
+                window=args.window, accumulation_steps=args.accumulation_steps, mix_by=args.mix_by,
+                epoch_size=args.epoch_size)
 
 
 def sizing(args: argparse.Namespace, cmd: str) -> None:
@@ -145,7 +151,7 @@ def plan_sources(args: argparse.Namespace, cmd: str) -> tuple[list[Any], list[An
         if args.locality != "none":
             raise usage_error(cmd, f"--locality {args.locality} needs INDEX file(s): --buckets has no shards")
         ds = synthetic_dataset(args.buckets)
-        return [Dataset(ds.name, ds.buckets, repeats=args.repeats)], [None]
+        return _with_proportions(cmd, [Dataset(ds.name, ds.buckets, repeats=args.repeats)], args), [None]
     from ..index.codec import load_index  # lazily: only when an index file is planned
 
     weights = [1.0] * len(args.index)
@@ -161,11 +167,12 @@ def plan_sources(args: argparse.Namespace, cmd: str) -> tuple[list[Any], list[An
     for i, (path, weight) in enumerate(zip(args.index, weights)):
         idx = load_index(path, relocate=relocation(args))
         _refuse_twice(cmd, i, path, idx, seen)
-        ds = idx.to_dataset(repeats=args.repeats, weight=weight, costs=args.budget is not None or args.pack is not None)
+        ds = idx.to_dataset(repeats=args.repeats, weight=weight, costs=args.budget is not None or args.pack is not None or args.mix_by == "cost")
         if ds.name in names:
             ds = Dataset(f"{ds.name}#{i}", ds.buckets, repeats=ds.repeats, weight=ds.weight, cost=ds.cost,
                          cost_order=ds.cost_order)
         names.add(ds.name)
+        ds = _with_proportions(cmd, [ds], args, i, len(args.index))[0]
         if args.locality != "none":
             from ..core.locality import shard_map_of
 
@@ -174,6 +181,22 @@ def plan_sources(args: argparse.Namespace, cmd: str) -> tuple[list[Any], list[An
         datasets.append(ds)
         lookups.append(_describe(idx, args))
     return datasets, lookups
+
+
+def _with_proportions(cmd: str, dss: list[Any], args: argparse.Namespace, at: int = 0,
+                      count: int = 1) -> list[Any]:
+    """``dss`` (the datasets from ``at`` on) with their ``--proportions`` (core/proportion.py)."""
+    import dataclasses
+
+    if not args.proportions:
+        return dss
+    try:
+        shares = [float(x) for x in args.proportions.split(",")]
+    except ValueError:
+        raise usage_error(cmd, f"--proportions {args.proportions!r} is not a list of numbers") from None
+    if len(shares) != count:
+        raise usage_error(cmd, f"--proportions has {len(shares)} values for {count} dataset(s)")
+    return [dataclasses.replace(ds, proportion=p) for ds, p in zip(dss, shares[at:])]
 
 
 def _refuse_twice(cmd: str, i: int, path: str, idx: Any, seen: dict[tuple[str, tuple[str, ...]], tuple[int, str]]) -> None:

@@ -47,6 +47,7 @@ class Planning:
     locality: Locality
     window: int              # shards a rank (a node) visits at once
     node_ranks: int          # DP ranks per node with locality "node", else 0
+    targets: Any = None      # proportions: each extended bucket's target entries (core/proportion.py), or None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from .dataset import Dataset
 from .localbuckets import LocalBuckets
 from .lockstep import lockstep_cuts
 from .policy import PadTo
+from .sampleseed import PADDED
 from .seed import derive_seed
 from .strata import BucketBatches
 
@@ -53,16 +54,23 @@ class BudgetBuckets:
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of this rank's entries ``k`` of kept buckets ``b``."""
+        return self.numbered(b, k)[:2]
+
+    def numbered(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sample ids, padded flags, copy numbers) of entries ``k`` of kept buckets ``b``: a
+        copy number is the entry's pass, plus ``PADDED`` for a padded copy (core/sampleseed.py)."""
         b = np.asarray(b, np.int64)
         k = np.asarray(k, np.int64)
         samples = np.empty(k.size, np.int64)
         pad = np.empty(k.size, bool)
+        number = np.empty(k.size, np.int64)
         for j in np.unique(b).tolist():
             sel = np.flatnonzero(b == j)
-            pos, _, copies = self.batches[j].at(np.full(sel.size, self.d, np.int64), k[sel])
+            pos, passes, copies = self.batches[j].at(np.full(sel.size, self.d, np.int64), k[sel])
             samples[sel] = np.asarray(self.orders[j][pos], dtype=np.int64)
             pad[sel] = copies
-        return samples, pad
+            number[sel] = passes + PADDED * copies
+        return samples, pad, number
 
 
 @dataclass(eq=False)

@@ -43,6 +43,7 @@ from .planrecord import Bins, BucketStats, Plan, Buckets, rank_batches
 from .shardschedule import PlannedShardUses
 from .policy import Policy, PadTo
 from .schedule import step_schedule
+from .sampleseed import PADDED
 from .seed import derive_seed, json_digest
 from .strata import BucketBatches
 from .topology import Topology
@@ -156,9 +157,15 @@ class _StrataRemainder:
         self.levels, self.base_n, self.orders, self.d = levels, list(base_n), list(orders), d
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.numbered(b, k)[:2]
+
+    def numbered(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sample ids, padded flags, copy numbers): the base plan's pass of each entry, plus
+        ``PADDED`` for a padded copy, as ``BudgetBuckets.numbered`` numbers them."""
         top = self.levels[-1]
         b, k = np.asarray(b, np.int64), np.asarray(k, np.int64)
         samples, pad = np.empty(k.size, np.int64), np.empty(k.size, bool)
+        number = np.empty(k.size, np.int64)
         for j in np.unique(b).tolist():
             sel = np.flatnonzero(b == j)
             pos, _, copies = top.batches[j].at(np.full(sel.size, self.d, np.int64), k[sel])
@@ -166,7 +173,8 @@ class _StrataRemainder:
             j0 = int(top.tab[j])
             samples[sel] = np.asarray(self.orders[j0][code % self.base_n[j0]], np.int64)
             pad[sel] = copies
-        return samples, pad
+            number[sel] = code // max(self.base_n[j0], 1) + PADDED * copies
+        return samples, pad, number
 
 
 class _ExplicitRemainder(PlannedShardUses):
@@ -269,7 +277,7 @@ def plan_budget_remainder(datasets: Any, topology: Topology, segments: Sequence[
                 pad_to=base.pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
                 schedule=top.schedule, window=top.window, batch_step=batch_step, offsets=offsets, stats=stats,
                 buckets=buckets, locality=base.locality, shard_window=base.shard_window, sizing=budget, bins=bins,
-                accumulation=k)
+                accumulation=k, seed=base.seed)
     if shard:
         src.plan = plan
     return plan, _digest(segments, top, table)

@@ -136,6 +136,7 @@ class Dataset:
             the dataset cannot be planned under a budget.
         cost_order: bucket key -> the bucket's sample ids in cost order (ties by id), as an
             index stores it; None: sorted here, once per bucket, when a budget asks.
+        proportion: the dataset's share of an epoch (core/proportion.py), or None.
     """
 
     name: str
@@ -144,6 +145,7 @@ class Dataset:
     weight: float = 1.0
     cost: Any = field(default=None, compare=False, repr=False)
     cost_order: Callable[[Hashable], Any] | None = field(default=None, compare=False, repr=False)
+    proportion: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -153,6 +155,9 @@ class Dataset:
         w = self.weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
             raise ConfigError(f"dataset {self.name!r}: weight must be a finite number > 0, got {w!r}")
+        p = self.proportion
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0):
+            raise ConfigError(f"dataset {self.name!r}: proportion must be a finite number > 0 or None, got {p!r}")
         canon: dict[Hashable, np.ndarray] = {}
         for key in sorted(self.buckets, key=bucket_order):
             given = self.buckets[key]

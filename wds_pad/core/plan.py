@@ -55,6 +55,7 @@ from .locality import Locality
 from .packplan import pack_buckets
 from .permute import round_keys
 from .planrecord import Batch, Bins, BucketStats, Plan, Buckets, rank_batches
+from .proportion import extended, mix
 from .policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, resolve_policy
 from .schedule import step_schedule
 from .seed import check_seed, derive_seed
@@ -103,6 +104,8 @@ def plan_epoch(
     locality: Locality | str = Locality.NONE,
     window: int = 8,
     accumulation_steps: int = 1,
+    mix_by: str = "samples",
+    epoch_size: float | None = None,
 ) -> Plan:
     """Plan one epoch for this rank.
 
@@ -129,6 +132,9 @@ def plan_epoch(
         window: shards a rank (a node) visits at once with ``locality="shard"`` (``"node"``).
         accumulation_steps: K micro-batches per optimizer step: every rank's batch count
             is a multiple of K and each run of K steps reads one bucket.
+        mix_by: with proportions (``Dataset(proportion=...)``), count each dataset's share
+            in ``samples`` or in ``cost`` (core/proportion.py).
+        epoch_size: with proportions, the epoch's samples (or cost); None: the datasets' own.
 
     Returns:
         The Plan of ``topology.rank`` for ``epoch``.
@@ -149,10 +155,14 @@ def plan_epoch(
     k = _check_accumulation(accumulation_steps, policy, pad_to, sizing)
     node_ranks = topology.dp_ranks_per_node if locality is Locality.NODE else 0
     raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
-    dss = as_datasets(datasets)
+    mixed = mix(as_datasets(datasets), seed, epoch, mix_by, epoch_size)
+    dss = mixed.datasets
+    if mixed.targets is not None and sizing.kind != "count":
+        raise ConfigError("proportions are planned with batches of a sample count (batch_size=N, --batch-size), "
+                          f"not with {sizing.describe()}; drop the proportions or the budget")
     at = Planning(seed=seed, epoch=epoch, dp=int(topology.dp_size), d=int(topology.dp_rank),  # type: ignore[arg-type]
                   policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to, accumulation_steps=k,
-                  locality=locality, window=shard_window, node_ranks=node_ranks)
+                  locality=locality, window=shard_window, node_ranks=node_ranks, targets=mixed.targets)
     sized = BUCKET_PLANNERS[sizing.kind](raw, dss, sizing, at)
     got = sized.buckets
     _warn_dropped(warn, got.dropped, got.dropped_samples, got.total_samples, epoch)
@@ -175,7 +185,7 @@ def plan_epoch(
         bucket_table=tuple(table), schedule=schedule, window=window_of, batch_step=batch_step,
         offsets=offsets, stats=tuple(got.stats), buckets=buckets, locality=locality,
         shard_window=shard_window, sizing=sizing, bins=bins,
-        accumulation=k, packs=sized.packs,
+        accumulation=k, packs=sized.packs, seed=seed,
     )
 
 
@@ -186,7 +196,10 @@ def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at:
     shard-local one."""
     bs, dp = sizing.batch_size, at.dp
     unit = sizing.pad_unit(dp, at.pad_to, at.accumulation_steps)
-    got = bucket_table(dss, padded(unit, at.policy, at.oversubscribe, dp * bs), epoch=at.epoch, dp=dp,
+    measure = padded(unit, at.policy, at.oversubscribe, dp * bs)
+    if at.targets is not None:
+        measure = extended(measure, at.targets, [ds.name for ds in dss])
+    got = bucket_table(dss, measure, epoch=at.epoch, dp=dp,
                        batch=bs, unit=unit, oversubscribe=at.oversubscribe, size=sizing.describe())
     # one keyed permutation per pass: each kept bucket's global order, evaluated pointwise
     keyed = [(kb.ids, kb.n, kb.n * kb.passes, kb.length,
@@ -240,7 +253,7 @@ def iter_steps(
     datasets: Any, topology: Topology, *, seed: int, batch_size: int | Count | Budget, start_epoch: int = 0,
     policy: Policy | str = Policy.AUTO, oversubscribe: bool = False,
     pad_to: PadTo | str = PadTo.BATCH, locality: Locality | str = Locality.NONE, window: int = 8,
-    accumulation_steps: int = 1,
+    accumulation_steps: int = 1, mix_by: str = "samples", epoch_size: float | None = None,
 ) -> Iterator[Plan]:
     """Steps mode: an endless sequence of epoch plans, each with the same policy.
 
@@ -254,7 +267,7 @@ def iter_steps(
         plan = plan_epoch(dss, topology, seed=seed, epoch=epoch, batch_size=batch_size,
                           policy=policy, mode=Mode.STEPS, oversubscribe=oversubscribe,
                           pad_to=pad_to, warn=epoch == start_epoch, locality=locality, window=window,
-                          accumulation_steps=accumulation_steps)
+                          accumulation_steps=accumulation_steps, mix_by=mix_by, epoch_size=epoch_size)
         if plan.steps == 0:
             raise ConfigError(
                 "steps mode has nothing to stream: every bucket is smaller than one global "

@@ -27,6 +27,7 @@ from .budget import Budget
 from .locality import Locality
 from .permute import ROUNDS, permute
 from .policy import Mode, PadTo, Policy
+from .sampleseed import mix_seeds, seed_bases
 from .sizing import Count
 from .topology import Topology
 
@@ -71,6 +72,7 @@ class Batch:
     samples: np.ndarray  # int64 sample ids
     pad: np.ndarray      # bool: True for a padded copy
     pack: np.ndarray | None = None  # under a Pack: each sample's pack number in the batch
+    seeds: np.ndarray | None = None  # uint64: each entry's seed (core/sampleseed.py)
 
     def to_json(self, topology: Topology) -> dict[str, Any]:
         """The ``wds-pad plan --json`` record of this batch."""
@@ -83,6 +85,7 @@ class Batch:
             "bucket": self.bucket,
             "samples": self.samples.tolist(),
             "pad": self.pad.tolist(),
+            **({} if self.seeds is None else {"seeds": self.seeds.tolist()}),
         }
         if self.pack is not None:
             row["pack"] = self.pack.tolist()
@@ -125,6 +128,7 @@ class Plan:
     bins: Bins | None = field(default=None, repr=False)  # where each batch starts (a budget's batches vary)
     accumulation: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
     packs: Any = field(default=None, repr=False)  # a Pack's pack numbers (core/packplan.py), or None
+    seed: int | None = None  # the shared seed: each entry's seed derives from it (None: no seeds)
 
     def __post_init__(self) -> None:
         if self.sizing is None:
@@ -162,13 +166,30 @@ class Plan:
         size = int(self.offsets[i + 1] - self.offsets[i])
         first = int(self._first(np.asarray([b]), np.asarray([int(self.window[step])]))[0])
 
-        def batch() -> tuple[np.ndarray, np.ndarray]:
+        def batch() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
             k = np.arange(first, first + size, dtype=np.int64)
-            return self.buckets.entries(np.full(size, b, dtype=np.int64), k)
+            bb = np.full(size, b, dtype=np.int64)
+            return self._seeded(bb, k)
 
-        samples, pad = _within_memory(batch, size, f"batch {i}")
+        samples, pad, seeds = _within_memory(batch, size, f"batch {i}")
         pack = None if self.packs is None else self.packs.numbers([b], [int(self.window[step])], [size])
-        return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad, pack)
+        return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad, pack, seeds)
+
+    def _seeded(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(samples, pad, seeds) of entries ``k`` of kept buckets ``b`` (core/sampleseed.py)."""
+        order = self.buckets.order
+        if hasattr(order, "numbered"):
+            samples, pad, copies = order.numbered(b, k)
+        else:
+            samples, pad = self.buckets.entries(b, k)
+            copies = order.copies(b, k) if hasattr(order, "copies") else None
+        if self.seed is None:
+            return samples, pad, None
+        if "_seed_bases" not in self.__dict__:  # per kept bucket: its dataset's key
+            ds = np.asarray([di for di, _ in self.bucket_table], np.int64)
+            self.__dict__["_seed_bases"] = seed_bases(self.seed, self.epoch, self.datasets)[ds]
+        copies = pad.astype(np.int64) if copies is None else copies
+        return samples, pad, mix_seeds(self.__dict__["_seed_bases"][b], samples, copies)
 
     def __iter__(self) -> Iterator[Batch]:
         # consecutive batches in blocks of about 64K entries: one permutation pass each
@@ -188,13 +209,13 @@ class Plan:
         before = np.cumsum(sizes) - sizes
         total = int(sizes.sum())
 
-        def entries() -> tuple[np.ndarray, np.ndarray]:
-            b = np.repeat(self.schedule[steps], sizes)
+        def entries() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+            b = np.repeat(self.schedule[steps], sizes).astype(np.int64)
             first = self._first(self.schedule[steps].astype(np.int64), self.window[steps].astype(np.int64))
             k = np.repeat(first - before, sizes) + np.arange(total, dtype=np.int64)
-            return self.buckets.entries(b, k)
+            return self._seeded(b, k)
 
-        samples, pad = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
+        samples, pad, seeds = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
         packs = None if self.packs is None else self.packs.numbers(self.schedule[steps], self.window[steps], sizes)
         out = []
         table, names, epoch = self.bucket_table, self.datasets, self.epoch
@@ -205,7 +226,8 @@ class Plan:
             b = new(Batch)
             b.__dict__.update(epoch=epoch, step=st, index=i, dataset=names[ds], bucket=key,
                               samples=samples[at : at + size], pad=pad[at : at + size],
-                              pack=None if packs is None else packs[at : at + size])
+                              pack=None if packs is None else packs[at : at + size],
+                              seeds=None if seeds is None else seeds[at : at + size])
             out.append(b)
         return out
 
@@ -285,6 +307,19 @@ class Buckets:
         the rank (the elastic remainder of an epoch reads the whole layout's order)."""
         return _at(self, b, pos)
 
+    def copies(self, b: np.ndarray, k: np.ndarray) -> np.ndarray | None:
+        """Copy numbers of entries ``k`` of kept buckets ``b`` (``p // n``, core/sampleseed.py), or None."""
+        if self.order is not self:
+            numbers = getattr(self.order, "copies", None)
+            return None if numbers is None else numbers(b, k)  # type: ignore[no-any-return]
+        return self.positions(b, self.d + self.dp * np.asarray(k, np.int64))
+
+    def positions(self, b: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
+        """Copy numbers at global positions ``pos`` of kept buckets ``b`` (None: a local order)."""
+        if self.local is not None:
+            return None
+        return np.asarray(pos, np.int64) // np.maximum(self.n[np.asarray(b, np.int64)], 1)
+
 
 class Bins:
     """Where each batch of each kept bucket starts among a rank's entries of that bucket,
@@ -333,7 +368,7 @@ def rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.n
     return batch_step, offsets
 
 
-def _within_memory(compute: Any, entries: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+def _within_memory(compute: Any, entries: int, what: str) -> Any:
     """``compute()``, with a MemoryError (below the planner's limit, but more than this
     machine holds) turned into a ConfigError that says what to lower."""
     try:

@@ -41,7 +41,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from ..errors import StateError, StateMismatchError
+from ..errors import ConfigError, StateError, StateMismatchError
 from .budget import Budget
 from .budgetremainder import plan_budget_remainder
 from .dataset import as_datasets
@@ -245,16 +245,34 @@ class _RemainderBuckets(PlannedShardUses):
         """(sample ids, padded flags) of the top level's indices ``idx`` of its buckets ``b``."""
         if not idx.size:
             return np.zeros(0, np.int64), np.zeros(0, bool)
+        pad, _, b, idx = self._base_positions(b, idx)
+        samples, _ = self.base.at(b, idx)
+        return samples, pad
+
+    def _base_positions(self, b: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(padded flags, padding cycles, base buckets, base positions) of the top level's ``idx``."""
         top = self.levels[-1]
         pad = idx >= top.real[b]
+        cycle = idx // np.maximum(top.real[b], 1)
         idx = idx % top.real[b]
         for lv in reversed(self.levels[1:]):
             g = lv.off[b] + idx  # type: ignore[index]
             q = np.searchsorted(lv.pstart, g, side="right") - 1  # type: ignore[arg-type]
             idx = lv.pfrom[q] + lv.pstride[q] * (g - lv.pstart[q])  # type: ignore[index]
             b = lv.up[b]  # type: ignore[index]
-        samples, _ = self.base.at(b, idx)
-        return samples, pad
+        return pad, cycle, b, idx
+
+    def copies(self, b: np.ndarray, k: np.ndarray) -> np.ndarray | None:
+        """Copy numbers of entries ``k`` of buckets ``b``: the base order's (core/sampleseed.py),
+        the padded copies of the remainder numbered after the base bucket's passes."""
+        b = np.asarray(b, np.int64)
+        idx = self.levels[-1].index(b, self.d, np.asarray(k, np.int64))
+        if not idx.size or self.base.local is not None:
+            return None
+        _, cycle, bb, pos = self._base_positions(b, idx)
+        copy = self.base.positions(bb, pos)
+        passes = self.base.m[bb] // np.maximum(self.base.n[bb], 1)
+        return copy + cycle * passes  # type: ignore[no-any-return]
 
 
 def _digest(segments: Sequence[Segment], top: _Level, table: Sequence[tuple[int, Hashable]]) -> str:
@@ -270,7 +288,8 @@ def _digest(segments: Sequence[Segment], top: _Level, table: Sequence[tuple[int,
 def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment], *, seed: int, epoch: int,
                    batch_size: int | Count | Budget, policy: Policy | str, mode: Any = "epochs", oversubscribe: bool = False,
                    pad_to: PadTo | str = PadTo.BATCH, locality: Locality | str = Locality.NONE,
-                   window: int = 8, accumulation_steps: int = 1) -> Remainder:
+                   window: int = 8, accumulation_steps: int = 1, mix_by: str = "samples",
+                   epoch_size: float | None = None) -> Remainder:
     """This rank's plan of what ``segments`` left of ``epoch`` (see the module docstring).
 
     Args:
@@ -285,6 +304,9 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     """
     if not segments:
         raise StateError("plan_remainder needs at least one segment")
+    if any(ds.proportion is not None for ds in as_datasets(datasets)):
+        raise ConfigError("an epoch planned with proportions resumes on the layout it was saved on: its elastic "
+                          "remainder (another number of DP ranks) is not planned; restart with the saved topology")
     sizing = as_sizing(batch_size)
     plan, digest = REMAINDER_PLANNERS[sizing.kind](
         datasets, topology, segments, seed=seed, epoch=epoch, batch_size=sizing, policy=policy, mode=mode,
@@ -346,7 +368,7 @@ def _count_remainder(datasets: Any, topology: Topology, segments: Sequence[Segme
                 pad_to=pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
                 schedule=top.schedule, window=top.window, batch_step=batch_step, offsets=offsets,
                 stats=stats, buckets=buckets, locality=locality, shard_window=base.shard_window,  # type: ignore[arg-type]
-                sizing=batch_size, accumulation=k)
+                sizing=batch_size, accumulation=k, seed=base.seed)
     rest.plan = plan  # its shard uses are read off the plan it belongs to
     return plan, _digest(segments, top, table)
 

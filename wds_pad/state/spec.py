@@ -19,7 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.budget import PACKING, Budget
@@ -60,6 +60,9 @@ class PlanSpec:
     locality: Locality = Locality.NONE
     window: int = 8
     accumulation_steps: int = 1
+    proportions: tuple[float, ...] = ()  # each dataset's share of an epoch (core/proportion.py); (): none
+    mix_by: str = "samples"
+    epoch_size: float | None = None
     # not an argument: a replaced spec (another layout) starts with a cache of its own
     _cache: dict[int, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -74,6 +77,8 @@ class PlanSpec:
             if len(values) != n:
                 raise ConfigError(f"PlanSpec.{name} has {len(values)} value(s) for {n} index(es)")
             object.__setattr__(self, name, tuple(values))
+        if self.proportions and len(self.proportions) != n:
+            raise ConfigError(f"proportions has {len(self.proportions)} value(s) for {n} index(es)")
         seen: dict[tuple[str, tuple[str, ...]], int] = {}
         for k, ix in enumerate(self.indexes if n > 1 else ()):
             j = seen.setdefault(ix.samples_identity, k)
@@ -105,9 +110,11 @@ class PlanSpec:
 
     def datasets(self) -> list[Dataset | ShardMap]:
         """The planned datasets, one per index (with their shard maps for ``locality="shard"``)."""
-        costs = self.sizing.needs_costs  # a budget plans by each sample's cost
+        costs = self.sizing.needs_costs or (bool(self.proportions) and self.mix_by == "cost")  # planned by cost
         out = [ix.to_dataset(name=n, repeats=r, weight=w, **({"costs": True} if costs else {}))
                for ix, n, r, w in zip(self.indexes, self.names, self.repeats, self.weights)]
+        if self.proportions:
+            out = [replace(ds, proportion=float(p)) for ds, p in zip(out, self.proportions)]
         if self.locality.dealt:
             return [shard_map_of(ix, ds) for ix, ds in zip(self.indexes, out)]
         return list(out)
@@ -117,7 +124,8 @@ class PlanSpec:
         ``plan_epoch`` and ``plan_remainder`` take, listed once."""
         return dict(seed=self.seed, batch_size=self.batch_size, policy=self.policy, mode=self.mode,
                     oversubscribe=self.oversubscribe, pad_to=self.pad_to, locality=self.locality,
-                    window=self.window, accumulation_steps=self.accumulation_steps)
+                    window=self.window, accumulation_steps=self.accumulation_steps,
+                    **({"mix_by": self.mix_by, "epoch_size": self.epoch_size} if self.proportions else {}))
 
     def plan(self, epoch: int) -> Plan:
         """This rank's plan for ``epoch`` (cached: the last few epochs only)."""
@@ -161,6 +169,10 @@ class PlanSpec:
         if self.locality is Locality.NODE:  # how the shards were dealt: to nodes of this many DP ranks
             fields["node_ranks"] = self.topology.dp_ranks_per_node
             fields["export"] = EXPORT
+        if self.proportions:  # absent without: the fingerprints of earlier versions
+            fields["proportions"] = [float(p) for p in self.proportions]
+            fields["mix_by"] = self.mix_by
+            fields["epoch_size"] = self.epoch_size
         if self.accumulation_steps > 1:  # absent at 1: the fingerprints of earlier versions
             fields["accumulation_steps"] = self.accumulation_steps
         return fields

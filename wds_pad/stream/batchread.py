@@ -45,7 +45,7 @@ from ..tar.names import (SIZE, Members, name_token_rows, size_token_rows, slice_
                          token_list)
 from .transport import Arena, PackedBatch, allocate, place
 
-__all__ = ["BatchReader", "BIG_SAMPLE", "member_refs"]
+__all__ = ["BatchReader", "BIG_SAMPLE", "member_refs", "seed_list"]
 
 from ..io.readahead import BIG_SAMPLE  # read one payload per pread (no copy out of a range buffer)
 
@@ -257,7 +257,7 @@ class BatchReader:
         st.bytes += nbytes
         return PackedBatch(buf, ring, begin, nbytes, seq, bounds, c.exts[mlo:mhi], counts[lo:hi].tolist(),
                            c.keys[lo:hi], c.urls[lo:hi], c.ids[lo:hi], c.pads[lo:hi], meta,
-                           None if batch.pack is None else batch.pack.tolist())
+                           None if batch.pack is None else batch.pack.tolist(), seed_list(batch))
 
     def _fill(self, c: _Chunk, lo: int, hi: int, mlo: int, mhi: int, arr: np.ndarray,
               base: np.ndarray) -> np.ndarray | None:
@@ -319,8 +319,8 @@ class BatchReader:
         out: list[dict[str, Any]] = []
         append = out.append
         m = 0
-        for url, o, nb, cnt, key, i, p in zip(c.urls[lo:hi], c.offsets[lo:hi], c.lengths[lo:hi],
-                                               c.counts[lo:hi], c.keys[lo:hi], c.ids[lo:hi], c.pads[lo:hi]):
+        for url, o, nb, cnt, key, i, p, z in zip(c.urls[lo:hi], c.offsets[lo:hi], c.lengths[lo:hi], c.counts[lo:hi],
+                                                  c.keys[lo:hi], c.ids[lo:hi], c.pads[lo:hi], seed_list(batch)):
             fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
             if fd is None:
                 fd = local_fd(url)  # opens it: the stale-shard check, once per stream
@@ -331,6 +331,7 @@ class BatchReader:
             d["__key__"] = key
             d["__index__"] = i
             d["__pad__"] = p
+            d["__seed__"] = z
             if nb >= BIG_SAMPLE:  # each header and payload its own pread: no copy out of a buffer
                 j = m + cnt
                 members = (ext_names[m:j], heads[m:j], size_list[m:j], ntoks[m:j], stoks[m:j])
@@ -385,3 +386,8 @@ def member_refs(work: _Work) -> list[Members]:
         out.append((exts[m:j], heads[m:j], sizes[m:j], ntoks[m:j], stoks[m:j]))
         m = j
     return out
+
+
+def seed_list(batch: Batch) -> list[Any]:
+    """``batch``'s ``__seed__`` per sample, as Python ints (core/sampleseed.py)."""
+    return [None] * len(batch.samples) if batch.seeds is None else batch.seeds.tolist()

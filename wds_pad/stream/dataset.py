@@ -108,6 +108,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         accumulation_steps: micro-batches per optimizer step (gradient accumulation): every
             rank's epoch is a multiple of this many batches, and each run of them reads
             one bucket.
+        proportions, mix_by, epoch_size: each index's share of an epoch, counted in ``samples``
+            or in ``cost``, and the epoch's size (``plan_epoch``; core/proportion.py).
         zero_copy: members are read-only ``memoryview``s over the batch's buffer instead of
             ``bytes`` (docs/streaming.md, "Zero-copy members"); per-sample stages in
             DataLoader workers still see ``bytes`` (a view cannot cross processes).
@@ -140,6 +142,9 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         relocate: Mapping[str, str] | None = None,
         accumulation_steps: int = 1,
         zero_copy: bool = False,
+        proportions: Sequence[float] | None = None,
+        mix_by: str = "samples",
+        epoch_size: float | None = None,
     ) -> None:
         super().__init__()
         items = list(index) if isinstance(index, (list, tuple)) else [index]
@@ -174,7 +179,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             oversubscribe=bool(oversubscribe), repeats=_per_index(repeats, n, "repeats", int),
             weights=tuple(float(w) for w in _per_index(weights, n, "weights", (int, float))),  # type: ignore[arg-type]
             locality=parse_enum(Locality, locality, "locality"), window=window,
-            accumulation_steps=accumulation_steps,
+            accumulation_steps=accumulation_steps, proportions=tuple(proportions or ()), mix_by=mix_by,
+            epoch_size=epoch_size,
         )
         epoch = check_epoch(epoch)
         self.spec.plan(epoch)  # validates every argument now, in the main process

@@ -40,7 +40,7 @@ __all__ = ["Counters", "all_local", "fetch"]
 
 from ..io.readahead import BIG_SAMPLE  # large local samples: read ahead by threads
 
-META_KEYS = ("__key__", "__url__", "__bucket__", "__dataset__", "__pad__", "__epoch__", "__step__")
+META_KEYS = ("__key__", "__url__", "__bucket__", "__dataset__", "__pad__", "__epoch__", "__step__", "__seed__")
 
 
 @dataclass

@@ -54,7 +54,7 @@ from ..state.cursor import Cursor
 from ..state.spec import PlanSpec
 from ..tar.members import KEY_ERRORS
 from .batchcache import BatchCache
-from .batchread import BatchReader, member_refs
+from .batchread import BatchReader, member_refs, seed_list
 from .collate import run_collation
 
 __all__ = ["PlannedSource", "apply_stages", "node_schedule", "plan_batched", "shard_schedule", "whole_shards"]
@@ -65,7 +65,8 @@ class PlannedSource:
 
     Each reference is a dict with ``__url__``, ``__key__``, ``__bucket__``,
     ``__dataset__``, ``__pad__``, ``__epoch__``, ``__step__``, ``__batch__`` (index in
-    the rank's plan), ``__index__`` (sample id), ``__offset__``, ``__length__`` (``__pack__``: a Pack's).
+    the rank's plan), ``__index__`` (sample id), ``__seed__``, ``__offset__``, ``__length__``
+    (``__pack__``: a Pack's).
 
     Args:
         spec: the PlanSpec.
@@ -152,9 +153,9 @@ def batch_refs(spec: PlanSpec, plan: Plan, j: int, batch: Any = None,
     refs = [
         {"__url__": urls[s], "__key__": k, "__offset__": o, "__length__": n,
          "__index__": i, "__bucket__": batch.bucket, "__dataset__": batch.dataset, "__pad__": p,
-         "__epoch__": batch.epoch, "__step__": batch.step, "__batch__": j}
-        for i, k, s, o, n, p in zip(ids.tolist(), _keys(ix, ids), shards.tolist(), offsets.tolist(),
-                                    lengths.tolist(), batch.pad.tolist())
+         "__epoch__": batch.epoch, "__step__": batch.step, "__batch__": j, "__seed__": z}
+        for i, k, s, o, n, p, z in zip(ids.tolist(), _keys(ix, ids), shards.tolist(), offsets.tolist(),
+                                       lengths.tolist(), batch.pad.tolist(), seed_list(batch))
     ]
     if members is not None:
         for ref, m in zip(refs, members):

@@ -175,6 +175,7 @@ class PackedBatch:
         exts: each member's extension, in archive order, sample after sample.
         counts: members per sample.
         keys, urls, ids, pads: per sample its ``__key__``, ``__url__``, ``__index__``, ``__pad__``.
+        seeds: per sample its ``__seed__`` (None: unseeded).
         meta: the batch's ``__bucket__``, ``__dataset__``, ``__epoch__``, ``__step__``, ``__batch__``.
     """
 
@@ -192,6 +193,7 @@ class PackedBatch:
     pads: list[bool]
     meta: tuple[Any, Any, int, int, int]
     packs: list[int] | None = None  # under a Pack: each sample's ``__pack__``
+    seeds: list[Any] | None = None  # per sample its ``__seed__`` (core/sampleseed.py)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -214,12 +216,14 @@ class PackedBatch:
         out: list[dict[str, Any]] = []
         append = out.append
         m = 0
-        for url, key, i, p, cnt in zip(self.urls, self.keys, self.ids, self.pads, self.counts):
+        seeds = self.seeds if self.seeds is not None else [None] * len(self.keys)
+        for url, key, i, p, cnt, z in zip(self.urls, self.keys, self.ids, self.pads, self.counts, seeds):
             d = tmpl.copy()
             d["__url__"] = url
             d["__key__"] = key
             d["__index__"] = i
             d["__pad__"] = p
+            d["__seed__"] = z
             j = m + cnt
             if zero_copy:
                 for x in range(m, j):
