@@ -27,7 +27,7 @@ from .budget import Budget
 from .locality import Locality
 from .permute import ROUNDS, permute
 from .policy import Mode, PadTo, Policy
-from .sampleseed import mix_seeds, seed_bases
+from .sampleseed import seed_bases, seeded_entries
 from .sizing import Count
 from .topology import Topology
 
@@ -177,19 +177,10 @@ class Plan:
 
     def _seeded(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(samples, pad, seeds) of entries ``k`` of kept buckets ``b`` (core/sampleseed.py)."""
-        order = self.buckets.order
-        if hasattr(order, "numbered"):
-            samples, pad, copies = order.numbered(b, k)
-        else:
-            samples, pad = self.buckets.entries(b, k)
-            copies = order.copies(b, k) if hasattr(order, "copies") else None
-        if self.seed is None:
-            return samples, pad, None
-        if "_seed_bases" not in self.__dict__:  # per kept bucket: its dataset's key
+        if self.seed is not None and "_seed_bases" not in self.__dict__:  # per kept bucket: its dataset's key
             ds = np.asarray([di for di, _ in self.bucket_table], np.int64)
             self.__dict__["_seed_bases"] = seed_bases(self.seed, self.epoch, self.datasets)[ds]
-        copies = pad.astype(np.int64) if copies is None else copies
-        return samples, pad, mix_seeds(self.__dict__["_seed_bases"][b], samples, copies)
+        return seeded_entries(self.buckets, b, k, self.__dict__.get("_seed_bases"))
 
     def __iter__(self) -> Iterator[Batch]:
         # consecutive batches in blocks of about 64K entries: one permutation pass each

@@ -29,7 +29,7 @@ import numpy as np
 from .permute import mix64
 from .seed import derive_seed
 
-__all__ = ["PADDED", "mix_seeds", "sample_rng", "sample_seeds", "seed_bases"]
+__all__ = ["PADDED", "mix_seeds", "sample_rng", "sample_seeds", "seed_bases", "seeded_entries"]
 
 #: added to a padded copy's pass by the entry orders that number passes, not positions (budgets)
 PADDED = 1 << 32
@@ -76,3 +76,21 @@ def sample_rng(sample: Mapping[str, Any] | int) -> np.random.Generator:
     """
     value = sample if isinstance(sample, (int, np.integer)) else sample["__seed__"]
     return np.random.Generator(np.random.PCG64(int(value)))
+
+
+def seeded_entries(buckets: Any, b: np.ndarray, k: np.ndarray,
+                   bases: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(samples, pad, seeds) of entries ``k`` of kept buckets ``b`` of a plan's ``buckets``;
+    ``bases`` per kept bucket its dataset's key (:func:`seed_bases`), None for no seeds.
+    An entry's copy number comes from the entry order when it numbers copies, else from
+    ``pad`` (0 for the real entry, 1 for a copy)."""
+    order = buckets.order
+    if hasattr(order, "numbered"):
+        samples, pad, copies = order.numbered(b, k)
+    else:
+        samples, pad = buckets.entries(b, k)
+        copies = order.copies(b, k) if hasattr(order, "copies") else None
+    if bases is None:
+        return samples, pad, None
+    copies = pad.astype(np.int64) if copies is None else copies
+    return samples, pad, mix_seeds(bases[b], samples, copies)

@@ -65,8 +65,7 @@ class PlannedSource:
 
     Each reference is a dict with ``__url__``, ``__key__``, ``__bucket__``,
     ``__dataset__``, ``__pad__``, ``__epoch__``, ``__step__``, ``__batch__`` (index in
-    the rank's plan), ``__index__`` (sample id), ``__seed__``, ``__offset__``, ``__length__``
-    (``__pack__``: a Pack's).
+    the rank's plan), ``__index__`` (sample id), ``__seed__``, ``__offset__``, ``__length__`` (``__pack__``: a Pack's).
 
     Args:
         spec: the PlanSpec.
