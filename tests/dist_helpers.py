@@ -416,7 +416,10 @@ def _elastic_phase(params: dict[str, Any]) -> dict[str, Any]:
             log.write(json.dumps({"step": int(batch[0]["__step__"]), "bucket": batch[0]["__bucket__"],
                                   "keys": [s["__key__"] for s in batch],
                                   "pad": [bool(s["__pad__"]) for s in batch],
-                                  "pack": [s.get("__pack__") for s in batch]}) + "\n")
+                                  "pack": [s.get("__pack__") for s in batch],
+                                  "dataset": batch[0]["__dataset__"], "ids": [int(s["__index__"]) for s in batch],
+                                  "seeds": [None if s.get("__seed__") is None else int(s["__seed__"])
+                                            for s in batch]}) + "\n")
             log.flush()
             if n == save_at:
                 save_state_file(loader.state_dict(), params["state_dir"], rank)

@@ -7,7 +7,9 @@ The index records each sample's payload bytes as its cost (``--cost bytes``); ba
 ``allow_elastic=True``. In both jobs every rank gets the same number of batches (whole
 optimizer steps in the finished one), all take the same bucket at each step, every
 batch is two packs each within L (a sample costlier than L alone); over the two jobs
-every sample of the epoch is trained exactly once.
+every sample of the epoch is trained exactly once, each with the seed derived from
+(seed, epoch, dataset, sample) whatever the job that trained it, and every padded copy
+with a seed of its own.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ def _run(world: int, out: Path, params: dict[str, Any], kill: bool) -> list[list
 
 def test_packed_under_accumulation_killed_on_4_resumed_on_3_trains_every_sample_once(
         tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    import numpy as np
+
     from wds_pad import build_index, load_index
+    from wds_pad.core.sampleseed import sample_seeds
 
     data = session_dataset(tmp_path_factory)
     index = str(tmp_path / "costed.wdsidx")
@@ -79,6 +84,14 @@ def test_packed_under_accumulation_killed_on_4_resumed_on_3_trains_every_sample_
                     keys = [k for k, q in zip(b["keys"], b["pack"]) if q == p]
                     assert len(keys) == 1 or sum(cost[k] for k in keys) <= seq_len, f"job {j}: a pack over L"
         trained.update(k for log in logs for b in log for k, pad in zip(b["keys"], b["pad"]) if not pad)
+        for b in (b for log in logs for b in log):
+            real = [i for i, pad in enumerate(b["pad"]) if not pad]
+            want = sample_seeds(7, 0, b["dataset"], np.asarray([b["ids"][i] for i in real]), 0).tolist()
+            assert [b["seeds"][i] for i in real] == want, f"job {j}: a sample's seed depends on the job"
+            for i, pad in enumerate(b["pad"]):
+                if pad:
+                    assert b["seeds"][i] != sample_seeds(7, 0, b["dataset"], np.asarray([b["ids"][i]]), 0)[0], (
+                        f"job {j}: a padded copy shares its sample's seed")
     every = [k for keys in bucket_keys_of(index).values() for k in keys]
     twice = {k: n for k, n in trained.items() if n > 1}
     never = set(every) - set(trained)
