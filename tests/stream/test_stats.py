@@ -25,7 +25,7 @@ from wds_pad import Loader, StallReport, StreamStats, build_index, stall_report
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.io.options import ReadOptions, ReadStats
 from wds_pad.stream.stallreport import log_report, tensorboard_report
-from wds_pad.stream.stats import Clock, WorkerNote
+from wds_pad.stream.stats import Clock
 from wds_pad.stream.transport import PackedRun
 
 pytest_plugins = ["conftest_servers"]
@@ -80,7 +80,9 @@ def test_counts_equal_the_servers_and_stages_add_up(served: tuple[Any, Path], fa
     assert st.slowest_shard.startswith(f"{proxy.url}/stats/train-") and st.slowest_shard_s > 0
     assert st.as_dict()["wait_s"] == st.wait_s and set(st.stages) == {
         "get_s", "cache_wait_s", "tar_s", "collate_s", "transport_s"}
-    assert st.collate_s > 0 and st.tar_s > 0  # collation here or in the workers, unpacking here
+    assert st.tar_s > 0
+    # the default collation only lists the samples: not timed in one process; unpacking is
+    assert (st.collate_s > 0) == bool(num_workers)
     if num_workers:
         assert st.transport_s > 0  # the main process waited on its workers
     else:  # one process: the stages split the time the loop waited
@@ -88,6 +90,25 @@ def test_counts_equal_the_servers_and_stages_add_up(served: tuple[Any, Path], fa
         assert sum(st.stages.values()) == pytest.approx(st.wait_s, rel=0.05)
     again = sum(1 for _ in source)  # a second epoch adds to the first
     assert source.stats().batches == n + again and source.stats().gets > st.gets
+
+
+def _keys(samples: list[dict[str, Any]]) -> list[str]:
+    """A collation of one's own: more than a list of the samples."""
+    return [s["__key__"] for s in samples]
+
+
+@pytest.mark.parametrize("num_workers", [None, 2])
+def test_a_collation_of_ones_own_is_timed_and_the_stages_still_add_up(served: tuple[Any, Path], tmp_path: Path,
+                                                                       num_workers: int | None) -> None:
+    index = str(tmp_path / "local.wdsidx")
+    build_index(str(served[1] / f"train-{{000000..{SHARDS - 1:06d}}}.tar"), BUCKET_BY, output=index)
+    ds = make_dataset(index, seed=1, quiet=True, collation_fn=_keys)
+    source = ds if num_workers is None else Loader(ds, num_workers=num_workers)
+    n = sum(1 for _ in source)
+    st = source.stats()
+    assert st.batches == n > 0 and st.collate_s > 0 and st.tar_s > 0 and st.gets == 0
+    if num_workers is None:
+        assert sum(st.stages.values()) == pytest.approx(st.wait_s, rel=0.05)
 
 
 def test_worker_notes_carry_only_the_shard_waits_that_changed_and_sum_exactly() -> None:
@@ -113,8 +134,8 @@ def test_worker_notes_carry_only_the_shard_waits_that_changed_and_sum_exactly() 
         notes.append(run[-1])
         sent = pickle.loads(pickle.dumps(run))  # as DataLoader sends it
         for item in main.received(iter([sent])):
-            assert isinstance(item, PackedRun) and not any(isinstance(x, WorkerNote) for x in item)
-    assert [n.by_url for n in notes] == [{"a": 5, "b": 7}, {}, {"a": 6}]
+            assert isinstance(item, PackedRun) and item == run[:-1]  # the note taken off
+    assert [note[2] for note in notes] == [{"a": 5, "b": 7}, {}, {"a": 6}]
     st = main.stats(rank=3)  # b's wait came in the first note only, and is still the longest
     assert (st.rank, st.slowest_shard, st.slowest_shard_s) == (3, "b", pytest.approx(7e-9))
     assert st.get_s == pytest.approx(13e-9)

@@ -3,9 +3,10 @@ tools/bench/stream.py: the counters' own code, as the stream runs it, around ite
 cost nothing, minus the same items without it; best of ``repeat``.
 
 * one process (:func:`counter_ns_per_batch`): the loop's timing layer
-  (``Clock.waited``, which counts the making too) around a generator that marks where
-  each batch's collation begins, as ``BatchMaker`` does, against the same generator
-  without the mark or the layer;
+  (``Clock.waited``, which counts the making too) around batches, against the same
+  batches without the layer; with ``timed_collation``, each batch's maker marks where
+  its collation begins, as ``BatchMaker`` does for a collation that does more than list
+  the samples (the default on sample dicts only lists them: no mark);
 * a Loader with workers (:func:`loader_ns_per_batch`): in the main process, the same
   timing layer and the receiving layer (``Clock.received``) around messages of ``run``
   batches, each unpickled with its ``WorkerNote``; in a worker, the make timing
@@ -51,7 +52,7 @@ def _best(bare: Callable[[], Any], counted: Callable[[], Any], per: int, repeat:
     return max(0.0, best)
 
 
-def counter_ns_per_batch(n: int = 200_000, repeat: int = 5) -> float:
+def counter_ns_per_batch(timed_collation: bool = False, n: int = 200_000, repeat: int = 5) -> float:
     """Nanoseconds the counters add to one batch in one process."""
 
     def bare() -> None:
@@ -60,7 +61,7 @@ def counter_ns_per_batch(n: int = 200_000, repeat: int = 5) -> float:
 
     def counted() -> None:
         clock = Clock()
-        for _ in clock.waited(_marked(n, clock.acc), making=True):
+        for _ in clock.waited(_marked(n, clock.acc) if timed_collation else _items(n), making=True):
             pass
 
     return _best(bare, counted, n, repeat)

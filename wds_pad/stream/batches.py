@@ -26,7 +26,7 @@ from ..core.locality import Locality
 from ..errors import WdsPadError
 from .batchcache import BatchCache
 from .batchread import BatchReader
-from .collate import run_collation, where_samples as _where
+from .collate import lists_only, run_collation, where_samples as _where
 from .stats import COLLATING, Clock
 from .fetch import Counters, all_local as _all_local, substitute
 from .stages import PlannedSource, apply_stages, batch_refs, whole_shards
@@ -65,6 +65,8 @@ class BatchMaker:
                  clock: Clock | None = None) -> None:
         self.clock = clock if clock is not None else Clock()
         self.stamps = self.clock.acc
+        # a collation that only lists the samples costs less than reading the clock: not timed
+        self.timed_collation = not lists_only(collation_fn, bool(stages))
         self.spec, self.stages, self.collation_fn = spec, stages, collation_fn
         self.handler, self.counters, self.fetcher = handler, counters, fetcher
         self.advance, self.pack, self.views = advance, pack, views
@@ -98,7 +100,8 @@ class BatchMaker:
     def _collated(self, batch: list[Any], refs: list[dict[str, Any]], pack: bool, views: bool) -> Any:
         if pack:
             return LooseBatch(batch)  # collated where it is unpacked
-        self.stamps[COLLATING] = perf_counter_ns()  # ended where the batch is handed over (stats.py)
+        if self.timed_collation:
+            self.stamps[COLLATING] = perf_counter_ns()  # ended where the batch is handed over (stats.py)
         return run_collation(self.collation_fn, as_views(batch) if views else batch, _where(refs))
 
     def _local(self, source: PlannedSource) -> Iterator[Any]:

@@ -1,26 +1,28 @@
 """Where data time goes on this rank: :class:`StreamStats`, and the clock that counts it.
 
 Invariants:
-- counters are always on and cost at most three ``time.perf_counter_ns`` reads per batch
-  in the loop's process (one where a wait begins, one where collation begins, one where
-  the batch is handed over, ending both), two per message in a worker and one per
-  remote request in the reader: never per sample. They add ints into one list, never
-  floats, dicts or attributes, on the per-batch path;
+- counters are always on and cost, in the loop's process, two ``time.perf_counter_ns``
+  reads per batch (where its wait begins, where it is handed over) and a third where a
+  collation that does more than list the samples begins (the handing over ends it);
+  with workers two more per message there and two per message in a worker; one per
+  remote request in the reader: never per sample. On the per-batch path they add ints
+  into one list: no floats, dicts, attributes or calls;
 - ``wait_s`` is the time the training loop spent inside ``next()`` on the dataset or
   the Loader, in the main process;
 - the stages split the time spent making batches: ``get_s`` and ``cache_wait_s`` are the
   waits of the reading thread on its ranged GETs and on the shard cache (the reader's
   :class:`~wds_pad.io.options.ReadStats`), ``collate_s`` runs from the start of a
-  batch's collation to its hand-over (in the main process with workers: all of its wait
-  that is not ``transport_s``, the unpacking and collation), ``tar_s`` the rest of
+  batch's collation to its hand-over (none for a collation that only lists the
+  samples; in the main process with workers: all of its wait that is not
+  ``transport_s``, the unpacking and collation), ``tar_s`` the rest of
   making a batch (local reads, tar headers and members, per-sample stages);
   ``transport_s`` is the main process's wait on its DataLoader workers' messages. In one
   process the stages add up to ``wait_s``; with workers they are summed over the
   workers, whose work overlaps the training step;
 - a DataLoader worker sends its counters with the batches it already sends (the last
-  element of each message, a :class:`WorkerNote`: a tuple of ints and the per-shard
-  waits that changed since its last note), never on a channel of its own; the main
-  process keeps each worker's latest and sums them.
+  element of each message, a :data:`WorkerNote`: a plain tuple of its counts and of the
+  per-shard waits that changed since its previous note), never on a channel of its own;
+  the main process keeps each worker's latest and sums them.
 """
 
 from __future__ import annotations
@@ -90,15 +92,10 @@ class StreamStats:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class WorkerNote:
-    """A worker's counters of its current iteration, riding at the end of a message:
-    ``counts`` in ``_COUNTS`` order, ``by_url`` the shards whose wait changed since its
-    previous note (their totals)."""
-
-    worker: int
-    counts: tuple[int, ...]
-    by_url: dict[str, int]
+#: A worker's counters of its current iteration, riding as the last element of each message
+#: it sends: ``(worker id, counts in _COUNTS order, the shard waits that changed since its
+#: previous note)``. A plain tuple: it pickles and unpickles in a fraction of a class's time.
+WorkerNote = tuple[int, tuple[int, ...], dict[str, int]]
 
 
 def _add(into: dict[str, int], counts: dict[str, int]) -> None:
@@ -184,16 +181,17 @@ class Clock:
             began = now()
             for item in it:
                 ended = now()
-                acc[WAIT] += ended - began
-                acc[also] += ended - began
+                spent = ended - began
+                acc[WAIT] += spent
+                acc[also] += spent
                 acc[BATCHES] += 1
                 if acc[COLLATING] > began:
                     acc[COLLATE] += ended - acc[COLLATING]
                 yield item
                 began = now()
-            ended = now()
-            acc[WAIT] += ended - began
-            acc[also] += ended - began
+            spent = now() - began
+            acc[WAIT] += spent
+            acc[also] += spent
         finally:
             _close(it)
 
@@ -230,24 +228,25 @@ class Clock:
                 waits, urls = st.wait_ns_by_url, st.waited_urls
                 changed = {u: waits[u] for u in urls}  # the reader runs in this thread
                 urls.clear()
-            run.append(WorkerNote(worker, tuple(self.counts()), changed))
+            note: WorkerNote = (worker, tuple(self.counts()), changed)
+            run.append(note)
             yield run
 
     def received(self, items: Iterable[Any]) -> Iterator[Any]:
-        """In the main process: the workers' messages, the wait on each added to
-        ``transport_ns``, their notes kept. Closes ``items`` when closed."""
+        """In the main process: the workers' messages (each a PackedRun that
+        :meth:`noted` ended with its note), the wait on each added to ``transport_ns``,
+        their notes taken off and kept. Closes ``items`` when closed."""
         it = iter(items)
         now, acc, workers = time.perf_counter_ns, self.acc, self.workers
         try:
             began = now()
             for item in it:
                 acc[TRANSPORT] += now() - began
-                if isinstance(item, PackedRun) and item and isinstance(item[-1], WorkerNote):
-                    note = item.pop()
-                    kept = workers.get(note.worker)
-                    by_url = {} if kept is None else kept[1]
-                    by_url.update(note.by_url)  # the shards whose wait changed: their totals
-                    workers[note.worker] = (note.counts, by_url)
+                worker, counts, changed = item.pop()
+                kept = workers.get(worker)
+                by_url = {} if kept is None else kept[1]
+                by_url.update(changed)  # the shards whose wait changed: their totals
+                workers[worker] = (counts, by_url)
                 yield item
                 began = now()
         finally:
