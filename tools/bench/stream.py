@@ -326,10 +326,10 @@ def targets(results: dict[str, dict[str, dict[str, dict[str, float]]]], main: st
 
 def counter_costs() -> str:
     """What the stats counters add to a batch, in nanoseconds (the rows above divide them)."""
-    main_ns, worker_ns = loader_ns_per_batch(run_length(1, 10_000))
+    loader = [(b, *loader_ns_per_batch(run_length(b, 10_000))) for b in (64, 1)]
     return (f"the stats counters per batch: {counter_ns_per_batch():.0f} ns in one process, "
-            f"{counter_ns_per_batch(timed_collation=True):.0f} ns with a collation of one's own (timed); "
-            f"Loader(2) at batch 1: {main_ns:.0f} ns in the main process, {worker_ns:.0f} ns in a worker")
+            f"{counter_ns_per_batch(timed_collation=True):.0f} ns with a timed collation; Loader(2) "
+            + ", ".join(f"at batch {b}: {m:.0f} ns in the main process + {w:.0f} ns in a worker" for b, m, w in loader))
 
 
 def cited(results: dict[str, dict[str, dict[str, dict[str, float]]]], kind: str) -> list[str]:
