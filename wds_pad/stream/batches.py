@@ -26,8 +26,8 @@ from ..core.locality import Locality
 from ..errors import WdsPadError
 from .batchcache import BatchCache
 from .batchread import BatchReader
-from .collate import run_collation, where_samples as _where
-from .stats import Clock
+from .collate import lists_only, run_collation, where_samples as _where
+from .stats import COLLATING, Clock
 from .fetch import Counters, all_local as _all_local, substitute
 from .stages import PlannedSource, apply_stages, batch_refs, whole_shards
 from .transport import LooseBatch, PackedRun, as_views, run_length
@@ -55,7 +55,7 @@ class BatchMaker:
         advance: called with ``(epoch, j)`` once plan batch j is made.
         pack: send batches packed in shared memory (a DataLoader worker under Loader).
         views: members as read-only memoryviews (``zero_copy`` in one process).
-        clock: where collation time is counted (stats.py).
+        clock: where collation time is counted (stats.py): it marks where collation begins.
     """
 
     def __init__(self, spec: PlanSpec, stages: list[Callable[[Any], Any]],
@@ -64,6 +64,9 @@ class BatchMaker:
                  advance: Callable[[tuple[int, int]], Any], pack: bool, views: bool,
                  clock: Clock | None = None) -> None:
         self.clock = clock if clock is not None else Clock()
+        self.stamps = self.clock.acc
+        # a collation that only lists the samples costs less than reading the clock: not timed
+        self.timed_collation = not lists_only(collation_fn, bool(stages))
         self.spec, self.stages, self.collation_fn = spec, stages, collation_fn
         self.handler, self.counters, self.fetcher = handler, counters, fetcher
         self.advance, self.pack, self.views = advance, pack, views
@@ -97,10 +100,9 @@ class BatchMaker:
     def _collated(self, batch: list[Any], refs: list[dict[str, Any]], pack: bool, views: bool) -> Any:
         if pack:
             return LooseBatch(batch)  # collated where it is unpacked
-        began = perf_counter_ns()
-        out = run_collation(self.collation_fn, as_views(batch) if views else batch, _where(refs))
-        self.clock.collate(began)
-        return out
+        if self.timed_collation:
+            self.stamps[COLLATING] = perf_counter_ns()  # ended where the batch is handed over (stats.py)
+        return run_collation(self.collation_fn, as_views(batch) if views else batch, _where(refs))
 
     def _local(self, source: PlannedSource) -> Iterator[Any]:
         """Local shards: batch by batch, through the member table where it records the
