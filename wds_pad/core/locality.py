@@ -54,7 +54,9 @@ Invariants:
 - each epoch every shard of a dataset is dealt to exactly one DP rank, as a contiguous
   run of the shuffled order, each rank within one shard of ``total bytes / dp_size``;
 - the deal and the windows depend on (seed, epoch, dataset, shard sizes, dp_size,
-  window) only: identical on every rank, and CP peers read the same shards;
+  window) only (with nodes, a node's export tail also on its buckets' counts per shard,
+  which do not depend on the epoch): identical on every rank, and CP peers read the
+  same shards;
 - an input without each sample's shard is a ConfigError that names the fix.
 """
 
