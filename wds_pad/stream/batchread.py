@@ -43,7 +43,8 @@ from ..io.ranges import RangeReader
 from ..tar.members import KEY_ERRORS
 from ..tar.names import (SIZE, Members, name_token_rows, size_token_rows, slice_sample, slice_sample_at,
                          token_list)
-from .transport import Arena, PackedBatch, allocate, place
+from .ring import Arena, allocate, reserve
+from .transport import PackedBatch
 
 __all__ = ["BatchReader", "BIG_SAMPLE", "member_refs", "seed_list"]
 
@@ -118,7 +119,7 @@ class BatchReader:
         self.reader = reader  # type: ignore[assignment]
         self.by_name = {n: ix for n, ix in zip(names, indexes)}
         self._work: dict[tuple[int, int], _Work] = {}
-        self._arenas: dict[bool, Arena] = {}  # batch buffers, shared or not (transport.Arena)
+        self._arenas: dict[bool, Arena] = {}  # batch buffers, shared or not (ring.Arena)
         self.run = 1  # batches sent at a time (transport.run_length): what a ring is sized for
         #: after :meth:`read` returned None: the member table entries of that batch's
         #: samples (None: it has a sample the table does not record), for the exact path
@@ -235,27 +236,21 @@ class BatchReader:
         ln = lengths[lo:hi]
         base = np.cumsum(ln) - ln
         bounds = None
-        arena, got = place(self._arenas.get(shared), shared, nbytes, self.run)
-        self._arenas[shared] = arena
-        if got is None:  # the ring is full (or the batch too large for it): a buffer of its own
-            buf, arr = allocate(nbytes, shared)
-            ring, begin, seq = None, 0, -1
-        else:
-            arr, begin, seq = got
-            buf, ring = None if (shared and arena.sent) else arena.owner, arena.id
+        space = reserve(self._arenas.get(shared), shared, nbytes, self.run)
+        self._arenas[shared] = space.arena
         try:
-            bounds = self._fill(c, lo, hi, mlo, mhi, arr, base)
+            bounds = self._fill(c, lo, hi, mlo, mhi, space.arr, base)
         finally:
-            if ring is not None and bounds is None:  # read on the exact path: its space is free
-                arena.release(seq)
+            if bounds is None:  # read on the exact path: its space is free
+                space.drop()
         if bounds is None:
             return None
-        arena.sent = arena.sent or (shared and ring is not None)
+        space.sent()
         st = reader.stats
         st.ranges += hi - lo
         st.requests += hi - lo
         st.bytes += nbytes
-        return PackedBatch(buf, ring, begin, nbytes, seq, bounds, c.exts[mlo:mhi], counts[lo:hi].tolist(),
+        return PackedBatch(space.buf, space.ring, space.start, nbytes, space.seq, bounds, c.exts[mlo:mhi], counts[lo:hi].tolist(),
                            c.keys[lo:hi], c.urls[lo:hi], c.ids[lo:hi], c.pads[lo:hi], meta,
                            None if batch.pack is None else batch.pack.tolist(), seed_list(batch))
 
