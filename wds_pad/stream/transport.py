@@ -100,8 +100,13 @@ class PackedBatch:
         bucket, dataset, epoch, step, index = self.meta
         tmpl = {"__url__": None, "__key__": None, "__index__": None, "__bucket__": bucket,
                 "__dataset__": dataset, "__pad__": False, "__epoch__": epoch, "__step__": step,
-                "__batch__": index}
+                "__batch__": index, "__seed__": None}
         starts, ends = self.bounds.tolist()
+        # every member at once (a view, or its bytes: the one copy), then one dict per sample
+        if zero_copy:
+            values = [view[a:b] for a, b in zip(starts, ends)]
+        else:
+            values = [view[a:b].tobytes() for a, b in zip(starts, ends)]
         exts = self.exts
         out: list[dict[str, Any]] = []
         append = out.append
@@ -114,14 +119,14 @@ class PackedBatch:
             d["__index__"] = i
             d["__pad__"] = p
             d["__seed__"] = z
-            j = m + cnt
-            if zero_copy:
-                for x in range(m, j):
-                    d[exts[x]] = view[starts[x]:ends[x]]
+            if cnt == 2:  # the common shape (a payload and its .json), unrolled
+                d[exts[m]] = values[m]
+                d[exts[m + 1]] = values[m + 1]
+                m += 2
             else:
-                for x in range(m, j):
-                    d[exts[x]] = view[starts[x]:ends[x]].tobytes()
-            m = j
+                for x in range(m, m + cnt):
+                    d[exts[x]] = values[x]
+                m += cnt
             append(d)
         if self.packs is not None:
             for d, pk in zip(out, self.packs):
