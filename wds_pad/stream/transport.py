@@ -4,14 +4,16 @@
 A :class:`PackedBatch` is one plan batch read into one uint8 buffer: every sample's byte
 range, back to back, with per member the start and end of its payload in the buffer,
 plus the small per-sample fields (key, shard URL, index row, padded copy). A worker of a
-:class:`~wds_pad.stream.loader.Loader` reads its batches straight into a buffer in
-shared memory (a torch uint8 tensor whose storage was made shared: DataLoader hands it
-to the main process as a file descriptor, never through the pipe) and sends the packed
-batch; the main process rebuilds the webdataset sample dicts (:meth:`PackedBatch.samples`).
+:class:`~wds_pad.stream.loader.Loader` reads its batches of local shards straight into a
+buffer in shared memory (a torch uint8 tensor whose storage was made shared: DataLoader
+hands it to the main process as a file descriptor, never through the pipe; stream/ring.py)
+and sends the packed batch; a batch of fetched samples (remote shards, the node cache,
+the exact path) has its members copied into the buffer once (:func:`pack_samples`). The
+main process rebuilds the webdataset sample dicts (:meth:`PackedBatch.samples`).
 
 Invariants:
-- the rebuilt sample dicts are exactly what the batch-wise path yields for the batch in
-  one process: the same keys in the same order, members in archive order, the same
+- the rebuilt sample dicts are exactly what the path that read the batch yields for it
+  in one process: the same keys in the same order, members in archive order, the same
   ``__``-fields; members are ``bytes`` (copied out of the buffer once: the only copy),
   or with ``zero_copy`` read-only ``memoryview``s over the buffer, which keep it alive
   as long as any of them is held;
@@ -26,8 +28,8 @@ Invariants:
 - only batches without per-sample stages, collated by a known collation (the default,
   ``list``, webdataset's ``default_collation_fn``) travel packed: collation then runs in
   the main process, on the rebuilt samples, and costs what it costs in one process.
-  Anything else (transformed samples, a custom collation, a batch read on the exact
-  path) travels as before, pickled by DataLoader.
+  Anything else (transformed samples, a custom collation, a sample with fields a packed
+  batch does not carry) travels as before, pickled by DataLoader.
 """
 
 from __future__ import annotations
