@@ -8,8 +8,9 @@ Invariants:
 - local shards are read batch by batch through the member table where it records the
   samples (batchread.py), else on the exact path (fetch.py), with the same samples;
 - a batch travels packed (transport.py) only from a DataLoader worker and only when
-  nothing but a known collation runs on it; ``views`` (``zero_copy`` in one process)
-  hands out members as read-only memoryviews;
+  nothing but a known collation runs on it: read into the ring (local shards), or its
+  fetched members copied into it once (remote shards, the node cache, the exact path);
+  ``views`` (``zero_copy`` in one process) hands out members as read-only memoryviews;
 - a failed transform is raised naming its sample and shard, or replaced by the
   handler's deterministic substitute from the same bucket.
 """
@@ -30,7 +31,8 @@ from .collate import lists_only, run_collation, where_samples as _where
 from .stats import COLLATING, Clock
 from .fetch import Counters, all_local as _all_local, substitute
 from .stages import PlannedSource, apply_stages, batch_refs, whole_shards
-from .transport import LooseBatch, PackedRun, as_views, run_length
+from .ring import Arena
+from .transport import LooseBatch, PackedRun, as_views, pack_samples, run_length
 from ..state import PlanSpec
 
 __all__ = ["BatchMaker"]
@@ -70,6 +72,7 @@ class BatchMaker:
         self.spec, self.stages, self.collation_fn = spec, stages, collation_fn
         self.handler, self.counters, self.fetcher = handler, counters, fetcher
         self.advance, self.pack, self.views = advance, pack, views
+        self._ring: Arena | None = None  # where batches of fetched samples are packed (pack_samples)
 
     def __call__(self, source: PlannedSource) -> Iterator[Any]:
         fetcher, pack, views = self.fetcher, self.pack, self.views
@@ -98,8 +101,9 @@ class BatchMaker:
             yield out
 
     def _collated(self, batch: list[Any], refs: list[dict[str, Any]], pack: bool, views: bool) -> Any:
-        if pack:
-            return LooseBatch(batch)  # collated where it is unpacked
+        if pack:  # collated where it is unpacked: its members copied once into the ring, else pickled
+            self._ring, packed = pack_samples(batch, self._ring, True)
+            return LooseBatch(batch) if packed is None else packed
         if self.timed_collation:
             self.stamps[COLLATING] = perf_counter_ns()  # ended where the batch is handed over (stats.py)
         return run_collation(self.collation_fn, as_views(batch) if views else batch, _where(refs))
