@@ -70,7 +70,7 @@ class Simulation:
     stall_share: float
     cost_usd: float
     stalls: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # "asked", "taken": each step's times (s from the start)
 
     @property
     def gets_per_epoch(self) -> list[int]:
@@ -137,7 +137,8 @@ def simulate(plans: Sequence[Sequence[Sequence[Any]]], shard_of: Sequence[Any], 
     nbytes = sum(c.bytes_read for n in per_node for c in n)
     return Simulation(epochs=list(epochs) if epochs is not None else list(range(len(plans))), steps=steps,
                       nodes=per_node, first_batch_s=tl.first_s, stall_share=tl.stall_share, stalls=tl.stalls,
-                      cost_usd=gets * prices.per_get + nbytes / 1e9 * prices.per_gb)
+                      cost_usd=gets * prices.per_get + nbytes / 1e9 * prices.per_gb,
+                      extra={"asked": tl.asked, "taken": tl.taken})
 
 
 @dataclass(frozen=True)
