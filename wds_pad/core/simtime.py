@@ -8,18 +8,20 @@ order, epoch after epoch) through one reader, and the model follows that reader
   (``iter()``: the node's plans made, the filesystem and its connections opened, the
   modules imported); a fixed cost of the machine, measured, not derived;
 - **whole shards**: a node holds some shards (:class:`Held`); each process fetches the held
-  shards it reads, in the order it first reads them, ``shards_at_once`` at a time, and
+  shards it reads, in the order it first reads them (a step's in shard order), ``shards_at_once`` at a time, and
   skips one another process of the node started or the folder kept; a shard comes in GETs
   of ``block_bytes``, ``gets_per_shard`` in flight, each sent when the one
   ``gets_per_shard`` before it arrived. An epoch's fetches start when the node sends its
   first read of the epoch (the first epoch's at ``start_s``). A read of a held shard is
-  served once the block holding its end has arrived, or the same block of a fetch of the
-  shard this read starts itself, if no process started it before;
+  served in order by one thread, once the block holding its end has arrived, or the same
+  block of a fetch of the shard the read starts itself when the thread reaches it, if no
+  process started it before;
 - **reads in flight**: a process keeps ``in_flight`` reads sent ahead of the one it hands
   out, in order: a read is sent when the read ``in_flight`` before it is handed out, and
   only while the stream runs. With ``ahead`` 0 the stream runs inside ``next()``: from
   when a step asks for its batch until the batch is made (a batch's last read is handed
   out when the next step asks); with ``ahead`` N it makes batches while fewer than N wait.
+  A batch is made once the next batch's first read is there too (that read ends it);
   A single read (of a shard the node does not hold) is one GET;
 - **a GET** takes ``latency_s`` plus its bytes at ``bandwidth`` (GETs in flight do not share it);
 - **steps**: every process is asked for step s's batch at once, the job takes it when
@@ -170,6 +172,9 @@ class _Process:
         self.node, self.r, self.link = node, reads, link
         n = int(reads.held.size)
         self.popped = np.zeros(n)          # when each read was handed out
+        self.got = np.zeros(n)             # when each read's bytes were there
+        self.done = 0                      # reads whose ``got`` is known
+        self.served = link.start_s         # when the copy's read thread served its latest read
         self.made = np.zeros(steps)        # when each batch was made
         self.ready = np.zeros(steps)       # when the step had it
         self.last = link.start_s           # when the latest read was handed out
@@ -189,22 +194,35 @@ class _Process:
         run = max(self._runs_from(s, asked), link.start_s)
         lo = int(r.batch_ends[s - 1]) if s else 0
         hi = int(r.batch_ends[s])
-        if lo:
-            self.popped[lo - 1] = run  # the previous batch's last read: handed out when this one runs
-        w = max(link.in_flight, 1)
+        if s:
+            self.popped[lo] = run  # the batch's first read, the previous one's peek: handed out when this runs
         t = run
         for j in range(lo, hi):
-            sent = max(float(self.popped[j - w]), link.start_s) if j >= w else link.start_s
-            e = int(self.epoch_of[j])
-            if j == r.epoch_starts[e]:
-                self.node.sent(e, sent)
-            row = int(r.held[j])
-            if row < 0:
-                got = sent + link.latency_s + float(r.nbytes[j]) / link.bandwidth
-            else:
-                got = max(sent, self.node.arrival(row, int(r.block[j]), e, sent))
-            t = max(t, got)
-            self.popped[j] = t
-        self.made[s] = t
-        self.ready[s] = max(t, float(asked[s]))
+            t = max(t, self._got(j))
+            if j > lo or not s:
+                self.popped[j] = t
+        # a batch leaves once the next one's first read arrives (its key ends the batch)
+        made = max(t, self._got(hi)) if hi < r.held.size and hi > lo else t
+        self.made[s] = made
+        self.ready[s] = max(made, float(asked[s]))
         return float(self.ready[s])
+
+    def _got(self, j: int) -> float:
+        """When read j's bytes are there (computed once: a peek is read again by the next step)."""
+        if j < self.done:
+            return float(self.got[j])
+        r, link = self.r, self.link
+        w = max(link.in_flight, 1)
+        sent = max(float(self.popped[j - w]), link.start_s) if j >= w else link.start_s
+        e = int(self.epoch_of[j])
+        if j == r.epoch_starts[e]:
+            self.node.sent(e, sent)
+        row = int(r.held[j])
+        if row < 0:
+            got = sent + link.latency_s + float(r.nbytes[j]) / link.bandwidth
+        else:  # one thread serves the node's copy, in order: it reaches this read after the one before
+            reach = max(sent, self.served)
+            got = self.served = max(reach, self.node.arrival(row, int(r.block[j]), e, reach))
+        self.got[j] = got
+        self.done = j + 1
+        return got

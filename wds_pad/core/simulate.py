@@ -224,10 +224,11 @@ def _node_epoch(node: Sequence[Any], shard_of: Sequence[Any], lengths: Sequence[
     for plan, (row, block, size) in zip(plan_of, per_plan):
         ends = np.asarray(plan.offsets[1:], np.int64)
         ends = np.concatenate([ends, np.full(max(length - ends.size, 0), ends[-1] if ends.size else 0, np.int64)])
-        first = np.full(base, row.size, np.int64)
-        np.minimum.at(first, row[row >= 0], np.flatnonzero(row >= 0))
-        mine = np.flatnonzero(first < row.size)
-        order = mine[np.argsort(first[mine], kind="stable")]
+        step = np.repeat(np.arange(len(plan), dtype=np.int64), np.diff(plan.offsets))
+        first = np.full(base, length + 1, np.int64)
+        np.minimum.at(first, row[row >= 0], step[row >= 0])
+        mine = np.flatnonzero(first <= length)
+        order = mine[np.argsort(first[mine], kind="stable")]  # by first step, then shard (its URL)
         out_reads.append(_EpochReads(batch_ends=ends, held=row, block=block, nbytes=size, order=order))
     return (NodeEpochCost(gets=gets, bytes_read=nbytes, fetched=fetched, held=held_n, single=single,
                           held_bytes=held_bytes), held_all, out_reads, rows)
