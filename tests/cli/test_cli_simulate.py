@@ -1,5 +1,6 @@
 """``wds-pad simulate``: the options of ``plan``, the JSON it prints, its counts against the
-node figures of ``plan --summary``, its usage errors, and the time model.
+node figures of ``plan --summary``, its usage errors; the time model itself:
+``tests/core/test_simtime.py``.
 
 The GETs it predicts against those a real job makes at a loopback server:
 ``tests/io/test_simulate_jobs.py``.
@@ -10,12 +11,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
-from dataclasses import replace
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from wds_pad import Topology, load_index, plan_epoch
@@ -24,7 +23,6 @@ from wds_pad.cli.app import build_parser
 from wds_pad.cli.synth import make_blob_shards
 from wds_pad.core.localfigures import node_figures
 from wds_pad.core.locality import shard_map_of
-from wds_pad.core.simulate import Link, _timeline
 from wds_pad.index.build import build_index
 
 BLOCK = 16 * 1024
@@ -90,10 +88,14 @@ def test_the_first_epoch_of_every_node_costs_what_plan_summary_says_and_node_loc
 
 def test_a_warm_restart_of_node_locality_fetches_nothing_and_waits_for_nothing(index: str) -> None:
     code, out = run(index, "--world-size", "4", "--local-world-size", "2", "--batch-size", "4", "--seed", "5",
-                    "--locality", "node", "--epochs", "2", "--warm", "--json")
+                    "--locality", "node", "--epochs", "2", "--warm", "--start-ms", "0", "--json")
     sim = json.loads(out)
     assert code == 0 and sim["gets_per_epoch"] == [0, 0] and sim["first_batch_s"] == 0.0
     assert sim["stall_share"] == 0.0
+    # the stream's start is all the first batch waits for
+    code, out = run(index, "--world-size", "4", "--local-world-size", "2", "--batch-size", "4", "--seed", "5",
+                    "--locality", "node", "--epochs", "2", "--warm", "--start-ms", "300", "--json")
+    assert json.loads(out)["first_batch_s"] == pytest.approx(0.3)
 
 
 def test_the_table_names_every_epoch_and_node(index: str) -> None:
@@ -114,19 +116,3 @@ def test_bad_options_are_one_usage_error_in_flags(index: str, args: list[str], w
     code = main(["simulate", *[index if a == "IX" else a for a in args]])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("wds-pad simulate: error:") and words in err
-
-
-def test_the_time_model_waits_for_each_steps_bytes_on_the_slowest_node() -> None:
-    link = Link(latency_s=0.5, bandwidth=100.0, step_s=1.0, in_flight=2)
-    # node 0: step 0 needs 3 GETs and 100 bytes (2 rounds + 1 s), step 1 nothing, step 2 400 bytes
-    a = np.asarray([[3, 0, 1], [100, 0, 400]], np.int64)
-    b = np.zeros((2, 3), np.int64)  # node 1 needs nothing
-    first, share, stalls = _timeline([[a], [b]], link)
-    assert first == pytest.approx(2 * 0.5 + 1.0)
-    # step 1 is asked for at 3.0 and ready; step 2 at 4.0, its bytes start then: 4.0 + 0.5 + 4.0 (a stall)
-    assert (stalls, share) == (1, 0.5)
-    # started two steps ahead (when step 0 is asked for, after step 0's bytes): ready at 6.5, asked at 4.0
-    assert _timeline([[a], [b]], replace(link, lookahead=2))[2] == 1
-    # a faster link two steps ahead: step 2's 400 bytes arrive by 2.0 + 0.5 + 0.4 < 4.0
-    assert _timeline([[a]], replace(link, lookahead=2, bandwidth=1000.0))[1:] == (0.0, 0)
-    assert _timeline([[b]], link) == (0.0, 0.0, 0)

@@ -7,7 +7,8 @@ barrier after each batch), sleeping ``--step-ms`` after each batch as a training
 Each rank logs how long every ``next()`` waited. Measured: the first batch's wait (the
 slowest rank's, from the loader's start) and the share of later steps whose slowest
 rank waited more than ``--stall-ms``; predicted: ``wds-pad simulate --json`` for the same
-options and latency (the GETs, counted at the proxy, beside). Printed as predicted /
+options, latency and ``--stall-ms`` (the GETs, counted at the proxy, beside), its
+``--start-ms`` left at its default (the start it assumes is this benchmark's, measured). Printed as predicted /
 measured, against the 15 % target.
 
 Usage::
@@ -49,7 +50,7 @@ def predicted(index: str, args: argparse.Namespace, latency_ms: float) -> dict[s
                  "--batch-size", str(args.batch_size), "--seed", "5", "--window", "2", "--locality", args.locality,
                  "--epochs", str(args.epochs), "--block-bytes", str(args.block_bytes), "--in-flight", "8",
                  "--latency-ms", str(latency_ms), "--bandwidth-mbps", str(args.bandwidth_mbps),
-                 "--step-ms", str(args.step_ms), "--json"])
+                 "--step-ms", str(args.step_ms), "--stall-ms", str(args.stall_ms), "--json"])
     return json.loads(out.getvalue())
 
 

@@ -28,6 +28,10 @@ from .planoptions import add_planning_options, plan_sources, planning_kwargs, si
 
 __all__ = ["add_parser"]
 
+#: The stream's start before its first request (``--start-ms``), measured by
+#: tools/bench/simulate.py on a 2-core machine: a property of the machine, not of the plan.
+START_MS = 420.0
+
 
 def _number(text: str) -> float:
     import math
@@ -50,9 +54,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--latency-ms", type=_number, default=20.0, help="latency of one GET")
     p.add_argument("--bandwidth-mbps", type=_number, default=1000.0, help="a node's bandwidth to the store")
     p.add_argument("--step-ms", type=_number, default=100.0, help="the training step's time, data aside")
-    p.add_argument("--in-flight", type=positive_int, default=8, help="GETs a node has under way at once")
+    p.add_argument("--in-flight", type=positive_int, help="reads a process keeps sent ahead of the one it hands "
+                   "out (default: ReadOptions' max_in_flight)")
     p.add_argument("--lookahead-steps", type=non_negative, default=0,
-                   help="steps ahead a node starts on a step's bytes (0: when the step asks for them)")
+                   help="batches the job's loader makes ahead of the step that asks for them (DataLoader "
+                   "workers x prefetch_factor; 0: each batch is made inside next(), as with num_workers=0)")
+    p.add_argument("--start-ms", type=_number, default=START_MS, help="the stream's start before its first "
+                   f"request: plans of the node, connections, imports (default {START_MS:g}: measured on a "
+                   "2-core machine, see docs/object-storage.md; measure yours)")
+    p.add_argument("--stall-ms", type=_number, default=10.0, help="a step stalls when it waits longer than this")
     p.add_argument("--block-bytes", type=positive_int, help="bytes of one GET of a shard read whole "
                    "(default: ReadOptions' block_bytes)")
     p.add_argument("--price-per-get", type=_number, default=0.0, help="USD per GET (S3 standard: 0.0000004)")
@@ -100,9 +110,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     sim = simulate(plans, [ix.shard for ix in indexes], [ix.length for ix in indexes],
                    [[max(s.size, 0) for s in ix.shards] for ix in indexes], block, epochs=epochs,
                    link=Link(latency_s=args.latency_ms / 1000, bandwidth=args.bandwidth_mbps * 1e6 / 8,
-                             step_s=args.step_ms / 1000, in_flight=args.in_flight,
-                             lookahead=args.lookahead_steps),
-                   prices=Prices(per_get=args.price_per_get, per_gb=args.price_per_gb), warm=args.warm)
+                             step_s=args.step_ms / 1000, in_flight=args.in_flight or ReadOptions().max_in_flight,
+                             lookahead=args.lookahead_steps, start_s=args.start_ms / 1000,
+                             stall_s=args.stall_ms / 1000),
+                   prices=Prices(per_get=args.price_per_get, per_gb=args.price_per_gb), warm=args.warm,
+                   offsets=[ix.offset for ix in indexes])
     out = sys.stdout
     if args.json:
         out.write(json.dumps(sim.to_json()) + "\n")

@@ -11,13 +11,10 @@ before is still in its folder (a shard is kept exactly when the node holds it ag
 so it costs no GET again; ``warm`` starts on a folder left by an earlier run of the
 same job (it holds what the first epoch holds).
 
-Time is a model, not a measurement: each node downloads over its own link (``latency_s``
-per round of ``in_flight`` GETs, ``bandwidth`` bytes per second), a shard's bytes are
-due at the first step that reads it and a single read's at its step; a node starts on a
-step's bytes ``lookahead`` steps before the step is asked for (0: when it is), one step's
-after another; the job takes a step once every node has its bytes, and asks for the next
-``step_s`` later. The first batch comes when step 0's bytes have arrived; a step stalls
-when its bytes arrive after it is asked for.
+Time is :mod:`~.simtime`'s model of the readers: each process fetches ahead, from the
+stream's start, the held shards it reads in order of first use (a few at a time, a few
+GETs each), keeps a few reads in flight ahead of the one it hands out, and the job takes a
+step once every process has its batch and asks for the next ``step_s`` later.
 
 Invariants:
 - pure (no I/O, no clock): from the plans and, per dataset, each sample's shard and byte
@@ -37,19 +34,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from .localfigures import node_held, node_reads
+from .simtime import Held, Link, ProcessReads, timeline
 
 __all__ = ["Link", "NodeEpochCost", "Prices", "Simulation", "simulate"]
-
-
-@dataclass(frozen=True)
-class Link:
-    """A node's connection to the store, and the training step's time."""
-
-    latency_s: float = 0.020
-    bandwidth: float = 125e6          # bytes per second (1000 Mbit/s)
-    step_s: float = 0.100
-    in_flight: int = 8                # GETs a node has under way at once
-    lookahead: int = 0                # steps ahead a node starts on a step's bytes (0: when asked)
 
 
 @dataclass(frozen=True)
@@ -83,7 +70,7 @@ class Simulation:
     stall_share: float
     cost_usd: float
     stalls: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # "asked", "taken": each step's times (s from the start)
 
     @property
     def gets_per_epoch(self) -> list[int]:
@@ -114,7 +101,8 @@ class Simulation:
 
 def simulate(plans: Sequence[Sequence[Sequence[Any]]], shard_of: Sequence[Any], lengths: Sequence[Any],
              shard_bytes: Sequence[Any], block_bytes: int, *, epochs: Sequence[int] | None = None,
-             link: Link = Link(), prices: Prices = Prices(), warm: bool = False) -> Simulation:
+             link: Link = Link(), prices: Prices = Prices(), warm: bool = False,
+             offsets: Sequence[Any] | None = None) -> Simulation:
     """The reads of a job, from its plans.
 
     Args:
@@ -126,103 +114,121 @@ def simulate(plans: Sequence[Sequence[Sequence[Any]]], shard_of: Sequence[Any], 
         epochs: the epoch numbers (labels only; default 0, 1, ...).
         link, prices: the time and price model.
         warm: the nodes' folders hold what the first epoch holds (a restart of the job).
+        offsets: per dataset, each sample id's byte offset in its shard: a read of a
+            shard being fetched waits for the block holding its end (None: for the
+            whole shard).
     """
     nodes = len(plans[0]) if plans else 0
     kept: list[list[np.ndarray] | None] = [None] * nodes
     per_node: list[list[NodeEpochCost]] = [[] for _ in range(nodes)]
-    due: list[list[np.ndarray]] = [[] for _ in range(nodes)]  # per node, per epoch: (gets, bytes) per step
+    timing: list[list[tuple[Held, list[_EpochReads]]]] = [[] for _ in range(nodes)]
     steps = []
-    for e, epoch_plans in enumerate(plans):
+    for epoch_plans in plans:
         length = max((len(p) for node in epoch_plans for p in node), default=0)
         steps.append(length)
         for n, node in enumerate(epoch_plans):
-            cost, table, held = _node_epoch(node, shard_of, lengths, shard_bytes, block_bytes, kept[n], length,
-                                            warm and e == 0)
+            cost, held, reads, rows = _node_epoch(node, shard_of, lengths, shard_bytes, block_bytes, kept[n], length,
+                                                  warm and not timing[n], offsets)
             kept[n] = held
             per_node[n].append(cost)
-            due[n].append(table)
-    first, stall, stalls = _timeline(due, link)
+            timing[n].append((rows, reads))
+    tl = timeline([_joined(t) for t in timing], sum(steps), link, block_bytes)
     gets = sum(c.gets for n in per_node for c in n)
     nbytes = sum(c.bytes_read for n in per_node for c in n)
     return Simulation(epochs=list(epochs) if epochs is not None else list(range(len(plans))), steps=steps,
-                      nodes=per_node, first_batch_s=first, stall_share=stall, stalls=stalls,
-                      cost_usd=gets * prices.per_get + nbytes / 1e9 * prices.per_gb)
+                      nodes=per_node, first_batch_s=tl.first_s, stall_share=tl.stall_share, stalls=tl.stalls,
+                      cost_usd=gets * prices.per_get + nbytes / 1e9 * prices.per_gb,
+                      extra={"asked": tl.asked, "taken": tl.taken})
+
+
+@dataclass(frozen=True)
+class _EpochReads:
+    """One process's reads in one epoch (see :class:`~.simtime.ProcessReads`), rows of the epoch's ``Held``."""
+
+    batch_ends: np.ndarray
+    held: np.ndarray
+    block: np.ndarray
+    nbytes: np.ndarray
+    order: np.ndarray
+
+
+def _joined(epochs: list[tuple[Held, list[_EpochReads]]]) -> tuple[Held, list[ProcessReads]]:
+    """A node's epochs one after the other: its held rows and each process's reads."""
+    held = Held(blocks=np.concatenate([h.blocks for h, _ in epochs]), nbytes=np.concatenate([h.nbytes for h, _ in epochs]),
+                epoch=np.concatenate([np.full(h.blocks.size, e, np.int64) for e, (h, _) in enumerate(epochs)]))
+    procs = []
+    for k in range(max(len(r) for _, r in epochs)):
+        rows = reads = 0
+        ends, rowl, blocks, nbytes, starts, order = [], [], [], [], [], []
+        for h, per in epochs:
+            r = per[min(k, len(per) - 1)]
+            starts.append(reads)
+            ends.append(r.batch_ends + reads)
+            rowl.append(np.where(r.held >= 0, r.held + rows, -1))
+            blocks.append(r.block)
+            nbytes.append(r.nbytes)
+            order.append(r.order + rows)
+            rows += h.blocks.size
+            reads += r.held.size
+        procs.append(ProcessReads(batch_ends=np.concatenate(ends), held=np.concatenate(rowl),
+                                  block=np.concatenate(blocks), nbytes=np.concatenate(nbytes),
+                                  epoch_starts=np.asarray(starts, np.int64), order=order))
+    return held, procs
 
 
 def _node_epoch(node: Sequence[Any], shard_of: Sequence[Any], lengths: Sequence[Any], shard_bytes: Sequence[Any],
-                block_bytes: int, kept: list[np.ndarray] | None, length: int,
-                warm: bool) -> tuple[NodeEpochCost, np.ndarray, list[np.ndarray]]:
+                block_bytes: int, kept: list[np.ndarray] | None, length: int, warm: bool,
+                offsets: Sequence[Any] | None) -> tuple[NodeEpochCost, list[np.ndarray], list[_EpochReads], Held]:
     reads, imports = node_reads(node, shard_of, lengths)
-    batch_of = {id(p): np.repeat(np.arange(len(p), dtype=np.int64), np.diff(p.offsets)) for p in node}
     plan_of = list({id(p): p for p in node}.values())
-    table = np.zeros((2, max(length, 1)), np.int64)  # GETs, bytes due at each step
     gets = nbytes = fetched = held_n = single = held_bytes = 0
     held_all = []
+    per_plan = [(np.full(int(p.offsets[-1]), -1, np.int64), np.zeros(int(p.offsets[-1]), np.int64),
+                 np.zeros(int(p.offsets[-1]), np.int64)) for p in plan_of]  # held row, end block, bytes per read
+    row_blocks, row_bytes = [], []
+    base = 0
     for di in range(len(shard_of)):
         held = node_held([r for r, _ in reads], di, imports)
         held_all.append(held)
         sb = np.asarray(shard_bytes[di], np.int64)
         before = held if warm else (kept[di] if kept is not None else np.zeros(0, np.int64))
         new = np.setdiff1d(held, before)
-        first = np.full(new.size, max(length - 1, 0), np.int64)  # each fetched shard's first step
-        for (r, count), plan in zip(reads, plan_of):
+        blocks = -(-sb[held] // block_bytes)
+        row_blocks.append(np.where(np.isin(held, new), blocks, 0))
+        row_bytes.append(sb[held])
+        for ((r, count), plan), (row, block, size) in zip(zip(reads, plan_of), per_plan):
             rd = r[di]
-            step = batch_of[id(plan)][rd.entries]
-            if new.size:
-                pos = np.minimum(np.searchsorted(new, rd.shard), new.size - 1)
-                hit = new[pos] == rd.shard
-                np.minimum.at(first, pos[hit], step[hit])
-            out = rd.single & ~np.isin(rd.shard, held)
+            inside = np.isin(rd.shard, held)
+            out = ~inside
             n_out, b_out = count * int(out.sum()), count * int(rd.length[out].sum())
             single += n_out
             gets += n_out
             nbytes += b_out
-            np.add.at(table[0], step[out], count)
-            np.add.at(table[1], step[out], count * rd.length[out])
-        blocks = -(-sb[new] // block_bytes) if new.size else np.zeros(0, np.int64)
-        gets += int(blocks.sum())
+            at = np.minimum(np.searchsorted(held, rd.shard), max(held.size - 1, 0))
+            row[rd.entries[inside]] = base + at[inside]
+            size[rd.entries] = rd.length
+            if offsets is not None:
+                ends = np.asarray(offsets[di], np.int64)[plan.samples[rd.entries]] + rd.length
+                block[rd.entries] = np.maximum(ends - 1, 0) // block_bytes
+            elif held.size:
+                block[rd.entries] = np.maximum(blocks[at] - 1, 0)
+        gets += int(-(-sb[new] // block_bytes).sum()) if new.size else 0
         nbytes += int(sb[new].sum())
-        np.add.at(table[0], first, blocks)
-        np.add.at(table[1], first, sb[new])
         fetched += int(new.size)
         held_n += int(held.size)
         held_bytes += int(sb[held].sum()) if held.size else 0
+        base += int(held.size)
+    rows = Held(blocks=np.concatenate(row_blocks + [np.zeros(0, np.int64)]),
+                nbytes=np.concatenate(row_bytes + [np.zeros(0, np.int64)]), epoch=np.zeros(base, np.int64))
+    out_reads = []
+    for plan, (row, block, size) in zip(plan_of, per_plan):
+        ends = np.asarray(plan.offsets[1:], np.int64)
+        ends = np.concatenate([ends, np.full(max(length - ends.size, 0), ends[-1] if ends.size else 0, np.int64)])
+        step = np.repeat(np.arange(len(plan), dtype=np.int64), np.diff(plan.offsets))
+        first = np.full(base, length + 1, np.int64)
+        np.minimum.at(first, row[row >= 0], step[row >= 0])
+        mine = np.flatnonzero(first <= length)
+        order = mine[np.argsort(first[mine], kind="stable")]  # by first step, then shard (its URL)
+        out_reads.append(_EpochReads(batch_ends=ends, held=row, block=block, nbytes=size, order=order))
     return (NodeEpochCost(gets=gets, bytes_read=nbytes, fetched=fetched, held=held_n, single=single,
-                          held_bytes=held_bytes), table[:, :max(length, 0)], held_all)
-
-
-def _timeline(due: list[list[np.ndarray]], link: Link) -> tuple[float, float, int]:
-    """(first batch s, share of steps after the first that stall, stalls) of the job.
-
-    Step s is asked for at ``q[s]`` (the previous batch's arrival plus a step); a node
-    starts on step s's bytes once its link is free and step ``s - lookahead`` is asked
-    for; the job takes the batch once every node has its bytes. A step after the first
-    stalls when its bytes arrive after it is asked for.
-    """
-    if not due or not due[0]:
-        return 0.0, 0.0, 0
-    tables = [np.concatenate(node, axis=1) for node in due]
-    n = tables[0].shape[1]
-    if n == 0:
-        return 0.0, 0.0, 0
-    cost = [np.ceil(t[0] / max(link.in_flight, 1)) * link.latency_s + t[1] / link.bandwidth for t in tables]
-    free = [0.0] * len(tables)
-    asked = np.zeros(n)
-    ahead = max(int(link.lookahead), 0)
-    first = 0.0
-    stalls = 0
-    taken = 0.0
-    for s in range(n):
-        asked[s] = 0.0 if s == 0 else taken + link.step_s
-        start = float(asked[max(s - ahead, 0)])
-        ready = asked[s]
-        for k, c in enumerate(cost):
-            if c[s] > 0:
-                free[k] = max(free[k], start) + float(c[s])
-                ready = max(ready, free[k])
-        if s == 0:
-            first = float(ready)
-        elif ready > asked[s] + 1e-12:
-            stalls += 1
-        taken = float(ready)
-    return first, stalls / max(n - 1, 1), stalls
+                          held_bytes=held_bytes), held_all, out_reads, rows)

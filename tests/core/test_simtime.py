@@ -1,0 +1,95 @@
+"""The time model of ``wds-pad simulate`` (core/simtime.py), on timelines computed by hand.
+
+Every case uses GETs of 1.5 s: a latency of 0.5 s plus 100 bytes at 100 bytes a second
+(a block of 100 bytes, or a single read of 100 bytes), and a step of 1 s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from wds_pad.core.simtime import Held, Link, ProcessReads, timeline
+
+LINK = Link(latency_s=0.5, bandwidth=100.0, step_s=1.0, in_flight=1, start_s=0.0, stall_s=0.0,
+            shards_at_once=1, gets_per_shard=2)
+NONE = Held(blocks=np.zeros(0, np.int64), nbytes=np.zeros(0, np.int64), epoch=np.zeros(0, np.int64))
+
+
+def reads(held: list[int], block: list[int] | None = None, per_batch: int = 1, order: list[list[int]] | None = None,
+          epoch_starts: list[int] | None = None) -> ProcessReads:
+    n = len(held)
+    return ProcessReads(batch_ends=np.arange(per_batch, n + 1, per_batch, dtype=np.int64),
+                        held=np.asarray(held, np.int64), block=np.asarray(block or [0] * n, np.int64),
+                        nbytes=np.full(n, 100, np.int64), epoch_starts=np.asarray(epoch_starts or [0], np.int64),
+                        order=[np.asarray(o, np.int64) for o in (order or [[]])])
+
+
+def test_single_reads_are_sent_in_flight_ahead_and_a_batch_leaves_with_the_next_ones_first_read() -> None:
+    # one read a step, one in flight: read 0 is sent at the start (0.2), arrives at 1.7 and
+    # is handed out; read 1 is sent then and arrives at 3.2, which ends batch 0 (first batch)
+    p = reads([-1, -1, -1])
+    t = timeline([(NONE, [p])], 3, replace(LINK, start_s=0.2), block_bytes=100)
+    assert t.first_s == pytest.approx(3.2)
+    # step 1 asks at 4.2: read 1 is handed out, read 2 sent (5.7); step 2 asks at 6.7, all there
+    assert t.asked.tolist() == pytest.approx([0.0, 4.2, 6.7])
+    assert t.taken.tolist() == pytest.approx([3.2, 5.7, 6.7])
+    assert (t.stalls, t.stall_share) == (1, 0.5)
+    # two in flight: reads 0 and 1 are sent at the start (1.7); read 2 when read 0 is handed
+    # out (1.7): 3.2, which step 1 (asked at 2.7) waits for, 0.5 s
+    t = timeline([(NONE, [p])], 3, replace(LINK, start_s=0.2, in_flight=2), block_bytes=100)
+    assert t.taken.tolist() == pytest.approx([1.7, 3.2, 4.2])
+    assert t.stalls == 1
+    # a wait of 0.5 s is no stall when a stall is a wait over 0.6 s
+    assert timeline([(NONE, [p])], 3, replace(LINK, start_s=0.2, in_flight=2, stall_s=0.6), 100).stalls == 0
+
+
+def test_batches_made_ahead_start_when_the_previous_one_is_made() -> None:
+    p = reads([-1, -1, -1])
+    # inside next(): read 2 is sent when step 1 asks (4.0), arrives at 5.5
+    assert timeline([(NONE, [p])], 3, LINK, 100).taken.tolist() == pytest.approx([3.0, 5.5, 6.5])
+    # one batch ahead: batch 1 is made from 3.0 (batch 0 made and taken), read 2 sent then: 4.5
+    assert timeline([(NONE, [p])], 3, replace(LINK, lookahead=1), 100).taken.tolist() == pytest.approx([3.0, 4.5, 5.5])
+
+
+def test_held_shards_are_fetched_in_each_process_order_and_shared_by_the_node() -> None:
+    # row 0: 4 blocks, row 1: 2 blocks; two GETs in flight per shard: rounds of 1.5 s
+    held = Held(blocks=np.asarray([4, 2]), nbytes=np.asarray([400, 200]), epoch=np.zeros(2, np.int64))
+    a = reads([0, 0], block=[1, 3], order=[[0, 1]])
+    b = reads([1, 1], block=[0, 1], order=[[1]])
+    # A fetches row 0 from 0 (blocks 0-1 at 1.5, 2-3 at 3.0), B row 1 (1.5); A skips row 1.
+    # A's batch 0 leaves with batch 1's read of block 3 (3.0), the job's first batch
+    t = timeline([(held, [a, b])], 2, LINK, 100)
+    assert t.first_s == pytest.approx(3.0)
+    assert t.taken.tolist() == pytest.approx([3.0, 4.0]) and t.stalls == 0
+    # A's order starts with row 1 (B fetches it too: one of them does), row 0 only from 1.5;
+    # but A's read of row 0 reaches the copy at 0, finds nothing under way and fetches it
+    a2 = reads([0, 0], block=[1, 3], order=[[1, 0]])
+    assert timeline([(held, [a2, b])], 2, LINK, 100).taken.tolist() == pytest.approx([3.0, 4.0])
+    # one thread serves the copy in order: a read of row 0 after one of row 1 reaches the copy
+    # when row 1's block 1 is there (1.5), just when the prefetch takes row 0: block 1 at 3.0
+    a3 = reads([1, 0], block=[1, 1], per_batch=2, order=[[1, 0]])
+    assert timeline([(held, [a3])], 1, LINK, 100).first_s == pytest.approx(3.0)
+    # the folder kept row 0: nothing to fetch, read at once
+    kept = Held(blocks=np.asarray([0, 2]), nbytes=np.asarray([400, 200]), epoch=np.zeros(2, np.int64))
+    assert timeline([(kept, [a, b])], 2, LINK, 100).taken.tolist() == pytest.approx([1.5, 2.5])
+
+
+def test_an_epochs_shards_are_fetched_from_the_nodes_first_read_of_it() -> None:
+    held = Held(blocks=np.asarray([2, 2]), nbytes=np.asarray([200, 200]), epoch=np.asarray([0, 1]))
+    p = reads([0, 1], block=[1, 1], order=[[0], [1]], epoch_starts=[0, 1])
+    # epoch 1's read is sent when read 0 is handed out (1.5): row 1 from 1.5, its block 1 at 3.0
+    assert timeline([(held, [p])], 2, LINK, 100).taken.tolist() == pytest.approx([3.0, 4.0])
+    # two reads in flight: epoch 1's first read is sent at the start, and so its fetch
+    t = timeline([(held, [p])], 2, replace(LINK, in_flight=2), 100)
+    assert t.taken.tolist() == pytest.approx([1.5, 2.5]) and t.stalls == 0
+
+
+def test_the_job_takes_a_step_when_its_slowest_process_has_it() -> None:
+    fast, slow = reads([-1]), ProcessReads(batch_ends=np.asarray([1]), held=np.asarray([-1]), block=np.zeros(1, np.int64),
+                                           nbytes=np.asarray([400]), epoch_starts=np.asarray([0]), order=[np.zeros(0, np.int64)])
+    t = timeline([(NONE, [fast]), (NONE, [slow])], 1, LINK, 100)
+    assert t.first_s == pytest.approx(0.5 + 4.0)
+    assert timeline([(NONE, [])], 0, LINK, 100).first_s == 0.0
