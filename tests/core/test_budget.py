@@ -137,7 +137,7 @@ def test_lockstep_cuts_give_every_rank_the_same_count_within_budget(
     costs = rng.lognormal(2, 1, (dp, max(r, 1)))
     budget = Budget(float(scale * costs.max()), model, cap)
     counts = np.full(dp, r)
-    s, cuts = lockstep_cuts(costs, counts, budget, multiple=k)
+    s, cuts = lockstep_cuts(costs, counts, budget, accumulation_steps=k)
     assert cuts.shape == (dp, s + 1)
     assert s == 0 or s % k == 0 or s == r
     for d in range(dp):

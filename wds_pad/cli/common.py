@@ -208,8 +208,8 @@ def print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
     size = f"budget {budget.limit:g} ({budget.model.value})" if budget is not None else f"batch {plan.batch_size}"
     if plan.sizing.kind == "pack":  # B packs of at most seq_len tokens
         size = plan.sizing.describe()
-    unit = plan.sizing.pad_unit(topo.dp_size, plan.pad_to, plan.accumulation)
-    accumulation = f", accumulation {plan.accumulation}" if plan.accumulation > 1 else ""
+    unit = plan.sizing.pad_unit(topo.dp_size, plan.pad_to, plan.accumulation_steps)
+    accumulation = f", accumulation {plan.accumulation_steps}" if plan.accumulation_steps > 1 else ""
     out.write(f"epoch {plan.epoch}: world_size {topo.world_size}, dp_size {topo.dp_size}, "
               f"cp_size {topo.cp_size}, {size}, policy {plan.policy.value}, pad unit {unit}{accumulation}\n")
     out.write(format_table(headers, rows, align="llrrrrrrlr") + "\n")

@@ -92,7 +92,7 @@ class RankCuts:
 
 
 def shard_cut(local: LocalBuckets, j: int, length: int, real: int, dp: int, cost: Any, budget: Budget,
-              accumulation: int) -> RankCuts:
+              accumulation_steps: int) -> RankCuts:
     """Kept bucket ``j`` of a shard-local plan (``length`` entries padded, ``real`` of them
     samples): every rank's entries, and the lockstep cuts of them under ``budget``.
     O(the bucket's entries): every rank must know every rank's costs to agree on a count."""
@@ -104,7 +104,7 @@ def shard_cut(local: LocalBuckets, j: int, length: int, real: int, dp: int, cost
     costs = np.where(live, np.asarray(cost[ids], dtype=np.float64), 0.0)
     per_ids, per_cost = ids.reshape(r, dp).T, costs.reshape(r, dp).T  # rank d's entry k: position d + k * dp
     counts = np.maximum(0, -(-(length - np.arange(dp)) // dp))
-    steps, cuts = lockstep_cuts(per_cost, counts, budget, multiple=accumulation)
+    steps, cuts = lockstep_cuts(per_cost, counts, budget, accumulation_steps=accumulation_steps)
     pad = (np.arange(dp)[:, None] + np.arange(r)[None, :] * dp) >= real
     return RankCuts([per_ids[d, :counts[d]] for d in range(dp)], [pad[d, :counts[d]] for d in range(dp)],
                     steps, cuts)

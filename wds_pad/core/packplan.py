@@ -7,7 +7,7 @@ consecutive packs of a bucket are one batch. The schedule of the packs (B x K at
 core/schedule.py) taken every B-th step is the schedule of the batches (K at a time), so
 the grouped plan and the budget plan are the same epoch counted in different steps: the
 elastic remainder of a packed epoch is the budget remainder of its packs
-(core/budgetremainder.py, with every segment's steps counted in packs), grouped again.
+(core/remainder.py, with every segment's steps counted in packs), grouped again.
 
 Invariants (tests/core/test_packplan.py):
 - every rank's batch is ``packs`` packs, each of cost <= ``seq_len`` and at most
@@ -35,7 +35,7 @@ from .packing import Pack
 from .planrecord import Bins, Plan, rank_batches
 from .policy import Policy
 
-__all__ = ["PackNumbers", "pack_buckets", "pack_remainder"]
+__all__ = ["PackNumbers", "group_plan", "pack_buckets"]
 
 
 class PackNumbers:
@@ -126,24 +126,9 @@ def group_plan(plan: Plan, pack: Pack, accumulation_steps: int) -> Plan:
     widest = int(np.diff(offsets).max(initial=1)) if offsets.size > 1 else 1
     stats = tuple(replace(s, steps=s.steps // B) for s in plan.stats)
     out = replace(plan, schedule=schedule, window=window, batch_step=batch_step, offsets=offsets, stats=stats,
-                  sizing=pack, bins=grouped, accumulation=accumulation_steps, batch_size=max(1, widest),
+                  sizing=pack, bins=grouped, accumulation_steps=accumulation_steps, batch_size=max(1, widest),
                   packs=PackNumbers(pack_starts, B))
     src = plan.buckets.local
     if src is not None and getattr(src, "plan", None) is plan:
         src.plan = out  # a shard-local remainder reads its shard uses off its own plan
     return out
-
-
-def pack_remainder(datasets: Any, topology: Any, segments: Sequence[Any], *, batch_size: Pack,
-                   accumulation_steps: int = 1, **kwargs: Any) -> tuple[Plan, str]:
-    """What ``segments`` left of a packed epoch on ``topology``, and its fingerprint: the
-    budget remainder of its packs, segments counted in packs, grouped again."""
-    from .budgetremainder import plan_budget_remainder
-
-    B, k = batch_size.packs, int(accumulation_steps)
-    segs = [replace(s, steps=None if s.steps is None else s.steps * B,
-                    positions=None if s.positions is None else tuple(p * B for p in s.positions))
-            for s in segments]
-    plan, digest = plan_budget_remainder(datasets, topology, segs, batch_size=batch_size.budget(),
-                                         accumulation_steps=k * B, **kwargs)
-    return group_plan(plan, batch_size, k), digest

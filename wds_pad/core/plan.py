@@ -168,7 +168,7 @@ def plan_epoch(
     _warn_dropped(warn, got.dropped, got.dropped_samples, got.total_samples, epoch)
 
     table = got.table
-    schedule, window_of = step_schedule(dss, table, sized.steps, seed, epoch, group=k)
+    schedule, window_of = step_schedule(dss, table, sized.steps, seed, epoch, accumulation_steps=k)
     if sized.local is not None:  # a window's span of the epoch, in steps
         sized.local.set_steps(int(schedule.size))
     buckets = Buckets(sized.keyed, at.dp, at.d, order=sized.order, local=sized.local, counts=sized.counts)
@@ -185,7 +185,7 @@ def plan_epoch(
         bucket_table=tuple(table), schedule=schedule, window=window_of, batch_step=batch_step,
         offsets=offsets, stats=tuple(got.stats), buckets=buckets, locality=locality,
         shard_window=shard_window, sizing=sizing, bins=bins,
-        accumulation=k, packs=sized.packs, seed=seed,
+        accumulation_steps=k, packs=sized.packs, seed=seed,
     )
 
 

@@ -126,7 +126,7 @@ class Plan:
     shard_window: int = 8  # shards a rank visits at once (locality="shard")
     sizing: Count | Budget | None = None  # how batches are sized (None: Count(batch_size))
     bins: Bins | None = field(default=None, repr=False)  # where each batch starts (a budget's batches vary)
-    accumulation: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
+    accumulation_steps: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
     packs: Any = field(default=None, repr=False)  # a Pack's pack numbers (core/packplan.py), or None
     seed: int | None = None  # the shared seed: each entry's seed derives from it (None: no seeds)
 
@@ -252,7 +252,7 @@ class Plan:
 class EntryOrder(Protocol):
     """Where a rank's entries come from: the keyed global order (``Buckets``), a
     shard-local order (core/localbuckets.py), a budget's strata (core/budgetplan.py) or an
-    elastic remainder of one of them (core/remainder.py, core/budgetremainder.py)."""
+    elastic remainder of one of them (core/remainder.py)."""
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of this rank's entries ``k`` of kept buckets ``b``."""

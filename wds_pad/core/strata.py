@@ -72,7 +72,7 @@ class BucketBatches:
         policy: ``"cyclic"``, ``"drop"`` or ``"none"`` (resolved).
         oversubscribe: keep a bucket with fewer entries than ``dp`` (cyclic only).
         top_up: fill the last batch with copies of the first strata (``pad_to="batch"``).
-        accumulation: K: the batch count is made a multiple of K.
+        accumulation_steps: K: the batch count is made a multiple of K.
 
     Attributes:
         seq: stratum ids in packed order, batch after batch.
@@ -85,7 +85,7 @@ class BucketBatches:
 
     def __init__(self, n: int, passes: int, dp: int, sorted_cost: Callable[[np.ndarray], np.ndarray],
                  base_key: int, budget: Budget, policy: str, oversubscribe: bool = False,
-                 top_up: bool = False, accumulation: int = 1) -> None:
+                 top_up: bool = False, accumulation_steps: int = 1) -> None:
         self.n, self.passes, self.dp, self.budget = int(n), int(passes), int(dp), budget
         self.base_key = int(base_key)
         self.uneven = policy == "none"  # the short stratum stays short
@@ -131,7 +131,7 @@ class BucketBatches:
             seq, offsets, copy = self._place_short(seq, offsets, copy, weights)
         if policy == "cyclic" and top_up and self.complete:
             seq, offsets, copy = self._top_up(seq, offsets, copy, weights)
-        seq, offsets, copy = self._whole_cycles(seq, offsets, copy, int(accumulation), policy)
+        seq, offsets, copy = self._whole_cycles(seq, offsets, copy, int(accumulation_steps), policy)
         if seq.size == 0:
             self._empty(dropped=True)
             return
