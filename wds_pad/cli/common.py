@@ -234,7 +234,7 @@ def locality_arg(text: str) -> str:
 def check_node_layout(cmd: str, args: argparse.Namespace) -> None:
     """A usage error, in flags, when ``--local-world-size`` (with ``--world-size``,
     ``--cp-size`` and ``--locality node``) is no node layout: the rule is the topology's
-    (``Topology.dp_ranks_per_node``), the words are the command line's."""
+    (``Topology.node_ranks``), the words are the command line's."""
     import re
 
     from ..core.topology import Topology
@@ -249,7 +249,7 @@ def check_node_layout(cmd: str, args: argparse.Namespace) -> None:
         topology = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size,
                             local_world_size=args.local_world_size)
         if args.locality == "node":
-            topology.dp_ranks_per_node  # noqa: B018 - raises when the node layout and CP do not line up
+            topology.node_ranks  # noqa: B018 - raises when the node layout and CP do not line up
     except TopologyError as exc:
         flags = re.sub(r"\b(local_world_size|world_size|cp_size)\b",
                        lambda m: "--" + m.group(1).replace("_", "-"), str(exc))

@@ -153,17 +153,18 @@ def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, a
 
 
 def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
-    dp, d, k = at.dp, at.d, at.accumulation_steps
-    unit = budget.pad_unit(dp) * k  # each rank's entries of a bucket come in whole optimizer steps' worth
+    dp, d = at.dp, at.d
+    unit = budget.pad_unit(dp) * at.accumulation_steps  # each rank's entries of a bucket come in whole optimizer steps' worth
     got = bucket_table(dss, padded(unit, at.policy, at.oversubscribe, 0), epoch=at.epoch, dp=dp, batch=1,
                        unit=unit, oversubscribe=at.oversubscribe, size=budget.describe())
     local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, d, at.window,
-                         at.node_ranks)
+                         at.locality, at.node_ranks)
     steps: list[int] = []
     starts: list[np.ndarray] = []
     counts = np.zeros(len(got.kept), np.int64)
     for j, kb in enumerate(got.kept):
-        cut = shard_cut(local, j, kb.length, min(kb.n * kb.passes, kb.length), dp, dss[kb.di].cost, budget, k)
+        cut = shard_cut(local, j, kb.length, min(kb.n * kb.passes, kb.length), dp, dss[kb.di].cost, budget,
+                        at.accumulation_steps)
         steps.append(cut.steps)
         starts.append(cut.cuts[d])
         counts[j] = cut.count(d)

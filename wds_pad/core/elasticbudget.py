@@ -60,7 +60,7 @@ class BudgetLevels:
     def __init__(self, base: Plan, dss: Sequence[Any], budget: Budget, accumulation_steps: int, seed: int,
                  epoch: int, dp: int) -> None:
         self.base, self.dss, self.budget, self.seed, self.epoch = base, dss, budget, seed, epoch
-        self.accumulation_steps = k = accumulation_steps
+        self.accumulation_steps = accumulation_steps
         self.shard = base.locality.dealt
         self.pol = "none" if base.policy is Policy.NONE else "cyclic"
         nb0 = len(base.bucket_table)
@@ -70,7 +70,7 @@ class BudgetLevels:
             for j, (di, key) in enumerate(base.bucket_table):
                 st = _stat(base, di, key)
                 lv0.batches.append(shard_cut(local, j, st.padded_length, min(st.length, st.padded_length), lv0.dp,
-                                             dss[di].cost, budget, k))
+                                             dss[di].cost, budget, accumulation_steps))
         else:
             lv0.batches = list(base.buckets.order.batches)
         lv0.runs = [None] * nb0
@@ -319,7 +319,7 @@ def _top_stat(base: Plan, t: int, bb: Any, shard: bool) -> BucketStats:
                        oversubscribed=False, steps=bb.batches)
 
 
-def _next_shard(cut: RankCuts, taken: np.ndarray, dp: int, cost: Any, budget: Budget, k: int,
+def _next_shard(cut: RankCuts, taken: np.ndarray, dp: int, cost: Any, budget: Budget, accumulation_steps: int,
                 pol: str) -> tuple[RankCuts, None] | None:
     """What the ranks of a shard-local level left of a bucket, rank after rank, dealt to
     ``dp`` new ranks in contiguous blocks (padded cyclically unless ``none``) and cut again."""
@@ -329,7 +329,7 @@ def _next_shard(cut: RankCuts, taken: np.ndarray, dp: int, cost: Any, budget: Bu
     n = int(real.size)
     if not n:
         return None
-    unit = dp * k
+    unit = dp * accumulation_steps
     length = n if pol == "none" else -(-n // unit) * unit
     idx = np.arange(length, dtype=np.int64)
     ids, pad = real[idx % n], idx >= n
@@ -341,7 +341,7 @@ def _next_shard(cut: RankCuts, taken: np.ndarray, dp: int, cost: Any, budget: Bu
     for d in range(dp):
         costs[d, :per_ids[d].size] = np.asarray(cost[per_ids[d]], np.float64)
     counts = np.asarray([x.size for x in per_ids], np.int64)
-    steps, cuts = lockstep_cuts(costs, counts, budget, accumulation_steps=k)
+    steps, cuts = lockstep_cuts(costs, counts, budget, accumulation_steps=accumulation_steps)
     if not steps:
         return None
     return RankCuts(per_ids, per_pad, steps, cuts), None

@@ -152,8 +152,8 @@ def plan_epoch(
     policy = resolve_policy(policy, mode, bool(oversubscribe))
     locality = parse_enum(Locality, locality, "locality")
     shard_window = check_positive("window", window)
-    k = _check_accumulation(accumulation_steps, policy, pad_to, sizing)
-    node_ranks = topology.dp_ranks_per_node if locality is Locality.NODE else 0
+    accumulation_steps = _check_accumulation(accumulation_steps, policy, pad_to, sizing)
+    node_ranks = topology.node_ranks if locality is Locality.NODE else 0
     raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
     mixed = mix(as_datasets(datasets), seed, epoch, mix_by, epoch_size)
     dss = mixed.datasets
@@ -161,14 +161,14 @@ def plan_epoch(
         raise ConfigError("proportions are planned with batches of a sample count (batch_size=N, --batch-size), "
                           f"not with {sizing.describe()}; drop the proportions or the budget")
     at = Planning(seed=seed, epoch=epoch, dp=int(topology.dp_size), d=int(topology.dp_rank),  # type: ignore[arg-type]
-                  policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to, accumulation_steps=k,
+                  policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to, accumulation_steps=accumulation_steps,
                   locality=locality, window=shard_window, node_ranks=node_ranks, targets=mixed.targets)
     sized = BUCKET_PLANNERS[sizing.kind](raw, dss, sizing, at)
     got = sized.buckets
     _warn_dropped(warn, got.dropped, got.dropped_samples, got.total_samples, epoch)
 
     table = got.table
-    schedule, window_of = step_schedule(dss, table, sized.steps, seed, epoch, accumulation_steps=k)
+    schedule, window_of = step_schedule(dss, table, sized.steps, seed, epoch, accumulation_steps=accumulation_steps)
     if sized.local is not None:  # a window's span of the epoch, in steps
         sized.local.set_steps(int(schedule.size))
     buckets = Buckets(sized.keyed, at.dp, at.d, order=sized.order, local=sized.local, counts=sized.counts)
@@ -185,7 +185,7 @@ def plan_epoch(
         bucket_table=tuple(table), schedule=schedule, window=window_of, batch_step=batch_step,
         offsets=offsets, stats=tuple(got.stats), buckets=buckets, locality=locality,
         shard_window=shard_window, sizing=sizing, bins=bins,
-        accumulation_steps=k, packs=sized.packs, seed=seed,
+        accumulation_steps=accumulation_steps, packs=sized.packs, seed=seed,
     )
 
 
@@ -208,7 +208,7 @@ def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at:
     local = None
     if at.locality.dealt:  # the order inside each bucket; the schedule is the same
         local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, at.d, at.window,
-                             at.node_ranks)
+                             at.locality, at.node_ranks)
     counts = np.asarray([max(0, -(-(kb.length - at.d) // dp)) for kb in got.kept], dtype=np.int64)
     return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept], counts=counts, starts=None,
                         order=local, local=local, keyed=keyed)

@@ -141,36 +141,37 @@ def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment
     sizing = as_sizing(batch_size)
     common = dict(seed=seed, epoch=epoch, policy=policy, mode=mode, oversubscribe=oversubscribe, pad_to=pad_to,
                   locality=locality, window=window)
-    k = int(accumulation_steps)
+    accumulation_steps = int(accumulation_steps)
     if sizing.kind != "pack":
-        return Remainder(*_remaining(datasets, topology, segments, sizing=sizing, accumulation_steps=k, **common))
+        return Remainder(*_remaining(datasets, topology, segments, sizing=sizing,
+                                     accumulation_steps=accumulation_steps, **common))
     # a Pack: the remainder of its packs (B a batch), every segment counted in packs, grouped again
     B = sizing.packs  # type: ignore[union-attr]
     segs = [replace(s, steps=None if s.steps is None else s.steps * B,
                     positions=None if s.positions is None else tuple(p * B for p in s.positions))
             for s in segments]
     plan, digest = _remaining(datasets, topology, segs, sizing=sizing.budget(),  # type: ignore[union-attr]
-                              accumulation_steps=k * B, **common)
-    return Remainder(group_plan(plan, sizing, k), digest)  # type: ignore[arg-type]
+                              accumulation_steps=accumulation_steps * B, **common)
+    return Remainder(group_plan(plan, sizing, accumulation_steps), digest)  # type: ignore[arg-type]
 
 
 def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *, sizing: Count | Budget,
                seed: int, epoch: int, policy: Policy | str, mode: Any, oversubscribe: bool, pad_to: PadTo | str,
                locality: Locality | str, window: int, accumulation_steps: int) -> tuple[Plan, str]:
     """The remainder's Plan of this rank and its fingerprint, for a count or a budget."""
-    k = accumulation_steps
     base = plan_epoch(datasets, segments[0].topology(), seed=seed, epoch=epoch, batch_size=sizing, policy=policy,
                       mode=mode, oversubscribe=oversubscribe, pad_to=pad_to, warn=False, locality=locality,
-                      window=window, accumulation_steps=k)
+                      window=window, accumulation_steps=accumulation_steps)
     dss = as_datasets(datasets)
-    levels = REMAINDER_LEVELS[sizing.kind](base, dss, sizing, k, seed, epoch, segments[0].dp_size)
+    levels = REMAINDER_LEVELS[sizing.kind](base, dss, sizing, accumulation_steps, seed, epoch,
+                                           segments[0].dp_size)
     for j, seg in enumerate(segments):
         if seg.dp_size != levels.top.dp:
             raise StateError(f"an elastic segment says dp_size {seg.dp_size} where its layout had {levels.top.dp}")
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
         tab, steps = levels.advance(seg, dp, lambda sched, seg, dp, nb: steps_taken(sched, seg, dp, nb, epoch))
         table = [base.bucket_table[int(t)] for t in tab]
-        levels.scheduled(*step_schedule(dss, table, steps, seed, epoch, accumulation_steps=k))
+        levels.scheduled(*step_schedule(dss, table, steps, seed, epoch, accumulation_steps=accumulation_steps))
     top = levels.top
     d = int(topology.dp_rank)  # type: ignore[arg-type]
     table = tuple(base.bucket_table[int(t)] for t in top.tab)
@@ -186,7 +187,7 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
                 pad_to=base.pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
                 schedule=top.schedule, window=top.window, batch_step=batch_step, offsets=offsets, stats=stats,
                 buckets=buckets, locality=base.locality, shard_window=base.shard_window, sizing=sizing, bins=bins,
-                accumulation_steps=k, seed=base.seed)
+                accumulation_steps=accumulation_steps, seed=base.seed)
     if local is not None:
         local.plan = plan  # its shard uses are read off the plan it belongs to
     return plan, levels.digest(segments, table)

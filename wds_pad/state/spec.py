@@ -167,7 +167,7 @@ class PlanSpec:
             fields["window"] = self.window
             fields["shard_order"] = "fifo"  # a rank's windows first in, first out (core/locality.py)
         if self.locality is Locality.NODE:  # how the shards were dealt: to nodes of this many DP ranks
-            fields["node_ranks"] = self.topology.dp_ranks_per_node
+            fields["node_ranks"] = self.topology.node_ranks
             fields["export"] = EXPORT
         if self.proportions:  # absent without: the fingerprints of earlier versions
             fields["proportions"] = [float(p) for p in self.proportions]
