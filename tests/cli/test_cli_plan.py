@@ -374,7 +374,7 @@ def test_summary_reports_shuffle_quality_and_the_gets_of_the_ranks_node(tmp_path
     from dataclasses import asdict
 
     from wds_pad import load_index
-    from wds_pad.core.localfigures import figures, node_figures
+    from wds_pad.cli.readfigures import figures, node_figures
     from wds_pad.core.locality import shard_map_of
     from wds_pad.io.options import ReadOptions
 
