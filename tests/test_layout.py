@@ -192,3 +192,40 @@ def test_torch_distributed_is_reached_through_core_collective(path: Path) -> Non
             assert not name.startswith("torch.distributed"), (
                 f"{rel}:{node.lineno} imports {name}: reach the process group through "
                 "wds_pad.core.collective (dist_for, all_gather, broadcast, default_store)")
+
+
+#: the most imports deep a chain inside core runs (a module importing another only for
+#: a type does so under ``if TYPE_CHECKING:``, which does not count)
+MAX_CORE_DEPTH = 6
+
+
+def _runtime_core_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    typing_only = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+                   for b in n.body for x in ast.walk(b)}
+    core = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in CORE}
+    out = set()
+    for line, target in _imports(path):
+        while target and target not in core and "." in target:
+            target = target.rsplit(".", 1)[0]
+        if target in core and not target.endswith("__init__"):
+            out.add(target)
+    lines = {n.lineno for n in ast.walk(tree) if id(n) in typing_only and isinstance(n, (ast.Import, ast.ImportFrom))}
+    return out - {t for line, t in _imports(path) if line in lines}
+
+
+def test_core_imports_run_at_most_six_deep() -> None:
+    mods = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in CORE if p.name != "__init__.py"}
+    edges = {m: _runtime_core_imports(p) - {m} for m, p in mods.items()}
+    memo: dict[str, list[str]] = {}
+
+    def longest(m: str, seen: frozenset[str]) -> list[str]:
+        if m not in memo:
+            paths = [longest(d, seen | {m}) for d in edges[m] if d in mods and d not in seen]
+            memo[m] = [m] + max(paths, key=len, default=[])
+        return memo[m]
+
+    chain = max((longest(m, frozenset()) for m in sorted(mods)), key=len)
+    assert len(chain) - 1 <= MAX_CORE_DEPTH, (
+        f"core's imports run {len(chain) - 1} deep ({' -> '.join(c.rsplit('.', 1)[1] for c in chain)}): import a "
+        "module only for a type under `if TYPE_CHECKING:`, or hand a planner what it needs")

@@ -20,14 +20,16 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from .dataset import Dataset
-from .locality import Locality
 from .planrecord import BucketStats, EntryOrder
 from .policy import PadTo, Policy, check_bucket_size, check_planned_total, padded_length
+
+if TYPE_CHECKING:
+    from .dataset import Dataset
+    from .locality import Locality
 
 __all__ = ["BucketTable", "Kept", "Measured", "Planning", "SizedBuckets", "bucket_table", "padded"]
 

@@ -23,12 +23,11 @@ Invariants (tests/core/test_packplan.py):
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
-from .budgetplan import budget_buckets
 from .buckettable import Planning, SizedBuckets
 from .dataset import Dataset
 from .packing import Pack
@@ -56,8 +55,10 @@ class PackNumbers:
         return np.repeat(np.tile(np.arange(self.packs, dtype=np.int64), b.shape[0]), per.ravel())
 
 
-def pack_buckets(raw: Sequence[Any], dss: Sequence[Dataset], pack: Pack, at: Planning) -> SizedBuckets:
-    """The bucket planner of a :class:`~wds_pad.core.packing.Pack` (see the module docstring).
+def pack_buckets(budget_buckets: Callable[..., SizedBuckets], raw: Sequence[Any], dss: Sequence[Dataset], pack: Pack,
+                 at: Planning) -> SizedBuckets:
+    """The bucket planner of a :class:`~wds_pad.core.packing.Pack` (see the module docstring), given
+    the bucket planner of a budget (core/budgetplan.py's, registered with it in core/plan.py).
 
     Raises:
         ConfigError: policy ``none``; a dataset without costs; a sample costlier than

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -216,7 +217,7 @@ def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at:
 
 #: each sizing's bucket planner, by the sizing's ``kind``
 BUCKET_PLANNERS: dict[str, Callable[..., SizedBuckets]] = {
-    "count": count_buckets, "budget": budget_buckets, "pack": pack_buckets}
+    "count": count_buckets, "budget": budget_buckets, "pack": partial(pack_buckets, budget_buckets)}
 
 
 def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Count | Budget) -> int:

@@ -18,18 +18,20 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Iterator, Protocol, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
-from .budget import Budget
-from .locality import Locality
 from .permute import ROUNDS, permute
 from .policy import Mode, PadTo, Policy
 from .sampleseed import seed_bases, seeded_entries
-from .sizing import Count
-from .topology import Topology
+
+if TYPE_CHECKING:  # the records a Plan holds; their modules plan, this one only records
+    from .budget import Budget
+    from .locality import Locality
+    from .sizing import Sizing
+    from .topology import Topology
 
 __all__ = ["Batch", "BucketStats", "Plan"]
 
@@ -122,22 +124,18 @@ class Plan:
     offsets: np.ndarray
     stats: tuple[BucketStats, ...] = field(repr=False)
     buckets: Buckets = field(repr=False)
-    locality: Locality = Locality.NONE
+    sizing: Sizing  # how batches are sized: a Count, a Budget or a Pack (core/sizing.py)
+    locality: Locality
     shard_window: int = 8  # shards a rank visits at once (locality="shard")
-    sizing: Count | Budget | None = None  # how batches are sized (None: Count(batch_size))
     bins: Bins | None = field(default=None, repr=False)  # where each batch starts (a budget's batches vary)
     accumulation_steps: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
     packs: Any = field(default=None, repr=False)  # a Pack's pack numbers (core/packplan.py), or None
     seed: int | None = None  # the shared seed: each entry's seed derives from it (None: no seeds)
 
-    def __post_init__(self) -> None:
-        if self.sizing is None:
-            object.__setattr__(self, "sizing", Count(self.batch_size))
-
     @property
     def budget(self) -> Budget | None:
         """The Budget batches are sized by, or None (a count: ``batch_size`` each)."""
-        return self.sizing if self.sizing.kind == "budget" else None  # type: ignore[union-attr,return-value]
+        return self.sizing if self.sizing.kind == "budget" else None  # type: ignore[return-value]
 
     def _first(self, b: np.ndarray, w: np.ndarray) -> np.ndarray:
         """Where window ``w`` of kept bucket ``b`` starts among this rank's entries of it."""
