@@ -112,3 +112,11 @@ def test_every_sizing_keeps_and_drops_through_the_same_table(sizing) -> None:
     tiny = next(s for s in plan.stats if s.bucket == "tiny")
     assert tiny.dropped and tiny.padded_length == 0 and tiny.truncated == 1
     assert [key for _, key in plan.bucket_table] == ["big"]
+
+
+def test_each_sizing_names_itself_for_the_summary_line_and_batched() -> None:
+    from wds_pad import Pack
+    assert Count(64).summary() == "batch 64"
+    assert Budget(8192, "sum").summary() == "budget 8192 (sum)"
+    assert Pack(4096, packs=2).summary() == "pack 4096 x 2"
+    assert as_sizing(64) == Count(64) != Budget(64)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -186,7 +187,9 @@ def test_a_torchrun_job_without_cache_dir_shares_a_folder_of_its_own_and_removes
     job = nodejob.Job(args, NPROCS, run="default", env={"TMPDIR": str(tmp)}).start()
     seen: set[str] = set()
     while any(p.poll() is None for p in job.procs):
-        seen |= {p.name for p in tmp.iterdir() if p.name.startswith("wds_pad-node-")}
+        # a process that loses the race to make the folder drops its ``<name>.<rand>.tmp``:
+        # count the folders themselves; the check after the job catches any leftover
+        seen |= {p.name for p in tmp.iterdir() if re.fullmatch(r"wds_pad-node-[0-9a-f]{16}", p.name)}
         time.sleep(0.02)
     assert job.wait() == [0] * NPROCS, job.outputs()
     assert len(seen) == 1  # one folder for the node's 4 ranks and 8 workers

@@ -197,7 +197,7 @@ def test_transform_dropping_samples_is_refused(index: Index) -> None:
 
 
 def test_batched_with_other_size_is_refused(index: Index) -> None:
-    with pytest.raises(ConfigError, match="batch_size 4"):
+    with pytest.raises(ConfigError, match="follow the plan.s batch 4;"):
         _ds(index).batched(8)
     sizes = [len(b) for b in _ds(index).to_tuple("json").batched(collation_fn=None)]
     assert set(sizes) == {4}

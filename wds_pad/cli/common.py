@@ -204,10 +204,7 @@ def print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
                      s.padded_copies, pct, s.truncated, status, s.steps])
     headers = ["dataset", "bucket", "samples", "repeats", "padded len", "pad copies", "pad %",
                "truncated", "status", "steps/epoch"]
-    budget = plan.budget
-    size = f"budget {budget.limit:g} ({budget.model.value})" if budget is not None else f"batch {plan.batch_size}"
-    if plan.sizing.kind == "pack":  # B packs of at most seq_len tokens
-        size = plan.sizing.describe()
+    size = plan.sizing.summary()
     unit = plan.sizing.pad_unit(topo.dp_size, plan.pad_to, plan.accumulation_steps)
     accumulation = f", accumulation {plan.accumulation_steps}" if plan.accumulation_steps > 1 else ""
     out.write(f"epoch {plan.epoch}: world_size {topo.world_size}, dp_size {topo.dp_size}, "

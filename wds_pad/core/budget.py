@@ -106,6 +106,10 @@ class Budget:
         """How messages name it: ``budget 8192``."""
         return f"budget {self.limit:g}"
 
+    def summary(self) -> str:
+        """How ``plan --summary`` and ``batched()`` name it: ``budget 8192 (tokens)``."""
+        return f"budget {self.limit:g} ({self.model.value})"
+
     def fingerprint(self) -> dict[str, Any]:
         """The plan fingerprint's ``batch_size`` field: the budget and how batches are packed under it."""
         return {**self.to_json(), "packing": PACKING}

@@ -99,6 +99,10 @@ class Pack:
         """How messages name it: ``pack 8192 x 4``."""
         return f"pack {self.seq_len} x {self.packs}"
 
+    def summary(self) -> str:
+        """How ``plan --summary`` and ``batched()`` name it, as messages do."""
+        return self.describe()
+
     def fingerprint(self) -> dict[str, Any]:
         """The plan fingerprint's ``batch_size`` field: the pack and how packs are formed."""
         return {"pack": {**self.to_json(), "packing": PACK_PACKING}}

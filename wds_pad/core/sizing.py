@@ -38,6 +38,8 @@ class Sizing(Protocol):
 
     def describe(self) -> str: ...
 
+    def summary(self) -> str: ...
+
     def fingerprint(self) -> Any: ...
 
 
@@ -69,6 +71,10 @@ class Count:
     def describe(self) -> str:
         """How messages name it: the batch size."""
         return str(self.batch_size)
+
+    def summary(self) -> str:
+        """How ``plan --summary`` and ``batched()`` name it: ``batch 64``."""
+        return f"batch {self.batch_size}"
 
     def fingerprint(self) -> Any:
         """The plan fingerprint's ``batch_size`` field."""

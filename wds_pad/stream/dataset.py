@@ -36,6 +36,7 @@ from ..errors import ConfigError, WdsPadError
 from ..index.codec import load_index
 from ..index.record import Index
 from ..core.budget import Budget
+from ..core.sizing import Count, as_sizing
 from ..core.locality import Locality
 from ..core.policy import Mode, PadTo, Policy, check_epoch, parse_enum
 from ..io.options import ReadOptions, ReadStats
@@ -214,13 +215,10 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         one dict): every sample of a batch must then have the same members, or a
         ``ConfigError`` names the one that differs (see docs/streaming.md, "What a batch is").
         """
-        if batchsize is not None and isinstance(self.spec.batch_size, Budget):
-            raise ConfigError(f"batched({batchsize}): batches follow the plan's budget "
-                              f"{self.spec.batch_size.limit:g} ({self.spec.batch_size.model.value}); "
+        sizing = as_sizing(self.spec.batch_size)
+        if batchsize is not None and sizing != Count(batchsize):
+            raise ConfigError(f"batched({batchsize}): batches follow the plan's {sizing.summary()}; "
                               "call batched() without a size")
-        if batchsize is not None and batchsize != self.spec.batch_size:
-            raise ConfigError(f"batched({batchsize}): batches follow the plan's batch_size "
-                              f"{self.spec.batch_size}; call batched() without a size")
         result = copy.copy(self)
         # an explicit None means "a plain list", as in webdataset's batched(); only the
         # constructor's default None turns into default collation once transforms exist
