@@ -40,6 +40,7 @@ the Dataset record and its bucket order in ``core.dataset``, the schedule of ste
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
@@ -66,16 +67,16 @@ from .topology import Topology
 __all__ = ["Batch", "BucketStats", "Plan", "iter_steps", "plan_epoch"]
 
 
-# wds_pad itself and the standard library: a warning's frame is never one of theirs
-_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+# wds_pad itself (the package, wherever this module sits in it) and the standard library:
+# a warning's frame is never one of theirs
+_PACKAGE = sys.modules[__name__.split(".")[0]]
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(_PACKAGE.__file__ or "")) + os.sep,
                  os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep)
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning raised by our caller at the user's line:
     the first frame outside wds_pad, webdataset, torch and the standard library."""
-    import sys
-
     skip = list(_LIBRARY_DIRS)
     for mod in ("webdataset", "torch"):
         m = sys.modules.get(mod)
