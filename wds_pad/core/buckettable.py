@@ -48,7 +48,7 @@ class Planning:
     accumulation_steps: int
     locality: Locality
     window: int              # shards a rank (a node) visits at once
-    node_ranks: int          # DP ranks per node with locality "node", else 0
+    node_ranks: int          # DP ranks per node with locality "node" (its shards dealt to them), else 1
     targets: Any = None      # proportions: each extended bucket's target entries (core/proportion.py), or None
 
 

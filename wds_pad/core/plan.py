@@ -155,7 +155,7 @@ def plan_epoch(
     locality = parse_enum(Locality, locality, "locality")
     shard_window = check_positive("window", window)
     accumulation_steps = _check_accumulation(accumulation_steps, policy, pad_to, sizing)
-    node_ranks = topology.node_ranks if locality is Locality.NODE else 0
+    node_ranks = topology.node_ranks if locality is Locality.NODE else 1
     raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
     mixed = mix(as_datasets(datasets), seed, epoch, mix_by, epoch_size)
     dss = mixed.datasets
