@@ -154,7 +154,8 @@ def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, a
 
 def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
     dp, d = at.dp, at.d
-    unit = budget.pad_unit(dp) * at.accumulation_steps  # each rank's entries of a bucket come in whole optimizer steps' worth
+    # each rank's entries of a bucket come in whole optimizer steps' worth
+    unit = budget.pad_unit(dp) * at.accumulation_steps
     got = bucket_table(dss, padded(unit, at.policy, at.oversubscribe, 0), epoch=at.epoch, dp=dp, batch=1,
                        unit=unit, oversubscribe=at.oversubscribe, size=budget.describe())
     local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, d, at.window,

@@ -163,7 +163,8 @@ def plan_epoch(
         raise ConfigError("proportions are planned with batches of a sample count (batch_size=N, --batch-size), "
                           f"not with {sizing.describe()}; drop the proportions or the budget")
     at = Planning(seed=seed, epoch=epoch, dp=int(topology.dp_size), d=int(topology.dp_rank),  # type: ignore[arg-type]
-                  policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to, accumulation_steps=accumulation_steps,
+                  policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to,
+                  accumulation_steps=accumulation_steps,
                   locality=locality, window=shard_window, node_ranks=node_ranks, targets=mixed.targets)
     sized = BUCKET_PLANNERS[sizing.kind](raw, dss, sizing, at)
     got = sized.buckets
@@ -222,18 +223,18 @@ BUCKET_PLANNERS: dict[str, Callable[..., SizedBuckets]] = {
 
 
 def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Count | Budget) -> int:
-    k = check_positive("accumulation_steps", value)
-    if k > 1 and policy is Policy.NONE:
+    steps = check_positive("accumulation_steps", value)
+    if steps > 1 and policy is Policy.NONE:
         raise ConfigError(
-            f"accumulation_steps={k} with padding policy 'none': 'none' gives ranks different batch "
+            f"accumulation_steps={steps} with padding policy 'none': 'none' gives ranks different batch "
             "counts, so an epoch could not end on a whole optimizer step on every rank; use pad='cyclic' "
             "or 'drop', or accumulation_steps=1")
-    if k > 1 and sizing.short_last_batch(pad_to):
+    if steps > 1 and sizing.short_last_batch(pad_to):
         raise ConfigError(
-            f"accumulation_steps={k} with pad_to='rank': a bucket's last batch may then be short, so its "
+            f"accumulation_steps={steps} with pad_to='rank': a bucket's last batch may then be short, so its "
             "optimizer step would mix a short micro-batch with full ones; use pad_to='batch' (a bucket "
             "padded to whole optimizer steps), or accumulation_steps=1")
-    return k
+    return steps
 
 
 def _warn_dropped(warn: bool, names: list[str], dropped: int, total: int, epoch: int) -> None:

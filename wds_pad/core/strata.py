@@ -206,18 +206,18 @@ class BucketBatches:
         return (np.concatenate([seq, add]), np.append(offsets[:-1], offsets[-1] + add.size),
                 np.concatenate([copy, np.ones(add.size, bool)]))
 
-    def _whole_cycles(self, seq: np.ndarray, offsets: np.ndarray, copy: np.ndarray, k: int,
+    def _whole_cycles(self, seq: np.ndarray, offsets: np.ndarray, copy: np.ndarray, accumulation_steps: int,
                       policy: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A batch count that is a multiple of ``k``: the first batches again (cyclic,
-        marked copies) or the last ones dropped (drop)."""
+        """A batch count that is a multiple of ``accumulation_steps``: the first batches
+        again (cyclic, marked copies) or the last ones dropped (drop)."""
         bins = offsets.size - 1
-        if k <= 1 or bins % k == 0:
+        if accumulation_steps <= 1 or bins % accumulation_steps == 0:
             return seq, offsets, copy
         if policy == "drop":
-            keep = bins - bins % k
+            keep = bins - bins % accumulation_steps
             cut = int(offsets[keep])
             return seq[:cut], offsets[:keep + 1], copy[:cut]
-        need = k - bins % k
+        need = accumulation_steps - bins % accumulation_steps
         sizes = np.diff(offsets)
         reps = np.arange(need) % bins
         add_sizes = sizes[reps]
