@@ -229,3 +229,20 @@ def test_core_imports_run_at_most_six_deep() -> None:
     assert len(chain) - 1 <= MAX_CORE_DEPTH, (
         f"core's imports run {len(chain) - 1} deep ({' -> '.join(c.rsplit('.', 1)[1] for c in chain)}): import a "
         "module only for a type under `if TYPE_CHECKING:`, or hand a planner what it needs")
+
+
+SIZINGS = {"Count", "Budget", "Pack"}
+
+
+@pytest.mark.parametrize("path", EVERY, ids=[str(p.relative_to(PACKAGE)) for p in EVERY])
+def test_no_module_forks_on_a_sizing_type(path: Path) -> None:
+    # a sizing says what differs through its protocol (core/sizing.py); only as_sizing turns
+    # a batch size into one
+    if path.name == "sizing.py":
+        return
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+            named = {getattr(x, "id", getattr(x, "attr", None)) for x in ast.walk(node.args[1])}
+            assert not named & SIZINGS, (
+                f"{path.relative_to(ROOT)}:{node.lineno} forks on a sizing's type "
+                f"({', '.join(sorted(named & SIZINGS))}): ask the sizing (kind, pad_unit, describe, summary) instead")
