@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from wds_pad import ConfigError, Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
+from wds_pad import Budget, ConfigError, Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
 from wds_pad.core.remainder import Segment, plan_remainder
 
 PROPERTY = settings(max_examples=150, deadline=None,
@@ -131,3 +131,46 @@ def test_an_epoch_resumed_on_other_nodes_reads_each_entry_left_once(
         for b in p:
             got.update(b.samples[~b.pad].tolist())
     assert got == want
+
+
+def _foreign_shards(plans: list[Any], shard: np.ndarray, mine: set[int], every_node_needs: set[Any]) -> set[int]:
+    """Other nodes' shards a node's plans read: real entries, and padded copies of the
+    buckets every node has real entries of."""
+    out: set[int] = set()
+    for p in plans:
+        for b in p:
+            keep = ~b.pad | (b.bucket in every_node_needs)
+            out.update(int(s) for s in shard[b.samples[keep]].tolist() if int(s) not in mine)
+    return out
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32), sizes=st.lists(st.integers(0, 120), min_size=1, max_size=4),
+       shards=st.integers(4, 40), nodes=st.integers(2, 4), local=st.sampled_from([1, 2, 4]),
+       policy=st.sampled_from(["cyclic", "drop"]), sizing=st.sampled_from(["count", "budget"]),
+       window=st.integers(1, 4), skew=st.booleans())
+def test_later_epochs_read_no_other_node_shard_epoch_0_did_not(
+        seed: int, sizes: list[int], shards: int, nodes: int, local: int, policy: str, sizing: str,
+        window: int, skew: bool) -> None:
+    rng = np.random.default_rng(seed)
+    total = max(sum(sizes), 1)
+    # skewed: a bucket's samples crowd a few shards (a dataset written bucket by bucket)
+    shard = np.sort(rng.integers(0, shards, total)) if skew else rng.integers(0, shards, total)
+    ids, at, buckets = rng.permutation(total) if not skew else np.arange(total), 0, {}
+    for b, n in enumerate(sizes):
+        buckets[b] = ids[at:at + n]
+        at += n
+    src = ShardMap(Dataset("d", buckets, cost=rng.integers(1, 9, total)), shard=shard)
+    size: Any = 3 if sizing == "count" else Budget(12)
+    world = nodes * local
+    per_epoch = [_plans(src, nodes, local, 1, seed=seed % 1000, epoch=e, batch_size=size, policy=policy,
+                        window=window, oversubscribe=True) for e in range(3)]
+    every_node_needs = {s.bucket for s in per_epoch[0][0].stats
+                        if not s.dropped and min(s.samples, s.length) >= world}
+    for n in range(nodes):
+        ranks = range(n * local, (n + 1) * local)
+        mine = set(per_epoch[0][n * local].buckets.local.rank_shards(0).tolist())
+        first = _foreign_shards([per_epoch[0][r] for r in ranks], shard, mine, every_node_needs)
+        for later in per_epoch[1:]:
+            assert set(later[n * local].buckets.local.rank_shards(0).tolist()) == mine
+            assert _foreign_shards([later[r] for r in ranks], shard, mine, every_node_needs) <= first

@@ -422,3 +422,34 @@ def test_an_elastic_resume_through_a_cache_dir_reads_the_rest_once_with_no_more_
         gets[mode] = proxy.requests_seen
     assert sorted(got) == rest
     assert gets["cache_dir"] <= gets["memory"]
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_remote_batches_cross_from_workers_packed_in_shared_memory(proxied: tuple[Any, Any], tmp_path: Path,
+                                                                   reference: dict[str, Any], zero_copy: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through Loader's workers, batches of remote shards read whole (here through the
+    node folder) arrive as packed batches, their members copied once into the worker's
+    ring (stream/transport.py), never pickled; they equal the batches of one process, as
+    bytes or as read-only views."""
+    from wds_pad.stream import transport
+    from wds_pad.stream.loader import Loader
+
+    _, index = proxied
+    kinds: list[str] = []
+    real = transport.unpack
+
+    def spy(batch: Any, *args: Any) -> Any:
+        kinds.append(type(batch).__name__)
+        return real(batch, *args)
+
+    monkeypatch.setattr(transport, "unpack", spy)
+    opts = ReadOptions(block_bytes=BLOCK, max_in_flight=8, cache_dir=str(tmp_path / "cache"))
+    want = list(Loader(dataset(index, read_options=opts), num_workers=0))
+    got = list(Loader(dataset(index, read_options=opts, zero_copy=zero_copy), num_workers=2))
+    assert kinds and set(kinds) == {"PackedBatch"}
+    members = [v for b in got for s in b for k, v in s.items() if not k.startswith("__")]
+    assert members and all(type(m) is (memoryview if zero_copy else bytes) for m in members)
+    assert [[{k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()} for s in b] for b in got] == want
+    assert [list(s) for b in got for s in b] == [list(s) for b in want for s in b]  # the same keys in the same order
+    assert_same_bytes(want, reference)

@@ -165,6 +165,31 @@ def test_member_work_is_prepared_once_per_chunk_of_batches(tmp_path: Path, monke
     assert [[s["__key__"] for s in b] for b in got] == [[index.key(int(i)) for i in b.samples] for b in ds.plan()]
 
 
+@pytest.mark.parametrize("step, run", [(1, 1), (2, 1), (2, 4), (3, 2), (4, 4), (8, 2)])
+def test_a_stream_s_chunks_hold_exactly_its_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     step: int, run: int) -> None:
+    """BatchCache.get(plan, j) is plan[j] for every batch a stream takes (every step-th run
+    of run batches), from any first batch, and a chunk holds only that stream's batches,
+    whether it is computed in one pass over every stream's runs or one per place in a run."""
+    urls = [_shard(tmp_path / f"s{k}.tar", 40 * k, 40, "mixed") for k in range(3)]
+    index = build_index(urls, "aspect:width,height")
+    monkeypatch.setattr(batchcache, "CHUNK_SAMPLES", 8)
+    monkeypatch.setattr(batchcache, "CHUNK", 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = BucketedWebDataset(index, batch_size=2, seed=3, topology=Topology(world_size=1, rank=0),
+                                  check_agreement=False).plan()
+    for first in (0, 1, run + 1):
+        for wid in range(step):
+            taken = [j for c, j in enumerate(range(first, len(plan))) if (c // run) % step == wid]
+            cache = batchcache.BatchCache(step, None, run)
+            for j in taken:
+                got = cache.get(plan, j)
+                assert (got.index, got.samples.tolist(), got.pad.tolist()) == \
+                       (plan[j].index, plan[j].samples.tolist(), plan[j].pad.tolist())
+                assert set(cache._batches) <= set(taken)  # nothing another stream takes
+
+
 @pytest.mark.parametrize("form", ["ustar-prefix", "pax-non-ascii", "pax-long", "gnu-long"])
 def test_fast_path_reads_each_header_form(tmp_path: Path, form: str) -> None:
     """The header before each payload names the sample in each form's own way

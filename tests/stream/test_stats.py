@@ -10,10 +10,11 @@ and which rank or shard a large injected slowdown makes the slowest.
 from __future__ import annotations
 
 import logging
+import pickle
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -22,8 +23,10 @@ from gloo_jobs import run_gloo_job
 from data_helpers import BUCKET_BY, make_dataset
 from wds_pad import Loader, StallReport, StreamStats, build_index, stall_report
 from wds_pad.cli.synth import make_image_shards
-from wds_pad.io.options import ReadOptions
+from wds_pad.io.options import ReadOptions, ReadStats
 from wds_pad.stream.stallreport import log_report, tensorboard_report
+from wds_pad.stream.stats import Clock
+from wds_pad.stream.transport import PackedRun
 
 pytest_plugins = ["conftest_servers"]
 
@@ -77,6 +80,9 @@ def test_counts_equal_the_servers_and_stages_add_up(served: tuple[Any, Path], fa
     assert st.slowest_shard.startswith(f"{proxy.url}/stats/train-") and st.slowest_shard_s > 0
     assert st.as_dict()["wait_s"] == st.wait_s and set(st.stages) == {
         "get_s", "cache_wait_s", "tar_s", "collate_s", "transport_s"}
+    assert st.tar_s > 0
+    # the default collation only lists the samples: not timed in one process; unpacking is
+    assert (st.collate_s > 0) == bool(num_workers)
     if num_workers:
         assert st.transport_s > 0  # the main process waited on its workers
     else:  # one process: the stages split the time the loop waited
@@ -84,6 +90,57 @@ def test_counts_equal_the_servers_and_stages_add_up(served: tuple[Any, Path], fa
         assert sum(st.stages.values()) == pytest.approx(st.wait_s, rel=0.05)
     again = sum(1 for _ in source)  # a second epoch adds to the first
     assert source.stats().batches == n + again and source.stats().gets > st.gets
+
+
+def _keys(samples: list[dict[str, Any]]) -> list[str]:
+    """A collation of one's own: more than a list of the samples."""
+    return [s["__key__"] for s in samples]
+
+
+@pytest.mark.parametrize("num_workers", [None, 2])
+def test_a_collation_of_ones_own_is_timed_and_the_stages_still_add_up(served: tuple[Any, Path], tmp_path: Path,
+                                                                       num_workers: int | None) -> None:
+    index = str(tmp_path / "local.wdsidx")
+    build_index(str(served[1] / f"train-{{000000..{SHARDS - 1:06d}}}.tar"), BUCKET_BY, output=index)
+    ds = make_dataset(index, seed=1, quiet=True, collation_fn=_keys)
+    source = ds if num_workers is None else Loader(ds, num_workers=num_workers)
+    n = sum(1 for _ in source)
+    st = source.stats()
+    assert st.batches == n > 0 and st.collate_s > 0 and st.tar_s > 0 and st.gets == 0
+    if num_workers is None:
+        assert sum(st.stages.values()) == pytest.approx(st.wait_s, rel=0.05)
+
+
+def test_worker_notes_carry_only_the_shard_waits_that_changed_and_sum_exactly() -> None:
+    worker, main = Clock(), Clock()
+    reader = ReadStats()
+    worker.start_reader(reader)
+
+    def waits(*pairs: tuple[str, int]) -> None:  # what the reader records per request it waited on
+        for url, ns in pairs:
+            reader.get_wait_ns += ns
+            reader.wait_ns_by_url[url] = reader.wait_ns_by_url.get(url, 0) + ns
+            reader.waited_urls.add(url)
+
+    def messages() -> Iterator[PackedRun]:
+        waits(("a", 5), ("b", 7))
+        yield PackedRun([1, 2])
+        yield PackedRun([3])  # no wait in between: nothing to send
+        waits(("a", 1))
+        yield PackedRun([4])
+
+    notes = []
+    for run in worker.noted(messages()):
+        notes.append(run[-1])
+        sent = pickle.loads(pickle.dumps(run))  # as DataLoader sends it
+        for item in main.received(iter([sent])):
+            assert isinstance(item, PackedRun) and item == run[:-1]  # the note taken off
+    assert [note[2] for note in notes] == [{"a": 5, "b": 7}, {}, {"a": 6}]
+    st = main.stats(rank=3)  # b's wait came in the first note only, and is still the longest
+    assert (st.rank, st.slowest_shard, st.slowest_shard_s) == (3, "b", pytest.approx(7e-9))
+    assert st.get_s == pytest.approx(13e-9)
+    main.end_workers()  # the iteration ended: the notes are folded in, nothing counted twice
+    assert main.stats(rank=3) == st
 
 
 def test_a_stalled_shard_is_named(served: tuple[Any, Path], fault_proxy: Any, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,8 +31,9 @@ import wds_pad
 from wds_pad import ConfigError, Topology, WorkerError
 from wds_pad.index.record import Index
 from wds_pad.stream.loader import Loader
-from wds_pad.stream import transport
-from wds_pad.stream.transport import SLOTS, Arena, PackedBatch
+from wds_pad.stream import ring as rings, transport
+from wds_pad.stream.ring import SLOTS, Arena
+from wds_pad.stream.transport import PackedBatch
 
 from data_helpers import image_index, make_dataset
 
@@ -171,19 +173,19 @@ def test_the_ring_places_wraps_and_never_overwrites_a_held_batch() -> None:
 
 
 def test_a_ring_is_sized_to_its_batches_and_grows_when_full() -> None:
-    assert transport.ring_bytes(1000) == transport.RING_BYTES  # small batches: the smallest ring
-    assert transport.ring_bytes(1 << 20) == transport.RING_BATCHES << 20
-    assert transport.ring_bytes(1 << 20, run=2) == 2 * transport.RING_BATCHES << 20  # batches sent two at a time
-    assert transport.ring_bytes(1000, size=transport.RING_BYTES) == 2 * transport.RING_BYTES
-    assert transport.ring_bytes(1 << 30) == transport.ARENA_BYTES  # never past the largest
-    ring, first = transport.place(None, False, 3000)
-    assert first is not None and ring.size == transport.RING_BYTES
+    assert rings.ring_bytes(1000) == rings.RING_BYTES  # small batches: the smallest ring
+    assert rings.ring_bytes(1 << 20) == rings.RING_BATCHES << 20
+    assert rings.ring_bytes(1 << 20, run=2) == 2 * rings.RING_BATCHES << 20  # batches sent two at a time
+    assert rings.ring_bytes(1000, size=rings.RING_BYTES) == 2 * rings.RING_BYTES
+    assert rings.ring_bytes(1 << 30) == rings.ARENA_BYTES  # never past the largest
+    ring, first = rings.place(None, False, 3000)
+    assert first is not None and ring.size == rings.RING_BYTES
     held = [first]
-    while (got := transport.place(ring, False, 1 << 20))[0] is ring:
+    while (got := rings.place(ring, False, 1 << 20))[0] is ring:
         held.append(got[1])  # every batch held: the ring fills
     bigger, spot = got
     assert bigger.size == 2 * ring.size and spot is not None  # a larger ring, not a buffer per batch
-    assert transport.place(bigger, False, transport.ARENA_BYTES)[1] is None  # too large for any ring
+    assert rings.place(bigger, False, rings.ARENA_BYTES)[1] is None  # too large for any ring
 
 
 def test_a_worker_sends_a_few_hundred_samples_or_a_few_mib_at_a_time() -> None:
@@ -210,15 +212,15 @@ def test_runs_of_batches_through_workers_keep_plan_order_across_epochs(index: In
 def test_held_zero_copy_batches_stay_intact_while_the_ring_grows(index: Index, monkeypatch: pytest.MonkeyPatch) -> None:
     want = list(Loader(_ds(index), num_workers=0))
     sizes: list[int] = []
-    init = transport.Arena.__init__
+    init = rings.Arena.__init__
 
-    def spy(self, shared, size=transport.ARENA_BYTES):  # type: ignore[no-untyped-def]
+    def spy(self, shared, size=rings.ARENA_BYTES):  # type: ignore[no-untyped-def]
         sizes.append(size)
         init(self, shared, size)
 
-    monkeypatch.setattr(transport, "RING_BYTES", 8192)
-    monkeypatch.setattr(transport, "RING_BATCHES", 1)
-    monkeypatch.setattr(transport.Arena, "__init__", spy)
+    monkeypatch.setattr(rings, "RING_BYTES", 8192)
+    monkeypatch.setattr(rings, "RING_BATCHES", 1)
+    monkeypatch.setattr(rings.Arena, "__init__", spy)
     got = list(Loader(_ds(index, zero_copy=True), num_workers=0))  # every batch held at once
     assert _plain(got) == want
     assert len(sizes) > 1 and sizes == sorted(sizes) and sizes[-1] > sizes[0]
@@ -309,3 +311,22 @@ def test_a_shard_cut_short_under_an_open_descriptor_is_one_clear_error(tmp_path:
     with pytest.raises(wds_pad.WdsPadError, match=r"\.tar"):
         for _ in it:
             pass
+
+
+def test_fetched_samples_are_packed_once_or_left_loose() -> None:
+    def sample(i: int, **extra: Any) -> dict[str, Any]:
+        s = {"__url__": f"http://h/s{i % 2}.tar", "__key__": f"k{i}", "__index__": i, "__bucket__": "b",
+             "__dataset__": "d", "__pad__": i == 2, "__epoch__": 0, "__step__": 3, "__batch__": 5, "__seed__": 7 + i,
+             "jpg": bytes([i]) * (100 + i), "json": b"{}"}
+        s.update(extra)
+        return s
+
+    batch = [sample(i) for i in range(4)] + [{**sample(4), "txt": b""}]  # members differ between samples
+    ring, packed = transport.pack_samples(batch, None, False)
+    assert packed is not None and ring is not None and packed.ring == ring.id
+    rings_seen: dict[Any, Any] = {}
+    assert packed.samples(rings=rings_seen) == batch
+    assert [list(s) for s in packed.samples(zero_copy=True, rings=rings_seen)] == [list(s) for s in batch]
+    # what a packed batch does not carry travels loose: a substitute's fields, a pack, a member not bytes
+    for odd in (sample(0, __substitute_for__="k9"), sample(0, __pack__=1), sample(0, jpg=memoryview(b"x"))):
+        assert transport.pack_samples([sample(1), odd], ring, False) == (ring, None)

@@ -17,6 +17,7 @@ both shard kinds in the same round robin:
   sample took before it);
 * ``wds_pad Loader(2)``  the same through ``Loader(ds, num_workers=2)`` (each batch crosses
   from its worker as one buffer in shared memory, rebuilt into sample dicts here);
+  ``wds_pad Loader(2), batch 1`` the same with ``batch_size=1``;
 * ``wds_pad direct, zero_copy`` / ``wds_pad Loader(2), zero_copy``  the same with
   ``zero_copy=True``: members are read-only memoryviews over the batch's buffer;
 * ``wds_pad stages, checked`` / ``unchecked``  the raw stages ``PlannedSource -> fetch ->
@@ -58,7 +59,7 @@ from typing import Any
 import numpy as np
 from _common import add_sizes, case_shards, cpu_seconds, once, parser, round_robin, table
 from _litdata_peer import litdata_convert, litdata_stream
-from _stats_cost import counter_ns_per_batch
+from _stats_cost import counter_ns_per_batch, loader_ns_per_batch
 
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
@@ -68,6 +69,7 @@ from wds_pad.index.build import build_index
 from wds_pad.stream import batchread
 from wds_pad.stream.fetch import fetch
 from wds_pad.stream.stages import PlannedSource, plan_batched
+from wds_pad.stream.transport import run_length
 from wds_pad.core.topology import Topology
 
 
@@ -209,6 +211,8 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
             "wds_pad batch 1": (lambda ds1=ds1: ours_direct(ds1), int(ids1.size), int(index.length[ids1].sum())),
             "wds_pad exact path": (lambda ds=ds: ours_exact(ds), planned, planned_bytes),
             "wds_pad Loader(2)": (lambda ds=ds: ours_loader(ds, 2), planned, planned_bytes),
+            "wds_pad Loader(2), batch 1": (lambda ds1=ds1: ours_loader(ds1, 2), int(ids1.size),
+                                           int(index.length[ids1].sum())),
             "wds_pad direct, zero_copy": (lambda dsz=dsz: ours_direct(dsz), planned, planned_bytes),
             "wds_pad Loader(2), zero_copy": (lambda dsz=dsz: ours_loader(dsz, 2), planned, planned_bytes),
             "wds_pad stages, checked": (lambda ds=ds: ours_stages(ds, True), planned, planned_bytes),
@@ -307,11 +311,25 @@ def targets(results: dict[str, dict[str, dict[str, dict[str, float]]]], main: st
     cpu = small["cpu"]
     rows.append(["10 KB, cpu us/sample of Loader(2) (all processes) over one process",
                  f"{cpu['wds_pad Loader(2)'] / cpu['wds_pad direct']:.2f}x", "<= 1.3x"])
-    per_batch_us = counter_ns_per_batch() / 1e3  # the stats counters: per batch, never per sample
+    # the stats counters: per batch (per message with workers), never per sample; the
+    # contenders' default collation only lists the samples, so it is not timed
+    per_batch_us = counter_ns_per_batch() / 1e3
     rows += [[f"10 KB, the stats counters over cpu us/sample, batch {b}",
               f"{per_batch_us / b / cpu[name]:.2%}", "< 1%"] for b, name in ((64, "wds_pad direct"),
                                                                              (1, "wds_pad batch 1"))]
+    for b, name in ((64, "wds_pad Loader(2)"), (1, "wds_pad Loader(2), batch 1")):
+        main_ns, worker_ns = loader_ns_per_batch(run_length(b, 10_000))  # as many batches a message
+        rows.append([f"10 KB, the stats counters over cpu us/sample, Loader(2), batch {b} (all processes)",
+                     f"{(main_ns + worker_ns) / 1e3 / b / cpu[name]:.2%}", "< 1%"])
     return rows
+
+
+def counter_costs() -> str:
+    """What the stats counters add to a batch, in nanoseconds (the rows above divide them)."""
+    loader = [(b, *loader_ns_per_batch(run_length(b, 10_000))) for b in (64, 1)]
+    return (f"the stats counters per batch: {counter_ns_per_batch():.0f} ns in one process, "
+            f"{counter_ns_per_batch(timed_collation=True):.0f} ns with a timed collation; Loader(2) "
+            + ", ".join(f"at batch {b}: {m:.0f} ns in the main process + {w:.0f} ns in a worker" for b, m, w in loader))
 
 
 def cited(results: dict[str, dict[str, dict[str, dict[str, float]]]], kind: str) -> list[str]:
@@ -375,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"the local fast path against its targets, on {args.producer} shards:")
     print(table(["comparison", "ratio", "target"], targets(results, args.producer), align="lrr"))
     print("  (the ratios over HTTP, locality='shard' at 20 ms: tools/bench/remote.py)")
+    print(f"  ({counter_costs()})")
     starts = ", ".join(f"{label} {r[args.producer]['start']['wds_pad Loader(2)'] * 1e3:.0f} ms"
                        for label, r in results.items())
     print(f"Loader(2) start-up, iter() to the first batch (in its rates above; workers start at every epoch): "

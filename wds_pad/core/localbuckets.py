@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .dataset import Dataset, IdRange
-from .locality import DealtDataset, Locality, layouts
+from .locality import DealtDataset, Locality, layouts, tail_needed
 from .permute import ROUNDS, mix64, permute
 from .seed import derive_seed
 
@@ -104,15 +104,9 @@ class _LocalBucket:
             order = np.argsort(of, kind="stable")
             self.sorted_ids = arr[order]
             nz_shard, nz_start, nz_count = _runs(of[order], s, scan=True)
-        vis = dealt.visit_pos[nz_shard]
-        o = np.argsort(vis, kind="stable")
-        self.v_pos = _narrow(vis[o], s)                    # visit positions holding samples of b
-        self.v_row = _narrow(nz_start[o], self.sorted_ids.size)  # their first row in sorted_ids
-        self.v_cum = np.zeros(o.size + 1, np.int64)        # samples before each of them
-        np.cumsum(nz_count[o], out=self.v_cum[1:])
-        self.v_cum = _narrow(self.v_cum, self.sorted_ids.size)
-        self.win_cum = self._cum_at(dealt.win_start)       # samples before each global window
-        own = np.diff(self._cum_at(dealt.rank_start)) * passes
+        self._nz = (nz_shard, nz_start, nz_count)  # until place(): the deal's windows may wait for the tails
+        owner = np.searchsorted(dealt.rank_start, dealt.deal_pos[nz_shard], side="right") - 1
+        own = np.bincount(owner, weights=nz_count, minlength=dealt.rank_start.size - 1).astype(np.int64) * passes
         real = min(m, length)
         d = np.arange(dp, dtype=np.int64)
         # an owner (a rank, or a node of ``node_ranks`` consecutive DP ranks) needs its ranks' shares
@@ -127,7 +121,27 @@ class _LocalBucket:
         self.passes, self.m, self.base_key, self.dealt, self.dp = passes, m, base_key, dealt, dp
         self.node_ranks = node_ranks
         self.local_pad = False  # locality="node": a node pads a bucket with its own entries
-        self.stable_key = base_key  # locality="node": the key of what a node gives away, the same every epoch
+
+    def tail_needed(self) -> np.ndarray:
+        """Per node, the fewest last shards of its deal that hold its surplus of b."""
+        nz_shard, _, nz_count = self._nz
+        return tail_needed(self.dealt, nz_shard, nz_count, self.surplus_cum[1:] - self.surplus_cum[:-1],
+                           self.passes)
+
+    def place(self) -> None:
+        """The per-shard and per-window tables in this epoch's visit order (once the deal
+        has its windows)."""
+        dealt, s = self.dealt, int(self.dealt.layout.shard_bytes.size)
+        nz_shard, nz_start, nz_count = self._nz
+        del self._nz
+        vis = dealt.visit_pos[nz_shard]
+        o = np.argsort(vis, kind="stable")
+        self.v_pos = _narrow(vis[o], s)                    # visit positions holding samples of b
+        self.v_row = _narrow(nz_start[o], self.sorted_ids.size)  # their first row in sorted_ids
+        self.v_cum = np.zeros(o.size + 1, np.int64)        # samples before each of them
+        np.cumsum(nz_count[o], out=self.v_cum[1:])
+        self.v_cum = _narrow(self.v_cum, self.sorted_ids.size)
+        self.win_cum = self._cum_at(dealt.win_start)       # samples before each global window
 
     def _cum_at(self, vpos: np.ndarray) -> np.ndarray:
         """Samples of b at visit positions before each of ``vpos`` (int64)."""
@@ -168,30 +182,31 @@ class _LocalBucket:
         u = pos - supply[g]
         if not self.local_pad:
             return self._pool_entries(g, u)
-        # a node's last window (its export shards): what it keeps in an order of the epoch,
+        # a node's tail windows (its export shards): what it keeps in an order of the epoch,
         # what it gives away the same samples in the same order every epoch
-        last = g == self.dealt.win_base[d + 1] - 1
+        dd = d if np.ndim(d) else np.full(u.size, d)
+        last = g >= self.dealt.tail_base[dd]
         out = np.empty(u.size, np.int64)
         if (~last).any():
             out[~last] = self._pool_entries(g[~last], u[~last])
         if last.any():
-            gl, dl = g[last], d[last] if np.ndim(d) else np.full(int(last.sum()), d)
-            kept = np.clip(self.keep[dl] + supply[self.dealt.win_base[dl]] - supply[gl], 0, None)
+            gl, dl = g[last], dd[last]
+            kept = np.clip(self.keep[dl] + supply[self.dealt.win_base[dl]] - supply[gl], 0, supply[gl + 1] - supply[gl])
             out[last] = self._export_entries(gl, u[last], kept)
         return out
 
     def _export_entries(self, g: np.ndarray, u: np.ndarray, kept: np.ndarray) -> np.ndarray:
-        """Sample ids of pool entries u of a node's last window g, whose first ``kept``
-        entries the node keeps: one permutation of the pool that does not depend on the
-        epoch (so the entries past ``kept``, given to other nodes, are the same samples every
-        epoch), the kept ones shuffled again by an epoch's permutation."""
+        """Sample ids of pool entries u of a node's tail window g, whose first ``kept``
+        entries the node keeps. The window's entries in visit order (pass-major): the node
+        keeps the first ``kept``, shuffled by an epoch's permutation, and gives away the rest
+        from the last backwards, the same samples every epoch, so a receiver's entries come
+        from the last few shards of the window (the fewest that hold them)."""
         first = self.win_cum[g]
         n_w = self.win_cum[g + 1] - first
         inner = u < kept
-        v = u.copy()
+        s = n_w * self.passes - 1 - (u - kept)
         if inner.any():
-            v[inner] = permute(u[inner], kept[inner], _window_keys(self.base_key ^ 0xE59, g[inner]))
-        s = permute(v, n_w * self.passes, _window_keys(self.stable_key, g))
+            s[inner] = permute(u[inner], kept[inner], _window_keys(self.base_key ^ 0xE59, g[inner]))
         vpos = first + s % n_w
         i = np.searchsorted(self.v_cum, vpos, side="right") - 1
         rows = self.v_row[i].astype(np.int64) + (vpos - self.v_cum[i].astype(np.int64))
@@ -261,9 +276,13 @@ class LocalBuckets:
             _LocalBucket(self.dealt[di], ids, passes, n * passes, length, dp,
                          derive_seed(seed, epoch, dss[di].name, key, "window"), node_ranks)
             for di, key, ids, n, passes, length in kept]
-        for bk, (di, key, *_rest) in zip(self.buckets, kept):
+        for di, dealt in enumerate(self.dealt):
+            if stable:  # a node's tail holds what it gives away of every bucket
+                need = [bk.tail_needed() for bk, k in zip(self.buckets, kept) if k[0] == di]
+                dealt.set_tails(np.max(need, axis=0) if need else np.zeros(dealt.rank_start.size - 1, np.int64))
+        for bk in self.buckets:
             bk.local_pad = stable
-            bk.stable_key = derive_seed(seed, dss[di].name, key, "export")
+            bk.place()
         self.kept_dataset = [k[0] for k in kept]
         self.dp, self.d, self.window, self.node_ranks = dp, d, window, node_ranks
         self.set_steps(0)  # the planner gives the epoch's steps once its schedule is drawn

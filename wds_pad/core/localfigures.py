@@ -76,7 +76,7 @@ def shard_blocks(shard_bytes: Any, shards: np.ndarray, block_bytes: int) -> tupl
 
 #: With ``locality="node"``, a shard of another node that a node reads this many times or
 #: more in an epoch is fetched whole for the node and kept: the samples that cross between
-#: nodes come from the same few shards every epoch (the exporting node's last ``EXPORT``),
+#: nodes come from the same few shards every epoch (the exporting node's export tail),
 #: so a shard read even once is read again next epoch, and after the first it costs no GET.
 IMPORT_READS = 1
 

@@ -54,7 +54,9 @@ Invariants:
 - each epoch every shard of a dataset is dealt to exactly one DP rank, as a contiguous
   run of the shuffled order, each rank within one shard of ``total bytes / dp_size``;
 - the deal and the windows depend on (seed, epoch, dataset, shard sizes, dp_size,
-  window) only: identical on every rank, and CP peers read the same shards;
+  window) only (with nodes, a node's export tail also on its buckets' counts per shard,
+  which do not depend on the epoch): identical on every rank, and CP peers read the
+  same shards;
 - an input without each sample's shard is a ConfigError that names the fix.
 """
 
@@ -178,9 +180,11 @@ class DealtDataset:
 
     The shards are dealt to ``owners``: the DP ranks (``locality="shard"``: a new deal
     every epoch) or the nodes (``locality="node"``: the deal is the same every epoch, so a
-    node's shards stay on it; each epoch only the order a node visits them changes, but
-    for its last window, which stays last, so what a node gives away to keep the buckets'
-    shares equal comes from the same shards every epoch).
+    node's shards stay on it). With nodes, a node's last shards of the deal (its "export"
+    tail: at least ``EXPORT``, and as many as hold every bucket's surplus, see
+    :meth:`set_tails`) stay last, in the same order, in windows of their own; each epoch
+    only the order the node visits its other shards changes. So what a node gives away to
+    keep the buckets' shares equal comes from the same shards every epoch.
     """
 
     def __init__(self, layout: _Layout, name: str, seed: int, epoch: int, owners: int, window: int,
@@ -199,33 +203,78 @@ class DealtDataset:
         thresholds = np.asarray([-(-2 * total * d // owners) for d in range(owners)], dtype=np.int64)
         owner = np.searchsorted(thresholds, 2 * before + weight, side="right") - 1 if s else np.zeros(0, np.int64)
         self.rank_start = np.searchsorted(owner, np.arange(owners + 1), side="left").astype(np.int64)
-        if stable:  # this epoch's visit order inside each node; its export shards stay last
-            for d in range(owners):
-                lo, hi = int(self.rank_start[d]), int(self.rank_start[d + 1])
-                cut = max(lo, hi - EXPORT)
-                if cut - lo > 1:
-                    order = derive_rng(seed, epoch, name, d, "locality", "visit").permutation(cut - lo)
-                    self.visit[lo:cut] = self.visit[lo:cut][order]
-        per_rank = np.diff(self.rank_start)
-        # a node's last window is its EXPORT shards alone: what it gives away comes from them
-        tail = np.minimum(per_rank, EXPORT) if stable else np.zeros(owners, np.int64)
-        nwin = -(-(per_rank - tail) // window) + (tail > 0)
-        self.win_base = np.zeros(owners + 1, np.int64)
-        np.cumsum(nwin, out=self.win_base[1:])
-        # visit position where each global window starts (plus the end)
-        starts = [np.append(self.rank_start[d] + window * np.arange(int(nwin[d] - (tail[d] > 0)), dtype=np.int64),
-                            [self.rank_start[d + 1] - tail[d]] if tail[d] else []).astype(np.int64)
-                  for d in range(owners)]
-        self.win_start = np.concatenate(starts + [np.asarray([s], np.int64)]).astype(np.int64)
         self.visit_pos = np.empty(s, np.int64)  # shard number -> its visit position
         self.visit_pos[self.visit] = np.arange(s, dtype=np.int64)
-        self.rank_of = np.repeat(np.arange(owners, dtype=np.int64), nwin)  # owner of each global window
-        self.layout = layout
+        self.deal_pos = self.visit_pos.copy()  # shard number -> its place in the deal (the same every epoch with nodes)
+        self.layout, self.stable, self.window = layout, stable, window
+        self._key = (seed, epoch, name)
+        if not stable:
+            self._windows(np.zeros(owners, np.int64))
+
+    def set_tails(self, required: np.ndarray) -> None:
+        """With nodes: node d's export tail is its last ``max(EXPORT, required[d])`` shards
+        of the deal (at most all of them), visited last in the deal's order, in windows of
+        ``max(window, EXPORT)`` shards; its other shards are visited in an order of the epoch.
+
+        Args:
+            required: per node, the fewest last shards of its deal that hold every
+                bucket's surplus (:func:`tail_needed`); depends on the deal only.
+        """
+        seed, epoch, name = self._key
+        per_rank = np.diff(self.rank_start)
+        tail = np.minimum(per_rank, np.maximum(np.asarray(required, np.int64), EXPORT))
+        for d in range(per_rank.size):  # this epoch's visit order inside each node; its tail stays last
+            lo, cut = int(self.rank_start[d]), int(self.rank_start[d + 1] - tail[d])
+            if cut - lo > 1:
+                order = derive_rng(seed, epoch, name, d, "locality", "visit").permutation(cut - lo)
+                self.visit[lo:cut] = self.visit[lo:cut][order]
+        self.visit_pos[self.visit] = np.arange(self.visit.size, dtype=np.int64)
+        self._windows(tail)
+
+    def _windows(self, tail: np.ndarray) -> None:
+        """Cut each owner's visit order into windows: ``window`` shards at a time, then its
+        ``tail`` shards in windows of ``max(window, EXPORT)``."""
+        per_rank = np.diff(self.rank_start)
+        span = max(self.window, EXPORT)
+        head_n = -(-(per_rank - tail) // self.window)
+        nwin = head_n + -(-tail // span)
+        self.win_base = np.zeros(per_rank.size + 1, np.int64)
+        np.cumsum(nwin, out=self.win_base[1:])
+        self.tail_base = self.win_base[:-1] + head_n  # each owner's first window of its tail
+        # visit position where each global window starts (plus the end)
+        starts = [np.concatenate([self.rank_start[d] + self.window * np.arange(int(head_n[d]), dtype=np.int64),
+                                  self.rank_start[d + 1] - tail[d] + span * np.arange(int(nwin[d] - head_n[d]),
+                                                                                      dtype=np.int64)])
+                  for d in range(per_rank.size)]
+        self.win_start = np.concatenate(starts + [np.asarray([self.visit.size], np.int64)]).astype(np.int64)
+        self.rank_of = np.repeat(np.arange(per_rank.size, dtype=np.int64), nwin)  # owner of each global window
 
 
-#: Shards a node visits last every epoch, in a window of their own, with ``locality="node"``:
-#: what it gives to other nodes to keep the buckets' shares equal comes from them first, the
-#: same shards every epoch, so the receiving node can keep them.
+def tail_needed(dealt: DealtDataset, shard: np.ndarray, count: np.ndarray, surplus: np.ndarray,
+                passes: int) -> np.ndarray:
+    """Per owner, the fewest of its last shards in the deal that hold ``surplus[d]``
+    entries of one bucket (``count`` samples in each of ``shard``, ``passes`` entries a
+    sample): a node whose tail holds them gives its surplus from the same shards every epoch.
+    O(the bucket's shards)."""
+    out = np.zeros(surplus.size, np.int64)
+    short = np.flatnonzero(surplus > 0)
+    if not short.size:
+        return out
+    pos = dealt.deal_pos[shard]
+    o = np.argsort(pos, kind="stable")
+    pos, cum = pos[o], np.zeros(o.size + 1, np.int64)
+    np.cumsum(count[o], out=cum[1:])
+    end = cum[np.searchsorted(pos, dealt.rank_start[short + 1], side="left")]  # samples up to the node's end
+    want = -(-surplus[short] // passes)
+    i = np.searchsorted(cum, end - want, side="right") - 1  # the last shard from which the rest holds them
+    out[short] = dealt.rank_start[short + 1] - pos[np.minimum(i, pos.size - 1)]
+    return out
+
+
+#: The fewest shards a node visits last every epoch, in windows of their own, with
+#: ``locality="node"`` (more where a bucket's surplus needs them): what it gives to other
+#: nodes to keep the buckets' shares equal comes from them, the same shards every epoch,
+#: so the receiving node can keep them.
 EXPORT = 4
 
 

@@ -279,6 +279,7 @@ class InFlight:
                     else:
                         st.get_wait_ns += waited
                     st.wait_ns_by_url[head.url] = st.wait_ns_by_url.get(head.url, 0) + waited
+                    st.waited_urls.add(head.url)
                 size = head.end - head.start
                 if len(data) < size:  # longer: refused by _fetch (the server ignored Range)
                     for off, ln in head.parts:

@@ -127,7 +127,9 @@ class ReadStats:
     cache_hits: int = 0  # reads the shard cache answered with bytes already held (no wait)
     # the two waits above per shard URL, to name the slowest shard (not in as_dict())
     wait_ns_by_url: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    # the URLs whose wait grew since a DataLoader worker last sent its counters (it empties it)
+    waited_urls: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, int]:
         """Returns the counters as a plain dict (without the per-shard waits)."""
-        return {k: v for k, v in asdict(self).items() if k != "wait_ns_by_url"}
+        return {k: v for k, v in asdict(self).items() if k not in ("wait_ns_by_url", "waited_urls")}

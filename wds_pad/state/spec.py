@@ -168,7 +168,8 @@ class PlanSpec:
             fields["shard_order"] = "fifo"  # a rank's windows first in, first out (core/locality.py)
         if self.locality is Locality.NODE:  # how the shards were dealt: to nodes of this many DP ranks
             fields["node_ranks"] = self.topology.node_ranks
-            fields["export"] = EXPORT
+            # a node gives from a tail of at least EXPORT shards that holds every bucket's surplus
+            fields["export"] = [EXPORT, "surplus"]
         if self.proportions:  # absent without: the fingerprints of earlier versions
             fields["proportions"] = [float(p) for p in self.proportions]
             fields["mix_by"] = self.mix_by

@@ -51,10 +51,13 @@ class BatchCache:
                 return plan[j]  # type: ignore[no-any-return]
             self._plan = plan
             n, run = chunk_batches(getattr(plan, "batch_size", 1)), self.run
+            stride, rounds = self.step * run, max(1, n // run)
             if run == 1:
                 got = chunked(j, j + n * self.step, self.step)
+            elif self.step <= run:  # one pass over every stream's runs, this one's kept: a
+                # permutation pass costs numpy's fixed costs, several times those of its entries
+                got = [b for b in chunked(j, j + rounds * stride) if (b.index - j) // run % self.step == 0]
             else:  # each place in a run strided on its own: this stream's batches only
-                stride, rounds = self.step * run, max(1, n // run)
                 got = [b for o in range(run) for b in chunked(j + o, j + o + rounds * stride, stride)]
             self._batches = {b.index: b for b in got}
             if self.reader is not None:

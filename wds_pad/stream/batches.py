@@ -8,8 +8,9 @@ Invariants:
 - local shards are read batch by batch through the member table where it records the
   samples (batchread.py), else on the exact path (fetch.py), with the same samples;
 - a batch travels packed (transport.py) only from a DataLoader worker and only when
-  nothing but a known collation runs on it; ``views`` (``zero_copy`` in one process)
-  hands out members as read-only memoryviews;
+  nothing but a known collation runs on it: read into the ring (local shards), or its
+  fetched members copied into it once (remote shards, the node cache, the exact path);
+  ``views`` (``zero_copy`` in one process) hands out members as read-only memoryviews;
 - a failed transform is raised naming its sample and shard, or replaced by the
   handler's deterministic substitute from the same bucket.
 """
@@ -26,11 +27,12 @@ from ..core.locality import Locality
 from ..errors import WdsPadError
 from .batchcache import BatchCache
 from .batchread import BatchReader
-from .collate import run_collation, where_samples as _where
-from .stats import Clock
+from .collate import lists_only, run_collation, where_samples as _where
+from .stats import COLLATING, Clock
 from .fetch import Counters, all_local as _all_local, substitute
 from .stages import PlannedSource, apply_stages, batch_refs, whole_shards
-from .transport import LooseBatch, PackedRun, as_views, run_length
+from .ring import Arena
+from .transport import LooseBatch, PackedRun, as_views, pack_samples, run_length
 from ..state import PlanSpec
 
 __all__ = ["BatchMaker"]
@@ -55,7 +57,7 @@ class BatchMaker:
         advance: called with ``(epoch, j)`` once plan batch j is made.
         pack: send batches packed in shared memory (a DataLoader worker under Loader).
         views: members as read-only memoryviews (``zero_copy`` in one process).
-        clock: where collation time is counted (stats.py).
+        clock: where collation time is counted (stats.py): it marks where collation begins.
     """
 
     def __init__(self, spec: PlanSpec, stages: list[Callable[[Any], Any]],
@@ -64,9 +66,13 @@ class BatchMaker:
                  advance: Callable[[tuple[int, int]], Any], pack: bool, views: bool,
                  clock: Clock | None = None) -> None:
         self.clock = clock if clock is not None else Clock()
+        self.stamps = self.clock.acc
+        # a collation that only lists the samples costs less than reading the clock: not timed
+        self.timed_collation = not lists_only(collation_fn, bool(stages))
         self.spec, self.stages, self.collation_fn = spec, stages, collation_fn
         self.handler, self.counters, self.fetcher = handler, counters, fetcher
         self.advance, self.pack, self.views = advance, pack, views
+        self._ring: Arena | None = None  # where batches of fetched samples are packed (pack_samples)
 
     def __call__(self, source: PlannedSource) -> Iterator[Any]:
         fetcher, pack, views = self.fetcher, self.pack, self.views
@@ -95,12 +101,12 @@ class BatchMaker:
             yield out
 
     def _collated(self, batch: list[Any], refs: list[dict[str, Any]], pack: bool, views: bool) -> Any:
-        if pack:
-            return LooseBatch(batch)  # collated where it is unpacked
-        began = perf_counter_ns()
-        out = run_collation(self.collation_fn, as_views(batch) if views else batch, _where(refs))
-        self.clock.collate(began)
-        return out
+        if pack:  # collated where it is unpacked: its members copied once into the ring, else pickled
+            self._ring, packed = pack_samples(batch, self._ring, True)
+            return LooseBatch(batch) if packed is None else packed
+        if self.timed_collation:
+            self.stamps[COLLATING] = perf_counter_ns()  # ended where the batch is handed over (stats.py)
+        return run_collation(self.collation_fn, as_views(batch) if views else batch, _where(refs))
 
     def _local(self, source: PlannedSource) -> Iterator[Any]:
         """Local shards: batch by batch, through the member table where it records the

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,8 @@ from ..io.ranges import RangeReader
 from ..tar.members import KEY_ERRORS
 from ..tar.names import (SIZE, Members, name_token_rows, size_token_rows, slice_sample, slice_sample_at,
                          token_list)
-from .transport import Arena, PackedBatch, allocate, place
+from .ring import Arena, allocate, reserve
+from .transport import PackedBatch
 
 __all__ = ["BatchReader", "BIG_SAMPLE", "member_refs", "seed_list"]
 
@@ -78,8 +80,11 @@ def _key_list(a: np.ndarray, b: np.ndarray, table: np.ndarray) -> list[str]:
 
 @dataclass
 class _Chunk:
-    """The member work of a chunk of plan batches, per sample and per member, as lists
-    (see :meth:`BatchReader.prepare`); a batch's work is its slices of them."""
+    """The member work of a chunk of plan batches, per sample as lists, per member as arrays
+    (see :meth:`BatchReader.prepare`); a batch's work is its slices of them. The per-member
+    lists only the per-sample path reads (header offsets, sizes, name and size tokens,
+    ``tar.names``) are made when it first does: a batch read into one buffer checks its
+    headers on the arrays."""
 
     urls: list[str]
     offsets: list[int]
@@ -88,14 +93,25 @@ class _Chunk:
     keys: list[str]
     ids: list[int]
     pads: list[bool]
-    heads: list[int]  # member header offsets in their sample
-    sizes: list[int]
     exts: list[str]
-    ntoks: list[bytes | tuple[()]]  # each member's name token and size token (tar.names)
-    stoks: list[bytes]
-    arrays: tuple[Any, ...] = ()  # for batches read into one buffer (transport.PackedBatch):
-    # per sample lengths, counts; per member header offsets, sizes, ext names, name rows,
-    # whether each name fits, size rows
+    arrays: tuple[Any, ...] = ()  # per sample lengths, counts; per member header offsets,
+    # sizes, name rows, whether each name fits, size rows
+
+    @cached_property
+    def heads(self) -> list[int]:  # member header offsets in their sample
+        return self.arrays[2].tolist() if self.arrays else []
+
+    @cached_property
+    def sizes(self) -> list[int]:
+        return self.arrays[3].tolist() if self.arrays else []
+
+    @cached_property
+    def ntoks(self) -> list[bytes | tuple[()]]:  # each member's name token (tar.names)
+        return token_list(self.arrays[4], self.arrays[5]) if self.arrays else []
+
+    @cached_property
+    def stoks(self) -> list[bytes]:  # ... and size token
+        return self.arrays[6].view("V12").ravel().tolist() if self.arrays else []
 
 
 #: One batch's work: its chunk, its samples [lo, hi) and members [mlo, mhi) there, and its
@@ -118,7 +134,7 @@ class BatchReader:
         self.reader = reader  # type: ignore[assignment]
         self.by_name = {n: ix for n, ix in zip(names, indexes)}
         self._work: dict[tuple[int, int], _Work] = {}
-        self._arenas: dict[bool, Arena] = {}  # batch buffers, shared or not (transport.Arena)
+        self._arenas: dict[bool, Arena] = {}  # batch buffers, shared or not (ring.Arena)
         self.run = 1  # batches sent at a time (transport.run_length): what a ring is sized for
         #: after :meth:`read` returned None: the member table entries of that batch's
         #: samples (None: it has a sample the table does not record), for the exact path
@@ -143,7 +159,7 @@ class BatchReader:
         ids = np.concatenate([b.samples for b in group]) if len(group) > 1 else group[0].samples
         n = ids.size
         if not n:
-            empty = _Chunk(*([] for _ in range(12)))  # type: ignore[arg-type]
+            empty = _Chunk(*([] for _ in range(8)))  # type: ignore[arg-type]
             self._work.update(((b.epoch, b.index), (empty, 0, 0, 0, 0, 0)) for b in group)
             return
         ids = ids.astype(np.int64, copy=False)
@@ -172,8 +188,7 @@ class BatchReader:
         ext_list = list(map(exts.__getitem__, ext_ids.tolist()))
         chunk = _Chunk(list(map(urls.__getitem__, shard[ids].tolist())), off.tolist(), ln.tolist(), counts.tolist(),
                        _key_list(ka, kb, keys), ids.tolist(), np.concatenate([b.pad for b in group]).tolist(),
-                       (moff - 512).tolist(), sizes.tolist(), ext_list, token_list(rows, fits),
-                       srows.view("V12").ravel().tolist(), (ln, counts, moff - 512, sizes, rows, fits, srows))
+                       ext_list, (ln, counts, moff - 512, sizes, rows, fits, srows))
         mc = np.concatenate([[0], np.cumsum(counts)])
         bc = np.concatenate([[0], np.cumsum(ln)])
         work = self._work
@@ -194,30 +209,22 @@ class BatchReader:
         """The sample dicts of ``batch``, or None: read it with ``fetch`` instead, handing it
         ``fallback_members`` (counted in ``ReadStats.exact_batches`` and ``exact_samples``:
         here when the table records its samples, else by ``fetch``, which parses them)."""
-        work = self.take(batch)
-        self.fallback_members = None
-        try:
-            got = None if work is None else self._read(batch, work)
-        except (OSError, WdsPadError):  # the exact path reads it again and says what is wrong
-            got = None
-        if got is None and work is not None:  # fetch reads it through the table, checking each
-            self.fallback_members = member_refs(work)  # header, parsing none: counted here
-            st = self.reader.stats
-            st.exact_batches += 1
-            st.exact_samples += work[2] - work[1]
-        return got
+        return self._attempt(batch, self._read)
 
     def read_packed(self, batch: Batch, shared: bool) -> PackedBatch | None:
         """``batch`` read into one buffer (:class:`~wds_pad.stream.transport.PackedBatch`;
         ``shared``: in shared memory), or None as :meth:`read` (the same fallback)."""
+        return self._attempt(batch, lambda b, w: self._read_packed(b, w, shared))
+
+    def _attempt(self, batch: Batch, how: Any) -> Any:
         work = self.take(batch)
         self.fallback_members = None
         try:
-            got = None if work is None else self._read_packed(batch, work, shared)
-        except (OSError, WdsPadError):
+            got = None if work is None else how(batch, work)
+        except (OSError, WdsPadError):  # the exact path reads it again and says what is wrong
             got = None
-        if got is None and work is not None:
-            self.fallback_members = member_refs(work)
+        if got is None and work is not None:  # fetch reads it through the table, checking each
+            self.fallback_members = member_refs(work)  # header, parsing none: counted here
             st = self.reader.stats
             st.exact_batches += 1
             st.exact_samples += work[2] - work[1]
@@ -235,27 +242,21 @@ class BatchReader:
         ln = lengths[lo:hi]
         base = np.cumsum(ln) - ln
         bounds = None
-        arena, got = place(self._arenas.get(shared), shared, nbytes, self.run)
-        self._arenas[shared] = arena
-        if got is None:  # the ring is full (or the batch too large for it): a buffer of its own
-            buf, arr = allocate(nbytes, shared)
-            ring, begin, seq = None, 0, -1
-        else:
-            arr, begin, seq = got
-            buf, ring = None if (shared and arena.sent) else arena.owner, arena.id
+        space = reserve(self._arenas.get(shared), shared, nbytes, self.run)
+        self._arenas[shared] = space.arena
         try:
-            bounds = self._fill(c, lo, hi, mlo, mhi, arr, base)
+            bounds = self._fill(c, lo, hi, mlo, mhi, space.arr, base)
         finally:
-            if ring is not None and bounds is None:  # read on the exact path: its space is free
-                arena.release(seq)
+            if bounds is None:  # read on the exact path: its space is free
+                space.drop()
         if bounds is None:
             return None
-        arena.sent = arena.sent or (shared and ring is not None)
+        space.sent()
         st = reader.stats
         st.ranges += hi - lo
         st.requests += hi - lo
         st.bytes += nbytes
-        return PackedBatch(buf, ring, begin, nbytes, seq, bounds, c.exts[mlo:mhi], counts[lo:hi].tolist(),
+        return PackedBatch(space.buf, space.ring, space.start, nbytes, space.seq, bounds, c.exts[mlo:mhi], counts[lo:hi].tolist(),
                            c.keys[lo:hi], c.urls[lo:hi], c.ids[lo:hi], c.pads[lo:hi], meta,
                            None if batch.pack is None else batch.pack.tolist(), seed_list(batch))
 

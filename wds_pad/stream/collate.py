@@ -28,7 +28,7 @@ from webdataset.filters import TorchTensor, combine_values, default_collation_fn
 
 from ..errors import ConfigError
 
-__all__ = ["collate_batch", "collate_columns", "run_collation", "where_samples"]
+__all__ = ["collate_batch", "collate_columns", "lists_only", "run_collation", "where_samples"]
 
 Where = Callable[[int], str]
 _IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "ppm", "pgm", "pbm"})
@@ -64,6 +64,12 @@ def collate_columns(samples: Sequence[Any]) -> Any:
             message names the sample, its members and the fix.
     """
     return _collate_columns(samples, _describe(samples))
+
+
+def lists_only(fn: Callable[[list[Any]], Any] | None, transformed: bool) -> bool:
+    """Whether collating with ``fn`` only lists the samples: ``list``, or the default on the
+    sample dicts of a stream without per-sample stages (``transformed`` False)."""
+    return fn is list or (not transformed and (fn is None or fn is collate_batch))
 
 
 def run_collation(fn: Callable[[list[Any]], Any] | None, samples: list[Any],

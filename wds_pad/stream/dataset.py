@@ -338,7 +338,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             return
         self.agree()
         # in one process the loop's wait is the time batches take to make: one timing for both
-        yield from self._counted(self._clock.timed(self._iterate(), "wait_ns", count=True, also="make_ns"))
+        yield from self._counted(self._clock.waited(self._iterate(), making=True))
 
     def _iterate(self) -> Iterator[Any]:
         source = self._source()
@@ -354,7 +354,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         made = BatchMaker(self.spec, self.stages, self.collation_fn, self.handler, self.counters,
                           fetcher, _unmoved if pack else self._advance, pack, views, clock)(source)
         if in_worker:
-            made = clock.timed(made, "make_ns")
+            made = clock.made(made)
         try:
             yield from clock.noted(made) if in_worker and self._pack else made
         finally:

@@ -235,7 +235,7 @@ class Loader:
         try:
             _widen_pipe(batches)
             ds.seek(replace(start, pinned=False))
-            yield from ds._clock.timed(self._received(batches), "wait_ns", count=True)
+            yield from ds._clock.waited(self._received(batches), making=False)
         finally:  # an error or an early stop too: no worker outlives the loop
             shut_down(batches)
             ds._clock.end_workers()
@@ -247,6 +247,6 @@ class Loader:
         clock, collate, zero_copy, rings = ds._clock, ds.collation_fn, ds.zero_copy, {}  # type: ignore[var-annotated]
         for item in clock.received(watched(batches, "Loader")):
             # a run of batches, or one; unpacking and collating here is counted as collation
-            for batch in clock.timed(unpacked(item, collate, zero_copy, rings), "unpack_ns"):
+            for batch in unpacked(item, collate, zero_copy, rings):
                 self._cursor = self._cursor.forward(ds.spec, 1)
                 yield batch

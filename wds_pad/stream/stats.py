@@ -1,20 +1,28 @@
 """Where data time goes on this rank: :class:`StreamStats`, and the clock that counts it.
 
 Invariants:
-- counters are always on and cost a few ``time.perf_counter_ns`` calls per batch (and
-  one per remote request, in the reader): never per sample;
+- counters are always on and cost, in the loop's process, two ``time.perf_counter_ns``
+  reads per batch (where its wait begins, where it is handed over) and a third where a
+  collation that does more than list the samples begins (the handing over ends it);
+  with workers two more per message there and two per message in a worker; one per
+  remote request in the reader: never per sample. On the per-batch path they add ints
+  into one list: no floats, dicts, attributes or calls;
 - ``wait_s`` is the time the training loop spent inside ``next()`` on the dataset or
   the Loader, in the main process;
 - the stages split the time spent making batches: ``get_s`` and ``cache_wait_s`` are the
   waits of the reading thread on its ranged GETs and on the shard cache (the reader's
-  :class:`~wds_pad.io.options.ReadStats`), ``collate_s`` is collation, ``tar_s`` the rest
-  of making a batch (local reads, tar headers and members, per-sample stages);
+  :class:`~wds_pad.io.options.ReadStats`), ``collate_s`` runs from the start of a
+  batch's collation to its hand-over (none for a collation that only lists the
+  samples; in the main process with workers: all of its wait that is not
+  ``transport_s``, the unpacking and collation), ``tar_s`` the rest of
+  making a batch (local reads, tar headers and members, per-sample stages);
   ``transport_s`` is the main process's wait on its DataLoader workers' messages. In one
   process the stages add up to ``wait_s``; with workers they are summed over the
   workers, whose work overlaps the training step;
 - a DataLoader worker sends its counters with the batches it already sends (the last
-  element of each message, a :class:`WorkerNote`), never on a channel of its own; the
-  main process keeps each worker's latest and sums them.
+  element of each message, a :data:`WorkerNote`: a plain tuple of its counts and of the
+  per-shard waits that changed since its previous note), never on a channel of its own;
+  the main process keeps each worker's latest and sums them.
 """
 
 from __future__ import annotations
@@ -27,11 +35,16 @@ from torch.utils.data import get_worker_info
 
 from .transport import PackedRun
 
-__all__ = ["Clock", "StreamStats", "WorkerNote"]
+__all__ = ["COLLATING", "Clock", "StreamStats", "WorkerNote"]
 
-_COUNTS = ("wait_ns", "batches", "make_ns", "collate_ns", "unpack_ns", "transport_ns",
+_COUNTS = ("wait_ns", "batches", "make_ns", "collate_ns", "received_ns", "transport_ns",
            "gets", "get_bytes", "cache_hits", "get_wait_ns", "cache_wait_ns")
-_READER = ("gets", "get_bytes", "cache_hits", "get_wait_ns", "cache_wait_ns")
+WAIT, BATCHES, MAKE, COLLATE, RECEIVED, TRANSPORT = range(6)  # Clock.acc's own timings
+_READER = _COUNTS[6:]  # the reader's (ReadStats), folded in when its iteration ends
+_FIRST_READER = len(_COUNTS) - len(_READER)
+#: ``Clock.acc[COLLATING]``: when the collation of the batch being made began
+#: (perf_counter_ns; set by the batch maker, closed by the timing that hands it over)
+COLLATING = len(_COUNTS)
 STAGES = ("get_s", "cache_wait_s", "tar_s", "collate_s", "transport_s")
 
 
@@ -79,13 +92,10 @@ class StreamStats:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class WorkerNote:
-    """A worker's counters of its current iteration, riding at the end of a message."""
-
-    worker: int
-    counts: dict[str, int]
-    by_url: dict[str, int]
+#: A worker's counters of its current iteration, riding as the last element of each message
+#: it sends: ``(worker id, counts in _COUNTS order, the shard waits that changed since its
+#: previous note)``. A plain tuple: it pickles and unpickles in a fraction of a class's time.
+WorkerNote = tuple[int, tuple[int, ...], dict[str, int]]
 
 
 def _add(into: dict[str, int], counts: dict[str, int]) -> None:
@@ -97,36 +107,41 @@ class Clock:
     """The counters of one dataset in one process (the main one or a worker)."""
 
     def __init__(self) -> None:
-        self.own = dict.fromkeys(_COUNTS, 0)  # this process's timings, and finished readers
+        # this process's timings and finished readers, in _COUNTS order, then the COLLATING mark
+        self.acc = [0] * (len(_COUNTS) + 1)
         self.by_url: dict[str, int] = {}
         self.reader: Any = None  # the ReadStats of the running iteration's reader
-        self.workers: dict[int, WorkerNote] = {}  # the running iteration's, latest of each
+        # the running iteration's workers: the latest counts of each, and its shards' waits
+        self.workers: dict[int, tuple[tuple[int, ...], dict[str, int]]] = {}
 
     # -- reading the counters ------------------------------------------------------------
-    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """This process's counters and per-shard waits, the running reader's included."""
-        counts, by_url = dict(self.own), dict(self.by_url)
-        st = self.reader
+    def counts(self) -> list[int]:
+        """This process's counters, in ``_COUNTS`` order, the running reader's included."""
+        counts, st = self.acc[:COLLATING], self.reader
         if st is not None:
-            _add(counts, {k: getattr(st, k) for k in _READER})
-            _add(by_url, st.wait_ns_by_url)
-        return counts, by_url
+            for i, k in enumerate(_READER, _FIRST_READER):
+                counts[i] += getattr(st, k)
+        return counts
 
     def stats(self, rank: int) -> StreamStats:
         """The rank's :class:`StreamStats`: this process plus its workers' latest notes."""
-        counts, by_url = self.counts()
-        for note in list(self.workers.values()):
-            _add(counts, note.counts)
-            _add(by_url, note.by_url)
+        own, by_url = self.counts(), dict(self.by_url)
+        if self.reader is not None:
+            _add(by_url, dict(self.reader.wait_ns_by_url))
+        for note_counts, note_by_url in list(self.workers.values()):
+            own = [a + b for a, b in zip(own, note_counts)]
+            _add(by_url, dict(note_by_url))
+        counts = dict(zip(_COUNTS, own))
         s = 1e-9
         waits = counts["get_wait_ns"] + counts["cache_wait_ns"]
         tar = max(0, counts["make_ns"] - waits - counts["collate_ns"])
+        unpack = max(0, counts["received_ns"] - counts["transport_ns"])  # the main process's rest
         worst = max(by_url.items(), key=lambda kv: kv[1], default=("", 0))
         return StreamStats(
             rank=rank, wait_s=counts["wait_ns"] * s, batches=counts["batches"], gets=counts["gets"],
             bytes_read=counts["get_bytes"], cache_hits=counts["cache_hits"],
             get_s=counts["get_wait_ns"] * s, cache_wait_s=counts["cache_wait_ns"] * s, tar_s=tar * s,
-            collate_s=(counts["collate_ns"] + counts["unpack_ns"]) * s, transport_s=counts["transport_ns"] * s,
+            collate_s=(counts["collate_ns"] + unpack) * s, transport_s=counts["transport_ns"] * s,
             slowest_shard=worst[0], slowest_shard_s=worst[1] * s)
 
     # -- an iteration's life -------------------------------------------------------------
@@ -139,60 +154,106 @@ class Clock:
         """Fold the running reader's counters in (its iteration ended)."""
         st, self.reader = self.reader, None
         if st is not None:
-            _add(self.own, {k: getattr(st, k) for k in _READER})
+            acc = self.acc
+            for i, k in enumerate(_READER, _FIRST_READER):
+                acc[i] += getattr(st, k)
             _add(self.by_url, st.wait_ns_by_url)
 
     def end_workers(self) -> None:
         """Fold the workers' latest notes in (their iteration ended)."""
         notes, self.workers = self.workers, {}
-        for note in notes.values():
-            _add(self.own, note.counts)
-            _add(self.by_url, note.by_url)
+        acc = self.acc
+        for counts, by_url in notes.values():
+            for i, v in enumerate(counts):
+                acc[i] += v
+            _add(self.by_url, by_url)
 
     # -- timing, per batch -----------------------------------------------------------------
-    def timed(self, items: Iterable[Any], key: str, count: bool = False, also: str = "") -> Iterator[Any]:
-        """``items``, adding the time spent inside their ``next()`` to counter ``key``
-        (and to ``also``: one process times its wait and its making at once; and each
-        item to ``batches`` if ``count``); closes ``items`` when closed."""
+    def waited(self, items: Iterable[Any], making: bool) -> Iterator[Any]:
+        """The training loop's side: ``items`` (batches), the time spent inside their
+        ``next()`` added to ``wait_ns`` and to ``make_ns`` if they are made in this
+        process (``making``), else to ``received_ns``; each counted in ``batches``. The
+        collation a batch maker began (``acc[COLLATING]``) ends where the batch is
+        handed over: one clock read ends both. Closes ``items`` when closed."""
         it = iter(items)
-        now, own = time.perf_counter_ns, self.own
+        now, acc, also = time.perf_counter_ns, self.acc, MAKE if making else RECEIVED
         try:
             began = now()
             for item in it:
-                spent = now() - began
-                own[key] += spent
-                if also:
-                    own[also] += spent
-                if count:
-                    own["batches"] += 1
+                ended = now()
+                spent = ended - began
+                acc[WAIT] += spent
+                acc[also] += spent
+                acc[BATCHES] += 1
+                if acc[COLLATING] > began:
+                    acc[COLLATE] += ended - acc[COLLATING]
                 yield item
                 began = now()
-            own[key] += now() - began
+            spent = now() - began
+            acc[WAIT] += spent
+            acc[also] += spent
         finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
+            _close(it)
 
-    def collate(self, began: int) -> None:
-        """Add the collation that began at ``began`` (perf_counter_ns) and ends now."""
-        self.own["collate_ns"] += time.perf_counter_ns() - began
+    def made(self, items: Iterable[Any]) -> Iterator[Any]:
+        """In a DataLoader worker: ``items`` (messages), the time spent making them added to
+        ``make_ns``, each one's collation ended where it is handed over. Closes ``items``
+        when closed."""
+        it = iter(items)
+        now, acc = time.perf_counter_ns, self.acc
+        try:
+            began = now()
+            for item in it:
+                ended = now()
+                acc[MAKE] += ended - began
+                if acc[COLLATING] > began:
+                    acc[COLLATE] += ended - acc[COLLATING]
+                yield item
+                began = now()
+            acc[MAKE] += now() - began
+        finally:
+            _close(it)
 
     def noted(self, items: Iterable[Any]) -> Iterator[Any]:
         """In a DataLoader worker: each message as a PackedRun ending with a WorkerNote of
-        this worker's counters so far (the main process strips it: :meth:`received`)."""
+        this worker's counters so far (the main process strips it: :meth:`received`).
+        A worker's clock counts one iteration, so its shard waits are its reader's: a
+        note carries those the reader waited on since the previous note (none, mostly)."""
         info = get_worker_info()
         worker = 0 if info is None else info.id
         for item in items:
             run = item if isinstance(item, PackedRun) else PackedRun([item])
-            counts, by_url = self.counts()
-            run.append(WorkerNote(worker, counts, by_url))
+            st, changed = self.reader, {}
+            if st is not None and st.waited_urls:
+                waits, urls = st.wait_ns_by_url, st.waited_urls
+                changed = {u: waits[u] for u in urls}  # the reader runs in this thread
+                urls.clear()
+            note: WorkerNote = (worker, tuple(self.counts()), changed)
+            run.append(note)
             yield run
 
     def received(self, items: Iterable[Any]) -> Iterator[Any]:
-        """In the main process: the workers' messages, timed as transport, their notes kept."""
-        workers = self.workers
-        for item in self.timed(items, "transport_ns"):
-            if isinstance(item, PackedRun) and item and isinstance(item[-1], WorkerNote):
-                note = item.pop()
-                workers[note.worker] = note
-            yield item
+        """In the main process: the workers' messages (each a PackedRun that
+        :meth:`noted` ended with its note), the wait on each added to ``transport_ns``,
+        their notes taken off and kept. Closes ``items`` when closed."""
+        it = iter(items)
+        now, acc, workers = time.perf_counter_ns, self.acc, self.workers
+        try:
+            began = now()
+            for item in it:
+                acc[TRANSPORT] += now() - began
+                worker, counts, changed = item.pop()
+                kept = workers.get(worker)
+                by_url = {} if kept is None else kept[1]
+                by_url.update(changed)  # the shards whose wait changed: their totals
+                workers[worker] = (counts, by_url)
+                yield item
+                began = now()
+        finally:
+            _close(it)
+
+
+def _close(it: Iterator[Any]) -> None:
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()

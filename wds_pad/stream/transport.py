@@ -4,14 +4,16 @@
 A :class:`PackedBatch` is one plan batch read into one uint8 buffer: every sample's byte
 range, back to back, with per member the start and end of its payload in the buffer,
 plus the small per-sample fields (key, shard URL, index row, padded copy). A worker of a
-:class:`~wds_pad.stream.loader.Loader` reads its batches straight into a buffer in
-shared memory (a torch uint8 tensor whose storage was made shared: DataLoader hands it
-to the main process as a file descriptor, never through the pipe) and sends the packed
-batch; the main process rebuilds the webdataset sample dicts (:meth:`PackedBatch.samples`).
+:class:`~wds_pad.stream.loader.Loader` reads its batches of local shards straight into a
+buffer in shared memory (a torch uint8 tensor whose storage was made shared: DataLoader
+hands it to the main process as a file descriptor, never through the pipe; stream/ring.py)
+and sends the packed batch; a batch of fetched samples (remote shards, the node cache,
+the exact path) has its members copied into the buffer once (:func:`pack_samples`). The
+main process rebuilds the webdataset sample dicts (:meth:`PackedBatch.samples`).
 
 Invariants:
-- the rebuilt sample dicts are exactly what the batch-wise path yields for the batch in
-  one process: the same keys in the same order, members in archive order, the same
+- the rebuilt sample dicts are exactly what the path that read the batch yields for it
+  in one process: the same keys in the same order, members in archive order, the same
   ``__``-fields; members are ``bytes`` (copied out of the buffer once: the only copy),
   or with ``zero_copy`` read-only ``memoryview``s over the buffer, which keep it alive
   as long as any of them is held;
@@ -26,15 +28,13 @@ Invariants:
 - only batches without per-sample stages, collated by a known collation (the default,
   ``list``, webdataset's ``default_collation_fn``) travel packed: collation then runs in
   the main process, on the rebuilt samples, and costs what it costs in one process.
-  Anything else (transformed samples, a custom collation, a batch read on the exact
-  path) travels as before, pickled by DataLoader.
+  Anything else (transformed samples, a custom collation, a sample with fields a packed
+  batch does not carry) travels as before, pickled by DataLoader.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -44,122 +44,14 @@ import torch
 from webdataset.filters import default_collation_fn
 
 from .collate import collate_batch, collate_columns, run_collation, where_samples
+from .ring import HEADER, Arena, release, reserve
 
-__all__ = ["Arena", "LooseBatch", "PackedBatch", "PackedRun", "allocate", "as_views", "packs", "place", "ring_bytes",
-           "run_length", "unpack", "unpacked"]
+__all__ = ["FIELDS", "LooseBatch", "PackedBatch", "PackedRun", "as_views", "pack_samples", "packs", "run_length",
+           "unpack", "unpacked"]
 
-
-ARENA_BYTES = 64 << 20  # the largest ring of batch buffers a reader makes, its pages reused
-RING_BYTES = 4 << 20  # the smallest: a ring is sized to the batches it carries (ring_bytes)
-RING_BATCHES = 4  # a ring holds this many messages of batches the size of the one it is made
-# for: a worker's two prefetched ones (DataLoader's default), the one it makes, the trainer's
 RUN_SAMPLES = 256  # a worker sends batches of this many samples in all at once ...
 RUN_BYTES = 4 << 20  # ... unless they hold more bytes than this
 MAX_RUN = 8
-SLOTS = 256  # batches a ring can hold at once (one release flag each, at the ring's start)
-_HEADER = 8 * SLOTS
-_IDS = itertools.count()
-
-
-def allocate(nbytes: int, shared: bool) -> tuple[Any, np.ndarray]:
-    """A buffer of ``nbytes`` and a writable uint8 numpy view of it.
-
-    ``shared``: a torch uint8 tensor whose storage is born in shared memory (pickling it
-    into the main process passes a descriptor, no copy); else a plain numpy array.
-    """
-    if not shared:
-        arr = np.empty(nbytes, np.uint8)
-        return arr, arr
-    size = max(1, nbytes)
-    try:
-        storage = torch.UntypedStorage._new_shared(size)
-        tensor = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
-    except (AttributeError, TypeError, RuntimeError):  # another torch: shared after the fact
-        tensor = torch.empty(size, dtype=torch.uint8).share_memory_()
-    tensor = tensor[:nbytes]
-    return tensor, tensor.numpy()
-
-
-def ring_bytes(nbytes: int, size: int = 0, run: int = 1) -> int:
-    """The size of a ring for batches of about ``nbytes`` sent ``run`` at a time, or of the
-    ring that replaces a full one of ``size``: room for ``RING_BATCHES`` runs of them, twice
-    the full one, between ``RING_BYTES`` and ``ARENA_BYTES``. Every page of a ring is
-    touched once (a page fault in the worker and in the main process), so it is no larger
-    than what is in flight: a worker's prefetched batches and the ones the trainer holds."""
-    return min(ARENA_BYTES, max(RING_BYTES, RING_BATCHES * max(1, run) * nbytes, 2 * size))
-
-
-class Arena:
-    """A ring of batch buffers, made once per reader: fresh (shared) memory costs a page
-    fault a page, a reused ring nothing.
-
-    Batches are placed one after the other and wrap around; the consumer marks a batch
-    done in the ring's flags (``SLOTS`` int64 at its start, :func:`_release`) when no
-    member of it is held any more, and the ring reuses its space from the oldest batch
-    on. A batch that does not fit (the oldest still held, or larger than half the ring)
-    gets a buffer of its own; a reader whose ring is full replaces it with a larger one
-    (:func:`ring_bytes`), the consumer keeps the old one as long as a batch of it is held.
-    """
-
-    def __init__(self, shared: bool, size: int = ARENA_BYTES) -> None:
-        self.shared = shared
-        self.size = size
-        self.owner, self.arr = allocate(size + _HEADER, shared)
-        self.flags = self.arr[:_HEADER].view(np.int64)
-        self.flags[:] = 0
-        self.id = (os.getpid(), next(_IDS))
-        self.sent = False  # the ring itself went to the consumer with its first batch
-        self.live: collections.deque[tuple[int, int, int]] = collections.deque()  # (seq, start, end)
-        self.head = _HEADER
-        self.seq = 0
-
-    def alloc(self, nbytes: int) -> tuple[np.ndarray, int, int] | None:
-        """``(view, start, seq)`` of ``nbytes`` in the ring, or None: it does not fit now."""
-        live, flags, size = self.live, self.flags, self.arr.size
-        while live and flags[live[0][0] % SLOTS] == live[0][0] + 1:
-            live.popleft()
-        n = max(1, nbytes)
-        if len(live) >= SLOTS - 1 or n > (size - _HEADER) // 2:
-            return None
-        if not live:
-            self.head = start = _HEADER
-        else:
-            tail, head = live[0][1], self.head
-            if head >= tail:  # in use: [tail, head); free: after head, then before tail
-                start = head if head + n <= size else (_HEADER if _HEADER + n <= tail else -1)
-            else:  # in use: [tail, size) and [HEADER, head)
-                start = head if head + n <= tail else -1
-            if start < 0:
-                return None
-        seq = self.seq
-        self.seq += 1
-        flags[seq % SLOTS] = 0
-        live.append((seq, start, start + n))
-        self.head = start + n
-        return self.arr[start:start + nbytes], start, seq
-
-
-    def release(self, seq: int) -> None:
-        """Give batch ``seq``'s space back now (it was not handed out)."""
-        _release(self.flags, seq)
-
-
-def place(arena: Arena | None, shared: bool, nbytes: int,
-          run: int = 1) -> tuple[Arena, tuple[np.ndarray, int, int] | None]:
-    """Where a reader puts a batch of ``nbytes`` (sent ``run`` at a time): its ring (made now
-    for this process if ``arena`` is None or another process's; a larger one if it is full)
-    and the batch's place there (:meth:`Arena.alloc`), or None: a buffer of its own."""
-    if arena is None or arena.id[0] != os.getpid():
-        arena = Arena(shared, ring_bytes(nbytes, run=run))
-    got = arena.alloc(nbytes)
-    if got is None and arena.size < ARENA_BYTES and 2 * nbytes <= ARENA_BYTES:
-        arena = Arena(shared, ring_bytes(nbytes, arena.size))
-        got = arena.alloc(nbytes)
-    return arena, got
-
-
-def _release(flags: np.ndarray, seq: int) -> None:
-    flags[seq % SLOTS] = seq + 1
 
 
 @dataclass
@@ -205,13 +97,18 @@ class PackedBatch:
         whole = self._buffer(rings)
         arr = whole[self.start:self.start + self.nbytes]  # its own object: its views keep it
         if self.ring is not None and zero_copy:  # the ring's space is reused when no view is left
-            weakref.finalize(arr, _release, whole[:_HEADER].view(np.int64), self.seq)
+            weakref.finalize(arr, release, whole[:HEADER].view(np.int64), self.seq)
         view = memoryview(arr).toreadonly()
         bucket, dataset, epoch, step, index = self.meta
         tmpl = {"__url__": None, "__key__": None, "__index__": None, "__bucket__": bucket,
                 "__dataset__": dataset, "__pad__": False, "__epoch__": epoch, "__step__": step,
-                "__batch__": index}
+                "__batch__": index, "__seed__": None}
         starts, ends = self.bounds.tolist()
+        # every member at once (a view, or its bytes: the one copy), then one dict per sample
+        if zero_copy:
+            values = [view[a:b] for a, b in zip(starts, ends)]
+        else:
+            values = [view[a:b].tobytes() for a, b in zip(starts, ends)]
         exts = self.exts
         out: list[dict[str, Any]] = []
         append = out.append
@@ -224,21 +121,21 @@ class PackedBatch:
             d["__index__"] = i
             d["__pad__"] = p
             d["__seed__"] = z
-            j = m + cnt
-            if zero_copy:
-                for x in range(m, j):
-                    d[exts[x]] = view[starts[x]:ends[x]]
+            if cnt == 2:  # the common shape (a payload and its .json), unrolled
+                d[exts[m]] = values[m]
+                d[exts[m + 1]] = values[m + 1]
+                m += 2
             else:
-                for x in range(m, j):
-                    d[exts[x]] = view[starts[x]:ends[x]].tobytes()
-            m = j
+                for x in range(m, m + cnt):
+                    d[exts[x]] = values[x]
+                m += cnt
             append(d)
         if self.packs is not None:
             for d, pk in zip(out, self.packs):
                 d["__pack__"] = pk
         if self.ring is not None and not zero_copy:  # copied out: its space is free now
             view.release()
-            _release(whole[:_HEADER].view(np.int64), self.seq)
+            release(whole[:HEADER].view(np.int64), self.seq)
         return out
 
     def _buffer(self, rings: dict[Any, np.ndarray] | None) -> np.ndarray:
@@ -282,6 +179,50 @@ _PACKABLE = (None, collate_batch, collate_columns, default_collation_fn, list)
 def packs(stages: Sequence[Callable[[Any], Any]], collation_fn: Any) -> bool:
     """Whether batches with these stages and this collation travel packed (module doc)."""
     return not stages and any(collation_fn is c for c in _PACKABLE)
+
+
+#: the fields a packed batch carries per sample, in the order every path yields them
+FIELDS = ("__url__", "__key__", "__index__", "__bucket__", "__dataset__", "__pad__", "__epoch__", "__step__",
+          "__batch__", "__seed__")
+
+
+def pack_samples(samples: list[Any], arena: Arena | None, shared: bool) -> tuple[Arena | None, PackedBatch | None]:
+    """A batch of fetched sample dicts (remote shards, the node cache, the exact path)
+    copied once into ``arena`` (made or replaced as :func:`reserve` does): the reader's
+    ring and the packed batch, or None when a sample carries what a packed batch does
+    not (a substitute's fields, a pack, a member that is not ``bytes``): it travels loose."""
+    exts: list[str] = []
+    values: list[bytes] = []
+    counts: list[int] = []
+    nf = len(FIELDS)
+    for s in samples:
+        if type(s) is not dict or len(s) < nf or tuple(itertools.islice(s, nf)) != FIELDS:
+            return arena, None
+        n = len(s) - nf
+        for k, v in itertools.islice(s.items(), nf, None):
+            if type(v) is not bytes or k.startswith("__"):
+                return arena, None
+            exts.append(k)
+            values.append(v)
+        counts.append(n)
+    if not samples:
+        return arena, None
+    sizes = list(map(len, values))
+    ends = list(itertools.accumulate(sizes))
+    nbytes = ends[-1] if ends else 0
+    space = reserve(arena, shared, nbytes)
+    view = memoryview(space.arr)
+    for v, e, n in zip(values, ends, sizes):
+        view[e - n:e] = v
+    space.sent()
+    first = samples[0]
+    starts = [e - n for e, n in zip(ends, sizes)]
+    return space.arena, PackedBatch(
+        space.buf, space.ring, space.start, nbytes, space.seq, np.array([starts, ends], np.int64).reshape(2, -1),
+        exts, counts, [s["__key__"] for s in samples], [s["__url__"] for s in samples],
+        [s["__index__"] for s in samples], [s["__pad__"] for s in samples],
+        (first["__bucket__"], first["__dataset__"], first["__epoch__"], first["__step__"], first["__batch__"]),
+        None, [s["__seed__"] for s in samples])
 
 
 def as_views(samples: list[Any]) -> list[Any]:
