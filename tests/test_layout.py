@@ -122,7 +122,7 @@ class Block:
             raise ImportError(f"{name} is blocked: wds_pad.core must not import it")
 BLOCKED = {"torch", "fsspec", "webdataset", "aiohttp", "s3fs"}
 sys.meta_path.insert(0, Block())
-import wds_pad.core.plan, wds_pad.core.seed, wds_pad.core.topology, wds_pad.core.permute
+import wds_pad.core.planning.plan, wds_pad.core.seed, wds_pad.core.topology, wds_pad.core.permute
 from wds_pad import plan_epoch, Topology
 plan = plan_epoch({"a": list(range(10))}, Topology(2, 1), seed=3, batch_size=2)
 print(len(plan))

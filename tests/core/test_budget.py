@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Budget, ConfigError, Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
-from wds_pad.core.budget import batch_cost, pack
-from wds_pad.core.lockstep import lockstep_cuts
-from wds_pad.core.strata import BucketBatches
+from wds_pad.core.budgets.budget import batch_cost, pack
+from wds_pad.core.budgets.lockstep import lockstep_cuts
+from wds_pad.core.budgets.strata import BucketBatches
 
 PROPERTY = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

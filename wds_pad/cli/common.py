@@ -219,7 +219,7 @@ def print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
 
 def locality_arg(text: str) -> str:
     """``--locality``: any value of the library's ``Locality``, with its message otherwise."""
-    from ..core.locality import Locality
+    from ..core.local.locality import Locality
     from ..core.policy import parse_enum
 
     try:

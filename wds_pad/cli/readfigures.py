@@ -4,7 +4,7 @@ Two figures per epoch: one rank's reads as its reader makes them alone (:func:`f
 and one node's when its processes share one copy of each shard (:func:`node_figures`,
 the node cache): every shard a process of the node reads whole is fetched once for the
 node, and a sample read singly from such a shard is served by that copy. What a plan
-reads (which entries singly, which shards whole) is core/localfigures.py's; this module
+reads (which entries singly, which shards whole) is core/local/reads.py's; this module
 counts it, beside the commands that print it (cli/reading.py).
 
 Invariants:
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..core.localfigures import Reads, node_held, node_reads, rank_reads, shard_blocks
+from ..core.local.reads import Reads, node_held, node_reads, rank_reads, shard_blocks
 from .shufflequality import shuffle_quality
 
 __all__ = ["LocalityFigures", "NodeFigures", "figures", "node_figures"]

@@ -1,6 +1,6 @@
 """Shard locality's per-bucket tables: how a bucket's global order is drawn from the deal.
 
-Steps 2-4 of core/locality.py: a kept bucket's samples per shard (sparse, in visit
+Steps 2-4 of core/local/locality.py: a kept bucket's samples per shard (sparse, in visit
 order), per window and per rank, the pools each window holds, the own entries each rank
 keeps, the surplus it gives away and the foreign entries it receives; ``LocalBuckets``
 is what a shard-local ``Plan`` computes its entries from (``Plan.buckets.local``).
@@ -25,11 +25,11 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
-from .dataset import Dataset, IdRange
+from ...errors import ConfigError
+from ..dataset import Dataset, IdRange
 from .locality import DealtDataset, Locality, layouts, tail_needed
-from .permute import ROUNDS, mix64, permute
-from .seed import derive_seed
+from ..permute import ROUNDS, mix64, permute
+from ..seed import derive_seed
 
 __all__ = ["LocalBuckets"]
 

@@ -1,7 +1,7 @@
-"""The levels of an elastic remainder under a budget (core/budget.py): strata, or each rank's entries.
+"""The levels of an elastic remainder under a budget (core/budgets/budget.py): strata, or each rank's entries.
 
-core/remainder.py plans what earlier layouts left of an epoch for every sizing; this
-module is what a :class:`~wds_pad.core.budget.Budget` supplies (and a Pack, planned as the
+core/elastic/remainder.py plans what earlier layouts left of an epoch for every sizing; this
+module is what a :class:`~wds_pad.core.budgets.budget.Budget` supplies (and a Pack, planned as the
 budget of its packs): how a level is described, what a segment consumed of it and what it
 leaves, and where a rank's entries of the top level come from.
 
@@ -10,13 +10,13 @@ leaves, and where a rank's entries of the top level come from.
   A segment consumes whole strata (lockstep) or, with policy ``none``, each rank's own
   members of the strata of its batches; the strata left, sorted by cost, are the next
   level's list, cut into strata of the new ``dp_size`` and packed again
-  (core/strata.py). O(strata) per level to describe, O(levels x log) per entry.
+  (core/budgets/strata.py). O(strata) per level to describe, O(levels x log) per entry.
 - ``locality="shard"``: a level is, per bucket, each rank's entries explicitly; what the
   old ranks left of theirs, rank after rank, is dealt to the new ranks in contiguous
   blocks (so a new rank reads the remaining samples of a few old ranks' shards) and cut
-  in lockstep again (core/lockstep.py). O(samples) per level, like the plan it resumes.
+  in lockstep again (core/budgets/lockstep.py). O(samples) per level, like the plan it resumes.
 
-Invariants (tests/core/test_budgetremainder.py): those of core/remainder.py; every new
+Invariants (tests/core/test_budgetremainder.py): those of core/elastic/remainder.py; every new
 rank has the same batch count (but for policy ``none``), a multiple of
 ``accumulation_steps``, every batch within the budget (a sample dearer than it alone).
 """
@@ -28,16 +28,16 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from ..errors import StateMismatchError
-from .budget import Budget
-from .budgetplan import RankCuts, shard_cut
-from .lockstep import lockstep_cuts
-from .planrecord import Bins, BucketStats, Plan, rank_batches
-from .policy import Policy, PadTo
-from .sampleseed import PADDED
-from .seed import derive_seed, json_digest
-from .shardschedule import PlannedShardUses
-from .strata import BucketBatches
+from ...errors import StateMismatchError
+from ..budgets.budget import Budget
+from ..budgets.budgetplan import RankCuts, shard_cut
+from ..budgets.lockstep import lockstep_cuts
+from ..planning.planrecord import Bins, BucketStats, Plan, rank_batches
+from ..policy import Policy, PadTo
+from ..sampleseed import PADDED
+from ..seed import derive_seed, json_digest
+from ..local.shardschedule import PlannedShardUses
+from ..budgets.strata import BucketBatches
 
 __all__ = ["BudgetLevels"]
 
@@ -89,7 +89,7 @@ class BudgetLevels:
     def advance(self, seg: Any, dp: int, taken: Any) -> tuple[np.ndarray, list[int]]:
         """Add the level ``seg`` left of the top one, dealt to ``dp`` ranks: (its buckets as base
         kept-bucket indices, steps per bucket). ``taken(schedule, seg, dp, buckets)``: the
-        steps of each bucket a lockstep segment consumed (core/remainder.py)."""
+        steps of each bucket a lockstep segment consumed (core/elastic/remainder.py)."""
         lv, base, shard = self.top, self.base, self.shard
         counts = np.asarray([[bb.count(d) for d in range(lv.dp)] for bb in lv.batches], np.int64).reshape(-1, lv.dp)
         if seg.steps is not None:

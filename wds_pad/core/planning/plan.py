@@ -32,9 +32,9 @@ Invariants (hypothesis properties in tests/core/test_plan.py, for both localitie
 
 This module holds the planner itself (``plan_epoch`` and the steps-mode ``iter_steps``);
 its records ``Plan`` / ``Batch`` / ``BucketStats`` and the rank's entries of step 4 live
-in ``core.planrecord``, the rules of steps 2-3 and the epoch limits in ``core.policy``,
+in ``core.planning.planrecord``, the rules of steps 2-3 and the epoch limits in ``core.policy``,
 the Dataset record and its bucket order in ``core.dataset``, the schedule of step 5 in
-``core.schedule``.
+``core.planning.schedule``.
 """
 
 from __future__ import annotations
@@ -47,22 +47,22 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, DroppedBucketWarning
-from .budget import Budget
-from .budgetplan import budget_buckets
+from ...errors import ConfigError, DroppedBucketWarning
+from ..budgets.budget import Budget
+from ..budgets.budgetplan import budget_buckets
 from .buckettable import Planning, SizedBuckets, bucket_table, padded
-from .dataset import Dataset, as_datasets
-from .localbuckets import LocalBuckets
-from .locality import Locality
-from .packplan import pack_buckets
-from .permute import round_keys
+from ..dataset import Dataset, as_datasets
+from ..local.localbuckets import LocalBuckets
+from ..local.locality import Locality
+from ..budgets.packplan import pack_buckets
+from ..permute import round_keys
 from .planrecord import Batch, Bins, BucketStats, Plan, Buckets, rank_batches
 from .proportion import extended, mix
-from .policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, resolve_policy
+from ..policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, resolve_policy
 from .schedule import step_schedule
-from .seed import check_seed, derive_seed
-from .sizing import Count, as_sizing
-from .topology import Topology
+from ..seed import check_seed, derive_seed
+from ..sizing import Count, as_sizing
+from ..topology import Topology
 
 __all__ = ["Batch", "BucketStats", "Plan", "iter_steps", "plan_epoch"]
 
@@ -118,7 +118,7 @@ def plan_epoch(
         seed: the shared seed (identical on every rank), an int in [0, 2**64).
         epoch: the epoch number, an int in [0, MAX_EPOCH].
         batch_size: samples per batch per DP rank (an int or a
-            :class:`~wds_pad.core.sizing.Count`), or a :class:`~wds_pad.core.budget.Budget`
+            :class:`~wds_pad.core.sizing.Count`), or a :class:`~wds_pad.core.budgets.budget.Budget`
             (batches sized by the samples' costs: every dataset needs costs).
         policy: ``auto`` | ``cyclic`` | ``drop`` | ``none``.
         mode: ``epochs`` | ``steps`` (only matters for ``auto``).
@@ -129,13 +129,13 @@ def plan_epoch(
         locality: ``none`` (every bucket shuffled across all shards), ``shard`` (each
             rank reads its own shards, dealt per epoch, through a window of shards) or
             ``node`` (shards dealt to nodes for good, read by a node's ranks together;
-            needs ``topology.local_world_size``); core/locality.py. ``shard`` and ``node``
+            needs ``topology.local_world_size``); core/local/locality.py. ``shard`` and ``node``
             need an Index or a ShardMap per dataset.
         window: shards a rank (a node) visits at once with ``locality="shard"`` (``"node"``).
         accumulation_steps: K micro-batches per optimizer step: every rank's batch count
             is a multiple of K and each run of K steps reads one bucket.
         mix_by: with proportions (``Dataset(proportion=...)``), count each dataset's share
-            in ``samples`` or in ``cost`` (core/proportion.py).
+            in ``samples`` or in ``cost`` (core/planning/proportion.py).
         epoch_size: with proportions, the epoch's samples (or cost); None: the datasets' own.
 
     Returns:

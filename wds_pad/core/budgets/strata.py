@@ -43,8 +43,8 @@ from typing import Callable
 import numpy as np
 
 from .budget import Budget, BudgetModel, fits_one_more
-from .permute import ROUNDS, mix64, permute
-from .seed import derive_seed
+from ..permute import ROUNDS, mix64, permute
+from ..seed import derive_seed
 
 __all__ = ["BucketBatches"]
 

@@ -1,6 +1,6 @@
 """The levels of an elastic remainder under a :class:`~wds_pad.core.sizing.Count`: runs of positions.
 
-core/remainder.py plans what earlier layouts left of an epoch for every sizing; this
+core/elastic/remainder.py plans what earlier layouts left of an epoch for every sizing; this
 module is what a count supplies: how a level is described, what a segment consumed of it
 and what it leaves, and where a rank's entries of the top level come from.
 
@@ -21,7 +21,7 @@ How a level is dealt to its ranks (``deal``):
   remaining entries together (its own shards, first in first out), so a new rank reads
   the remaining samples of a few old ranks' shards, about one GET per shard still needed.
 
-Invariants (tests/core/test_remainder.py): those of core/remainder.py; a remainder pads
+Invariants (tests/core/test_remainder.py): those of core/elastic/remainder.py; a remainder pads
 each bucket cyclically (copies from its own front, marked padded) to a multiple of the
 new pad unit (``none``: not padded).
 """
@@ -34,11 +34,11 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from ..errors import StateMismatchError
-from .planrecord import BucketStats, Plan
-from .policy import Policy
-from .shardschedule import PlannedShardUses
-from .sizing import Count
+from ...errors import StateMismatchError
+from ..planning.planrecord import BucketStats, Plan
+from ..policy import Policy
+from ..local.shardschedule import PlannedShardUses
+from ..sizing import Count
 
 __all__ = ["CountLevels"]
 
@@ -103,7 +103,7 @@ class CountLevels:
     def advance(self, seg: Any, dp: int, taken: Any) -> tuple[np.ndarray, list[int]]:
         """Add the level ``seg`` left of the top one, dealt to ``dp`` ranks: (its buckets as base
         kept-bucket indices, steps per bucket). ``taken(schedule, seg, dp, buckets)``: the
-        steps of each bucket a lockstep segment consumed (core/remainder.py)."""
+        steps of each bucket a lockstep segment consumed (core/elastic/remainder.py)."""
         lv, bs = self.top, self.bs
         unit = self.sizing.pad_unit(dp, self.base.pad_to, self.accumulation_steps)
         pad = self.base.policy is not Policy.NONE

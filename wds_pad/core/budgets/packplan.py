@@ -1,13 +1,13 @@
-"""Planning an epoch of packed batches (core/packing.py's :class:`~wds_pad.core.packing.Pack`).
+"""Planning an epoch of packed batches (core/budgets/packing.py's :class:`~wds_pad.core.budgets.packing.Pack`).
 
 A Pack is planned as the budget of one pack (``seq_len``) with every bucket's pack count
-a multiple of ``packs`` x ``accumulation_steps`` (core/budgetplan.py: strata, one sample
+a multiple of ``packs`` x ``accumulation_steps`` (core/budgets/budgetplan.py: strata, one sample
 per DP rank, packed by best fit decreasing over the seeded order), then grouped: B
 consecutive packs of a bucket are one batch. The schedule of the packs (B x K at a time,
-core/schedule.py) taken every B-th step is the schedule of the batches (K at a time), so
+core/planning/schedule.py) taken every B-th step is the schedule of the batches (K at a time), so
 the grouped plan and the budget plan are the same epoch counted in different steps: the
 elastic remainder of a packed epoch is the budget remainder of its packs
-(core/remainder.py, with every segment's steps counted in packs), grouped again.
+(core/elastic/remainder.py, with every segment's steps counted in packs), grouped again.
 
 Invariants (tests/core/test_packplan.py):
 - every rank's batch is ``packs`` packs, each of cost <= ``seq_len`` and at most
@@ -27,12 +27,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
-from .buckettable import Planning, SizedBuckets
-from .dataset import Dataset
+from ...errors import ConfigError
+from ..planning.buckettable import Planning, SizedBuckets
+from ..dataset import Dataset
 from .packing import Pack
-from .planrecord import Bins, Plan, rank_batches
-from .policy import Policy
+from ..planning.planrecord import Bins, Plan, rank_batches
+from ..policy import Policy
 
 __all__ = ["PackNumbers", "group_plan", "pack_buckets"]
 
@@ -57,8 +57,8 @@ class PackNumbers:
 
 def pack_buckets(budget_buckets: Callable[..., SizedBuckets], raw: Sequence[Any], dss: Sequence[Dataset], pack: Pack,
                  at: Planning) -> SizedBuckets:
-    """The bucket planner of a :class:`~wds_pad.core.packing.Pack` (see the module docstring), given
-    the bucket planner of a budget (core/budgetplan.py's, registered with it in core/plan.py).
+    """The bucket planner of a :class:`~wds_pad.core.budgets.packing.Pack` (see the module docstring), given
+    the bucket planner of a budget (core/budgets/budgetplan.py's, registered with it in core/planning/plan.py).
 
     Raises:
         ConfigError: policy ``none``; a dataset without costs; a sample costlier than

@@ -1,19 +1,19 @@
-"""Planning an epoch under a budget: each bucket's batches sized by cost (core/budget.py).
+"""Planning an epoch under a budget: each bucket's batches sized by cost (core/budgets/budget.py).
 
 ``plan_epoch(..., batch_size=Budget(...))`` calls :func:`budget_buckets` (the budget's
 bucket planner) for what a sizing decides: which buckets are kept (through
-core/buckettable.py, as for a count), how many steps each takes, which entries a rank holds
+core/planning/buckettable.py, as for a count), how many steps each takes, which entries a rank holds
 and where each of its batches starts. Everything after it (the schedule, the rank's
 batches, the Plan record) is the same for every sizing.
 
 - ``locality="none"``: each bucket's strata are packed into batches identically on every
-  rank (:class:`~wds_pad.core.budget.BucketBatches`); a rank's entries are one member of
+  rank (:class:`~wds_pad.core.budgets.budget.BucketBatches`); a rank's entries are one member of
   each stratum, O(its share) to plan and O(1) each to evaluate.
 - ``locality="shard"``: a rank's entries are those shard locality gives it (its own
-  shards first in, first out, core/localbuckets.py), padded per bucket to a multiple of
+  shards first in, first out, core/local/localbuckets.py), padded per bucket to a multiple of
   ``dp_size`` (x accumulation_steps) as ``cyclic`` / ``drop`` / ``none`` say; every rank
   cuts its entries, in order, into the same number of batches within the budget
-  (:func:`~wds_pad.core.budget.lockstep_cuts`). To agree on that number every rank
+  (:func:`~wds_pad.core.budgets.budget.lockstep_cuts`). To agree on that number every rank
   reads the cost of every entry of the dataset: O(samples), not O(share).
 
 Invariants:
@@ -32,14 +32,14 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from .buckettable import Measured, Planning, SizedBuckets, bucket_table, padded
+from ..planning.buckettable import Measured, Planning, SizedBuckets, bucket_table, padded
 from .budget import Budget
-from .dataset import Dataset
-from .localbuckets import LocalBuckets
+from ..dataset import Dataset
+from ..local.localbuckets import LocalBuckets
 from .lockstep import lockstep_cuts
-from .policy import PadTo
-from .sampleseed import PADDED
-from .seed import derive_seed
+from ..policy import PadTo
+from ..sampleseed import PADDED
+from ..seed import derive_seed
 from .strata import BucketBatches
 
 __all__ = ["BudgetBuckets", "RankCuts", "budget_buckets", "shard_cut"]
@@ -47,7 +47,7 @@ __all__ = ["BudgetBuckets", "RankCuts", "budget_buckets", "shard_cut"]
 
 class BudgetBuckets:
     """The kept buckets of a budgeted plan with ``locality="none"``: what ``Plan`` computes
-    a rank's entries from (the ``budget`` hook of core/planrecord.py)."""
+    a rank's entries from (the ``budget`` hook of core/planning/planrecord.py)."""
 
     def __init__(self, batches: Sequence[BucketBatches], orders: Sequence[Any], d: int) -> None:
         self.batches, self.orders, self.d = list(batches), list(orders), d
@@ -119,7 +119,7 @@ def _sorted_cost(ds: Dataset, order: Any) -> Any:
 
 
 def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
-    """The bucket planner of a :class:`~wds_pad.core.budget.Budget`: kept buckets, their
+    """The bucket planner of a :class:`~wds_pad.core.budgets.budget.Budget`: kept buckets, their
     steps and this rank's entries and batches (see the module docstring).
 
     Raises:

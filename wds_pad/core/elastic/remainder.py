@@ -10,14 +10,14 @@ One composition for every sizing and every entry order. Level 0 is the epoch pla
 the first layout (``plan_epoch``); segment j says how far the ranks of level j's layout got
 (``steps`` in lockstep, or each DP rank's batch index with policy ``none``); level j + 1 is
 what it left, dealt to the next layout's ranks. This module walks the levels, schedules
-each (core/schedule.py) and makes the top level's Plan; what a level is depends on the
+each (core/planning/schedule.py) and makes the top level's Plan; what a level is depends on the
 sizing, chosen by its ``kind`` from :data:`REMAINDER_LEVELS`:
 
-- a count (core/elasticcount.py): per bucket, runs of the previous level's positions;
-- a budget (core/elasticbudget.py): per bucket, strata in cost order (locality ``none``)
+- a count (core/elastic/countlevels.py): per bucket, runs of the previous level's positions;
+- a budget (core/elastic/budgetlevels.py): per bucket, strata in cost order (locality ``none``)
   or each rank's entries (``shard``), cut into batches within the budget again;
 - a pack: the budget of its packs, every segment counted in packs, grouped into batches
-  of B packs again (core/packplan.py).
+  of B packs again (core/budgets/packplan.py).
 
 Invariants (tests/core/test_remainder.py, test_budgetremainder.py, test_packplan.py):
 - the union over earlier segments of what their ranks consumed, plus the real entries
@@ -36,20 +36,20 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, StateError, StateMismatchError
-from .budget import Budget
-from .dataset import as_datasets
-from .elasticbudget import BudgetLevels
-from .elasticcount import CountLevels
-from .locality import Locality
-from .packing import Pack
-from .packplan import group_plan
-from .plan import plan_epoch
-from .planrecord import Buckets, Plan, rank_batches
-from .policy import PadTo, Policy
-from .schedule import step_schedule
-from .sizing import Count, as_sizing
-from .topology import Topology
+from ...errors import ConfigError, StateError, StateMismatchError
+from ..budgets.budget import Budget
+from ..dataset import as_datasets
+from .budgetlevels import BudgetLevels
+from .countlevels import CountLevels
+from ..local.locality import Locality
+from ..budgets.packing import Pack
+from ..budgets.packplan import group_plan
+from ..planning.plan import plan_epoch
+from ..planning.planrecord import Buckets, Plan, rank_batches
+from ..policy import PadTo, Policy
+from ..planning.schedule import step_schedule
+from ..sizing import Count, as_sizing
+from ..topology import Topology
 
 __all__ = ["REMAINDER_LEVELS", "Remainder", "Segment", "plan_remainder"]
 

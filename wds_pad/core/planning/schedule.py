@@ -22,8 +22,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from .dataset import Dataset
-from .seed import derive_rng
+from ..dataset import Dataset
+from ..seed import derive_rng
 
 
 def step_schedule(

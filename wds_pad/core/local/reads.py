@@ -1,11 +1,11 @@
 """What a plan reads: per dataset, where a rank's entries are and how its reader gets them.
 
 The facts the reading cost of a plan (cli/readfigures.py) and the job simulation
-(core/simulate.py) are computed from, for any locality: a plan without shard-local
+(core/local/simulate.py) are computed from, for any locality: a plan without shard-local
 buckets (``locality="none"``) reads every entry by one ranged GET; one with them
 (``plan.buckets.local``) reads the rank's own shards whole and singly only its foreign
 entries and the reads two or more windows before their shard's window, as the reader
-does (core/shardschedule.py). A node holds the union of the shards its processes read
+does (core/local/shardschedule.py). A node holds the union of the shards its processes read
 whole and, with ``locality="node"``, the other nodes' shards it reads.
 
 Invariants:
