@@ -35,11 +35,11 @@ from .errors import (
     WorkerStartWarning,
     WriteError,
 )
-from .core.budget import Budget, BudgetModel
+from .core.budgets.budget import Budget, BudgetModel
 from .core.dataset import Dataset, IdRange
-from .core.locality import Locality, ShardMap
-from .core.packing import Pack
-from .core.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
+from .core.local.locality import Locality, ShardMap
+from .core.budgets.packing import Pack
+from .core.planning.plan import Batch, BucketStats, Plan, iter_steps, plan_epoch
 from .core.policy import Mode, PadTo, Policy
 from .core.collective import shared_seed
 from .core.sampleseed import sample_rng

@@ -259,7 +259,7 @@ def test_other_commands_stop_on_an_interrupt_with_one_line(capsys, monkeypatch) 
         def stop(*args, _exc=exc, **kw):
             raise _exc
 
-        monkeypatch.setattr("wds_pad.core.plan.plan_epoch", stop)
+        monkeypatch.setattr("wds_pad.core.planning.plan.plan_epoch", stop)
         got, stdout, stderr = run(capsys, "plan", "--buckets", "a=4", "--world-size", "2", "--rank", "0",
                                   "--batch-size", "1", "--seed", "0", "--summary")
         assert got == code and stdout == ""
@@ -408,7 +408,7 @@ def test_inspect_json_is_one_object(built, capsys) -> None:
 
 
 def test_inspect_padding_matches_the_planner(built, capsys) -> None:
-    from wds_pad.core.plan import plan_epoch
+    from wds_pad.core.planning.plan import plan_epoch
     from wds_pad.core.topology import Topology
 
     code, out, _ = run(capsys, "inspect", built, "--json", "--world-size", "4", "--cp-size", "2",

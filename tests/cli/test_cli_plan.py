@@ -296,7 +296,7 @@ def _blob_index(tmp_path: Path) -> Path:
 
 def test_locality_shard_in_plan_json_and_summary(tmp_path: Path) -> None:
     from wds_pad import load_index
-    from wds_pad.core.locality import shard_map_of
+    from wds_pad.core.local.locality import shard_map_of
 
     index = _blob_index(tmp_path)
     args = [str(index), "--world-size", "4", "--rank", "2", "--batch-size", "4", "--seed", "3"]
@@ -374,8 +374,8 @@ def test_summary_reports_shuffle_quality_and_the_gets_of_the_ranks_node(tmp_path
     from dataclasses import asdict
 
     from wds_pad import load_index
-    from wds_pad.core.localfigures import figures, node_figures
-    from wds_pad.core.locality import shard_map_of
+    from wds_pad.cli.readfigures import figures, node_figures
+    from wds_pad.core.local.locality import shard_map_of
     from wds_pad.io.options import ReadOptions
 
     index = _blob_index(tmp_path)

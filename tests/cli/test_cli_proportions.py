@@ -11,7 +11,7 @@ import pytest
 
 from wds_pad.cli.app import main
 from wds_pad.core.dataset import Dataset
-from wds_pad.core.plan import plan_epoch
+from wds_pad.core.planning.plan import plan_epoch
 from wds_pad.core.topology import Topology
 
 

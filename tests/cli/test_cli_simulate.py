@@ -21,8 +21,8 @@ from wds_pad import Topology, load_index, plan_epoch
 from wds_pad.cli import main
 from wds_pad.cli.app import build_parser
 from wds_pad.cli.synth import make_blob_shards
-from wds_pad.core.localfigures import node_figures
-from wds_pad.core.locality import shard_map_of
+from wds_pad.cli.readfigures import node_figures
+from wds_pad.core.local.locality import shard_map_of
 from wds_pad.index.build import build_index
 
 BLOCK = 16 * 1024

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Budget, ConfigError, Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
-from wds_pad.core.budget import batch_cost, pack
-from wds_pad.core.lockstep import lockstep_cuts
-from wds_pad.core.strata import BucketBatches
+from wds_pad.core.budgets.budget import batch_cost, pack
+from wds_pad.core.budgets.lockstep import lockstep_cuts
+from wds_pad.core.budgets.strata import BucketBatches
 
 PROPERTY = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -137,7 +137,7 @@ def test_lockstep_cuts_give_every_rank_the_same_count_within_budget(
     costs = rng.lognormal(2, 1, (dp, max(r, 1)))
     budget = Budget(float(scale * costs.max()), model, cap)
     counts = np.full(dp, r)
-    s, cuts = lockstep_cuts(costs, counts, budget, multiple=k)
+    s, cuts = lockstep_cuts(costs, counts, budget, accumulation_steps=k)
     assert cuts.shape == (dp, s + 1)
     assert s == 0 or s % k == 0 or s == r
     for d in range(dp):

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Budget, Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
-from wds_pad.core.budget import batch_cost
-from wds_pad.core.remainder import Segment, plan_remainder
+from wds_pad.core.budgets.budget import batch_cost
+from wds_pad.core.elastic.remainder import Segment, plan_remainder
 
 PROPERTY = settings(max_examples=120, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad import ConfigError, Dataset, DroppedBucketWarning, Topology, plan_epoch
-from wds_pad.core.locality import ShardMap
+from wds_pad.core.local.locality import ShardMap
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -246,7 +246,7 @@ def test_shard_plans_are_pinned_bitwise(name: str) -> None:
 def _dense_reference(ids: Any, bk: Any, shard: np.ndarray, nshards: int) -> tuple[np.ndarray, np.ndarray]:
     """(win_samples, every pool entry per window) from the dense per-shard tables, the
     straightforward way: each bucket's rows sorted by shard, cumulated in visit order."""
-    from wds_pad.core.localbuckets import _window_keys
+    from wds_pad.core.local.localbuckets import _window_keys
     from wds_pad.core.permute import permute
     dealt = bk.dealt
     arr = np.asarray(ids, dtype=np.int64)
@@ -314,7 +314,7 @@ _SCALE = r"""
 import json
 import numpy as np
 from wds_pad import Dataset, IdRange, Topology, plan_epoch
-from wds_pad.core.locality import ShardMap
+from wds_pad.core.local.locality import ShardMap
 
 def peak_kb():  # this process's own high-water mark (see tests/core/test_plan_scale.py)
     with open("/proc/self/status") as f:

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Budget, ConfigError, Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
-from wds_pad.core.remainder import Segment, plan_remainder
+from wds_pad.core.elastic.remainder import Segment, plan_remainder
 
 PROPERTY = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

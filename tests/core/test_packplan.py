@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad import ConfigError, Dataset, DroppedBucketWarning, Pack, ShardMap, Topology, plan_epoch
-from wds_pad.core.packing import best_fit_windows
-from wds_pad.core.remainder import Segment, plan_remainder
+from wds_pad.core.budgets.packing import best_fit_windows
+from wds_pad.core.elastic.remainder import Segment, plan_remainder
 
 PROPERTY = settings(max_examples=80, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

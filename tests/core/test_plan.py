@@ -707,7 +707,7 @@ def test_absurd_repeats_and_a_total_over_the_limit_are_refused() -> None:
 
 
 def test_a_batch_that_memory_cannot_hold_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import wds_pad.core.planrecord as records
+    import wds_pad.core.planning.planrecord as records
 
     def no_memory(*args: Any) -> Any:  # what numpy raises for 3.6 TiB on a 24 GiB machine
         raise MemoryError("Unable to allocate 3.64 TiB for an array")
@@ -802,13 +802,13 @@ def test_idrange_buckets_plan_like_explicit_ids_and_the_reference(dss: Any, data
     assert lazy.steps == ref.steps and batches_of(lazy) == ref.batches
 
 
-# -- the invariants for locality="shard" (core/locality.py) -------------------------------
+# -- the invariants for locality="shard" (core/local/locality.py) -------------------------------
 # The same properties over both localities: ``none`` is the scenarios above; ``shard``
 # wraps each drawn dataset in a ShardMap (each sample id's shard drawn at random or in
 # runs) and plans with a drawn window. Properties that only call ``sc.plan`` are the
 # tests above run on these scenarios; the others are restated with the shard maps.
 
-from wds_pad.core.locality import ShardMap  # noqa: E402
+from wds_pad.core.local.locality import ShardMap  # noqa: E402
 
 
 @dataclass

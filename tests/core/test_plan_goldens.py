@@ -30,8 +30,8 @@ import pytest
 
 from wds_pad import Budget, Dataset, Topology, plan_epoch
 from wds_pad.cli.app import main as cli_main
-from wds_pad.core.locality import shard_map_of
-from wds_pad.core.remainder import Segment, plan_remainder
+from wds_pad.core.local.locality import shard_map_of
+from wds_pad.core.elastic.remainder import Segment, plan_remainder
 from wds_pad.index.build import build_index
 from wds_pad.index.codec import load_index
 from wds_pad.index.record import Index

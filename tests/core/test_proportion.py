@@ -1,4 +1,4 @@
-"""Proportions (core/proportion.py): each dataset's share of an epoch, in samples or cost;
+"""Proportions (core/planning/proportion.py): each dataset's share of an epoch, in samples or cost;
 a subsampled dataset uses every sample before any twice; without proportions, nothing moves."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wds_pad.core.budget import Budget
+from wds_pad.core.budgets.budget import Budget
 from wds_pad.core.dataset import Dataset
-from wds_pad.core.plan import plan_epoch
+from wds_pad.core.planning.plan import plan_epoch
 from wds_pad.core.topology import Topology
 from wds_pad.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""Properties of core/remainder.py: an epoch resumed on any layout, at any step.
+"""Properties of core/elastic/remainder.py: an epoch resumed on any layout, at any step.
 
 Over random bucket sizes, batch sizes, DP sizes (1-8, CP 1-2), save steps, both
 localities and every padding policy: what the earlier layouts consumed plus the
@@ -18,10 +18,10 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from wds_pad.core.locality import ShardMap
+from wds_pad.core.local.locality import ShardMap
 from wds_pad.core.dataset import Dataset, as_datasets
-from wds_pad.core.plan import plan_epoch
-from wds_pad.core.remainder import Segment, plan_remainder
+from wds_pad.core.planning.plan import plan_epoch
+from wds_pad.core.elastic.remainder import Segment, plan_remainder
 from wds_pad.core.topology import Topology
 from wds_pad.errors import StateError, StateMismatchError
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import wds_pad
 from wds_pad.core.dataset import Dataset
-from wds_pad.core.plan import plan_epoch
-from wds_pad.core.remainder import Segment, plan_remainder
+from wds_pad.core.planning.plan import plan_epoch
+from wds_pad.core.elastic.remainder import Segment, plan_remainder
 from wds_pad.core.sampleseed import sample_seeds
 from wds_pad.core.topology import Topology
 

@@ -1,4 +1,4 @@
-"""Tests of the epoch schedule (wds_pad/core/schedule.py): every bucket's steps in order,
+"""Tests of the epoch schedule (wds_pad/core/planning/schedule.py): every bucket's steps in order,
 datasets interleaved at rates equal to their weights, the same on every call."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Dataset, Topology, plan_epoch
-from wds_pad.core.schedule import step_schedule
+from wds_pad.core.planning.schedule import step_schedule
 
 
 def test_dataset_weights_act_as_poisson_rates() -> None:

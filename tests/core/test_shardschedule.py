@@ -1,4 +1,4 @@
-"""Properties of core/shardschedule.py: the shards a worker reads whole, per epoch.
+"""Properties of core/local/shardschedule.py: the shards a worker reads whole, per epoch.
 
 Each listed shard is the rank's own, listed once, in order of first use; its reads are
 the worker's own reads of that shard, in walk order; the workers split the walk
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
-from wds_pad.core.shardschedule import shard_reads
+from wds_pad.core.local.shardschedule import shard_reads
 
 
 def _plan(n: int, shards: int, dp: int, d: int, bs: int, window: int, seed: int, locality: str = "shard") -> Any:
@@ -85,7 +85,7 @@ def test_the_node_table_lists_every_read_of_every_rank_of_the_node(
     row's steps are exactly the walk positions where one of them reads it; its users are
     the (local rank, worker) processes that do (CP peers included); ``mine`` is one
     process's own reads in walk order; ``held`` is what some rank's schedule reads whole."""
-    from wds_pad.core.shardschedule import node_uses
+    from wds_pad.core.local.shardschedule import node_uses
 
     plans = [_plan(n, shards, dp, d, bs, window, seed) for d in range(dp)]
     shard = plans[0][1]

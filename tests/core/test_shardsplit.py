@@ -1,4 +1,4 @@
-"""Properties of core/shardsplit.py: the shard-level deal and each worker's plan.
+"""Properties of core/local/shardsplit.py: the shard-level deal and each worker's plan.
 
 Equal shard counts per DP rank, every shard once unpadded, padded copies cyclically
 from the front of the shuffled order, each worker's target the most any rank's same
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from wds_pad import ConfigError, Topology
 from wds_pad.core.seed import derive_rng
-from wds_pad.core.shardsplit import WorkerPlan, deal_shards, worker_plan
+from wds_pad.core.local.shardsplit import WorkerPlan, deal_shards, worker_plan
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,4 +1,4 @@
-"""The time model of ``wds-pad simulate`` (core/simtime.py), on timelines computed by hand.
+"""The time model of ``wds-pad simulate`` (core/local/simtime.py), on timelines computed by hand.
 
 Every case uses GETs of 1.5 s: a latency of 0.5 s plus 100 bytes at 100 bytes a second
 (a block of 100 bytes, or a single read of 100 bytes), and a step of 1 s.
@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from wds_pad.core.simtime import Held, Link, ProcessReads, timeline
+from wds_pad.core.local.simtime import Held, Link, ProcessReads, timeline
 
 LINK = Link(latency_s=0.5, bandwidth=100.0, step_s=1.0, in_flight=1, start_s=0.0, stall_s=0.0,
             shards_at_once=1, gets_per_shard=2)

@@ -1,5 +1,5 @@
-"""Tests of the sizings (wds_pad/core/sizing.py, the Budget of core/budget.py) and of the
-bucket table every sizing keeps, pads and drops buckets through (core/buckettable.py)."""
+"""Tests of the sizings (wds_pad/core/sizing.py, the Budget of core/budgets/budget.py) and of the
+bucket table every sizing keeps, pads and drops buckets through (core/planning/buckettable.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Budget, ConfigError, Dataset, Policy, Topology, plan_epoch
-from wds_pad.core.buckettable import bucket_table, padded
-from wds_pad.core.planrecord import Plan
+from wds_pad.core.planning.buckettable import bucket_table, padded
+from wds_pad.core.planning.planrecord import Plan
 from wds_pad.core.policy import MAX_PLANNED_ENTRIES, PadTo, padded_length
 from wds_pad.core.sizing import Count, as_sizing
 

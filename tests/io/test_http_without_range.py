@@ -18,9 +18,9 @@ import pytest
 from data_helpers import BUCKET_BY, assert_same_bytes, make_dataset, wds_reference
 from wds_pad import ReadOptions, Topology, build_index, load_index
 from wds_pad.cli.synth import make_image_shards
-from wds_pad.core.localfigures import figures
-from wds_pad.core.locality import shard_map_of
-from wds_pad.core.plan import plan_epoch
+from wds_pad.cli.readfigures import figures
+from wds_pad.core.local.locality import shard_map_of
+from wds_pad.core.planning.plan import plan_epoch
 from wds_pad.errors import ReadError, StaleShardError
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import wds_pad
 from wds_pad import ConfigError, Dataset, Mode, StateError, Topology
-from wds_pad.core.remainder import Segment
+from wds_pad.core.elastic.remainder import Segment
 from wds_pad.state import elastic_view, make_state, restore
 from wds_pad.state.cursor import Cursor, Position, ShardProgress, WorkerPosition, epoch_length
 from wds_pad.state.spec import PlanSpec

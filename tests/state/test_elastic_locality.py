@@ -2,7 +2,7 @@
 
 With locality="shard" a bucket's order depends on the layout (the shards are dealt to
 the DP ranks), so what the old layout consumed is no prefix of the new layout's order.
-core/remainder.py plans what is left instead: each old rank's remaining entries, dealt
+core/elastic/remainder.py plans what is left instead: each old rank's remaining entries, dealt
 to the new ranks in blocks (so a new rank reads a few old ranks' remaining shards).
 Mid-epoch, every sample not yet trained on is resumed exactly once, on any layout.
 """

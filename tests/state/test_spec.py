@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from wds_pad.cli.synth import make_image_shards
-from wds_pad.core.locality import Locality
-from wds_pad.core.plan import plan_epoch
+from wds_pad.core.local.locality import Locality
+from wds_pad.core.planning.plan import plan_epoch
 from wds_pad.core.policy import PadTo, Policy
-from wds_pad.core.remainder import Segment, plan_remainder
+from wds_pad.core.elastic.remainder import Segment, plan_remainder
 from wds_pad.core.topology import Topology
 from wds_pad.errors import ConfigError
 from wds_pad.index.build import build_index

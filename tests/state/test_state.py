@@ -25,8 +25,8 @@ from wds_pad.errors import StateError, StateMismatchError, TopologyMismatchError
 from wds_pad.index.codec import load_index
 from wds_pad.index.record import Index
 from wds_pad.index.build import build_index
-from wds_pad.core.plan import plan_epoch
-from wds_pad.core.remainder import Segment
+from wds_pad.core.planning.plan import plan_epoch
+from wds_pad.core.elastic.remainder import Segment
 from wds_pad.state import elastic_view, load_state_file, save_state_file, state_path
 from wds_pad.core.topology import Topology
 

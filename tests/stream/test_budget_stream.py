@@ -16,7 +16,7 @@ import pytest
 
 from wds_pad import Budget, BucketedWebDataset, ConfigError, Loader, StateMismatchError, Topology
 from wds_pad.cli.synth import make_image_shards
-from wds_pad.core.budget import batch_cost
+from wds_pad.core.budgets.budget import batch_cost
 from wds_pad.index.build import build_index
 from wds_pad.index.codec import load_index
 from wds_pad.index.record import Index

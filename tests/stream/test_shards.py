@@ -33,7 +33,7 @@ from wds_pad.errors import (ConfigError, StaleShardError, StateError, StateMisma
                             TopologyMismatchError)
 from wds_pad.index.record import Index
 from wds_pad.index.build import build_index
-from wds_pad.core.shardsplit import worker_plan
+from wds_pad.core.local.shardsplit import worker_plan
 from wds_pad.stream.shards import Equalize, assign_shards, equalize, split_by_node
 from wds_pad.stream.shardstream import ShardLoader, ShardStream
 from wds_pad.core.topology import Topology

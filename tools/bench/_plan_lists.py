@@ -1,6 +1,6 @@
 """A pure-Python (lists and loops) reference planner: the test oracle and the benchmark peer.
 
-It implements the semantics of :func:`wds_pad.core.plan.plan_epoch` the obvious way, one
+It implements the semantics of :func:`wds_pad.core.planning.plan.plan_epoch` the obvious way, one
 sample at a time, so that tests can check the vectorised planner against it and the
 benchmark can measure what vectorisation buys. To make outputs comparable it draws its
 random numbers exactly like the real planner: the shuffles use the same keyed

@@ -32,7 +32,7 @@ import numpy as np
 from _common import PeakRss, parser, table
 
 from wds_pad import Budget, Dataset, Topology, plan_epoch
-from wds_pad.core.budget import batch_cost
+from wds_pad.core.budgets.budget import batch_cost
 
 EDGES = (256, 512, 1024, 2048)
 

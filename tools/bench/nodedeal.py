@@ -4,7 +4,7 @@ The dataset of docs/object-storage.md (10^5 samples of 100 KB in 200 shards of 5
 Zipf buckets; each sample a token cost of 64-1023), planned for node 0's processes at dp
 8, 16, 32 and 64 with 8 (and 4) DP ranks a node, window 8, seed 11, under three sizings:
 a fixed batch (32), a budget (``Budget(17408)``, about 32 samples) and packs
-(``Pack(4096, packs=4)``). For each, from the plans alone (``wds_pad.core.simulate``,
+(``Pack(4096, packs=4)``). For each, from the plans alone (``wds_pad.core.local.simulate``,
 the figures ``wds-pad simulate`` prints; one GET a shard fetched whole):
 
 * **dealt**: the shards dealt to node 0;
@@ -59,7 +59,7 @@ def measure(dps: list[int], locals_: list[int], epochs: int) -> list[dict[str, A
     import numpy as np
 
     from wds_pad import Budget, DroppedBucketWarning, Pack, Topology, plan_epoch
-    from wds_pad.core.simulate import simulate
+    from wds_pad.core.local.simulate import simulate
 
     sm, shard, sample_bytes, shard_bytes = _dataset()
     sizings = {"batch 32": 32, "budget 17408": Budget(17408), "pack 4x4096": Pack(4096, packs=4)}

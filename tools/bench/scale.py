@@ -132,7 +132,7 @@ def case_elastic(samples: int, buckets: int, world: int, rank: int, batch: int, 
     from make_index import _bucket_keys, bucket_sizes
 
     from wds_pad import Dataset, IdRange, Topology, plan_epoch
-    from wds_pad.core.remainder import Segment, plan_remainder
+    from wds_pad.core.elastic.remainder import Segment, plan_remainder
 
     sizes = bucket_sizes(samples, buckets)
     keys = _bucket_keys(buckets, "aspect")[0]

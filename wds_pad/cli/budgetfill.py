@@ -26,8 +26,8 @@ def print_budget(sources: Sequence[Any], topo: Any, args: argparse.Namespace, co
     over the budget (a sample dearer than it, alone). Plans every DP rank."""
     import numpy as np
 
-    from ..core.budget import batch_cost
-    from ..core.plan import plan_epoch
+    from ..core.budgets.budget import batch_cost
+    from ..core.planning.plan import plan_epoch
     from ..core.topology import Topology
 
     budget = common["batch_size"]

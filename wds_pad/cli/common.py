@@ -205,8 +205,8 @@ def print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
     headers = ["dataset", "bucket", "samples", "repeats", "padded len", "pad copies", "pad %",
                "truncated", "status", "steps/epoch"]
     size = plan.sizing.summary()
-    unit = plan.sizing.pad_unit(topo.dp_size, plan.pad_to, plan.accumulation)
-    accumulation = f", accumulation {plan.accumulation}" if plan.accumulation > 1 else ""
+    unit = plan.sizing.pad_unit(topo.dp_size, plan.pad_to, plan.accumulation_steps)
+    accumulation = f", accumulation {plan.accumulation_steps}" if plan.accumulation_steps > 1 else ""
     out.write(f"epoch {plan.epoch}: world_size {topo.world_size}, dp_size {topo.dp_size}, "
               f"cp_size {topo.cp_size}, {size}, policy {plan.policy.value}, pad unit {unit}{accumulation}\n")
     out.write(format_table(headers, rows, align="llrrrrrrlr") + "\n")
@@ -219,7 +219,7 @@ def print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
 
 def locality_arg(text: str) -> str:
     """``--locality``: any value of the library's ``Locality``, with its message otherwise."""
-    from ..core.locality import Locality
+    from ..core.local.locality import Locality
     from ..core.policy import parse_enum
 
     try:
@@ -231,7 +231,7 @@ def locality_arg(text: str) -> str:
 def check_node_layout(cmd: str, args: argparse.Namespace) -> None:
     """A usage error, in flags, when ``--local-world-size`` (with ``--world-size``,
     ``--cp-size`` and ``--locality node``) is no node layout: the rule is the topology's
-    (``Topology.dp_ranks_per_node``), the words are the command line's."""
+    (``Topology.node_ranks``), the words are the command line's."""
     import re
 
     from ..core.topology import Topology
@@ -246,7 +246,7 @@ def check_node_layout(cmd: str, args: argparse.Namespace) -> None:
         topology = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size,
                             local_world_size=args.local_world_size)
         if args.locality == "node":
-            topology.dp_ranks_per_node  # noqa: B018 - raises when the node layout and CP do not line up
+            topology.node_ranks  # noqa: B018 - raises when the node layout and CP do not line up
     except TopologyError as exc:
         flags = re.sub(r"\b(local_world_size|world_size|cp_size)\b",
                        lambda m: "--" + m.group(1).replace("_", "-"), str(exc))

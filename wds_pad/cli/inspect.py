@@ -127,7 +127,7 @@ def _padding_stats(args: argparse.Namespace, index: Any) -> dict[Hashable, Any] 
         return None
     if args.world_size is None or args.batch_size is None:
         raise usage_error("inspect", "padding needs both --world-size and --batch-size")
-    from ..core.plan import plan_epoch
+    from ..core.planning.plan import plan_epoch
     from ..core.topology import Topology
 
     topo = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size)
@@ -200,7 +200,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _dataset(index: Any, args: argparse.Namespace) -> Any:
-    """The index as the planned Dataset: its repeats, and its ``--proportions`` (core/proportion.py)."""
+    """The index as the planned Dataset: its repeats, and its ``--proportions`` (core/planning/proportion.py)."""
     import dataclasses
 
     ds = index.to_dataset(repeats=args.repeats, **({"costs": True} if args.mix_by == "cost" else {}))
@@ -214,8 +214,8 @@ def _mixing(args: argparse.Namespace) -> dict[str, Any]:
 def _what_if_locality(index: Any, args: argparse.Namespace) -> tuple[Any, dict[str, Any], Any, Any]:
     """Rank 0's plan under ``--locality``, what it and the other locality cost to read
     (and node 0's, with ``--local-world-size``), its dataset and topology."""
-    from ..core.locality import shard_map_of
-    from ..core.plan import plan_epoch
+    from ..core.local.locality import shard_map_of
+    from ..core.planning.plan import plan_epoch
     from ..core.topology import Topology
 
     topo = Topology(world_size=args.world_size, rank=0, cp_size=args.cp_size,

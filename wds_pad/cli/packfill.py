@@ -23,7 +23,7 @@ def print_packs(sources: Sequence[Any], topo: Any, args: argparse.Namespace, com
     (real tokens / (packs x seq_len)); then the epoch's fill."""
     import numpy as np
 
-    from ..core.plan import plan_epoch
+    from ..core.planning.plan import plan_epoch
     from ..core.topology import Topology
 
     pack = common["batch_size"]

@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ..core.plan import iter_steps, plan_epoch
+    from ..core.planning.plan import iter_steps, plan_epoch
     from ..core.policy import Mode
     from ..core.topology import Topology
 

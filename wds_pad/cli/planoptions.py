@@ -91,13 +91,13 @@ def sizing(args: argparse.Namespace, cmd: str) -> None:
     """``--budget`` or ``--pack`` (with their options) as the ``Budget`` or ``Pack``
     planned in place of a batch size, in ``args.batch_size``."""
     if args.budget is not None:
-        from ..core.budget import Budget
+        from ..core.budgets.budget import Budget
 
         args.batch_size = Budget(args.budget, args.budget_model, args.max_samples)
     if args.pack is None and (args.packs_per_batch or args.max_segments or args.oversize):
         raise usage_error(cmd, "--packs-per-batch, --max-segments and --oversize go with --pack L")
     if args.pack is not None:
-        from ..core.packing import Pack
+        from ..core.budgets.packing import Pack
 
         args.batch_size = Pack(args.pack, args.packs_per_batch or 1, args.max_segments, args.oversize or "refuse")
 
@@ -174,7 +174,7 @@ def plan_sources(args: argparse.Namespace, cmd: str) -> tuple[list[Any], list[An
         names.add(ds.name)
         ds = _with_proportions(cmd, [ds], args, i, len(args.index))[0]
         if args.locality != "none":
-            from ..core.locality import shard_map_of
+            from ..core.local.locality import shard_map_of
 
             ds = shard_map_of(idx, ds)
         args.loaded = [*getattr(args, "loaded", []), idx]
@@ -185,7 +185,7 @@ def plan_sources(args: argparse.Namespace, cmd: str) -> tuple[list[Any], list[An
 
 def _with_proportions(cmd: str, dss: list[Any], args: argparse.Namespace, at: int = 0,
                       count: int = 1) -> list[Any]:
-    """``dss`` (the datasets from ``at`` on) with their ``--proportions`` (core/proportion.py)."""
+    """``dss`` (the datasets from ``at`` on) with their ``--proportions`` (core/planning/proportion.py)."""
     import dataclasses
 
     if not args.proportions:
@@ -217,7 +217,7 @@ def _refuse_twice(cmd: str, i: int, path: str, idx: Any, seen: dict[tuple[str, t
 def _describe(index: Any, args: argparse.Namespace) -> Any:
     """``ids -> (urls, keys, cost)`` of an index's samples: the batch's cost under the
     budget's model (or summed) when the index records costs, else None."""
-    from ..core.budget import batch_cost
+    from ..core.budgets.budget import batch_cost
 
     model = args.budget_model if args.budget is not None else "sum"
 

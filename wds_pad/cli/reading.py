@@ -2,10 +2,10 @@
 --locality`` print it: per locality, the planned rank's reads, and its node's when the
 node's processes share one copy of each shard.
 
-The figures are core/localfigures.py's (pure); this module plans what they need with the
-command's arguments (the planned locality and, beside it, ``none``, or ``shard`` when
-``none`` is planned; every rank of the node with ``--local-world-size``) and prints them
-as ``locality ...`` lines, or returns them as JSON.
+The figures are cli/readfigures.py's (pure, over core/local/reads.py's reads); this
+module plans what they need with the command's arguments (the planned locality and,
+beside it, ``none``, or ``shard`` when ``none`` is planned; every rank of the node with
+``--local-world-size``) and prints them as ``locality ...`` lines, or returns them as JSON.
 
 Invariants:
 - the rank's and the node's plans are ``plan_epoch`` with the command's arguments and
@@ -33,9 +33,9 @@ def reading_figures(plan: Any, indexes: Sequence[Any], sources: Sequence[Any], t
     The node's figures need ``topo.local_world_size``: every rank of the node is planned
     with the same arguments (CP peers share their DP rank's plan), as its processes would.
     """
-    from ..core.localfigures import figures, node_figures
-    from ..core.locality import Locality, shard_map_of
-    from ..core.plan import plan_epoch
+    from .readfigures import figures, node_figures
+    from ..core.local.locality import Locality, shard_map_of
+    from ..core.planning.plan import plan_epoch
     from ..core.topology import Topology
     from ..io.options import ReadOptions
 

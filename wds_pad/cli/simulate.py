@@ -2,7 +2,7 @@
 
 Takes every planning option of ``wds-pad plan`` (:mod:`wds_pad.cli.planoptions`) and
 plans every rank of the job for ``--epochs`` epochs, as its processes would; the counts
-and the time and price model are core/simulate.py's. Prints per epoch the job's GETs and
+and the time and price model are core/local/simulate.py's. Prints per epoch the job's GETs and
 bytes, per node its GETs, the time to the first batch, the share of steps that would
 wait for data at ``--step-ms``, the peak bytes of a node's cache folder, and the price;
 ``--json``: one object.
@@ -75,8 +75,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from ..core.plan import plan_epoch
-    from ..core.simulate import Link, Prices, simulate
+    from ..core.planning.plan import plan_epoch
+    from ..core.local.simulate import Link, Prices, simulate
     from ..core.topology import Topology
     from ..io.options import ReadOptions
 

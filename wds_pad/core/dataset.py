@@ -132,11 +132,11 @@ class Dataset:
         repeats: each sample appears 1 + repeats times per epoch.
         weight: rate at which this dataset's steps are drawn relative to the others.
         cost: each sample's cost (tokens, pixels, seconds: a finite number >= 0), indexed
-            by sample id; what a :class:`~wds_pad.core.budget.Budget` batches by. None:
+            by sample id; what a :class:`~wds_pad.core.budgets.budget.Budget` batches by. None:
             the dataset cannot be planned under a budget.
         cost_order: bucket key -> the bucket's sample ids in cost order (ties by id), as an
             index stores it; None: sorted here, once per bucket, when a budget asks.
-        proportion: the dataset's share of an epoch (core/proportion.py), or None.
+        proportion: the dataset's share of an epoch (core/planning/proportion.py), or None.
     """
 
     name: str

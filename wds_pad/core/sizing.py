@@ -1,9 +1,9 @@
 """How batches are sized: a sample count (:class:`Count`) or a cost budget (:class:`Budget`).
 
-The planner composes a sizing with an entry order (core/planrecord.py's ``EntryOrder``):
+The planner composes a sizing with an entry order (core/planning/planrecord.py's ``EntryOrder``):
 the sizing owns the pad unit a bucket is padded to, whether a bucket's last batch may be
 short, how it names itself in messages and in the plan's fingerprint, and which bucket
-planner cuts a bucket's order into batches (``kind``, a name core/plan.py looks up, as
+planner cuts a bucket's order into batches (``kind``, a name core/planning/plan.py looks up, as
 Mosaic Streaming looks up a shuffle). ``plan_epoch(batch_size=...)`` takes an int or a
 Budget; :func:`as_sizing` turns it into a sizing, once.
 
@@ -19,17 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from .budget import Budget
-from .packing import Pack
+from .budgets.budget import Budget
+from .budgets.packing import Pack
 from .policy import PadTo, check_positive
 
 __all__ = ["Count", "Sizing", "as_sizing"]
 
 
 class Sizing(Protocol):
-    """What the planner asks of a sizing (:class:`Count`, :class:`~wds_pad.core.budget.Budget`)."""
+    """What the planner asks of a sizing (:class:`Count`, :class:`~wds_pad.core.budgets.budget.Budget`)."""
 
-    kind: ClassVar[str]          # the bucket planner that cuts its batches (core/plan.py)
+    kind: ClassVar[str]          # the bucket planner that cuts its batches (core/planning/plan.py)
     needs_costs: ClassVar[bool]  # every dataset must give each sample's cost
 
     def pad_unit(self, dp_size: int, pad_to: PadTo, accumulation_steps: int) -> int: ...

@@ -143,7 +143,7 @@ class Topology:
         return self.world_size // self.local_world_size if self.local_world_size else 1
 
     @property
-    def dp_ranks_per_node(self) -> int:
+    def node_ranks(self) -> int:
         """DP ranks whose data one node reads: ``local_world_size // cp_size``, or 1 when a
         data-parallel replica spans several nodes (each node then holds part of one DP rank).
         The one rule for it: node locality deals shards to groups of this many DP ranks.
@@ -173,7 +173,7 @@ class Topology:
                 one (``dp_rank`` / ``cp_rank`` given explicitly), so other ranks' DP ranks
                 cannot be known here.
         """
-        self.dp_ranks_per_node  # noqa: B018 - the node layout is known and lines up with CP, or a TopologyError
+        self.node_ranks  # noqa: B018 - the node layout is known and lines up with CP, or a TopologyError
         if self.dp_rank != self.rank // self.cp_size or self.cp_rank != self.rank % self.cp_size:  # type: ignore[operator]
             raise TopologyError(
                 f"rank {self.rank} has dp_rank {self.dp_rank} and cp_rank {self.cp_rank}, not the default layout "

@@ -1,7 +1,7 @@
 """Elastic resumption: an epoch resumed on another DP layout, at any step.
 
 The planner is pure, so the plan of every earlier layout can be recomputed: from the
-saved layouts and positions (``segments``) core/remainder.py knows exactly which entries
+saved layouts and positions (``segments``) core/elastic/remainder.py knows exactly which entries
 of the epoch were consumed, and plans what remains on the current layout: every entry
 not yet trained on, exactly once, cyclically padded per bucket to the new pad unit, in
 lockstep on the new ranks (for ``locality="shard"`` dealt to them by old ranks' shards).
@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..core.plan import Plan
-from ..core.remainder import Remainder, Segment, plan_remainder
+from ..core.planning.plan import Plan
+from ..core.elastic.remainder import Remainder, Segment, plan_remainder
 from .spec import PlanSpec
 
 __all__ = ["ElasticView", "Segment", "elastic_view"]

@@ -31,7 +31,7 @@ import copy
 from typing import Any, Mapping
 
 from ..core.policy import MAX_EPOCH
-from ..core.remainder import Segment
+from ..core.elastic.remainder import Segment
 from ..core.seed import json_digest
 from ..errors import StateError
 

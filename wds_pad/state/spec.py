@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..core.budget import PACKING, Budget
+from ..core.budgets.budget import PACKING, Budget
 from ..core.dataset import Dataset
-from ..core.locality import EXPORT, Locality, ShardMap, shard_map_of
-from ..core.plan import Plan, plan_epoch
+from ..core.local.locality import EXPORT, Locality, ShardMap, shard_map_of
+from ..core.planning.plan import Plan, plan_epoch
 from ..core.policy import Mode, PadTo, Policy, resolve_policy
 from ..core.seed import stable_digest
 from ..core.sizing import Count, as_sizing
@@ -60,7 +60,7 @@ class PlanSpec:
     locality: Locality = Locality.NONE
     window: int = 8
     accumulation_steps: int = 1
-    proportions: tuple[float, ...] = ()  # each dataset's share of an epoch (core/proportion.py); (): none
+    proportions: tuple[float, ...] = ()  # each dataset's share of an epoch (core/planning/proportion.py); (): none
     mix_by: str = "samples"
     epoch_size: float | None = None
     # not an argument: a replaced spec (another layout) starts with a cache of its own
@@ -165,9 +165,9 @@ class PlanSpec:
         if self.locality is not Locality.NONE:  # locality="none" keeps the fingerprints it always had
             fields["locality"] = self.locality.value
             fields["window"] = self.window
-            fields["shard_order"] = "fifo"  # a rank's windows first in, first out (core/locality.py)
+            fields["shard_order"] = "fifo"  # a rank's windows first in, first out (core/local/locality.py)
         if self.locality is Locality.NODE:  # how the shards were dealt: to nodes of this many DP ranks
-            fields["node_ranks"] = self.topology.dp_ranks_per_node
+            fields["node_ranks"] = self.topology.node_ranks
             # a node gives from a tail of at least EXPORT shards that holds every bucket's surplus
             fields["export"] = [EXPORT, "surplus"]
         if self.proportions:  # absent without: the fingerprints of earlier versions

@@ -9,7 +9,7 @@ Invariants:
 - a distributed run refuses a state without topology; a version-1 state (whose
   fingerprint did not cover the layout) is only accepted with its topology block;
 - an elastic resume is exact or refused: :func:`elastic_view` plans what the earlier
-  layouts left of the epoch (core/remainder.py), every entry not yet trained on exactly
+  layouts left of the epoch (core/elastic/remainder.py), every entry not yet trained on exactly
   once; with policy none it needs every old DP rank's position (``per_rank``) and
   refuses naming the dp_ranks whose entries are missing; a saved remainder fingerprint
   that differs from the recomputed one is refused;
@@ -140,7 +140,7 @@ def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, finger
         fingerprint: the current plan fingerprint (``fingerprint_of(plan_fields)``).
         plan_fields: the current fingerprint's ingredients (to name what differs).
         allow_elastic: accept another data-parallel layout (the caller then plans
-            the rest of the epoch on the new one, core/remainder.py).
+            the rest of the epoch on the new one, core/elastic/remainder.py).
 
     Raises:
         StateError: corrupt / unknown-version state, or a ``plan`` block that does not

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.plan import Batch
+from ..core.planning.plan import Batch
 from .batchread import BatchReader
 
 __all__ = ["BatchCache", "CHUNK", "CHUNK_SAMPLES", "chunk_batches"]

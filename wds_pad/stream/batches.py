@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 from torch.utils.data import get_worker_info
 
-from ..core.locality import Locality
+from ..core.local.locality import Locality
 from ..errors import WdsPadError
 from .batchcache import BatchCache
 from .batchread import BatchReader

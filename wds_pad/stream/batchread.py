@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.plan import Batch
+from ..core.planning.plan import Batch
 from ..errors import WdsPadError
 from ..index.record import Index
 from ..io.ranges import RangeReader

@@ -35,9 +35,9 @@ from webdataset.filters import default_collation_fn
 from ..errors import ConfigError, WdsPadError
 from ..index.codec import load_index
 from ..index.record import Index
-from ..core.budget import Budget
+from ..core.budgets.budget import Budget
 from ..core.sizing import Count, as_sizing
-from ..core.locality import Locality
+from ..core.local.locality import Locality
 from ..core.policy import Mode, PadTo, Policy, check_epoch, parse_enum
 from ..io.options import ReadOptions, ReadStats
 from .stats import Clock, StreamStats
@@ -110,7 +110,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             rank's epoch is a multiple of this many batches, and each run of them reads
             one bucket.
         proportions, mix_by, epoch_size: each index's share of an epoch, counted in ``samples``
-            or in ``cost``, and the epoch's size (``plan_epoch``; core/proportion.py).
+            or in ``cost``, and the epoch's size (``plan_epoch``; core/planning/proportion.py).
         zero_copy: members are read-only ``memoryview``s over the batch's buffer instead of
             ``bytes`` (docs/streaming.md, "Zero-copy members"); per-sample stages in
             DataLoader workers still see ``bytes`` (a view cannot cross processes).

@@ -1,6 +1,6 @@
 """Collating a packed batch: B packs of token samples into (B, seq_len) model inputs.
 
-Under a :class:`~wds_pad.core.packing.Pack` every sample of a batch carries ``__pack__``,
+Under a :class:`~wds_pad.core.budgets.packing.Pack` every sample of a batch carries ``__pack__``,
 its pack's number in the batch (0 .. B - 1); :func:`pack_collate` returns the collation
 function that lays each pack's samples end to end in one row of ``seq_len`` tokens.
 

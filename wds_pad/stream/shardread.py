@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping
 
-from ..core.shardsplit import WorkerPlan
+from ..core.local.shardsplit import WorkerPlan
 from ..errors import ConfigError, StaleShardError
 from ..io.descriptors import out_of_descriptors, runs_out
 from ..io.fs import get_filesystem

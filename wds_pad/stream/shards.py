@@ -10,7 +10,7 @@ the fix for the classic hang at the end of an epoch when shards are uneven.
 Invariants:
 - every rank computes the same shard order from (seed, epoch) and the URL list sorted by
   canonical URL (relative local paths made absolute, as the index stores them): the
-  deal and each worker's plan are core/shardsplit.py's, pure; this module only puts the
+  deal and each worker's plan are core/local/shardsplit.py's, pure; this module only puts the
   URLs in that order;
 - dp_rank d takes padded positions p with p mod dp_size == d: equal shard counts, and
   no rank holds a shard twice;
@@ -21,7 +21,7 @@ Invariants:
 - samples of a padded shard copy and wrapped samples carry ``__pad__ = True``, all others
   ``__pad__ = False``; every sample of a worker carries the same metadata keys;
 - :class:`wds_pad.ShardStream` (``shardstream.py``) yields the same samples in the same
-  order from :func:`wds_pad.core.shardsplit.worker_plan`, and can resume.
+  order from :func:`wds_pad.core.local.shardsplit.worker_plan`, and can resume.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..index.record import Index
 from ..io.ranges import RangeReader, ReadOptions
 from ..io.redact import redact
 from ..core.collective import shared_seed
-from ..core.shardsplit import WorkerPlan, deal_shards, worker_plan
+from ..core.local.shardsplit import WorkerPlan, deal_shards, worker_plan
 from ..io.urls import canonical_url, expand_urls
 from ..tar.scan import parse_sample
 from ..core.topology import Topology
@@ -64,7 +64,7 @@ def local_path(url: str) -> str | None:
 
 def dealing_order(urls: Sequence[str]) -> list[str]:
     """``urls`` as given, sorted by canonical URL: the order every rank deals the shards in
-    (core/shardsplit.py), whatever the list's order or spelling.
+    (core/local/shardsplit.py), whatever the list's order or spelling.
 
     Raises:
         ConfigError: a shard is listed twice.
@@ -80,7 +80,7 @@ def dealing_order(urls: Sequence[str]) -> list[str]:
 def assign_shards(urls: Sequence[str], seed: int, epoch: int, dp_size: int) -> list[list[tuple[str, bool]]]:
     """Per dp_rank, its shards for ``epoch`` as (url, is_padded_copy), in order.
 
-    The URL list sorted by canonical URL is dealt by :func:`wds_pad.core.shardsplit.deal_shards`
+    The URL list sorted by canonical URL is dealt by :func:`wds_pad.core.local.shardsplit.deal_shards`
     (shuffled from (seed, epoch, "shards"), extended cyclically by its own prefix to a
     multiple of dp_size). URLs are returned as given.
 

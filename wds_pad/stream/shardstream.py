@@ -6,7 +6,7 @@ interface (``.decode()``, ``.to_tuple()``, ``.batched()``, ...). It yields what
 .compose(equalize(index, splitter))`` yields, and can stop and resume anywhere.
 
 Invariants:
-- worker w of a rank streams :func:`wds_pad.core.shardsplit.worker_plan`'s shards in order, each
+- worker w of a rank streams :func:`wds_pad.core.local.shardsplit.worker_plan`'s shards in order, each
   read sequentially by the tar scanner in stream mode, then wraps cyclically until it
   has yielded the plan's target: same samples, order, keys and ``__pad__`` marks as the
   drop-in pipeline;
@@ -42,7 +42,7 @@ from ..index.shardfile import shard_info
 from ..io.redact import redact
 from ..core.collective import shared_seed
 from .live import OpenIterators, refuse_resplitting
-from ..core.shardsplit import WorkerPlan, worker_plan
+from ..core.local.shardsplit import WorkerPlan, worker_plan
 from ..index.location import is_relative
 from ..io.urls import canonical_url
 from .shardread import ShardReader

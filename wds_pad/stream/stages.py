@@ -37,9 +37,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..core.locality import Locality
-from ..core.plan import Plan
-from ..core.shardschedule import NodeUses, node_uses, shard_reads
+from ..core.local.locality import Locality
+from ..core.planning.plan import Plan
+from ..core.local.shardschedule import NodeUses, node_uses, shard_reads
 from ..core.policy import Mode
 from ..core.topology import Topology
 from ..errors import ConfigError, TopologyError
@@ -213,7 +213,7 @@ def shard_schedule(source: Any) -> Iterator[list[Any]]:
     ``RangeReader.follow`` fetches ahead and drops after the last use. Foreign samples
     (shards dealt to other ranks) are not listed: they stay single ranged reads.
 
-    The schedule is core/shardschedule.py's (int64 arrays, O(the rank's share) per epoch);
+    The schedule is core/local/shardschedule.py's (int64 arrays, O(the rank's share) per epoch);
     here each row becomes the reader's ``PlannedShard`` (URL, size, byte ranges).
     """
     from ..io.shardcache import PlannedShard

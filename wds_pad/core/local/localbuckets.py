@@ -1,6 +1,6 @@
 """Shard locality's per-bucket tables: how a bucket's global order is drawn from the deal.
 
-Steps 2-4 of core/locality.py: a kept bucket's samples per shard (sparse, in visit
+Steps 2-4 of core/local/locality.py: a kept bucket's samples per shard (sparse, in visit
 order), per window and per rank, the pools each window holds, the own entries each rank
 keeps, the surplus it gives away and the foreign entries it receives; ``LocalBuckets``
 is what a shard-local ``Plan`` computes its entries from (``Plan.buckets.local``).
@@ -25,11 +25,11 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
-from .dataset import Dataset, IdRange
-from .locality import DealtDataset, layouts, tail_needed
-from .permute import ROUNDS, mix64, permute
-from .seed import derive_seed
+from ...errors import ConfigError
+from ..dataset import Dataset, IdRange
+from .locality import DealtDataset, Locality, layouts, tail_needed
+from ..permute import ROUNDS, mix64, permute
+from ..seed import derive_seed
 
 __all__ = ["LocalBuckets"]
 
@@ -93,7 +93,7 @@ class _LocalBucket:
     """
 
     def __init__(self, dealt: DealtDataset, ids: Any, passes: int, m: int, length: int,
-                 dp: int, base_key: int, group: int = 1) -> None:
+                 dp: int, base_key: int, node_ranks: int = 1) -> None:
         sh, s = dealt.layout.shard, int(dealt.layout.shard_bytes.size)
         if isinstance(ids, IdRange) and dealt.layout.grouped:
             self.sorted_ids = ids
@@ -109,8 +109,8 @@ class _LocalBucket:
         own = np.bincount(owner, weights=nz_count, minlength=dealt.rank_start.size - 1).astype(np.int64) * passes
         real = min(m, length)
         d = np.arange(dp, dtype=np.int64)
-        # an owner (a rank, or a node of ``group`` consecutive DP ranks) needs its ranks' shares
-        self.need = np.maximum(0, -(-(real - d) // dp)).reshape(-1, group).sum(axis=1)
+        # an owner (a rank, or a node of ``node_ranks`` consecutive DP ranks) needs its ranks' shares
+        self.need = np.maximum(0, -(-(real - d) // dp)).reshape(-1, node_ranks).sum(axis=1)
         self.own = own
         self.keep = np.minimum(own, self.need)            # own entries a rank yields itself
         self.surplus_cum = np.zeros(self.need.size + 1, np.int64)
@@ -119,7 +119,7 @@ class _LocalBucket:
         self.deficit_cum = np.zeros(self.deficit.size + 1, np.int64)
         np.cumsum(self.deficit, out=self.deficit_cum[1:])
         self.passes, self.m, self.base_key, self.dealt, self.dp = passes, m, base_key, dealt, dp
-        self.group = group
+        self.node_ranks = node_ranks
         self.local_pad = False  # locality="node": a node pads a bucket with its own entries
 
     def tail_needed(self) -> np.ndarray:
@@ -229,14 +229,14 @@ class _LocalBucket:
 
     def entries(self, pos: np.ndarray, dp: int) -> np.ndarray:
         """Sample ids at global positions ``pos``: rank ``p mod dp``'s entry ``p // dp``,
-        which is its owner's entry ``j + k * group`` (the ranks of a node take its entries
+        which is its owner's entry ``j + k * node_ranks`` (the ranks of a node take its entries
         in turn; ``j`` the rank's place on its node). A padded position (``p >= m``) copies
         the front of the bucket's global order (shard locality) or, with nodes, the front
         of its node's own entries, so that a node's copies are of its own shards (a node
         with no entry of the bucket copies the global front)."""
         if self.local_pad:
             d, k = pos % dp, pos // dp
-            o, x = d // self.group, d % self.group + k * self.group
+            o, x = d // self.node_ranks, d % self.node_ranks + k * self.node_ranks
             need = self.need[o]
             over = (x >= need) & (need > 0)
             x = np.where(over, (x - need) % np.maximum(need, 1), x)
@@ -253,27 +253,28 @@ class _LocalBucket:
         """Sample ids at global positions ``pos``, padded ones wrapping to the global front."""
         q = pos % self.m
         d, k = q % dp, q // dp
-        return self.rank_entries(d // self.group, d % self.group + k * self.group)
+        return self.rank_entries(d // self.node_ranks, d % self.node_ranks + k * self.node_ranks)
 
 
 class LocalBuckets:
     """The kept buckets of a shard-local plan: what ``Plan`` computes entries from.
 
-    With ``group`` g > 1 (``locality="node"``) the shards are dealt to nodes of g
+    With ``locality="node"`` the shards are dealt to nodes of ``node_ranks`` g
     consecutive DP ranks for good, the tables below are a node's, and a node's ranks take
     its entries in turn: everything said of "a rank" is said of its node."""
 
     def __init__(self, raw: Sequence[Any], dss: Sequence[Dataset],
                  kept: Sequence[tuple[int, Hashable, Any, int, int, int]],
-                 seed: int, epoch: int, dp: int, d: int, window: int, group: int = 0) -> None:
+                 seed: int, epoch: int, dp: int, d: int, window: int, locality: Locality = Locality.SHARD,
+                 node_ranks: int = 1) -> None:
         lays = layouts(raw, dss)
-        stable = group > 0  # locality="node": dealt to nodes, the same every epoch
-        group = max(group, 1)
-        self.dealt = [DealtDataset(lay, ds.name, seed, epoch, dp // group, window, stable=stable)
+        stable = locality is Locality.NODE  # dealt to nodes, the same every epoch
+        node_ranks = node_ranks if stable else 1
+        self.dealt = [DealtDataset(lay, ds.name, seed, epoch, dp // node_ranks, window, stable=stable)
                       for lay, ds in zip(lays, dss)]
         self.buckets = [
             _LocalBucket(self.dealt[di], ids, passes, n * passes, length, dp,
-                         derive_seed(seed, epoch, dss[di].name, key, "window"), group)
+                         derive_seed(seed, epoch, dss[di].name, key, "window"), node_ranks)
             for di, key, ids, n, passes, length in kept]
         for di, dealt in enumerate(self.dealt):
             if stable:  # a node's tail holds what it gives away of every bucket
@@ -283,7 +284,7 @@ class LocalBuckets:
             bk.local_pad = stable
             bk.place()
         self.kept_dataset = [k[0] for k in kept]
-        self.dp, self.d, self.window, self.group = dp, d, window, group
+        self.dp, self.d, self.window, self.node_ranks = dp, d, window, node_ranks
         self.set_steps(0)  # the planner gives the epoch's steps once its schedule is drawn
 
     def set_steps(self, total: int) -> None:
@@ -326,26 +327,26 @@ class LocalBuckets:
         """Shard numbers of dataset ``di`` dealt to rank d (default: this rank; with nodes,
         its node), in visit order."""
         dealt = self.dealt[di]
-        o = (self.d if d is None else d) // self.group
+        o = (self.d if d is None else d) // self.node_ranks
         return dealt.visit[dealt.rank_start[o]:dealt.rank_start[o + 1]]
 
     def foreign(self, d: int | None = None) -> int:
         """Foreign entries of rank d (default: this rank) over every kept bucket: with
         nodes, those of its node's foreign entries that fall to it."""
         d = self.d if d is None else d
-        o, j = d // self.group, d % self.group
-        if self.group == 1:
+        o, j = d // self.node_ranks, d % self.node_ranks
+        if self.node_ranks == 1:
             return int(sum(int(bk.deficit[o]) for bk in self.buckets))
         total = 0
         for bk in self.buckets:
-            k = np.arange(j, int(bk.need[o]), self.group, dtype=np.int64)
+            k = np.arange(j, int(bk.need[o]), self.node_ranks, dtype=np.int64)
             r, f = np.full(k.size, bk.need[o]), np.full(k.size, bk.deficit[o])
             total += int(np.count_nonzero(_floor_mul_div(k + 1, f, r) > _floor_mul_div(k, f, r)))
         return total
 
     def window_of_step(self, di: int, steps: np.ndarray, d: int | None = None) -> np.ndarray:
         """Rank d's window (0, 1, ... in its (node's) visit order) whose step span holds each step."""
-        d = (self.d if d is None else d) // self.group
+        d = (self.d if d is None else d) // self.node_ranks
         dealt = self.dealt[di]
         lo, hi = int(dealt.win_base[d]), int(dealt.win_base[d + 1])
         if hi == lo:
@@ -356,7 +357,7 @@ class LocalBuckets:
         """Whether entries k (real, not padded) of kept bucket b on rank d are foreign."""
         d = self.d if d is None else d
         bk = self.buckets[b]
-        k = d % self.group + np.asarray(k, np.int64) * self.group  # its owner's entries
-        dd = np.full(k.size, d // self.group, np.int64)
+        k = d % self.node_ranks + np.asarray(k, np.int64) * self.node_ranks  # its owner's entries
+        dd = np.full(k.size, d // self.node_ranks, np.int64)
         r, f = bk.need[dd], bk.deficit[dd]
         return _floor_mul_div(k + 1, f, r) > _floor_mul_div(k, f, r)

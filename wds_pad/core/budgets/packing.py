@@ -3,9 +3,9 @@
 A :class:`Pack` sizes batches for training on packed sequences: every batch of a DP rank
 is B packs, each pack a set of samples of one bucket whose costs (tokens) sum to at most
 ``seq_len`` (and, with ``max_segments``, at most that many samples). It is planned as a
-budget of ``seq_len`` per pack (core/budgetplan.py: strata of one sample per DP rank, so
+budget of ``seq_len`` per pack (core/budgets/budgetplan.py: strata of one sample per DP rank, so
 every rank's pack at a step has the same count and nearly the same cost), with the packs
-grouped B at a time into batches (core/packplan.py). The packs are formed by
+grouped B at a time into batches (core/budgets/packplan.py). The packs are formed by
 :func:`best_fit_windows`: best fit decreasing over windows of the bucket's seeded order,
 so the epoch still shuffles while the fill is that of an offline packer.
 
@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .budget import Budget, BudgetModel
 
 __all__ = ["OVERSIZE", "PACK_PACKING", "WINDOW", "Pack", "PackBudget", "best_fit_windows"]
@@ -73,7 +73,7 @@ class Pack:
     packs: int = 1
     max_segments: int | None = None
     oversize: str = "refuse"
-    kind: ClassVar[str] = "pack"  # the bucket planner that cuts its batches (core/packplan.py)
+    kind: ClassVar[str] = "pack"  # the bucket planner that cuts its batches (core/budgets/packplan.py)
     needs_costs: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -84,7 +84,7 @@ class Pack:
             raise ConfigError(f"Pack.oversize must be one of {', '.join(OVERSIZE)}, got {self.oversize!r}")
 
     def budget(self) -> PackBudget:
-        """The budget of one pack: what the strata are packed under (core/budgetplan.py)."""
+        """The budget of one pack: what the strata are packed under (core/budgets/budgetplan.py)."""
         return PackBudget(float(self.seq_len), BudgetModel.SUM, self.max_segments)
 
     def pad_unit(self, dp_size: int, pad_to: Any = None, accumulation_steps: int = 1) -> int:
@@ -126,7 +126,7 @@ def best_fit_windows(weights: Any, limit: float, cap: int = 0, window: int = WIN
     0: no bound): best fit decreasing inside each window of ``window`` items.
 
     Returns:
-        (order, offsets) as :func:`~wds_pad.core.budget.pack`: item indices pack after
+        (order, offsets) as :func:`~wds_pad.core.budgets.budget.pack`: item indices pack after
         pack, and where each pack starts (``len(packs) + 1`` entries).
     """
     w = np.asarray(weights, dtype=np.float64)

@@ -31,9 +31,9 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
-from .dataset import Dataset
-from .seed import derive_rng
+from ...errors import ConfigError
+from ..dataset import Dataset
+from ..seed import derive_rng
 
 __all__ = ["MIX_BY", "Mix", "check_mix", "extended", "mix"]
 

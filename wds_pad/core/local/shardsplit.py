@@ -24,9 +24,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
-from .seed import derive_rng
-from .topology import Topology
+from ...errors import ConfigError
+from ..seed import derive_rng
+from ..topology import Topology
 
 __all__ = ["WorkerPlan", "deal_shards", "worker_plan"]
 

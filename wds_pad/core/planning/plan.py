@@ -32,49 +32,51 @@ Invariants (hypothesis properties in tests/core/test_plan.py, for both localitie
 
 This module holds the planner itself (``plan_epoch`` and the steps-mode ``iter_steps``);
 its records ``Plan`` / ``Batch`` / ``BucketStats`` and the rank's entries of step 4 live
-in ``core.planrecord``, the rules of steps 2-3 and the epoch limits in ``core.policy``,
+in ``core.planning.planrecord``, the rules of steps 2-3 and the epoch limits in ``core.policy``,
 the Dataset record and its bucket order in ``core.dataset``, the schedule of step 5 in
-``core.schedule``.
+``core.planning.schedule``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, DroppedBucketWarning
-from .budget import Budget
-from .budgetplan import budget_buckets
+from ...errors import ConfigError, DroppedBucketWarning
+from ..budgets.budget import Budget
+from ..budgets.budgetplan import budget_buckets
 from .buckettable import Planning, SizedBuckets, bucket_table, padded
-from .dataset import Dataset, as_datasets
-from .localbuckets import LocalBuckets
-from .locality import Locality
-from .packplan import pack_buckets
-from .permute import round_keys
+from ..dataset import Dataset, as_datasets
+from ..local.localbuckets import LocalBuckets
+from ..local.locality import Locality
+from ..budgets.packplan import pack_buckets
+from ..permute import round_keys
 from .planrecord import Batch, Bins, BucketStats, Plan, Buckets, rank_batches
 from .proportion import extended, mix
-from .policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, resolve_policy
+from ..policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, resolve_policy
 from .schedule import step_schedule
-from .seed import check_seed, derive_seed
-from .sizing import Count, as_sizing
-from .topology import Topology
+from ..seed import check_seed, derive_seed
+from ..sizing import Count, as_sizing
+from ..topology import Topology
 
 __all__ = ["Batch", "BucketStats", "Plan", "iter_steps", "plan_epoch"]
 
 
-# wds_pad itself and the standard library: a warning's frame is never one of theirs
-_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+# wds_pad itself (the package, wherever this module sits in it) and the standard library:
+# a warning's frame is never one of theirs
+_PACKAGE = sys.modules[__name__.split(".")[0]]
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(_PACKAGE.__file__ or "")) + os.sep,
                  os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep)
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning raised by our caller at the user's line:
     the first frame outside wds_pad, webdataset, torch and the standard library."""
-    import sys
-
     skip = list(_LIBRARY_DIRS)
     for mod in ("webdataset", "torch"):
         m = sys.modules.get(mod)
@@ -116,7 +118,7 @@ def plan_epoch(
         seed: the shared seed (identical on every rank), an int in [0, 2**64).
         epoch: the epoch number, an int in [0, MAX_EPOCH].
         batch_size: samples per batch per DP rank (an int or a
-            :class:`~wds_pad.core.sizing.Count`), or a :class:`~wds_pad.core.budget.Budget`
+            :class:`~wds_pad.core.sizing.Count`), or a :class:`~wds_pad.core.budgets.budget.Budget`
             (batches sized by the samples' costs: every dataset needs costs).
         policy: ``auto`` | ``cyclic`` | ``drop`` | ``none``.
         mode: ``epochs`` | ``steps`` (only matters for ``auto``).
@@ -127,13 +129,13 @@ def plan_epoch(
         locality: ``none`` (every bucket shuffled across all shards), ``shard`` (each
             rank reads its own shards, dealt per epoch, through a window of shards) or
             ``node`` (shards dealt to nodes for good, read by a node's ranks together;
-            needs ``topology.local_world_size``); core/locality.py. ``shard`` and ``node``
+            needs ``topology.local_world_size``); core/local/locality.py. ``shard`` and ``node``
             need an Index or a ShardMap per dataset.
         window: shards a rank (a node) visits at once with ``locality="shard"`` (``"node"``).
         accumulation_steps: K micro-batches per optimizer step: every rank's batch count
             is a multiple of K and each run of K steps reads one bucket.
         mix_by: with proportions (``Dataset(proportion=...)``), count each dataset's share
-            in ``samples`` or in ``cost`` (core/proportion.py).
+            in ``samples`` or in ``cost`` (core/planning/proportion.py).
         epoch_size: with proportions, the epoch's samples (or cost); None: the datasets' own.
 
     Returns:
@@ -152,8 +154,8 @@ def plan_epoch(
     policy = resolve_policy(policy, mode, bool(oversubscribe))
     locality = parse_enum(Locality, locality, "locality")
     shard_window = check_positive("window", window)
-    k = _check_accumulation(accumulation_steps, policy, pad_to, sizing)
-    node_ranks = topology.dp_ranks_per_node if locality is Locality.NODE else 0
+    accumulation_steps = _check_accumulation(accumulation_steps, policy, pad_to, sizing)
+    node_ranks = topology.node_ranks if locality is Locality.NODE else 1
     raw = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
     mixed = mix(as_datasets(datasets), seed, epoch, mix_by, epoch_size)
     dss = mixed.datasets
@@ -161,14 +163,15 @@ def plan_epoch(
         raise ConfigError("proportions are planned with batches of a sample count (batch_size=N, --batch-size), "
                           f"not with {sizing.describe()}; drop the proportions or the budget")
     at = Planning(seed=seed, epoch=epoch, dp=int(topology.dp_size), d=int(topology.dp_rank),  # type: ignore[arg-type]
-                  policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to, accumulation_steps=k,
+                  policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to,
+                  accumulation_steps=accumulation_steps,
                   locality=locality, window=shard_window, node_ranks=node_ranks, targets=mixed.targets)
     sized = BUCKET_PLANNERS[sizing.kind](raw, dss, sizing, at)
     got = sized.buckets
     _warn_dropped(warn, got.dropped, got.dropped_samples, got.total_samples, epoch)
 
     table = got.table
-    schedule, window_of = step_schedule(dss, table, sized.steps, seed, epoch, group=k)
+    schedule, window_of = step_schedule(dss, table, sized.steps, seed, epoch, accumulation_steps=accumulation_steps)
     if sized.local is not None:  # a window's span of the epoch, in steps
         sized.local.set_steps(int(schedule.size))
     buckets = Buckets(sized.keyed, at.dp, at.d, order=sized.order, local=sized.local, counts=sized.counts)
@@ -185,7 +188,7 @@ def plan_epoch(
         bucket_table=tuple(table), schedule=schedule, window=window_of, batch_step=batch_step,
         offsets=offsets, stats=tuple(got.stats), buckets=buckets, locality=locality,
         shard_window=shard_window, sizing=sizing, bins=bins,
-        accumulation=k, packs=sized.packs, seed=seed,
+        accumulation_steps=accumulation_steps, packs=sized.packs, seed=seed,
     )
 
 
@@ -208,7 +211,7 @@ def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at:
     local = None
     if at.locality.dealt:  # the order inside each bucket; the schedule is the same
         local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, at.d, at.window,
-                             at.node_ranks)
+                             at.locality, at.node_ranks)
     counts = np.asarray([max(0, -(-(kb.length - at.d) // dp)) for kb in got.kept], dtype=np.int64)
     return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept], counts=counts, starts=None,
                         order=local, local=local, keyed=keyed)
@@ -216,22 +219,22 @@ def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at:
 
 #: each sizing's bucket planner, by the sizing's ``kind``
 BUCKET_PLANNERS: dict[str, Callable[..., SizedBuckets]] = {
-    "count": count_buckets, "budget": budget_buckets, "pack": pack_buckets}
+    "count": count_buckets, "budget": budget_buckets, "pack": partial(pack_buckets, budget_buckets)}
 
 
 def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Count | Budget) -> int:
-    k = check_positive("accumulation_steps", value)
-    if k > 1 and policy is Policy.NONE:
+    steps = check_positive("accumulation_steps", value)
+    if steps > 1 and policy is Policy.NONE:
         raise ConfigError(
-            f"accumulation_steps={k} with padding policy 'none': 'none' gives ranks different batch "
+            f"accumulation_steps={steps} with padding policy 'none': 'none' gives ranks different batch "
             "counts, so an epoch could not end on a whole optimizer step on every rank; use pad='cyclic' "
             "or 'drop', or accumulation_steps=1")
-    if k > 1 and sizing.short_last_batch(pad_to):
+    if steps > 1 and sizing.short_last_batch(pad_to):
         raise ConfigError(
-            f"accumulation_steps={k} with pad_to='rank': a bucket's last batch may then be short, so its "
+            f"accumulation_steps={steps} with pad_to='rank': a bucket's last batch may then be short, so its "
             "optimizer step would mix a short micro-batch with full ones; use pad_to='batch' (a bucket "
             "padded to whole optimizer steps), or accumulation_steps=1")
-    return k
+    return steps
 
 
 def _warn_dropped(warn: bool, names: list[str], dropped: int, total: int, epoch: int) -> None:

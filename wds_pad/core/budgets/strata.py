@@ -43,8 +43,8 @@ from typing import Callable
 import numpy as np
 
 from .budget import Budget, BudgetModel, fits_one_more
-from .permute import ROUNDS, mix64, permute
-from .seed import derive_seed
+from ..permute import ROUNDS, mix64, permute
+from ..seed import derive_seed
 
 __all__ = ["BucketBatches"]
 
@@ -72,7 +72,7 @@ class BucketBatches:
         policy: ``"cyclic"``, ``"drop"`` or ``"none"`` (resolved).
         oversubscribe: keep a bucket with fewer entries than ``dp`` (cyclic only).
         top_up: fill the last batch with copies of the first strata (``pad_to="batch"``).
-        accumulation: K: the batch count is made a multiple of K.
+        accumulation_steps: K: the batch count is made a multiple of K.
 
     Attributes:
         seq: stratum ids in packed order, batch after batch.
@@ -85,7 +85,7 @@ class BucketBatches:
 
     def __init__(self, n: int, passes: int, dp: int, sorted_cost: Callable[[np.ndarray], np.ndarray],
                  base_key: int, budget: Budget, policy: str, oversubscribe: bool = False,
-                 top_up: bool = False, accumulation: int = 1) -> None:
+                 top_up: bool = False, accumulation_steps: int = 1) -> None:
         self.n, self.passes, self.dp, self.budget = int(n), int(passes), int(dp), budget
         self.base_key = int(base_key)
         self.uneven = policy == "none"  # the short stratum stays short
@@ -131,7 +131,7 @@ class BucketBatches:
             seq, offsets, copy = self._place_short(seq, offsets, copy, weights)
         if policy == "cyclic" and top_up and self.complete:
             seq, offsets, copy = self._top_up(seq, offsets, copy, weights)
-        seq, offsets, copy = self._whole_cycles(seq, offsets, copy, int(accumulation), policy)
+        seq, offsets, copy = self._whole_cycles(seq, offsets, copy, int(accumulation_steps), policy)
         if seq.size == 0:
             self._empty(dropped=True)
             return
@@ -206,18 +206,18 @@ class BucketBatches:
         return (np.concatenate([seq, add]), np.append(offsets[:-1], offsets[-1] + add.size),
                 np.concatenate([copy, np.ones(add.size, bool)]))
 
-    def _whole_cycles(self, seq: np.ndarray, offsets: np.ndarray, copy: np.ndarray, k: int,
+    def _whole_cycles(self, seq: np.ndarray, offsets: np.ndarray, copy: np.ndarray, accumulation_steps: int,
                       policy: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A batch count that is a multiple of ``k``: the first batches again (cyclic,
-        marked copies) or the last ones dropped (drop)."""
+        """A batch count that is a multiple of ``accumulation_steps``: the first batches
+        again (cyclic, marked copies) or the last ones dropped (drop)."""
         bins = offsets.size - 1
-        if k <= 1 or bins % k == 0:
+        if accumulation_steps <= 1 or bins % accumulation_steps == 0:
             return seq, offsets, copy
         if policy == "drop":
-            keep = bins - bins % k
+            keep = bins - bins % accumulation_steps
             cut = int(offsets[keep])
             return seq[:cut], offsets[:keep + 1], copy[:cut]
-        need = k - bins % k
+        need = accumulation_steps - bins % accumulation_steps
         sizes = np.diff(offsets)
         reps = np.arange(need) % bins
         add_sizes = sizes[reps]

@@ -1,7 +1,7 @@
 """The plan as records: ``Plan`` (this rank's batches for one epoch, evaluated lazily),
 ``Batch`` and ``BucketStats``, and how a rank's entries are computed from per-bucket facts.
 
-``plan_epoch`` (core/plan.py) builds a Plan from O(buckets + steps) facts; the sample ids
+``plan_epoch`` (core/planning/plan.py) builds a Plan from O(buckets + steps) facts; the sample ids
 of a batch are computed when it is asked for, here.
 
 Invariants:
@@ -10,7 +10,7 @@ Invariants:
 - entry k of kept bucket b on dp_rank d is global position p = d + k * dp_size of the
   bucket's order; it is a padded copy iff p >= the bucket's unpadded length, and its
   sample is the keyed permutation of its pass evaluated at p (core/permute.py), or the
-  shard-local order's entry (core/locality.py): the ``EntryOrder`` the buckets were made with;
+  shard-local order's entry (core/local/locality.py): the ``EntryOrder`` the buckets were made with;
 - ``plan[i]`` equals ``plan.batches(i, i + 1)[0]`` and the slices of ``samples`` / ``pad``,
   bitwise; a MemoryError while computing entries is a ConfigError that says what to lower.
 """
@@ -18,18 +18,20 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
-from .budget import Budget
-from .locality import Locality
-from .permute import ROUNDS, permute
-from .policy import Mode, PadTo, Policy
-from .sampleseed import seed_bases, seeded_entries
-from .sizing import Count
-from .topology import Topology
+from ...errors import ConfigError
+from ..permute import ROUNDS, permute
+from ..policy import Mode, PadTo, Policy
+from ..sampleseed import seed_bases, seeded_entries
+
+if TYPE_CHECKING:  # the records a Plan holds; their modules plan, this one only records
+    from ..budgets.budget import Budget
+    from ..local.locality import Locality
+    from ..sizing import Sizing
+    from ..topology import Topology
 
 __all__ = ["Batch", "BucketStats", "Plan"]
 
@@ -122,22 +124,18 @@ class Plan:
     offsets: np.ndarray
     stats: tuple[BucketStats, ...] = field(repr=False)
     buckets: Buckets = field(repr=False)
-    locality: Locality = Locality.NONE
+    sizing: Sizing  # how batches are sized: a Count, a Budget or a Pack (core/sizing.py)
+    locality: Locality
     shard_window: int = 8  # shards a rank visits at once (locality="shard")
-    sizing: Count | Budget | None = None  # how batches are sized (None: Count(batch_size))
     bins: Bins | None = field(default=None, repr=False)  # where each batch starts (a budget's batches vary)
-    accumulation: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
-    packs: Any = field(default=None, repr=False)  # a Pack's pack numbers (core/packplan.py), or None
+    accumulation_steps: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
+    packs: Any = field(default=None, repr=False)  # a Pack's pack numbers (core/budgets/packplan.py), or None
     seed: int | None = None  # the shared seed: each entry's seed derives from it (None: no seeds)
-
-    def __post_init__(self) -> None:
-        if self.sizing is None:
-            object.__setattr__(self, "sizing", Count(self.batch_size))
 
     @property
     def budget(self) -> Budget | None:
         """The Budget batches are sized by, or None (a count: ``batch_size`` each)."""
-        return self.sizing if self.sizing.kind == "budget" else None  # type: ignore[union-attr,return-value]
+        return self.sizing if self.sizing.kind == "budget" else None  # type: ignore[return-value]
 
     def _first(self, b: np.ndarray, w: np.ndarray) -> np.ndarray:
         """Where window ``w`` of kept bucket ``b`` starts among this rank's entries of it."""
@@ -251,8 +249,8 @@ class Plan:
 
 class EntryOrder(Protocol):
     """Where a rank's entries come from: the keyed global order (``Buckets``), a
-    shard-local order (core/localbuckets.py), a budget's strata (core/budgetplan.py) or an
-    elastic remainder of one of them (core/remainder.py, core/budgetremainder.py)."""
+    shard-local order (core/local/localbuckets.py), a budget's strata (core/budgets/budgetplan.py) or an
+    elastic remainder of one of them (core/elastic/remainder.py)."""
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of this rank's entries ``k`` of kept buckets ``b``."""
@@ -279,7 +277,7 @@ class Buckets:
         self.first_row = np.zeros(len(kept), dtype=np.int64)
         np.cumsum([len(k[4]) for k in kept][:-1], out=self.first_row[1:])
         self.dp, self.d = dp, d
-        self.local: Any = local  # a LocalBuckets (core/localbuckets.py) or a remainder of one, or None
+        self.local: Any = local  # a LocalBuckets (core/local/localbuckets.py) or a remainder of one, or None
         self.order: EntryOrder = order if order is not None else local if local is not None else self
         # entries of this rank per kept bucket
         self.counts = counts if counts is not None else np.asarray(

@@ -1,13 +1,13 @@
-"""Planning an epoch of packed batches (core/packing.py's :class:`~wds_pad.core.packing.Pack`).
+"""Planning an epoch of packed batches (core/budgets/packing.py's :class:`~wds_pad.core.budgets.packing.Pack`).
 
 A Pack is planned as the budget of one pack (``seq_len``) with every bucket's pack count
-a multiple of ``packs`` x ``accumulation_steps`` (core/budgetplan.py: strata, one sample
+a multiple of ``packs`` x ``accumulation_steps`` (core/budgets/budgetplan.py: strata, one sample
 per DP rank, packed by best fit decreasing over the seeded order), then grouped: B
 consecutive packs of a bucket are one batch. The schedule of the packs (B x K at a time,
-core/schedule.py) taken every B-th step is the schedule of the batches (K at a time), so
+core/planning/schedule.py) taken every B-th step is the schedule of the batches (K at a time), so
 the grouped plan and the budget plan are the same epoch counted in different steps: the
 elastic remainder of a packed epoch is the budget remainder of its packs
-(core/budgetremainder.py, with every segment's steps counted in packs), grouped again.
+(core/elastic/remainder.py, with every segment's steps counted in packs), grouped again.
 
 Invariants (tests/core/test_packplan.py):
 - every rank's batch is ``packs`` packs, each of cost <= ``seq_len`` and at most
@@ -23,19 +23,18 @@ Invariants (tests/core/test_packplan.py):
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
-from .budgetplan import budget_buckets
-from .buckettable import Planning, SizedBuckets
-from .dataset import Dataset
+from ...errors import ConfigError
+from ..planning.buckettable import Planning, SizedBuckets
+from ..dataset import Dataset
 from .packing import Pack
-from .planrecord import Bins, Plan, rank_batches
-from .policy import Policy
+from ..planning.planrecord import Bins, Plan, rank_batches
+from ..policy import Policy
 
-__all__ = ["PackNumbers", "pack_buckets", "pack_remainder"]
+__all__ = ["PackNumbers", "group_plan", "pack_buckets"]
 
 
 class PackNumbers:
@@ -56,8 +55,10 @@ class PackNumbers:
         return np.repeat(np.tile(np.arange(self.packs, dtype=np.int64), b.shape[0]), per.ravel())
 
 
-def pack_buckets(raw: Sequence[Any], dss: Sequence[Dataset], pack: Pack, at: Planning) -> SizedBuckets:
-    """The bucket planner of a :class:`~wds_pad.core.packing.Pack` (see the module docstring).
+def pack_buckets(budget_buckets: Callable[..., SizedBuckets], raw: Sequence[Any], dss: Sequence[Dataset], pack: Pack,
+                 at: Planning) -> SizedBuckets:
+    """The bucket planner of a :class:`~wds_pad.core.budgets.packing.Pack` (see the module docstring), given
+    the bucket planner of a budget (core/budgets/budgetplan.py's, registered with it in core/planning/plan.py).
 
     Raises:
         ConfigError: policy ``none``; a dataset without costs; a sample costlier than
@@ -126,24 +127,9 @@ def group_plan(plan: Plan, pack: Pack, accumulation_steps: int) -> Plan:
     widest = int(np.diff(offsets).max(initial=1)) if offsets.size > 1 else 1
     stats = tuple(replace(s, steps=s.steps // B) for s in plan.stats)
     out = replace(plan, schedule=schedule, window=window, batch_step=batch_step, offsets=offsets, stats=stats,
-                  sizing=pack, bins=grouped, accumulation=accumulation_steps, batch_size=max(1, widest),
+                  sizing=pack, bins=grouped, accumulation_steps=accumulation_steps, batch_size=max(1, widest),
                   packs=PackNumbers(pack_starts, B))
     src = plan.buckets.local
     if src is not None and getattr(src, "plan", None) is plan:
         src.plan = out  # a shard-local remainder reads its shard uses off its own plan
     return out
-
-
-def pack_remainder(datasets: Any, topology: Any, segments: Sequence[Any], *, batch_size: Pack,
-                   accumulation_steps: int = 1, **kwargs: Any) -> tuple[Plan, str]:
-    """What ``segments`` left of a packed epoch on ``topology``, and its fingerprint: the
-    budget remainder of its packs, segments counted in packs, grouped again."""
-    from .budgetremainder import plan_budget_remainder
-
-    B, k = batch_size.packs, int(accumulation_steps)
-    segs = [replace(s, steps=None if s.steps is None else s.steps * B,
-                    positions=None if s.positions is None else tuple(p * B for p in s.positions))
-            for s in segments]
-    plan, digest = plan_budget_remainder(datasets, topology, segs, batch_size=batch_size.budget(),
-                                         accumulation_steps=k * B, **kwargs)
-    return group_plan(plan, batch_size, k), digest

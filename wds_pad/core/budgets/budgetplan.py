@@ -1,19 +1,19 @@
-"""Planning an epoch under a budget: each bucket's batches sized by cost (core/budget.py).
+"""Planning an epoch under a budget: each bucket's batches sized by cost (core/budgets/budget.py).
 
 ``plan_epoch(..., batch_size=Budget(...))`` calls :func:`budget_buckets` (the budget's
 bucket planner) for what a sizing decides: which buckets are kept (through
-core/buckettable.py, as for a count), how many steps each takes, which entries a rank holds
+core/planning/buckettable.py, as for a count), how many steps each takes, which entries a rank holds
 and where each of its batches starts. Everything after it (the schedule, the rank's
 batches, the Plan record) is the same for every sizing.
 
 - ``locality="none"``: each bucket's strata are packed into batches identically on every
-  rank (:class:`~wds_pad.core.budget.BucketBatches`); a rank's entries are one member of
+  rank (:class:`~wds_pad.core.budgets.budget.BucketBatches`); a rank's entries are one member of
   each stratum, O(its share) to plan and O(1) each to evaluate.
 - ``locality="shard"``: a rank's entries are those shard locality gives it (its own
-  shards first in, first out, core/localbuckets.py), padded per bucket to a multiple of
+  shards first in, first out, core/local/localbuckets.py), padded per bucket to a multiple of
   ``dp_size`` (x accumulation_steps) as ``cyclic`` / ``drop`` / ``none`` say; every rank
   cuts its entries, in order, into the same number of batches within the budget
-  (:func:`~wds_pad.core.budget.lockstep_cuts`). To agree on that number every rank
+  (:func:`~wds_pad.core.budgets.budget.lockstep_cuts`). To agree on that number every rank
   reads the cost of every entry of the dataset: O(samples), not O(share).
 
 Invariants:
@@ -32,14 +32,14 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from .buckettable import Measured, Planning, SizedBuckets, bucket_table, padded
+from ..planning.buckettable import Measured, Planning, SizedBuckets, bucket_table, padded
 from .budget import Budget
-from .dataset import Dataset
-from .localbuckets import LocalBuckets
+from ..dataset import Dataset
+from ..local.localbuckets import LocalBuckets
 from .lockstep import lockstep_cuts
-from .policy import PadTo
-from .sampleseed import PADDED
-from .seed import derive_seed
+from ..policy import PadTo
+from ..sampleseed import PADDED
+from ..seed import derive_seed
 from .strata import BucketBatches
 
 __all__ = ["BudgetBuckets", "RankCuts", "budget_buckets", "shard_cut"]
@@ -47,7 +47,7 @@ __all__ = ["BudgetBuckets", "RankCuts", "budget_buckets", "shard_cut"]
 
 class BudgetBuckets:
     """The kept buckets of a budgeted plan with ``locality="none"``: what ``Plan`` computes
-    a rank's entries from (the ``budget`` hook of core/planrecord.py)."""
+    a rank's entries from (the ``budget`` hook of core/planning/planrecord.py)."""
 
     def __init__(self, batches: Sequence[BucketBatches], orders: Sequence[Any], d: int) -> None:
         self.batches, self.orders, self.d = list(batches), list(orders), d
@@ -92,7 +92,7 @@ class RankCuts:
 
 
 def shard_cut(local: LocalBuckets, j: int, length: int, real: int, dp: int, cost: Any, budget: Budget,
-              accumulation: int) -> RankCuts:
+              accumulation_steps: int) -> RankCuts:
     """Kept bucket ``j`` of a shard-local plan (``length`` entries padded, ``real`` of them
     samples): every rank's entries, and the lockstep cuts of them under ``budget``.
     O(the bucket's entries): every rank must know every rank's costs to agree on a count."""
@@ -104,7 +104,7 @@ def shard_cut(local: LocalBuckets, j: int, length: int, real: int, dp: int, cost
     costs = np.where(live, np.asarray(cost[ids], dtype=np.float64), 0.0)
     per_ids, per_cost = ids.reshape(r, dp).T, costs.reshape(r, dp).T  # rank d's entry k: position d + k * dp
     counts = np.maximum(0, -(-(length - np.arange(dp)) // dp))
-    steps, cuts = lockstep_cuts(per_cost, counts, budget, multiple=accumulation)
+    steps, cuts = lockstep_cuts(per_cost, counts, budget, accumulation_steps=accumulation_steps)
     pad = (np.arange(dp)[:, None] + np.arange(r)[None, :] * dp) >= real
     return RankCuts([per_ids[d, :counts[d]] for d in range(dp)], [pad[d, :counts[d]] for d in range(dp)],
                     steps, cuts)
@@ -119,7 +119,7 @@ def _sorted_cost(ds: Dataset, order: Any) -> Any:
 
 
 def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
-    """The bucket planner of a :class:`~wds_pad.core.budget.Budget`: kept buckets, their
+    """The bucket planner of a :class:`~wds_pad.core.budgets.budget.Budget`: kept buckets, their
     steps and this rank's entries and batches (see the module docstring).
 
     Raises:
@@ -153,17 +153,19 @@ def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, a
 
 
 def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
-    dp, d, k = at.dp, at.d, at.accumulation_steps
-    unit = budget.pad_unit(dp) * k  # each rank's entries of a bucket come in whole optimizer steps' worth
+    dp, d = at.dp, at.d
+    # each rank's entries of a bucket come in whole optimizer steps' worth
+    unit = budget.pad_unit(dp) * at.accumulation_steps
     got = bucket_table(dss, padded(unit, at.policy, at.oversubscribe, 0), epoch=at.epoch, dp=dp, batch=1,
                        unit=unit, oversubscribe=at.oversubscribe, size=budget.describe())
     local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, d, at.window,
-                         at.node_ranks)
+                         at.locality, at.node_ranks)
     steps: list[int] = []
     starts: list[np.ndarray] = []
     counts = np.zeros(len(got.kept), np.int64)
     for j, kb in enumerate(got.kept):
-        cut = shard_cut(local, j, kb.length, min(kb.n * kb.passes, kb.length), dp, dss[kb.di].cost, budget, k)
+        cut = shard_cut(local, j, kb.length, min(kb.n * kb.passes, kb.length), dp, dss[kb.di].cost, budget,
+                        at.accumulation_steps)
         steps.append(cut.steps)
         starts.append(cut.cuts[d])
         counts[j] = cut.count(d)

@@ -8,7 +8,7 @@ no sample ids, so every rank computes the same schedule (invariant 1). Invariant
 - within one dataset the steps are shuffled by an RNG derived from (seed, epoch,
   dataset name); several datasets are merged as competing Poisson processes whose rates
   are their weights, drawn from an RNG derived from (seed, epoch) alone;
-- with gradient accumulation (``group`` K) the schedule is that of the buckets' K-step
+- with gradient accumulation (``accumulation_steps`` K) the schedule is that of the buckets' K-step
   groups with each group's step repeated K times: K consecutive steps, one bucket;
 - the result is identical under any PYTHONHASHSEED (invariant 4); it is stored as narrow
   as its values allow (int16 bucket indices below 2**15 buckets, int32 windows), because
@@ -22,22 +22,22 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from .dataset import Dataset
-from .seed import derive_rng
+from ..dataset import Dataset
+from ..seed import derive_rng
 
 
 def step_schedule(
     dss: Sequence[Dataset], table: Sequence[tuple[int, Hashable]], steps: Sequence[int],
-    seed: int, epoch: int, group: int = 1,
+    seed: int, epoch: int, accumulation_steps: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Global step -> (bucket-table index, window number within that bucket), as narrow
-    integer arrays (see the module's invariants). With ``group`` K > 1 every bucket's
+    integer arrays (see the module's invariants). With ``accumulation_steps`` K > 1 every bucket's
     steps (a multiple of K) are scheduled K at a time: the K micro-batches of one
     optimizer step (gradient accumulation) come from one bucket."""
-    if group > 1:
-        groups = [int(s) // group for s in steps]
+    if accumulation_steps > 1:
+        groups = [int(s) // accumulation_steps for s in steps]
         schedule, _ = step_schedule(dss, table, groups, seed, epoch)
-        schedule = np.repeat(schedule, group)
+        schedule = np.repeat(schedule, accumulation_steps)
         return schedule, _windows(schedule, len(table))
     steps_arr = np.asarray(steps, dtype=np.int64)
     table_ds = np.asarray([di for di, _ in table], dtype=np.int64)

@@ -3,7 +3,7 @@
 The plans are the schedule of every read a job makes, so what its node caches fetch can
 be counted before it starts (``wds-pad simulate``). A node here is the processes that
 share one cache folder (``ReadOptions(cache_dir=...)``, or the folder a torchrun job
-shares by default); each epoch it holds the shards of :func:`~.localfigures.node_held`
+shares by default); each epoch it holds the shards of :func:`~.reads.node_held`
 (the shards its processes read whole, and with ``locality="node"`` the other nodes'
 shards it reads), fetched whole in blocks of ``block_bytes``, and it reads every other
 sample by a single ranged GET (each process its own). A shard it held in the epoch
@@ -21,7 +21,7 @@ Invariants:
   length and each shard's bytes; O(the job's entries) per epoch;
 - a node's GETs of an epoch are the blocks of the shards it holds and did not hold the
   epoch before, plus its single reads of shards it does not hold: the figures of
-  :func:`~.localfigures.node_figures` less what the folder kept;
+  :func:`wds_pad.cli.readfigures.node_figures` less what the folder kept;
 - the peak bytes of a node's folder is the largest bytes of the shards it holds in an
   epoch (what it needs to fetch nothing twice within an epoch).
 """
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .localfigures import node_held, node_reads
+from .reads import node_held, node_reads
 from .simtime import Held, Link, ProcessReads, timeline
 
 __all__ = ["Link", "NodeEpochCost", "Prices", "Simulation", "simulate"]

@@ -1,7 +1,7 @@
 """Shard locality: how a bucket's global order is drawn when ``locality="shard"``.
 
 With ``locality="none"`` every bucket is one keyed permutation over all of its samples
-(core/plan.py): one ranged read per sample. With ``locality="shard"`` the order is
+(core/planning/plan.py): one ranged read per sample. With ``locality="shard"`` the order is
 drawn so that a DP rank reads its samples from a few whole shards:
 
 1. each epoch, a dataset's shards are shuffled from (seed, epoch, dataset) and dealt to
@@ -13,7 +13,7 @@ drawn so that a DP rank reads its samples from a few whole shards:
    its windows' pools one after another, in visit order (first in, first out): its
    entry j is entry j of that sequence, and what is left past the rank's need is its
    surplus. Window w also gets a span of the epoch's global steps, its share of the
-   rank's samples: the time the reader holds w's shards (core/shardschedule.py
+   rank's samples: the time the reader holds w's shards (core/local/shardschedule.py
    ``shard_reads``). A bucket whose steps run ahead of its samples there reads the
    next window's pool early (the reader fetches that shard early, while it fits); one
    that runs behind reads the previous window's pool late (from the bytes the reader
@@ -41,14 +41,14 @@ samples) memory: a bucket keeps only those shards, in visit order (found by a sc
 rows in an index's shard column, whose rows are grouped by bucket and then shard, or by a
 binary search per shard where the bucket is large; a plain Dataset with a shard map
 sorts each bucket once, O(samples)); a batch costs O(batch size x log(shards)). The shard cache's schedule
-(core/shardschedule.py ``shard_reads``) costs O(the rank's share) per epoch.
+(core/local/shardschedule.py ``shard_reads``) costs O(the rank's share) per epoch.
 
 The planner needs each sample's shard: an Index (``shard`` column and shard table) or a
 :class:`ShardMap` around a Dataset. Anything else is a ConfigError that names the fix.
 
 This module holds the choice (``Locality``), the shard maps and step 1, the deal of
 each epoch's shards to the ranks and their windows; the per-bucket tables of steps 2-4
-are core/localbuckets.py's, the reading cost of a plan (``figures``) core/localfigures.py's.
+are core/local/localbuckets.py's, what a plan reads core/local/reads.py's (its reading cost cli/readfigures.py's).
 
 Invariants:
 - each epoch every shard of a dataset is dealt to exactly one DP rank, as a contiguous
@@ -69,9 +69,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
-from .dataset import Dataset, IdRange
-from .seed import derive_rng
+from ...errors import ConfigError
+from ..dataset import Dataset, IdRange
+from ..seed import derive_rng
 
 __all__ = ["Locality", "ShardMap", "shard_map_of"]
 

@@ -5,7 +5,7 @@ what it makes of the bucket (its padded length, its real entries, its steps); it
 the size guard (``check_bucket_size``, ``check_planned_total``) and writes the
 ``BucketStats``, so every sizing keeps, pads and drops by one loop. :func:`padded` is the
 measure of the pad rule (``padded_length`` to a pad unit); a budget's strata measure
-themselves (core/budgetplan.py). :class:`SizedBuckets` is what a sizing's bucket planner
+themselves (core/budgets/budgetplan.py). :class:`SizedBuckets` is what a sizing's bucket planner
 hands the planner: the table, each kept bucket's steps, this rank's entries per bucket,
 where its batches start, and the entry order they come from.
 
@@ -20,14 +20,16 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from .dataset import Dataset
-from .locality import Locality
 from .planrecord import BucketStats, EntryOrder
-from .policy import PadTo, Policy, check_bucket_size, check_planned_total, padded_length
+from ..policy import PadTo, Policy, check_bucket_size, check_planned_total, padded_length
+
+if TYPE_CHECKING:
+    from ..dataset import Dataset
+    from ..local.locality import Locality
 
 __all__ = ["BucketTable", "Kept", "Measured", "Planning", "SizedBuckets", "bucket_table", "padded"]
 
@@ -46,8 +48,8 @@ class Planning:
     accumulation_steps: int
     locality: Locality
     window: int              # shards a rank (a node) visits at once
-    node_ranks: int          # DP ranks per node with locality "node", else 0
-    targets: Any = None      # proportions: each extended bucket's target entries (core/proportion.py), or None
+    node_ranks: int          # DP ranks per node with locality "node" (its shards dealt to them), else 1
+    targets: Any = None      # proportions: each extended bucket's target entries (core/planning/proportion.py), or None
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class Kept:
     cut: Any = None
 
     def local(self) -> tuple[int, Hashable, Any, int, int, int]:
-        """The row core/localbuckets.py deals shards by."""
+        """The row core/local/localbuckets.py deals shards by."""
         return self.di, self.key, self.ids, self.n, self.passes, self.length
 
 
@@ -110,10 +112,10 @@ class SizedBuckets:
     counts: np.ndarray                # this rank's entries per kept bucket
     starts: list[np.ndarray] | None   # where each of this rank's batches starts per kept bucket (None: every
                                       # batch batch_size entries)
-    order: EntryOrder | None          # where entries come from (None: the keyed order of core/planrecord.py)
+    order: EntryOrder | None          # where entries come from (None: the keyed order of core/planning/planrecord.py)
     local: Any = None                 # the shard-local order (LocalBuckets), whose set_steps takes the schedule
     keyed: list[tuple[Any, int, int, int, list[list[int]]]] = field(default_factory=list)
-    packs: Any = None                 # a Pack's pack of each entry (core/packplan.py's PackNumbers), or None
+    packs: Any = None                 # a Pack's pack of each entry (core/budgets/packplan.py's PackNumbers), or None
 
 
 def padded(unit: int, policy: Policy, oversubscribe: bool, step_entries: int) -> Callable[..., Measured]:

@@ -4,8 +4,8 @@ Each sample has a cost (tokens, pixels, seconds: a number the index records). A 
 cost is the sum of its samples' costs (model ``sum``: what a packed or token-counting
 step pays) or its count times its largest sample's cost (model ``max``: what padding to
 the longest pays). A :class:`Budget` bounds it. How a bucket's batches are formed under
-one: core/strata.py (``locality="none"``) and core/lockstep.py (``locality="shard"``);
-core/budgetplan.py plans an epoch with them.
+one: core/budgets/strata.py (``locality="none"``) and core/budgets/lockstep.py (``locality="shard"``);
+core/budgets/budgetplan.py plans an epoch with them.
 
 Invariants:
 - a Budget is valid once built: a finite limit > 0, a known model, ``max_samples`` an
@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["OPEN_BINS", "PACKING", "Budget", "BudgetModel", "batch_cost", "fits_one_more", "pack"]
 
@@ -64,7 +64,7 @@ class Budget:
     limit: float
     model: BudgetModel = BudgetModel.SUM
     max_samples: int | None = None
-    kind: ClassVar[str] = "budget"  # the bucket planner that cuts its batches (core/budgetplan.py)
+    kind: ClassVar[str] = "budget"  # the bucket planner that cuts its batches (core/budgets/budgetplan.py)
     needs_costs: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -90,7 +90,7 @@ class Budget:
 
     def pack(self, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Items of ``weights``, in order, packed into batches within this budget: :func:`pack`
-        (a sizing that packs otherwise, core/packing.py, overrides it)."""
+        (a sizing that packs otherwise, core/budgets/packing.py, overrides it)."""
         return pack(weights, self)
 
     def pad_unit(self, dp_size: int, pad_to: Any = None, accumulation_steps: int = 1) -> int:

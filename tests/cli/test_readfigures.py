@@ -1,4 +1,4 @@
-"""core/localfigures.py: one rank's reading cost and its node's when the node's processes
+"""cli/readfigures.py: one rank's reading cost and its node's when the node's processes
 share one copy of each shard (the held shards fetched once, in blocks; a single read of a
 held shard free; the rest one GET each, per process)."""
 
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
-from wds_pad.core.localfigures import figures, node_figures
+from wds_pad.cli.readfigures import figures, node_figures
 
 
 def _data(n: int, shards: int, buckets: int, seed: int) -> tuple[ShardMap, np.ndarray, np.ndarray, np.ndarray]:

@@ -5,7 +5,7 @@ windows are read; to keep that order a batch is a run of them. :func:`lockstep_c
 cuts every rank's run into the same number of batches, each within the budget.
 
 Invariants:
-- every rank gets the same batch count S (a multiple of ``multiple``) and, while it
+- every rank gets the same batch count S (a multiple of ``accumulation_steps``) and, while it
   has at least S entries, no empty batch; every entry is in exactly one batch, in order;
 - every batch is within the budget (but for an entry dearer than it: then every batch
   is one entry), and holds at most ``max_samples`` entries;
@@ -24,7 +24,7 @@ __all__ = ["lockstep_cuts"]
 
 
 def lockstep_cuts(costs: np.ndarray, counts: np.ndarray, budget: Budget,
-                  multiple: int = 1) -> tuple[int, np.ndarray]:
+                  accumulation_steps: int = 1) -> tuple[int, np.ndarray]:
     """Cut every DP rank's own entry sequence of a bucket into the same number of batches,
     in order (``locality="shard"``: a rank's entries follow its shards' windows, so a
     batch is a run of them), each within ``budget``.
@@ -34,13 +34,13 @@ def lockstep_cuts(costs: np.ndarray, counts: np.ndarray, budget: Budget,
             ``counts[d]`` are ignored).
         counts: entries of each rank (equal but for policy ``none``).
         budget: the budget.
-        multiple: the batch count is a multiple of this (gradient accumulation).
+        accumulation_steps: the batch count is a multiple of this (gradient accumulation).
 
     Returns:
         (batches, cuts): the batch count S, the same for every rank, and (dp, S + 1) entry
         offsets: rank d's batch w is its entries ``cuts[d, w]:cuts[d, w + 1]``. Under
         ``sum`` a rank's batches are cut where its running cost passes each multiple of
-        its total / S, and S is the least (rounded up to ``multiple``) that keeps every
+        its total / S, and S is the least (rounded up to ``accumulation_steps``) that keeps every
         batch of every rank within the budget that way: ``ceil(max_d total_d / (limit -
         largest entry))``. Under ``max``, or where ``max_samples`` binds, batches hold
         equal counts (within one) of at most ``floor(limit / largest entry)`` entries.
@@ -58,7 +58,7 @@ def lockstep_cuts(costs: np.ndarray, counts: np.ndarray, budget: Budget,
     per = max(1, min(cap, int(budget.limit // top))) if 0 < top <= budget.limit else (1 if top else cap)
 
     def rounded(s: int) -> int:
-        return min(-(-max(s, 1) // multiple) * multiple, r)
+        return min(-(-max(s, 1) // accumulation_steps) * accumulation_steps, r)
 
     def even(s: int) -> tuple[int, np.ndarray]:
         w = np.arange(s + 1, dtype=np.int64)[None, :]

@@ -1,4 +1,4 @@
-"""core/shufflequality.py: Mosaic Streaming's shuffle-quality measure, on sequences whose
+"""cli/shufflequality.py: Mosaic Streaming's shuffle-quality measure, on sequences whose
 value is computed by hand, against a plain-Python reading of its definition, and on plans:
 ``none`` shuffles better than ``shard``."""
 
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
-from wds_pad.core.localfigures import figures
-from wds_pad.core.shufflequality import difference_entropy, shuffle_quality
+from wds_pad.cli.readfigures import figures
+from wds_pad.cli.shufflequality import difference_entropy, shuffle_quality
 
 
 def _h(*probs: float) -> float:

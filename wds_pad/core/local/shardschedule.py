@@ -2,7 +2,7 @@
 and, over a node, every read of every rank of it.
 
 With ``locality="shard"`` a rank reads its own shards whole, a window of them at a time
-(core/locality.py): the reader fetches a shard ahead of its first use and drops it after
+(core/local/locality.py): the reader fetches a shard ahead of its first use and drops it after
 its last. :func:`shard_reads` says, for one epoch of a DataLoader worker's walk through
 the plan, which shards those are, in order of first use, with each planned read, as
 int64 arrays; the stream side (stream/stages.py ``shard_schedule``) only turns them into
@@ -37,8 +37,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .localfigures import IMPORT_READS
-from .planrecord import Batch, Plan
+from .reads import IMPORT_READS
+from ..planning.planrecord import Batch, Plan
 
 __all__ = ["NodeUses", "ShardReads", "node_uses", "shard_reads"]
 
@@ -174,7 +174,7 @@ def _window_lag(shards: np.ndarray, visit: np.ndarray, window: int, step_window:
 
 class PlannedShardUses:
     """Shard locality of a remainder's Plan, read off the plan itself: what the shard cache
-    reads whole (core/shardschedule.py shard_reads). O(the rank's share). The class using it
+    reads whole (core/local/shardschedule.py shard_reads). O(the rank's share). The class using it
     sets ``plan`` (once planned), ``_shard_map`` (per dataset: sample id -> shard) and ``_uses``."""
 
     plan: Plan | None
@@ -320,7 +320,7 @@ def node_uses(plans: Sequence[Plan], local_ranks: Sequence[Sequence[int]], first
     whole = np.isin(rows, np.concatenate(held)) if held else np.zeros(rows.size, bool)
     if any(getattr(plan.locality, "value", None) == "node" for plan in plans):
         # another node's shard read at several steps is fetched whole and kept (the same few
-        # every epoch): core/localfigures.py IMPORT_READS
+        # every epoch): core/local/reads.py IMPORT_READS
         whole |= np.diff(bounds) >= IMPORT_READS
     return NodeUses(dataset=rows % nd, shard=rows // nd, held=whole,
                     bounds=bounds, steps=(pairs % span).astype(np.int64), users=users,
