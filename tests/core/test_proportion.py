@@ -68,7 +68,7 @@ def test_each_dataset_takes_its_proportion_of_the_epoch_within_one_percent(c: di
 def test_a_subsampled_dataset_uses_every_sample_before_any_twice(c: dict[str, Any], epochs: int) -> None:
     dss = _datasets(c)
     big = max(dss, key=lambda ds: sum(len(b) for b in ds.buckets.values()))
-    small = Dataset("small", {"x": np.arange(200)}, cost=np.full(200, float(np.mean(big.cost))), proportion=0.05)
+    small = Dataset("small", {"x": np.arange(200)}, cost=np.full(200, float(np.mean(big.cost))), proportion=0.2)
     n = sum(len(b) for b in big.buckets.values())
     uses = np.zeros(n, np.int64)
     for e in range(epochs):
@@ -77,7 +77,7 @@ def test_a_subsampled_dataset_uses_every_sample_before_any_twice(c: dict[str, An
         assert np.unique(ids).size == ids.size  # a subset: nothing twice in one epoch
         np.add.at(uses, ids, 1)
         assert uses.max() - uses.min() <= 1  # nobody's second use before everybody's first
-    # and each epoch draws another subset
+    # and each epoch draws another subset (big is one: its 80% of the epoch is under its size)
     first, second = (set(_totals([big, small], 1, e, c["mix_by"])[1][big.name]) for e in (0, 1))
     assert first != second
 
