@@ -233,3 +233,13 @@ def test_a_lost_connection_with_every_worker_alive_is_not_called_a_death() -> No
     finally:
         child.kill()
         child.join()
+
+
+def test_the_named_segments_a_killed_worker_left_half_made_are_removed_and_no_others(tmp_path: Path) -> None:
+    """torch unlinks a segment right after making it: a name ``torch_<pid>_...`` is left
+    only by a worker killed in between, and the loop removes it when it shuts its workers down."""
+    for name in ("torch_4321_99_0", "torch_4321_7_3", "torch_43210_1_0", "torch_1234_5_0", "sem.mp-x"):
+        (tmp_path / name).write_bytes(b"")
+    assert workers._remove_segments(4321, root=str(tmp_path)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sem.mp-x", "torch_1234_5_0", "torch_43210_1_0"]
+    assert workers._remove_segments(None, root=str(tmp_path)) == 0

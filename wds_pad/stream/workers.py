@@ -32,6 +32,7 @@ first batch never came, about once in fifteen two-rank jobs here. Other C librar
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -94,6 +95,8 @@ def _shut_down(batches: Any) -> None:
         if w.is_alive():
             w.kill()
             w.join(timeout=5)
+        if not w.is_alive():  # one killed (by us, torch's terminate, or anyone) while it made a segment
+            _remove_segments(w.pid)
 
 
 def shut_down(batches: Any) -> None:
@@ -140,6 +143,25 @@ def _dead_workers(batches: Any, wait: float) -> list[tuple[int, Any]]:
         if dead or time.monotonic() >= deadline:
             return dead
         time.sleep(0.05)
+
+
+def _remove_segments(pid: int | None, root: str = "/dev/shm") -> int:
+    """Removes the named shared memory a dead worker ``pid`` left: torch names a segment
+    ``torch_<pid>_<n>_<k>`` and unlinks it right after making it, so a name is left only by
+    a process killed in between, which nobody can open any more. Returns how many it removed."""
+    if pid is None:
+        return 0
+    removed = 0
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    for name in names:
+        if name.startswith(f"torch_{pid}_"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(root, name))
+                removed += 1
+    return removed
 
 
 def watched(batches: Any, owner: str) -> Iterator[Any]:
