@@ -18,8 +18,8 @@ Without proportions nothing changes: the datasets are planned as given (a plan i
 identical to one planned without this module). Pure: numpy over the dataset's ids, no I/O.
 
 Invariants (hypothesis properties in tests/core/test_proportion.py):
-- each dataset's share of the planned epoch is its proportion within 1% (for datasets
-  large against one global step);
+- each dataset's share of the planned epoch is its proportion within 1%, plus the copies
+  the pad rule adds afterwards (fewer than one global step a bucket);
 - over consecutive epochs a subsampled dataset uses each sample once before any twice;
 - either every planned dataset has a proportion or none has: a ConfigError names it.
 """
