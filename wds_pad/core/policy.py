@@ -90,10 +90,13 @@ def check_epoch(epoch: Any, what: str = "epoch") -> int:
     return value
 
 
-def check_positive(name: str, value: Any) -> int:
-    """``value`` as an int >= 1 (an int or numpy integer, never a bool), or a ConfigError naming ``name``."""
+def check_positive(name: str, value: Any, optional: bool = False) -> Any:
+    """``value`` as an int >= 1 (an int or numpy integer, never a bool), or None when
+    ``optional``; else a ConfigError naming ``name``."""
+    if optional and value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        raise ConfigError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
     return int(value)
 
 
@@ -133,8 +136,6 @@ def parse_enum(cls: type[Enum], value: Any, what: str) -> Any:
     except ValueError:
         allowed = ", ".join(m.value for m in cls)  # type: ignore[attr-defined]
         raise ConfigError(f"unknown {what} {value!r}; expected one of: {allowed}") from None
-
-
 
 
 def resolve_policy(policy: Policy | str, mode: Mode | str, oversubscribe: bool) -> Policy:

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ...errors import ConfigError
+from ..policy import check_positive, parse_enum
 
 __all__ = ["OPEN_BINS", "PACKING", "Budget", "BudgetModel", "batch_cost", "fits_one_more", "pack"]
 
@@ -73,20 +74,8 @@ class Budget:
                 or not math.isfinite(float(lim)) or float(lim) <= 0:
             raise ConfigError(f"Budget.limit must be a finite number > 0, got {lim!r}")
         object.__setattr__(self, "limit", float(lim))
-        try:
-            model = BudgetModel(self.model.value if isinstance(self.model, Enum) else self.model)
-        except ValueError:
-            raise ConfigError(f"unknown budget model {self.model!r}; expected one of: sum, max") from None
-        object.__setattr__(self, "model", model)
-        ms = self.max_samples
-        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, np.integer)) or ms < 1):
-            raise ConfigError(f"Budget.max_samples must be an int >= 1 or None, got {ms!r}")
-        if ms is not None:
-            object.__setattr__(self, "max_samples", int(ms))
-
-    def cost(self, costs: Any) -> float:
-        """What a batch of samples with ``costs`` costs under this budget's model."""
-        return batch_cost(costs, self.model)
+        object.__setattr__(self, "model", parse_enum(BudgetModel, self.model, "budget model"))
+        object.__setattr__(self, "max_samples", check_positive("Budget.max_samples", self.max_samples, optional=True))
 
     def pack(self, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Items of ``weights``, in order, packed into batches within this budget: :func:`pack`

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ...errors import ConfigError
+from ..policy import check_positive
 from .budget import Budget, BudgetModel
 
 __all__ = ["OVERSIZE", "PACK_PACKING", "WINDOW", "Pack", "PackBudget", "best_fit_windows"]
@@ -43,14 +44,6 @@ PACK_PACKING = f"bfd-window{WINDOW}/lockstep-1"
 
 #: What a sample costlier than ``seq_len`` does: refused at plan time, or a pack of its own.
 OVERSIZE = ("refuse", "alone")
-
-
-def _count(name: str, value: Any, optional: bool = False) -> int | None:
-    if optional and value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"Pack.{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -77,9 +70,9 @@ class Pack:
     needs_costs: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "seq_len", _count("seq_len", self.seq_len))
-        object.__setattr__(self, "packs", _count("packs", self.packs))
-        object.__setattr__(self, "max_segments", _count("max_segments", self.max_segments, optional=True))
+        for name in ("seq_len", "packs", "max_segments"):
+            value = check_positive(f"Pack.{name}", getattr(self, name), optional=name == "max_segments")
+            object.__setattr__(self, name, value)
         if self.oversize not in OVERSIZE:
             raise ConfigError(f"Pack.oversize must be one of {', '.join(OVERSIZE)}, got {self.oversize!r}")
 

@@ -102,14 +102,6 @@ class Remainder:
     fingerprint: str
 
 
-@dataclass(frozen=True, eq=False)
-class Remainder:
-    """This rank's plan of what is left of an epoch, and its fingerprint (every rank's alike)."""
-
-    plan: Plan
-    fingerprint: str
-
-
 #: what a level of the remainder is, by the sizing's ``kind`` (a Pack's is its budget's)
 REMAINDER_LEVELS: dict[str, Callable[..., Any]] = {"count": CountLevels, "budget": BudgetLevels}
 

@@ -28,21 +28,12 @@ import numpy as np
 from ...errors import ConfigError
 from ..dataset import Dataset, IdRange
 from .locality import DealtDataset, Locality, layouts, tail_needed
-from ..permute import ROUNDS, mix64, permute
+from ..permute import keyed_round_keys, permute
 from ..seed import derive_seed
 
 __all__ = ["LocalBuckets"]
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SCAN_FACTOR = 4  # a bucket of up to 4 x shards rows finds its shards by one scan of its rows
-
-
-def _window_keys(base: int, idx: np.ndarray) -> np.ndarray:
-    """Round keys (ROUNDS, len(idx)) of the permutations ``idx`` of one bucket: the numpy
-    image of ``round_keys(mix(base + (idx + 1) * golden))``, bitwise on every machine."""
-    with np.errstate(over="ignore"):
-        key = mix64(np.uint64(base) + (idx.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
-        return np.stack([mix64(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
 
 
 def _floor_mul_div(k: np.ndarray, f: np.ndarray, r: np.ndarray) -> np.ndarray:
@@ -152,22 +143,12 @@ class _LocalBucket:
         """Samples of b in each global window's shards."""
         return np.diff(self.win_cum)
 
-    @property
-    def pool(self) -> np.ndarray:
-        """Entries of b each global window's shards hold (every pass)."""
-        return self.win_samples * self.passes
-
-    @property
-    def rank_of(self) -> np.ndarray:
-        """The rank of each global window."""
-        return self.dealt.rank_of
-
     def _pool_entries(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
         """Sample ids of pool entries u of global windows g: pass-major, shuffled per pass."""
         first = self.win_cum[g]
         n_w = self.win_cum[g + 1] - first
         pass_idx = u // n_w
-        t = permute(u % n_w, n_w, _window_keys(self.base_key, g * self.passes + pass_idx))
+        t = permute(u % n_w, n_w, keyed_round_keys(self.base_key, g * self.passes + pass_idx))
         vpos = first + t                                   # the entry's place among b's samples, visit order
         i = np.searchsorted(self.v_cum, vpos, side="right") - 1
         rows = self.v_row[i].astype(np.int64) + (vpos - self.v_cum[i].astype(np.int64))
@@ -206,7 +187,7 @@ class _LocalBucket:
         inner = u < kept
         s = n_w * self.passes - 1 - (u - kept)
         if inner.any():
-            s[inner] = permute(u[inner], kept[inner], _window_keys(self.base_key ^ 0xE59, g[inner]))
+            s[inner] = permute(u[inner], kept[inner], keyed_round_keys(self.base_key ^ 0xE59, g[inner]))
         vpos = first + s % n_w
         i = np.searchsorted(self.v_cum, vpos, side="right") - 1
         rows = self.v_row[i].astype(np.int64) + (vpos - self.v_cum[i].astype(np.int64))
@@ -352,12 +333,3 @@ class LocalBuckets:
         if hi == lo:
             return np.full(np.asarray(steps).shape, -1, np.int64)
         return np.searchsorted(self.win_step[di][lo:hi], steps, side="right") - 1
-
-    def is_foreign(self, b: int, k: np.ndarray, d: int | None = None) -> np.ndarray:
-        """Whether entries k (real, not padded) of kept bucket b on rank d are foreign."""
-        d = self.d if d is None else d
-        bk = self.buckets[b]
-        k = d % self.node_ranks + np.asarray(k, np.int64) * self.node_ranks  # its owner's entries
-        dd = np.full(k.size, d // self.node_ranks, np.int64)
-        r, f = bk.need[dd], bk.deficit[dd]
-        return _floor_mul_div(k + 1, f, r) > _floor_mul_div(k, f, r)
