@@ -4,8 +4,8 @@ Each sample has a cost (tokens, pixels, seconds: a number the index records). A 
 cost is the sum of its samples' costs (model ``sum``: what a packed or token-counting
 step pays) or its count times its largest sample's cost (model ``max``: what padding to
 the longest pays). A :class:`Budget` bounds it. How a bucket's batches are formed under
-one: core/budgets/strata.py (``locality="none"``) and core/budgets/lockstep.py (``locality="shard"``);
-core/budgets/budgetplan.py plans an epoch with them.
+one: core/budgets/strata.py (``locality="none"``) and the lockstep cuts of
+core/budgets/budgetplan.py (``locality="shard"``), which plans an epoch with them.
 
 Invariants:
 - a Budget is valid once built: a finite limit > 0, a known model, ``max_samples`` an

@@ -14,7 +14,7 @@ leaves, and where a rank's entries of the top level come from.
 - ``locality="shard"``: a level is, per bucket, each rank's entries explicitly; what the
   old ranks left of theirs, rank after rank, is dealt to the new ranks in contiguous
   blocks (so a new rank reads the remaining samples of a few old ranks' shards) and cut
-  in lockstep again (core/budgets/lockstep.py). O(samples) per level, like the plan it resumes.
+  in lockstep again (core/budgets/budgetplan.py). O(samples) per level, like the plan it resumes.
 
 Invariants (tests/core/test_budgetremainder.py): those of core/elastic/remainder.py; every new
 rank has the same batch count (but for policy ``none``), a multiple of
@@ -24,17 +24,16 @@ rank has the same batch count (but for policy ``none``), a multiple of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Hashable, Sequence
 
 import numpy as np
 
 from ...errors import StateMismatchError
 from ..budgets.budget import Budget
-from ..budgets.budgetplan import RankCuts, shard_cut
-from ..budgets.lockstep import lockstep_cuts
+from ..budgets.budgetplan import BudgetBuckets, RankCuts, lockstep_cuts, shard_cut
 from ..planning.planrecord import Bins, BucketStats, Plan, rank_batches
 from ..policy import Policy, PadTo
-from ..sampleseed import PADDED
 from ..seed import derive_seed, json_digest
 from ..local.shardschedule import PlannedShardUses
 from ..budgets.strata import BucketBatches
@@ -178,9 +177,10 @@ class BudgetLevels:
             order: Any = ExplicitRemainder(top, d, shard_map)
             local = order
         else:
-            orders = [self.dss[di].sorted_by_cost(key) for di, key in base.bucket_table]
-            base_n = [_stat(base, di, key).samples for di, key in base.bucket_table]
-            order, local = StrataRemainder(self.levels, base_n, orders, d), None
+            j0 = top.tab.tolist()
+            order = BudgetBuckets(top.batches, [base.buckets.order.orders[j] for j in j0], d,
+                                  [base.buckets.order.n[j] for j in j0], partial(_resolve, self.levels))
+            local = None
         stats = tuple(_top_stat(base, t, bb, shard) for t, bb in zip(top.tab.tolist(), top.batches))
         return counts, self.steps(), bins, order, local, stats
 
@@ -253,33 +253,6 @@ def _resolve(levels: list[_Level], j: int, idx: np.ndarray) -> np.ndarray:
         idx = lv.runs[j].prev(np.asarray(idx, np.int64))
         j = int(np.flatnonzero(levels[at - 1].tab == lv.tab[j])[0])
     return idx
-
-
-class StrataRemainder:
-    """The top level's entries of this rank (locality none): the ``budget`` hook of a Plan."""
-
-    def __init__(self, levels: list[_Level], base_n: Sequence[int], orders: Sequence[Any], d: int) -> None:
-        self.levels, self.base_n, self.orders, self.d = levels, list(base_n), list(orders), d
-
-    def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.numbered(b, k)[:2]
-
-    def numbered(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(sample ids, padded flags, copy numbers): the base plan's pass of each entry, plus
-        ``PADDED`` for a padded copy, as ``BudgetBuckets.numbered`` numbers them."""
-        top = self.levels[-1]
-        b, k = np.asarray(b, np.int64), np.asarray(k, np.int64)
-        samples, pad = np.empty(k.size, np.int64), np.empty(k.size, bool)
-        number = np.empty(k.size, np.int64)
-        for j in np.unique(b).tolist():
-            sel = np.flatnonzero(b == j)
-            pos, _, copies = top.batches[j].at(np.full(sel.size, self.d, np.int64), k[sel])
-            code = _resolve(self.levels, j, pos)
-            j0 = int(top.tab[j])
-            samples[sel] = np.asarray(self.orders[j0][code % self.base_n[j0]], np.int64)
-            pad[sel] = copies
-            number[sel] = code // max(self.base_n[j0], 1) + PADDED * copies
-        return samples, pad, number
 
 
 class ExplicitRemainder(PlannedShardUses):
