@@ -29,14 +29,14 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from ...errors import StateMismatchError
 from ..budgets.budget import Budget
 from ..budgets.budgetplan import BudgetBuckets, RankCuts, lockstep_cuts, shard_cut
-from ..planning.planrecord import Bins, BucketStats, Plan, rank_batches
+from ..planning.planrecord import Bins, Plan, rank_batches
 from ..policy import Policy, PadTo
 from ..seed import derive_seed, json_digest
 from ..local.shardschedule import PlannedShardUses
 from ..budgets.strata import BucketBatches
+from .countlevels import Levels
 
 __all__ = ["BudgetLevels"]
 
@@ -53,13 +53,13 @@ class _Level:
     runs: list[Any] = field(default_factory=list)       # per bucket: (run starts, run sources) or None
 
 
-class BudgetLevels:
+class BudgetLevels(Levels):
     """The levels of a budget remainder (see the module docstring), from the base plan on."""
 
     def __init__(self, base: Plan, dss: Sequence[Any], budget: Budget, accumulation_steps: int, seed: int,
                  epoch: int, dp: int) -> None:
-        self.base, self.dss, self.budget, self.seed, self.epoch = base, dss, budget, seed, epoch
-        self.accumulation_steps = accumulation_steps
+        super().__init__(base, dss, budget, accumulation_steps, seed, epoch)
+        self.budget = budget
         self.shard = base.locality.dealt
         self.pol = "none" if base.policy is Policy.NONE else "cyclic"
         nb0 = len(base.bucket_table)
@@ -67,7 +67,7 @@ class BudgetLevels:
         if self.shard:
             local = base.buckets.local
             for j, (di, key) in enumerate(base.bucket_table):
-                st = _stat(base, di, key)
+                st = self.stats0[j]
                 lv0.batches.append(shard_cut(local, j, st.padded_length, min(st.length, st.padded_length), lv0.dp,
                                              dss[di].cost, budget, accumulation_steps))
         else:
@@ -75,24 +75,16 @@ class BudgetLevels:
         lv0.runs = [None] * nb0
         self.levels = [lv0]
 
-    @property
-    def top(self) -> _Level:
-        return self.levels[-1]
-
     def steps(self) -> list[int]:
         return [bb.batches for bb in self.top.batches]
 
-    def scheduled(self, schedule: np.ndarray, window: np.ndarray) -> None:
-        self.top.schedule, self.top.window = schedule, window
-
-    def advance(self, seg: Any, dp: int, taken: Any) -> tuple[np.ndarray, list[int]]:
+    def advance(self, seg: Any, dp: int) -> tuple[np.ndarray, list[int]]:
         """Add the level ``seg`` left of the top one, dealt to ``dp`` ranks: (its buckets as base
-        kept-bucket indices, steps per bucket). ``taken(schedule, seg, dp, buckets)``: the
-        steps of each bucket a lockstep segment consumed (core/elastic/remainder.py)."""
+        kept-bucket indices, steps per bucket)."""
         lv, base, shard = self.top, self.base, self.shard
         counts = np.asarray([[bb.count(d) for d in range(lv.dp)] for bb in lv.batches], np.int64).reshape(-1, lv.dp)
         if seg.steps is not None:
-            took = np.repeat(taken(lv.schedule, seg, lv.dp, lv.tab.size)[:, None], lv.dp, axis=1)
+            took = np.repeat(self.taken(seg)[:, None], lv.dp, axis=1)
         else:
             took = self._positions(lv, seg, counts)
         nxt = _Level(dp=dp, tab=np.zeros(0, np.int64), schedule=np.zeros(0, np.int64),
@@ -123,9 +115,7 @@ class BudgetLevels:
             step_of, _ = rank_batches(counts[:, d], [], sched, lv.window, 1, starts)
             pos = int(seg.positions[d])
             if pos > step_of.size:
-                raise StateMismatchError(
-                    f"loader state position {pos} of dp_rank {d} is past the end of epoch {self.epoch} on "
-                    f"dp_size {lv.dp} ({step_of.size} batches on that rank); the state does not belong to this plan")
+                raise self.past_end(d, pos, step_of.size)
             reach = int(step_of[pos - 1]) + 1 if pos else 0
             out[:, d] = np.bincount(sched[:reach], minlength=nb)
         return out
@@ -173,16 +163,20 @@ class BudgetLevels:
         counts = np.asarray([bb.count(d) for bb in top.batches], np.int64)
         bins = Bins([bb.cuts[d] if shard else bb.offsets for bb in top.batches])
         if shard:
-            shard_map = [dealt.layout.shard for dealt in base.buckets.local.dealt]
-            order: Any = ExplicitRemainder(top, d, shard_map)
+            order: Any = ExplicitRemainder(top, d, self.shard_map())
             local = order
         else:
             j0 = top.tab.tolist()
             order = BudgetBuckets(top.batches, [base.buckets.order.orders[j] for j in j0], d,
                                   [base.buckets.order.n[j] for j in j0], partial(_resolve, self.levels))
             local = None
-        stats = tuple(_top_stat(base, t, bb, shard) for t, bb in zip(top.tab.tolist(), top.batches))
-        return counts, self.steps(), bins, order, local, stats
+        if shard:
+            real = [sum(int((~p).sum()) for p in bb.pad) for bb in top.batches]
+            planned = [sum(int(p.size) for p in bb.pad) for bb in top.batches]
+        else:
+            real, planned = [bb.real for bb in top.batches], [bb.planned for bb in top.batches]
+        steps = self.steps()
+        return counts, steps, bins, order, local, self.stats(table, real, planned, steps, [False] * len(steps))
 
     def digest(self, segments: Sequence[Any], table: Sequence[tuple[int, Hashable]]) -> str:
         top = self.top
@@ -272,24 +266,6 @@ class ExplicitRemainder(PlannedShardUses):
             samples[sel] = cut.ids[self.d][k[sel]]
             pad[sel] = cut.pad[self.d][k[sel]]
         return samples, pad
-
-
-def _stat(base: Plan, di: int, key: Hashable) -> BucketStats:
-    name = base.datasets[di]
-    return next(s for s in base.stats if s.dataset == name and s.bucket == key)
-
-
-def _top_stat(base: Plan, t: int, bb: Any, shard: bool) -> BucketStats:
-    di, key = base.bucket_table[t]
-    s0 = _stat(base, di, key)
-    if shard:
-        real = sum(int((~p).sum()) for p in bb.pad)
-        planned = sum(int(p.size) for p in bb.pad)
-    else:
-        real, planned = bb.real, bb.planned
-    return BucketStats(dataset=s0.dataset, bucket=key, samples=s0.samples, repeats=s0.repeats, length=real,
-                       padded_length=planned, padded_copies=planned - real, truncated=0, dropped=False,
-                       oversubscribed=False, steps=bb.batches)
 
 
 def _next_shard(cut: RankCuts, taken: np.ndarray, dp: int, cost: Any, budget: Budget, accumulation_steps: int,

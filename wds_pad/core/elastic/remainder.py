@@ -34,9 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
-from ...errors import ConfigError, StateError, StateMismatchError
+from ...errors import ConfigError, StateError
 from ..budgets.budget import Budget
 from ..dataset import as_datasets
 from .budgetlevels import BudgetLevels
@@ -161,19 +159,15 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
         if seg.dp_size != levels.top.dp:
             raise StateError(f"an elastic segment says dp_size {seg.dp_size} where its layout had {levels.top.dp}")
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
-        tab, steps = levels.advance(seg, dp, lambda sched, seg, dp, nb: steps_taken(sched, seg, dp, nb, epoch))
+        tab, steps = levels.advance(seg, dp)
         table = [base.bucket_table[int(t)] for t in tab]
         levels.scheduled(*step_schedule(dss, table, steps, seed, epoch, accumulation_steps=accumulation_steps))
     top = levels.top
     d = int(topology.dp_rank)  # type: ignore[arg-type]
     table = tuple(base.bucket_table[int(t)] for t in top.tab)
     counts, steps, bins, order, local, stats = levels.rank(d, table)
-    if bins is None:
-        width = base.batch_size
-        batch_step, offsets = rank_batches(counts, steps, top.schedule, top.window, width)
-    else:
-        batch_step, offsets = rank_batches(counts, steps, top.schedule, top.window, 1, bins)
-        width = max(1, int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1)
+    width = base.batch_size if bins is None else bins.widest
+    batch_step, offsets = rank_batches(counts, steps, top.schedule, top.window, width, bins)
     buckets = Buckets([], top.dp, d, order=order, local=local, counts=counts)
     plan = Plan(epoch=base.epoch, topology=topology, batch_size=width, policy=base.policy, mode=base.mode,
                 pad_to=base.pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
@@ -184,16 +178,3 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
         local.plan = plan  # its shard uses are read off the plan it belongs to
     return plan, levels.digest(segments, table)
 
-
-def steps_taken(schedule: np.ndarray, seg: Segment, dp: int, buckets: int, epoch: int) -> np.ndarray:
-    """Steps of each of ``buckets`` a lockstep segment consumed of a level on ``dp`` ranks
-    scheduled as ``schedule``.
-
-    Raises:
-        StateMismatchError: the segment goes past the level's last step.
-    """
-    if seg.steps > schedule.size:  # type: ignore[operator]
-        raise StateMismatchError(
-            f"loader state position {seg.steps} is past the end of epoch {epoch} on dp_size {dp} "
-            f"({schedule.size} steps); the state does not belong to this plan")
-    return np.bincount(schedule[:seg.steps].astype(np.int64), minlength=buckets)

@@ -176,12 +176,8 @@ def plan_epoch(
         sized.local.set_steps(int(schedule.size))
     buckets = Buckets(sized.keyed, at.dp, at.d, order=sized.order, local=sized.local, counts=sized.counts)
     bins = Bins(sized.starts) if sized.starts is not None else None
-    if bins is None:
-        width = sizing.batch_size  # type: ignore[union-attr]
-        batch_step, offsets = rank_batches(buckets.counts, sized.steps, schedule, window_of, width)
-    else:
-        batch_step, offsets = rank_batches(buckets.counts, sized.steps, schedule, window_of, 1, bins)
-        width = max(1, int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1)
+    width = sizing.batch_size if bins is None else bins.widest  # type: ignore[union-attr]
+    batch_step, offsets = rank_batches(buckets.counts, sized.steps, schedule, window_of, width, bins)
     return Plan(
         epoch=epoch, topology=topology, batch_size=width, policy=policy, mode=mode, pad_to=pad_to,
         oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss),

@@ -294,7 +294,28 @@ class Buckets:
     def at(self, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
         the rank (the elastic remainder of an epoch reads the whole layout's order)."""
-        return _at(self, b, pos)
+        if self.local is not None:
+            return self.local.at(b, pos)
+        if not pos.size:
+            return np.zeros(0, np.int64), np.zeros(0, bool)
+        m_e = self.m[b]
+        n_e = self.n[b]
+        q = pos % m_e
+        pass_idx = q // n_e
+        keys = self.key_rows[self.first_row[b] + pass_idx].T
+        perm = permute(q % n_e, n_e, keys)
+        samples = np.empty(pos.size, dtype=np.int64)
+        if np.all(b == b[0]):  # one batch: one bucket
+            samples[:] = self.ids[int(b[0])][perm]
+        else:
+            order = np.argsort(b, kind="stable")
+            bounds = np.searchsorted(b[order], np.arange(len(self.ids) + 1))
+            for j, ids in enumerate(self.ids):
+                lo, hi = int(bounds[j]), int(bounds[j + 1])
+                if hi > lo:
+                    sel = order[lo:hi]
+                    samples[sel] = ids[perm[sel]]
+        return samples, pos >= m_e
 
     def copies(self, b: np.ndarray, k: np.ndarray) -> np.ndarray | None:
         """Copy numbers of entries ``k`` of kept buckets ``b`` (``p // n``, core/sampleseed.py), or None."""
@@ -323,6 +344,11 @@ class Bins:
 
     def start(self, b: np.ndarray, w: np.ndarray) -> np.ndarray:
         return self.flat[self.base[np.asarray(b, np.int64)] + np.asarray(w, np.int64)]
+
+    @property
+    def widest(self) -> int:
+        """The plan's ``batch_size`` under them: the widest batch (at least 1)."""
+        return max(1, int(np.diff(self.flat).max(initial=1)) if self.flat.size > 1 else 1)
 
 
 def rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.ndarray, window: np.ndarray,
@@ -368,30 +394,3 @@ def _within_memory(compute: Any, entries: int, what: str) -> Any:
             f"(about {entries * 64 / 2**30:.1f} GiB); lower the batch size, plan on more DP ranks, "
             "or turn oversubscribe off"
         ) from exc
-
-
-def _at(bk: Buckets, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
-    the rank (the elastic remainder of an epoch reads the whole layout's order)."""
-    if bk.local is not None:
-        return bk.local.at(b, pos)
-    if not pos.size:
-        return np.zeros(0, np.int64), np.zeros(0, bool)
-    m_e = bk.m[b]
-    n_e = bk.n[b]
-    q = pos % m_e
-    pass_idx = q // n_e
-    keys = bk.key_rows[bk.first_row[b] + pass_idx].T
-    perm = permute(q % n_e, n_e, keys)
-    samples = np.empty(pos.size, dtype=np.int64)
-    if np.all(b == b[0]):  # one batch: one bucket
-        samples[:] = bk.ids[int(b[0])][perm]
-    else:
-        order = np.argsort(b, kind="stable")
-        bounds = np.searchsorted(b[order], np.arange(len(bk.ids) + 1))
-        for j, ids in enumerate(bk.ids):
-            lo, hi = int(bounds[j]), int(bounds[j + 1])
-            if hi > lo:
-                sel = order[lo:hi]
-                samples[sel] = ids[perm[sel]]
-    return samples, pos >= m_e
