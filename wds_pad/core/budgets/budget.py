@@ -48,8 +48,20 @@ class BudgetModel(str, Enum):
     MAX = "max"
 
 
+class ByStrata:
+    """A sizing planned by strata of one entry per DP rank (a Budget, a Pack): a bucket is
+    padded to a stratum (its batch count then made a multiple of ``accumulation_steps``,
+    whatever ``pad_to``), and no batch is short: each holds what fits."""
+
+    def pad_unit(self, dp_size: int, pad_to: Any = None, accumulation_steps: int = 1) -> int:
+        return dp_size
+
+    def short_last_batch(self, pad_to: Any) -> bool:
+        return False
+
+
 @dataclass(frozen=True)
-class Budget:
+class Budget(ByStrata):
     """A cost budget per batch, given instead of a batch size.
 
     Args:
@@ -82,29 +94,16 @@ class Budget:
         (a sizing that packs otherwise, core/budgets/packing.py, overrides it)."""
         return pack(weights, self)
 
-    def pad_unit(self, dp_size: int, pad_to: Any = None, accumulation_steps: int = 1) -> int:
-        """A stratum, one entry per DP rank: what a bucket is padded to (its batch count is
-        then made a multiple of ``accumulation_steps``, whatever ``pad_to``)."""
-        return dp_size
-
-    def short_last_batch(self, pad_to: Any) -> bool:
-        """Never said of a budget: every batch holds what fits, the last one too."""
-        return False
-
     def describe(self) -> str:
-        """How messages name it: ``budget 8192``."""
         return f"budget {self.limit:g}"
 
     def summary(self) -> str:
-        """How ``plan --summary`` and ``batched()`` name it: ``budget 8192 (tokens)``."""
         return f"budget {self.limit:g} ({self.model.value})"
 
     def fingerprint(self) -> dict[str, Any]:
-        """The plan fingerprint's ``batch_size`` field: the budget and how batches are packed under it."""
-        return {**self.to_json(), "packing": PACKING}
+        return {**self.to_json(), "packing": PACKING}  # how batches are packed is part of the plan
 
     def to_json(self) -> dict[str, Any]:
-        """The budget as the plan fingerprint and ``wds-pad plan --json`` record it."""
         return {"limit": self.limit, "model": self.model.value, "max_samples": self.max_samples}
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..policy import check_positive
-from .budget import Budget, BudgetModel
+from .budget import Budget, BudgetModel, ByStrata
 
 __all__ = ["OVERSIZE", "PACK_PACKING", "WINDOW", "Pack", "PackBudget", "best_fit_windows"]
 
@@ -47,7 +47,7 @@ OVERSIZE = ("refuse", "alone")
 
 
 @dataclass(frozen=True)
-class Pack:
+class Pack(ByStrata):
     """Batches of ``packs`` packs per DP rank, each at most ``seq_len`` tokens (costs).
 
     Args:
@@ -80,28 +80,16 @@ class Pack:
         """The budget of one pack: what the strata are packed under (core/budgets/budgetplan.py)."""
         return PackBudget(float(self.seq_len), BudgetModel.SUM, self.max_segments)
 
-    def pad_unit(self, dp_size: int, pad_to: Any = None, accumulation_steps: int = 1) -> int:
-        """A stratum, one entry per DP rank, as under a budget."""
-        return dp_size
-
-    def short_last_batch(self, pad_to: Any) -> bool:
-        """Never: every batch is ``packs`` packs (a bucket's pack count is made a multiple of it)."""
-        return False
-
     def describe(self) -> str:
-        """How messages name it: ``pack 8192 x 4``."""
         return f"pack {self.seq_len} x {self.packs}"
 
     def summary(self) -> str:
-        """How ``plan --summary`` and ``batched()`` name it, as messages do."""
         return self.describe()
 
     def fingerprint(self) -> dict[str, Any]:
-        """The plan fingerprint's ``batch_size`` field: the pack and how packs are formed."""
-        return {"pack": {**self.to_json(), "packing": PACK_PACKING}}
+        return {"pack": {**self.to_json(), "packing": PACK_PACKING}}  # how packs are formed is part of the plan
 
     def to_json(self) -> dict[str, Any]:
-        """The pack as the plan fingerprint and ``wds-pad plan --json`` record it."""
         return {"seq_len": self.seq_len, "packs": self.packs, "max_segments": self.max_segments,
                 "oversize": self.oversize}
 

@@ -1,9 +1,5 @@
-"""The levels of an elastic remainder under a budget (core/budgets/budget.py): strata, or each rank's entries.
-
-core/elastic/remainder.py plans what earlier layouts left of an epoch for every sizing; this
-module is what a :class:`~wds_pad.core.budgets.budget.Budget` supplies (and a Pack, planned as the
-budget of its packs): how a level is described, what a segment consumed of it and what it
-leaves, and where a rank's entries of the top level come from.
+"""The levels of an elastic remainder (core/elastic/remainder.py) under a budget (and a
+Pack, planned as the budget of its packs): strata, or each rank's entries.
 
 - ``locality="none"``: a level is, per bucket, a list of entries in cost order, kept as
   runs of the previous level's list (level 0: the bucket's cost order, one copy per pass).

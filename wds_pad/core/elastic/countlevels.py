@@ -1,8 +1,5 @@
-"""The levels of an elastic remainder under a :class:`~wds_pad.core.sizing.Count`: runs of positions.
-
-core/elastic/remainder.py plans what earlier layouts left of an epoch for every sizing; this
-module is what a count supplies: how a level is described, what a segment consumed of it
-and what it leaves, and where a rank's entries of the top level come from.
+"""The levels of an elastic remainder (core/elastic/remainder.py): what every sizing's share
+(:class:`Levels`), and a :class:`~wds_pad.core.sizing.Count`'s: runs of positions.
 
 Level 0 is the epoch planned on the first layout (``plan_epoch``); bucket b holds
 ``real_b`` entries that are samples of the epoch (positions ``[0, min(m_b, padded_b))``

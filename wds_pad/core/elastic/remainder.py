@@ -11,13 +11,8 @@ the first layout (``plan_epoch``); segment j says how far the ranks of level j's
 (``steps`` in lockstep, or each DP rank's batch index with policy ``none``); level j + 1 is
 what it left, dealt to the next layout's ranks. This module walks the levels, schedules
 each (core/planning/schedule.py) and makes the top level's Plan; what a level is depends on the
-sizing, chosen by its ``kind`` from :data:`REMAINDER_LEVELS`:
-
-- a count (core/elastic/countlevels.py): per bucket, runs of the previous level's positions;
-- a budget (core/elastic/budgetlevels.py): per bucket, strata in cost order (locality ``none``)
-  or each rank's entries (``shard``), cut into batches within the budget again;
-- a pack: the budget of its packs, every segment counted in packs, grouped into batches
-  of B packs again (core/budgets/packplan.py).
+sizing, chosen by its ``kind`` from :data:`REMAINDER_LEVELS` (a Pack's: its budget's, every
+segment counted in packs, grouped into batches of B packs again).
 
 Invariants (tests/core/test_remainder.py, test_budgetremainder.py, test_packplan.py):
 - the union over earlier segments of what their ranks consumed, plus the real entries

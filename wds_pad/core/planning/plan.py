@@ -29,12 +29,6 @@ Invariants (hypothesis properties in tests/core/test_plan.py, for both localitie
 - the same inputs give a bitwise identical plan in every process, under any
   PYTHONHASHSEED; epoch e + 1 is planned with the same policy as epoch e;
 - a wrong argument is a ConfigError naming it, before anything is allocated.
-
-This module holds the planner itself (``plan_epoch`` and the steps-mode ``iter_steps``);
-its records ``Plan`` / ``Batch`` / ``BucketStats`` and the rank's entries of step 4 live
-in ``core.planning.planrecord``, the rules of steps 2-3 and the epoch limits in ``core.policy``,
-the Dataset record and its bucket order in ``core.dataset``, the schedule of step 5 in
-``core.planning.schedule``.
 """
 
 from __future__ import annotations

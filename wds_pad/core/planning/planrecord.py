@@ -269,7 +269,7 @@ class Buckets:
     """
 
     def __init__(self, kept: Sequence[tuple[Any, int, int, int, list[list[int]]]], dp: int, d: int, *,
-                 order: EntryOrder | None = None, local: Any = None, counts: np.ndarray | None = None) -> None:
+                 counts: np.ndarray, order: EntryOrder | None = None, local: Any = None) -> None:
         self.ids = [k[0] for k in kept]
         self.n = np.asarray([k[1] for k in kept], dtype=np.int64)
         self.m = np.asarray([k[2] for k in kept], dtype=np.int64)
@@ -279,9 +279,7 @@ class Buckets:
         self.dp, self.d = dp, d
         self.local: Any = local  # a LocalBuckets (core/local/localbuckets.py) or a remainder of one, or None
         self.order: EntryOrder = order if order is not None else local if local is not None else self
-        # entries of this rank per kept bucket
-        self.counts = counts if counts is not None else np.asarray(
-            [max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
+        self.counts = counts  # entries of this rank per kept bucket
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` (parallel arrays)."""
