@@ -165,11 +165,15 @@ def pack(weights: np.ndarray, budget: Budget, open_bins: int = OPEN_BINS) -> tup
             opened.pop(0)
             load.pop(0)
             count.pop(0)
+    return flat_bins(bins)
+
+
+def flat_bins(bins: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(order, offsets) of ``bins``: their items bin after bin, and where each bin starts."""
     sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
     offsets = np.zeros(len(bins) + 1, np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    order = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(offsets[-1]))
-    return order, offsets
+    return np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(offsets[-1])), offsets
 
 
 def fits_one_more(load: float, count: int, x: float, budget: Budget) -> bool:

@@ -29,7 +29,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..policy import check_positive
-from .budget import Budget, BudgetModel, ByStrata
+from .budget import Budget, BudgetModel, ByStrata, flat_bins
 
 __all__ = ["OVERSIZE", "PACK_PACKING", "WINDOW", "Pack", "PackBudget", "best_fit_windows"]
 
@@ -120,11 +120,7 @@ def best_fit_windows(weights: Any, limit: float, cap: int = 0, window: int = WIN
             hi = n  # a short last window joins this one
         packs.extend(_best_fit(w, lo, hi, limit, cap))
         lo = hi
-    sizes = np.fromiter((len(p) for p in packs), dtype=np.int64, count=len(packs))
-    offsets = np.zeros(len(packs) + 1, np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    order = np.fromiter((i for p in packs for i in p), dtype=np.int64, count=int(offsets[-1]))
-    return order, offsets
+    return flat_bins(packs)
 
 
 def _best_fit(w: np.ndarray, lo: int, hi: int, limit: float, cap: int) -> list[list[int]]:

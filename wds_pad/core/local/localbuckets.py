@@ -148,8 +148,10 @@ class _LocalBucket:
         first = self.win_cum[g]
         n_w = self.win_cum[g + 1] - first
         pass_idx = u // n_w
-        t = permute(u % n_w, n_w, keyed_round_keys(self.base_key, g * self.passes + pass_idx))
-        vpos = first + t                                   # the entry's place among b's samples, visit order
+        return self._ids_at(first + permute(u % n_w, n_w, keyed_round_keys(self.base_key, g * self.passes + pass_idx)))
+
+    def _ids_at(self, vpos: np.ndarray) -> np.ndarray:
+        """Sample ids at places ``vpos`` among b's samples in visit order."""
         i = np.searchsorted(self.v_cum, vpos, side="right") - 1
         rows = self.v_row[i].astype(np.int64) + (vpos - self.v_cum[i].astype(np.int64))
         return np.asarray(self.sorted_ids[rows], dtype=np.int64)
@@ -188,10 +190,7 @@ class _LocalBucket:
         s = n_w * self.passes - 1 - (u - kept)
         if inner.any():
             s[inner] = permute(u[inner], kept[inner], keyed_round_keys(self.base_key ^ 0xE59, g[inner]))
-        vpos = first + s % n_w
-        i = np.searchsorted(self.v_cum, vpos, side="right") - 1
-        rows = self.v_row[i].astype(np.int64) + (vpos - self.v_cum[i].astype(np.int64))
-        return np.asarray(self.sorted_ids[rows], dtype=np.int64)
+        return self._ids_at(first + s % n_w)
 
     def rank_entries(self, d: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Sample ids of entries k of ranks d, k < need[d]: own ones with foreign spread in."""

@@ -157,21 +157,14 @@ class Plan:
             raise TypeError(f"plan indices are ints, got {type(i).__name__}")
         if not -n <= i < n:
             raise IndexError(f"batch {i} out of range for a plan of {n} batches")
-        i = int(i) % n
-        step = int(self.batch_step[i])
-        b = int(self.schedule[step])
-        ds, key = self.bucket_table[b]
-        size = int(self.offsets[i + 1] - self.offsets[i])
-        first = int(self._first(np.asarray([b]), np.asarray([int(self.window[step])]))[0])
+        return self.batches(int(i) % n, int(i) % n + 1)[0]
 
-        def batch() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-            k = np.arange(first, first + size, dtype=np.int64)
-            bb = np.full(size, b, dtype=np.int64)
-            return self._seeded(bb, k)
-
-        samples, pad, seeds = _within_memory(batch, size, f"batch {i}")
-        pack = None if self.packs is None else self.packs.numbers([b], [int(self.window[step])], [size])
-        return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad, pack, seeds)
+    def _entry_keys(self, steps: np.ndarray, sizes: np.ndarray, before: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(kept bucket, entry number in it) of every entry of the rank's batches at global
+        ``steps``, of ``sizes`` entries, ``before`` entries before each."""
+        t = self.schedule[steps].astype(np.int64)
+        first = self._first(t, self.window[steps].astype(np.int64))
+        return np.repeat(t, sizes), np.repeat(first - before, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
 
     def _seeded(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(samples, pad, seeds) of entries ``k`` of kept buckets ``b`` (core/sampleseed.py)."""
@@ -196,15 +189,9 @@ class Plan:
         steps = self.batch_step[idx]
         sizes = self.offsets[idx + 1] - self.offsets[idx]
         before = np.cumsum(sizes) - sizes
-        total = int(sizes.sum())
-
-        def entries() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-            b = np.repeat(self.schedule[steps], sizes).astype(np.int64)
-            first = self._first(self.schedule[steps].astype(np.int64), self.window[steps].astype(np.int64))
-            k = np.repeat(first - before, sizes) + np.arange(total, dtype=np.int64)
-            return self._seeded(b, k)
-
-        samples, pad, seeds = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
+        what = f"batch {int(idx[0])}" if idx.size == 1 else f"batches {int(idx[0])}..{int(idx[-1])}"
+        samples, pad, seeds = _within_memory(lambda: self._seeded(*self._entry_keys(steps, sizes, before)),
+                                             int(sizes.sum()), what)
         packs = None if self.packs is None else self.packs.numbers(self.schedule[steps], self.window[steps], sizes)
         out = []
         table, names, epoch = self.bucket_table, self.datasets, self.epoch
@@ -223,15 +210,9 @@ class Plan:
     def _all(self) -> tuple[np.ndarray, np.ndarray]:
         cached = self.__dict__.get("_entries")
         if cached is None:
-            def share() -> tuple[np.ndarray, np.ndarray]:
-                sizes = np.diff(self.offsets)
-                b = np.repeat(self.schedule[self.batch_step], sizes)
-                first = self._first(self.schedule[self.batch_step].astype(np.int64),
-                                    self.window[self.batch_step].astype(np.int64))
-                k = np.repeat(first - self.offsets[:-1], sizes) + np.arange(int(self.offsets[-1]), dtype=np.int64)
-                return self.buckets.entries(b, k)
-
-            cached = _within_memory(share, int(self.offsets[-1]), "this rank's share")
+            keys = (self.batch_step, np.diff(self.offsets), self.offsets[:-1])
+            cached = _within_memory(lambda: self.buckets.entries(*self._entry_keys(*keys)), int(self.offsets[-1]),
+                                    "this rank's share")
             self.__dict__["_entries"] = cached
         return cached
 
@@ -355,29 +336,21 @@ def rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.n
     global step s is its entries [k*bs, (k+1)*bs) of bucket schedule[s], k = window[s]
     (with ``bins``: [bins.start(b, k), bins.start(b, k + 1)))."""
     step_dtype = np.int32 if schedule.size < 2**31 else np.int64
-    if bins is not None:
-        sched = schedule.astype(np.int64)
-        win = window.astype(np.int64)
-        lo = bins.start(sched, win) if schedule.size else np.zeros(0, np.int64)
-        hi = np.minimum(bins.start(sched, win + 1), counts[sched]) if schedule.size else np.zeros(0, np.int64)
-        sizes = np.maximum(hi - lo, 0)
-        has = sizes > 0
-        batch_step = np.flatnonzero(has).astype(step_dtype)
-        offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
-        np.cumsum(sizes[has], out=offsets[1:])
-        return batch_step, offsets
-    if np.array_equal(counts, np.asarray(bucket_steps, dtype=np.int64) * bs):
+    if bins is None and np.array_equal(counts, np.asarray(bucket_steps, dtype=np.int64) * bs):
         # every bucket fills whole global steps (cyclic, drop, or lengths that happen to
         # divide): this rank has a full batch at every step; nothing per step to compute
-        batch_step = np.arange(schedule.size, dtype=step_dtype)
-        offsets = np.arange(schedule.size + 1, dtype=np.int64) * bs
+        return np.arange(schedule.size, dtype=step_dtype), np.arange(schedule.size + 1, dtype=np.int64) * bs
+    if not schedule.size:
+        sizes = np.zeros(0, np.int64)
+    elif bins is not None:
+        sched, win = schedule.astype(np.int64), window.astype(np.int64)
+        sizes = np.maximum(np.minimum(bins.start(sched, win + 1), counts[sched]) - bins.start(sched, win), 0)
     else:
-        starts_in_bucket = window.astype(np.int64) * bs
-        sizes = np.clip(counts[schedule] - starts_in_bucket, 0, bs) if schedule.size else np.zeros(0, np.int64)
-        has = sizes > 0
-        batch_step = np.flatnonzero(has).astype(step_dtype)
-        offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
-        np.cumsum(sizes[has], out=offsets[1:])
+        sizes = np.clip(counts[schedule] - window.astype(np.int64) * bs, 0, bs)
+    has = sizes > 0
+    batch_step = np.flatnonzero(has).astype(step_dtype)
+    offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
+    np.cumsum(sizes[has], out=offsets[1:])
     return batch_step, offsets
 
 
