@@ -249,9 +249,8 @@ class ExplicitRemainder(PlannedShardUses):
     """The top level's entries of this rank (locality shard), and the shards it reads."""
 
     def __init__(self, top: _Level, d: int, shard_map: Sequence[Any]) -> None:
-        self.top, self.d, self._shard_map = top, d, shard_map
-        self.plan: Plan | None = None
-        self._uses: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        super().__init__(shard_map)
+        self.top, self.d = top, d
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         b, k = np.asarray(b, np.int64), np.asarray(k, np.int64)

@@ -242,10 +242,8 @@ class RemainderBuckets(PlannedShardUses):
     shards it reads."""
 
     def __init__(self, levels: list[_Level], base: Any, d: int, shard_map: Any) -> None:
+        super().__init__(shard_map)
         self.levels, self.base, self.d = levels, base, d
-        self._shard_map = shard_map  # per dataset: sample id -> shard (locality shard), or None
-        self._uses: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.plan: Plan | None = None
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         top = self.levels[-1]

@@ -155,12 +155,13 @@ def _walked(plan: Plan, walk: Sequence[int], first: int) -> Iterator[Batch]:
 
 class PlannedShardUses:
     """Shard locality of a remainder's Plan, read off the plan itself: what the shard cache
-    reads whole (core/local/shardschedule.py shard_reads). O(the rank's share). The class using it
-    sets ``plan`` (once planned), ``_shard_map`` (per dataset: sample id -> shard) and ``_uses``."""
+    reads whole (:func:`shard_reads`). O(the rank's share). ``plan`` is set once planned;
+    ``shard_map``: per dataset, sample id -> shard (None: not shard-local)."""
 
-    plan: Plan | None
-    _shard_map: Any
-    _uses: dict[int, tuple[np.ndarray, np.ndarray]]
+    def __init__(self, shard_map: Any) -> None:
+        self.plan: Plan | None = None
+        self._shard_map = shard_map
+        self._uses: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def _shard_uses(self, di: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's shards of dataset ``di`` read at least twice, in order of first use,

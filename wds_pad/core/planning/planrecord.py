@@ -96,17 +96,12 @@ class Batch:
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """This rank's ordered batches for one epoch, evaluated lazily.
+    """This rank's ordered batches for one epoch, evaluated lazily (see the module's invariants).
 
     ``schedule[s]`` is the bucket-table index every rank takes at global step s and
     ``window[s]`` how many earlier steps took the same bucket; ``batch_step[i]`` is the
     global step of this rank's i-th batch, which holds ``offsets[i + 1] - offsets[i]``
-    entries. A batch's sample ids are computed when it is asked for (``plan[i]``), from
-    the per-bucket facts kept here, so a plan costs O(buckets + steps) to set up and to
-    hold, and each batch O(batch size), whatever the number of samples.
-    ``samples`` / ``pad`` (every entry of the rank, in batch order) are computed on
-    first use: O(the rank's share). ``batch_size`` is the widest batch: the count of a
-    :class:`~wds_pad.core.sizing.Count`, the widest batch planned under a Budget.
+    entries. ``batch_size`` is the widest batch: a Count's, or the widest planned under a Budget.
     """
 
     epoch: int
