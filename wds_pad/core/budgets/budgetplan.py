@@ -247,8 +247,7 @@ def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at:
     unit = budget.pad_unit(dp) * at.accumulation_steps
     got = bucket_table(dss, padded(unit, at.policy, at.oversubscribe, 0), epoch=at.epoch, dp=dp, batch=1,
                        unit=unit, oversubscribe=at.oversubscribe, size=budget.describe())
-    local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, d, at.window,
-                         at.locality, at.node_ranks)
+    local = LocalBuckets(raw, dss, got.kept, at)
     steps: list[int] = []
     starts: list[np.ndarray] = []
     counts = np.zeros(len(got.kept), np.int64)

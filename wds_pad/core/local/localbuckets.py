@@ -21,7 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from ..dataset import Dataset, IdRange
 from .locality import DealtDataset, Locality, layouts, tail_needed
 from ..permute import keyed_round_keys, permute
 from ..seed import derive_seed
+
+if TYPE_CHECKING:
+    from ..planning.buckettable import Kept, Planning
 
 __all__ = ["LocalBuckets"]
 
@@ -243,28 +246,25 @@ class LocalBuckets:
     consecutive DP ranks for good, the tables below are a node's, and a node's ranks take
     its entries in turn: everything said of "a rank" is said of its node."""
 
-    def __init__(self, raw: Sequence[Any], dss: Sequence[Dataset],
-                 kept: Sequence[tuple[int, Hashable, Any, int, int, int]],
-                 seed: int, epoch: int, dp: int, d: int, window: int, locality: Locality = Locality.SHARD,
-                 node_ranks: int = 1) -> None:
-        lays = layouts(raw, dss)
-        stable = locality is Locality.NODE  # dealt to nodes, the same every epoch
-        node_ranks = node_ranks if stable else 1
-        self.dealt = [DealtDataset(lay, ds.name, seed, epoch, dp // node_ranks, window, stable=stable)
-                      for lay, ds in zip(lays, dss)]
+    def __init__(self, raw: Sequence[Any], dss: Sequence[Dataset], kept: Sequence[Kept], at: Planning) -> None:
+        seed, epoch, dp = at.seed, at.epoch, at.dp
+        stable = at.locality is Locality.NODE  # dealt to nodes, the same every epoch
+        node_ranks = at.node_ranks if stable else 1
+        self.dealt = [DealtDataset(lay, ds.name, seed, epoch, dp // node_ranks, at.window, stable=stable)
+                      for lay, ds in zip(layouts(raw, dss), dss)]
         self.buckets = [
-            _LocalBucket(self.dealt[di], ids, passes, n * passes, length, dp,
-                         derive_seed(seed, epoch, dss[di].name, key, "window"), node_ranks)
-            for di, key, ids, n, passes, length in kept]
+            _LocalBucket(self.dealt[k.di], k.ids, k.passes, k.n * k.passes, k.length, dp,
+                         derive_seed(seed, epoch, dss[k.di].name, k.key, "window"), node_ranks)
+            for k in kept]
+        self.kept_dataset = [k.di for k in kept]
         for di, dealt in enumerate(self.dealt):
             if stable:  # a node's tail holds what it gives away of every bucket
-                need = [bk.tail_needed() for bk, k in zip(self.buckets, kept) if k[0] == di]
+                need = [bk.tail_needed() for bk, kd in zip(self.buckets, self.kept_dataset) if kd == di]
                 dealt.set_tails(np.max(need, axis=0) if need else np.zeros(dealt.rank_start.size - 1, np.int64))
         for bk in self.buckets:
             bk.local_pad = stable
             bk.place()
-        self.kept_dataset = [k[0] for k in kept]
-        self.dp, self.d, self.window, self.node_ranks = dp, d, window, node_ranks
+        self.dp, self.d, self.window, self.node_ranks = dp, at.d, at.window, node_ranks
         self.set_steps(0)  # the planner gives the epoch's steps once its schedule is drawn
 
     def set_steps(self, total: int) -> None:

@@ -78,10 +78,6 @@ class Kept:
     stat: int            # its place in the table's stats
     cut: Any = None
 
-    def local(self) -> tuple[int, Hashable, Any, int, int, int]:
-        """The row core/local/localbuckets.py deals shards by."""
-        return self.di, self.key, self.ids, self.n, self.passes, self.length
-
 
 @dataclass
 class BucketTable:

@@ -200,8 +200,7 @@ def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at:
                for j in range(kb.passes)]) for kb in got.kept]
     local = None
     if at.locality.dealt:  # the order inside each bucket; the schedule is the same
-        local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, at.d, at.window,
-                             at.locality, at.node_ranks)
+        local = LocalBuckets(raw, dss, got.kept, at)
     counts = np.asarray([max(0, -(-(kb.length - at.d) // dp)) for kb in got.kept], dtype=np.int64)
     return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept], counts=counts, starts=None,
                         order=local, local=local, keyed=keyed)
