@@ -63,19 +63,8 @@ MAX_PLANNED_ENTRIES = 2**40
 
 
 def check_epoch(epoch: Any, what: str = "epoch") -> int:
-    """Validate an epoch number: an int (not bool) with ``0 <= epoch <= MAX_EPOCH``.
-
-    Args:
-        epoch: the value to check (int or numpy integer).
-        what: how to name it in the message (``"epoch"``, ``"start_epoch"``, ...).
-
-    Returns:
-        The epoch as a Python int.
-
-    Raises:
-        ConfigError: not an int (a float, str or bool is never truncated or parsed),
-            negative, or above MAX_EPOCH.
-    """
+    """``epoch`` as a Python int, or a ConfigError naming it as ``what``: not an int (a
+    float, str or bool is never truncated or parsed), negative, or above MAX_EPOCH."""
     if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
         raise ConfigError(
             f"{what} must be an int in [0, {MAX_EPOCH}], got {type(epoch).__name__} {epoch!r}; "

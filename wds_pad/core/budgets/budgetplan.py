@@ -48,17 +48,10 @@ __all__ = ["BudgetBuckets", "RankCuts", "budget_buckets", "lockstep_cuts", "shar
 
 
 class BudgetBuckets:
-    """This rank's entries of kept buckets batched by strata (``locality="none"``): what
-    ``Plan`` computes them from (its ``EntryOrder``), for a plan or an elastic remainder.
-
-    Args:
-        batches: per bucket, its strata's batches.
-        orders: per bucket, the cost order (sample ids) of its base bucket.
-        d: this rank's dp_rank.
-        n: per bucket, the samples of its base bucket (default: its batches' own).
-        resolve: ``resolve(j, codes)``: bucket ``j``'s codes as those of its base bucket
-            (``pass * n + cost position``); default: they are (a plan, not a remainder).
-    """
+    """This rank's entries of kept buckets batched by strata (``locality="none"``), the
+    ``EntryOrder`` of a plan or its elastic remainder: per bucket its ``batches``, and its
+    base bucket's cost order and ``n`` samples; ``resolve(j, codes)`` turns bucket j's codes
+    into its base bucket's (``pass * n + cost position``; default: they are)."""
 
     def __init__(self, batches: Sequence[BucketBatches], orders: Sequence[Any], d: int,
                  n: Sequence[int] | None = None, resolve: Any = None) -> None:
