@@ -161,15 +161,13 @@ class BudgetLevels(Levels):
         if shard:
             order: Any = ExplicitRemainder(top, d, self.shard_map())
             local = order
+            real = [sum(int((~p).sum()) for p in bb.pad) for bb in top.batches]
+            planned = [sum(int(p.size) for p in bb.pad) for bb in top.batches]
         else:
             j0 = top.tab.tolist()
             order = BudgetBuckets(top.batches, [base.buckets.order.orders[j] for j in j0], d,
                                   [base.buckets.order.n[j] for j in j0], partial(_resolve, self.levels))
             local = None
-        if shard:
-            real = [sum(int((~p).sum()) for p in bb.pad) for bb in top.batches]
-            planned = [sum(int(p.size) for p in bb.pad) for bb in top.batches]
-        else:
             real, planned = [bb.real for bb in top.batches], [bb.planned for bb in top.batches]
         steps = self.steps()
         return counts, steps, bins, order, local, self.stats(table, real, planned, steps, [False] * len(steps))
