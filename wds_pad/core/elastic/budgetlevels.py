@@ -175,7 +175,7 @@ class BudgetLevels(Levels):
     def digest(self, segments: Sequence[Any], table: Sequence[tuple[int, Hashable]]) -> str:
         top = self.top
         doc = {"kind": "wds_pad.budget_remainder/1",
-               "segments": [s.to_json()[:2] + ([s.node_ranks] if s.node_ranks else []) for s in segments],
+               "segments": self.segment_keys(segments),
                "dp": top.dp, "table": [[int(di), repr(key)] for di, key in table],
                "steps": [int(bb.batches) for bb in top.batches],
                "schedule": np.asarray(top.schedule, np.int64).tolist()}

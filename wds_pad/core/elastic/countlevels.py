@@ -117,6 +117,11 @@ class Levels:
             f"loader state position {pos} of dp_rank {d} is past the end of epoch {self.epoch} on dp_size "
             f"{self.top.dp} ({batches} batches on that rank); the state does not belong to this plan")
 
+    @staticmethod
+    def segment_keys(segments: Sequence[Any]) -> list[list[Any]]:
+        """What a remainder's digest says of its segments: each one's layout and how far it got."""
+        return [s.to_json()[:2] + ([s.node_ranks] if s.node_ranks else []) for s in segments]
+
     def shard_map(self) -> list[Any]:
         """Per dataset, each sample id's shard (the base plan's shard-local deal)."""
         return [dealt.layout.shard for dealt in self.base.buckets.local.dealt]
@@ -229,8 +234,7 @@ class CountLevels(Levels):
     def digest(self, segments: Sequence[Any], table: Sequence[tuple[int, Hashable]]) -> str:
         top = self.top
         h = hashlib.blake2b(digest_size=16)
-        h.update(repr(("wds_pad.remainder", 1, [s.to_json()[:2] + ([s.node_ranks] if s.node_ranks else [])
-                                                for s in segments], top.dp, top.deal,
+        h.update(repr(("wds_pad.remainder", 1, self.segment_keys(segments), top.dp, top.deal,
                        [(int(di), repr(key)) for di, key in table])).encode())
         for a in (top.real, top.length, top.schedule):
             h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
