@@ -192,14 +192,6 @@ def _non_empty(cut: np.ndarray, n: int) -> np.ndarray:
     return np.minimum(up, np.maximum(n - (s - k), k.clip(max=n)))  # ... and room at the end
 
 
-def _sorted_cost(ds: Dataset, order: Any) -> Any:
-    cost = ds.cost
-
-    def at(pos: np.ndarray) -> np.ndarray:
-        return np.asarray(cost[np.asarray(order[pos], dtype=np.int64)], dtype=np.float64)
-    return at
-
-
 def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
     """The bucket planner of a :class:`~wds_pad.core.budgets.budget.Budget`: kept buckets, their
     steps and this rank's entries and batches (see the module docstring).
@@ -217,7 +209,8 @@ def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, a
 
     def strata(ds: Dataset, key: Hashable, ids: Any, n: int, passes: int) -> Measured:
         order = ds.sorted_by_cost(key)
-        bb = BucketBatches(n, passes, dp, _sorted_cost(ds, order),
+        bb = BucketBatches(n, passes, dp,
+                           lambda pos: np.asarray(ds.cost[np.asarray(order[pos], np.int64)], np.float64),
                            derive_seed(at.seed, at.epoch, ds.name, key, "budget"), budget, at.policy.value,
                            at.oversubscribe, at.pad_to is PadTo.BATCH, at.accumulation_steps)
         kept = bb.batches > 0

@@ -46,9 +46,8 @@ sorts each bucket once, O(samples)); a batch costs O(batch size x log(shards)). 
 The planner needs each sample's shard: an Index (``shard`` column and shard table) or a
 :class:`ShardMap` around a Dataset. Anything else is a ConfigError that names the fix.
 
-This module holds the choice (``Locality``), the shard maps and step 1, the deal of
-each epoch's shards to the ranks and their windows; the per-bucket tables of steps 2-4
-are core/local/localbuckets.py's, what a plan reads core/local/reads.py's (its reading cost cli/readfigures.py's).
+This module holds the choice (``Locality``), the shard maps and step 1; steps 2-4 are
+core/local/localbuckets.py's.
 
 Invariants:
 - each epoch every shard of a dataset is dealt to exactly one DP rank, as a contiguous
