@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from wds_pad import Budget, ConfigError, Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
 from wds_pad.core.budgets.budget import batch_cost, pack
-from wds_pad.core.budgets.lockstep import lockstep_cuts
+from wds_pad.core.budgets.budgetplan import lockstep_cuts
 from wds_pad.core.budgets.strata import BucketBatches
 
 PROPERTY = settings(max_examples=200, deadline=None,

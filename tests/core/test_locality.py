@@ -115,7 +115,7 @@ def test_a_rank_takes_its_windows_pools_first_in_first_out(c: dict[str, Any]) ->
         assert np.all(np.diff(w) >= 0)
         # window by window, the counts taken are the pools, but for the last one reached
         lo, hi = int(local.dealt[0].win_base[d]), int(local.dealt[0].win_base[d + 1])
-        pool = bk.pool[lo:hi]
+        pool = (bk.win_samples * bk.passes)[lo:hi]
         taken = np.bincount(w, minlength=pool.size)
         if w.size:
             last = int(w.max())
@@ -246,7 +246,7 @@ def test_shard_plans_are_pinned_bitwise(name: str) -> None:
 def _dense_reference(ids: Any, bk: Any, shard: np.ndarray, nshards: int) -> tuple[np.ndarray, np.ndarray]:
     """(win_samples, every pool entry per window) from the dense per-shard tables, the
     straightforward way: each bucket's rows sorted by shard, cumulated in visit order."""
-    from wds_pad.core.local.localbuckets import _window_keys
+    from wds_pad.core.permute import keyed_round_keys as _window_keys
     from wds_pad.core.permute import permute
     dealt = bk.dealt
     arr = np.asarray(ids, dtype=np.int64)

@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import ConfigError
 from .seed import encode_key
 
-__all__ = ["Dataset", "IdRange", "bucket_order"]
+__all__ = ["Dataset", "IdRange", "bucket_order", "max_id"]
 
 
 def bucket_order(key: Hashable) -> tuple[Any, ...]:
@@ -183,7 +183,7 @@ class Dataset:
         if c.ndim != 1 or not (np.issubdtype(c.dtype, np.integer) or np.issubdtype(c.dtype, np.floating)):
             raise ConfigError(f"dataset {self.name!r}: cost must be a 1-D array of numbers indexed by sample "
                               f"id, got {type(self.cost).__name__} of shape {getattr(c, 'shape', '?')}")
-        top = max((_max_id(ids) for ids in canon.values()), default=-1)
+        top = max((max_id(ids) for ids in canon.values()), default=-1)
         if top >= c.shape[0]:
             raise ConfigError(f"dataset {self.name!r}: cost has {c.shape[0]} entries but the dataset holds "
                               f"sample id {top}; give one cost per sample id")
@@ -214,7 +214,8 @@ class Dataset:
         return cache[key]
 
 
-def _max_id(ids: Any) -> int:
+def max_id(ids: Any) -> int:
+    """The largest sample id of a bucket (sorted ids or an IdRange), -1 when empty."""
     if isinstance(ids, IdRange):
         return ids.stop - 1
     return int(ids[-1]) if len(ids) else -1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ROUNDS", "permute", "permute_one", "round_keys"]
+__all__ = ["ROUNDS", "keyed_round_keys", "permute", "permute_one", "round_keys"]
 
 ROUNDS = 6
 _M64 = (1 << 64) - 1
@@ -61,6 +61,15 @@ def mix64(z: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(_C1)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(_C2)
     return z ^ (z >> np.uint64(31))
+
+
+def keyed_round_keys(base: int, idx: np.ndarray) -> np.ndarray:
+    """Round keys (ROUNDS, len(idx)) of the permutations ``idx`` derived from ``base``: the
+    numpy image of ``round_keys(mix(base + (idx + 1) * golden))``, bitwise on every machine."""
+    g = np.uint64(_GOLDEN)
+    with np.errstate(over="ignore"):
+        key = mix64(np.uint64(base) + (np.asarray(idx).astype(np.uint64) + np.uint64(1)) * g)
+        return np.stack([mix64(key + np.uint64(i + 1) * g) for i in range(ROUNDS)])
 
 
 def permute(x: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarray:

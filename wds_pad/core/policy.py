@@ -63,19 +63,8 @@ MAX_PLANNED_ENTRIES = 2**40
 
 
 def check_epoch(epoch: Any, what: str = "epoch") -> int:
-    """Validate an epoch number: an int (not bool) with ``0 <= epoch <= MAX_EPOCH``.
-
-    Args:
-        epoch: the value to check (int or numpy integer).
-        what: how to name it in the message (``"epoch"``, ``"start_epoch"``, ...).
-
-    Returns:
-        The epoch as a Python int.
-
-    Raises:
-        ConfigError: not an int (a float, str or bool is never truncated or parsed),
-            negative, or above MAX_EPOCH.
-    """
+    """``epoch`` as a Python int, or a ConfigError naming it as ``what``: not an int (a
+    float, str or bool is never truncated or parsed), negative, or above MAX_EPOCH."""
     if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
         raise ConfigError(
             f"{what} must be an int in [0, {MAX_EPOCH}], got {type(epoch).__name__} {epoch!r}; "
@@ -90,10 +79,13 @@ def check_epoch(epoch: Any, what: str = "epoch") -> int:
     return value
 
 
-def check_positive(name: str, value: Any) -> int:
-    """``value`` as an int >= 1 (an int or numpy integer, never a bool), or a ConfigError naming ``name``."""
+def check_positive(name: str, value: Any, optional: bool = False) -> Any:
+    """``value`` as an int >= 1 (an int or numpy integer, never a bool), or None when
+    ``optional``; else a ConfigError naming ``name``."""
+    if optional and value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        raise ConfigError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
     return int(value)
 
 
@@ -133,8 +125,6 @@ def parse_enum(cls: type[Enum], value: Any, what: str) -> Any:
     except ValueError:
         allowed = ", ".join(m.value for m in cls)  # type: ignore[attr-defined]
         raise ConfigError(f"unknown {what} {value!r}; expected one of: {allowed}") from None
-
-
 
 
 def resolve_policy(policy: Policy | str, mode: Mode | str, oversubscribe: bool) -> Policy:

@@ -96,20 +96,9 @@ def derive_rng(seed: int, *parts: Hashable) -> np.random.Generator:
 
 
 def check_seed(seed: Any) -> int:
-    """Validate a configured seed: an int (not bool) in ``[0, 2**64)``.
-
-    The one rule for every entry point (``shared_seed``, ``plan_epoch``, the loaders and
-    ``wds-pad ... --seed``), so the CLI and the API accept exactly the same seeds.
-
-    Args:
-        seed: the value to check (int or numpy integer).
-
-    Returns:
-        The seed as a Python int.
-
-    Raises:
-        ConfigError: not an int, or outside ``[0, 2**64)``.
-    """
+    """``seed`` as a Python int, or a ConfigError: not an int (a bool is not), or outside
+    ``[0, 2**64)``. The one rule for every entry point (``shared_seed``, ``plan_epoch``,
+    the loaders and ``wds-pad ... --seed``), so the CLI and the API accept the same seeds."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ConfigError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     seed = int(seed)

@@ -32,15 +32,21 @@ class Sizing(Protocol):
     kind: ClassVar[str]          # the bucket planner that cuts its batches (core/planning/plan.py)
     needs_costs: ClassVar[bool]  # every dataset must give each sample's cost
 
-    def pad_unit(self, dp_size: int, pad_to: PadTo, accumulation_steps: int) -> int: ...
+    def pad_unit(self, dp_size: int, pad_to: PadTo, accumulation_steps: int) -> int:
+        """What every bucket's padded length is a multiple of."""
 
-    def short_last_batch(self, pad_to: PadTo) -> bool: ...
+    def short_last_batch(self, pad_to: PadTo) -> bool:
+        """Whether a bucket's last batch may hold fewer samples than the others."""
 
-    def describe(self) -> str: ...
+    def describe(self) -> str:
+        """How messages name it: ``64``, ``budget 8192``, ``pack 8192 x 4``."""
 
-    def summary(self) -> str: ...
+    def summary(self) -> str:
+        """How ``plan --summary`` and ``batched()`` name it: ``batch 64``, ``budget 8192 (sum)``."""
 
-    def fingerprint(self) -> Any: ...
+    def fingerprint(self) -> Any:
+        """The plan fingerprint's ``batch_size`` field (and ``to_json()``, where it has one,
+        what ``wds-pad plan --json`` records)."""
 
 
 @dataclass(frozen=True)
@@ -65,19 +71,15 @@ class Count:
         return pad_to.unit(dp_size, self.batch_size) * accumulation_steps
 
     def short_last_batch(self, pad_to: PadTo) -> bool:
-        """Whether a bucket's last batch may hold fewer samples than the others: ``pad_to="rank"``."""
         return pad_to is PadTo.RANK
 
     def describe(self) -> str:
-        """How messages name it: the batch size."""
         return str(self.batch_size)
 
     def summary(self) -> str:
-        """How ``plan --summary`` and ``batched()`` name it: ``batch 64``."""
         return f"batch {self.batch_size}"
 
     def fingerprint(self) -> Any:
-        """The plan fingerprint's ``batch_size`` field."""
         return self.batch_size
 
 

@@ -105,7 +105,6 @@ class Topology:
             raise TopologyError(
                 f"dp_size {dp} x cp_size {cp} = {dp * cp} does not equal world_size {world}"
             )
-        explicit = self.dp_rank is not None or self.cp_rank is not None
         dp_rank = self.dp_rank if self.dp_rank is not None else rank // cp
         cp_rank = self.cp_rank if self.cp_rank is not None else rank % cp
         _check_int("dp_rank", dp_rank, 0)
@@ -114,8 +113,6 @@ class Topology:
             raise TopologyError(f"dp_rank {dp_rank} is out of range for dp_size {dp}")
         if cp_rank >= cp:
             raise TopologyError(f"cp_rank {cp_rank} is out of range for cp_size {cp}")
-        if not explicit and dp_rank * cp + cp_rank != rank:  # pragma: no cover - arithmetic
-            raise TopologyError("internal: rank decomposition failed")
         object.__setattr__(self, "cp_size", cp)
         object.__setattr__(self, "dp_size", dp)
         object.__setattr__(self, "dp_rank", dp_rank)

@@ -4,8 +4,8 @@ Each sample has a cost (tokens, pixels, seconds: a number the index records). A 
 cost is the sum of its samples' costs (model ``sum``: what a packed or token-counting
 step pays) or its count times its largest sample's cost (model ``max``: what padding to
 the longest pays). A :class:`Budget` bounds it. How a bucket's batches are formed under
-one: core/budgets/strata.py (``locality="none"``) and core/budgets/lockstep.py (``locality="shard"``);
-core/budgets/budgetplan.py plans an epoch with them.
+one: core/budgets/strata.py (``locality="none"``) and the lockstep cuts of
+core/budgets/budgetplan.py (``locality="shard"``), which plans an epoch with them.
 
 Invariants:
 - a Budget is valid once built: a finite limit > 0, a known model, ``max_samples`` an
@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ...errors import ConfigError
+from ..policy import check_positive, parse_enum
 
 __all__ = ["OPEN_BINS", "PACKING", "Budget", "BudgetModel", "batch_cost", "fits_one_more", "pack"]
 
@@ -47,8 +48,20 @@ class BudgetModel(str, Enum):
     MAX = "max"
 
 
+class ByStrata:
+    """A sizing planned by strata of one entry per DP rank (a Budget, a Pack): a bucket is
+    padded to a stratum (its batch count then made a multiple of ``accumulation_steps``,
+    whatever ``pad_to``), and no batch is short: each holds what fits."""
+
+    def pad_unit(self, dp_size: int, pad_to: Any = None, accumulation_steps: int = 1) -> int:
+        return dp_size
+
+    def short_last_batch(self, pad_to: Any) -> bool:
+        return False
+
+
 @dataclass(frozen=True)
-class Budget:
+class Budget(ByStrata):
     """A cost budget per batch, given instead of a batch size.
 
     Args:
@@ -73,49 +86,24 @@ class Budget:
                 or not math.isfinite(float(lim)) or float(lim) <= 0:
             raise ConfigError(f"Budget.limit must be a finite number > 0, got {lim!r}")
         object.__setattr__(self, "limit", float(lim))
-        try:
-            model = BudgetModel(self.model.value if isinstance(self.model, Enum) else self.model)
-        except ValueError:
-            raise ConfigError(f"unknown budget model {self.model!r}; expected one of: sum, max") from None
-        object.__setattr__(self, "model", model)
-        ms = self.max_samples
-        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, np.integer)) or ms < 1):
-            raise ConfigError(f"Budget.max_samples must be an int >= 1 or None, got {ms!r}")
-        if ms is not None:
-            object.__setattr__(self, "max_samples", int(ms))
-
-    def cost(self, costs: Any) -> float:
-        """What a batch of samples with ``costs`` costs under this budget's model."""
-        return batch_cost(costs, self.model)
+        object.__setattr__(self, "model", parse_enum(BudgetModel, self.model, "budget model"))
+        object.__setattr__(self, "max_samples", check_positive("Budget.max_samples", self.max_samples, optional=True))
 
     def pack(self, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Items of ``weights``, in order, packed into batches within this budget: :func:`pack`
         (a sizing that packs otherwise, core/budgets/packing.py, overrides it)."""
         return pack(weights, self)
 
-    def pad_unit(self, dp_size: int, pad_to: Any = None, accumulation_steps: int = 1) -> int:
-        """A stratum, one entry per DP rank: what a bucket is padded to (its batch count is
-        then made a multiple of ``accumulation_steps``, whatever ``pad_to``)."""
-        return dp_size
-
-    def short_last_batch(self, pad_to: Any) -> bool:
-        """Never said of a budget: every batch holds what fits, the last one too."""
-        return False
-
     def describe(self) -> str:
-        """How messages name it: ``budget 8192``."""
         return f"budget {self.limit:g}"
 
     def summary(self) -> str:
-        """How ``plan --summary`` and ``batched()`` name it: ``budget 8192 (tokens)``."""
         return f"budget {self.limit:g} ({self.model.value})"
 
     def fingerprint(self) -> dict[str, Any]:
-        """The plan fingerprint's ``batch_size`` field: the budget and how batches are packed under it."""
-        return {**self.to_json(), "packing": PACKING}
+        return {**self.to_json(), "packing": PACKING}  # how batches are packed is part of the plan
 
     def to_json(self) -> dict[str, Any]:
-        """The budget as the plan fingerprint and ``wds-pad plan --json`` record it."""
         return {"limit": self.limit, "model": self.model.value, "max_samples": self.max_samples}
 
 
@@ -177,11 +165,15 @@ def pack(weights: np.ndarray, budget: Budget, open_bins: int = OPEN_BINS) -> tup
             opened.pop(0)
             load.pop(0)
             count.pop(0)
+    return flat_bins(bins)
+
+
+def flat_bins(bins: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(order, offsets) of ``bins``: their items bin after bin, and where each bin starts."""
     sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
     offsets = np.zeros(len(bins) + 1, np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    order = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(offsets[-1]))
-    return order, offsets
+    return np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(offsets[-1])), offsets
 
 
 def fits_one_more(load: float, count: int, x: float, budget: Budget) -> bool:

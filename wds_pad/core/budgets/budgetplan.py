@@ -7,19 +7,21 @@ and where each of its batches starts. Everything after it (the schedule, the ran
 batches, the Plan record) is the same for every sizing.
 
 - ``locality="none"``: each bucket's strata are packed into batches identically on every
-  rank (:class:`~wds_pad.core.budgets.budget.BucketBatches`); a rank's entries are one member of
+  rank (:class:`~wds_pad.core.budgets.strata.BucketBatches`); a rank's entries are one member of
   each stratum, O(its share) to plan and O(1) each to evaluate.
 - ``locality="shard"``: a rank's entries are those shard locality gives it (its own
   shards first in, first out, core/local/localbuckets.py), padded per bucket to a multiple of
   ``dp_size`` (x accumulation_steps) as ``cyclic`` / ``drop`` / ``none`` say; every rank
   cuts its entries, in order, into the same number of batches within the budget
-  (:func:`~wds_pad.core.budgets.budget.lockstep_cuts`). To agree on that number every rank
-  reads the cost of every entry of the dataset: O(samples), not O(share).
+  (:func:`lockstep_cuts`). To agree on that number every rank reads the cost of every
+  entry of the dataset: O(samples), not O(share).
 
 Invariants:
 - every bucket takes the same number of steps on every rank, a multiple of
   ``accumulation_steps``; every rank's batch at a step is within the budget (but for a
   sample dearer than the budget, alone in its batch);
+- with ``locality="shard"`` every rank's entries are cut in order, each batch a run of
+  them, none empty while the rank has as many entries as batches;
 - over all DP ranks an epoch holds each entry (sample x pass) of a kept bucket exactly
   once, plus copies marked padded (``drop``: none repeated, some left out);
 - pure: no I/O, no clock; bitwise the same plan in every process.
@@ -27,49 +29,52 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 import numpy as np
 
 from ..planning.buckettable import Measured, Planning, SizedBuckets, bucket_table, padded
-from .budget import Budget
+from .budget import Budget, BudgetModel
 from ..dataset import Dataset
 from ..local.localbuckets import LocalBuckets
-from .lockstep import lockstep_cuts
 from ..policy import PadTo
 from ..sampleseed import PADDED
 from ..seed import derive_seed
 from .strata import BucketBatches
 
-__all__ = ["BudgetBuckets", "RankCuts", "budget_buckets", "shard_cut"]
+__all__ = ["BudgetBuckets", "RankCuts", "budget_buckets", "lockstep_cuts", "shard_cut"]
 
 
 class BudgetBuckets:
-    """The kept buckets of a budgeted plan with ``locality="none"``: what ``Plan`` computes
-    a rank's entries from (the ``budget`` hook of core/planning/planrecord.py)."""
+    """This rank's entries of kept buckets batched by strata (``locality="none"``), the
+    ``EntryOrder`` of a plan or its elastic remainder: per bucket its ``batches``, and its
+    base bucket's cost order and ``n`` samples; ``resolve(j, codes)`` turns bucket j's codes
+    into its base bucket's (``pass * n + cost position``; default: they are)."""
 
-    def __init__(self, batches: Sequence[BucketBatches], orders: Sequence[Any], d: int) -> None:
+    def __init__(self, batches: Sequence[BucketBatches], orders: Sequence[Any], d: int,
+                 n: Sequence[int] | None = None, resolve: Any = None) -> None:
         self.batches, self.orders, self.d = list(batches), list(orders), d
+        self.n = [bb.n for bb in self.batches] if n is None else list(n)
+        self.resolve = resolve or (lambda j, code: code)
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(sample ids, padded flags) of this rank's entries ``k`` of kept buckets ``b``."""
         return self.numbered(b, k)[:2]
 
     def numbered(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(sample ids, padded flags, copy numbers) of entries ``k`` of kept buckets ``b``: a
         copy number is the entry's pass, plus ``PADDED`` for a padded copy (core/sampleseed.py)."""
-        b = np.asarray(b, np.int64)
-        k = np.asarray(k, np.int64)
-        samples = np.empty(k.size, np.int64)
-        pad = np.empty(k.size, bool)
-        number = np.empty(k.size, np.int64)
+        b, k = np.asarray(b, np.int64), np.asarray(k, np.int64)
+        samples, pad, number = np.empty(k.size, np.int64), np.empty(k.size, bool), np.empty(k.size, np.int64)
         for j in np.unique(b).tolist():
             sel = np.flatnonzero(b == j)
-            pos, passes, copies = self.batches[j].at(np.full(sel.size, self.d, np.int64), k[sel])
-            samples[sel] = np.asarray(self.orders[j][pos], dtype=np.int64)
+            bb, n = self.batches[j], self.n[j]
+            pos, passes, copies = bb.at(np.full(sel.size, self.d, np.int64), k[sel])
+            code = self.resolve(j, passes * bb.n + pos)
+            samples[sel] = np.asarray(self.orders[j][code % n], dtype=np.int64)
             pad[sel] = copies
-            number[sel] = passes + PADDED * copies
+            number[sel] = code // n + PADDED * copies
         return samples, pad, number
 
 
@@ -110,12 +115,81 @@ def shard_cut(local: LocalBuckets, j: int, length: int, real: int, dp: int, cost
                     steps, cuts)
 
 
-def _sorted_cost(ds: Dataset, order: Any) -> Any:
-    cost = ds.cost
+def lockstep_cuts(costs: np.ndarray, counts: np.ndarray, budget: Budget,
+                  accumulation_steps: int = 1) -> tuple[int, np.ndarray]:
+    """Cut every DP rank's own entry sequence of a bucket into the same number of batches,
+    in order (``locality="shard"``: a rank's entries follow its shards' windows, so a
+    batch is a run of them), each within ``budget``.
 
-    def at(pos: np.ndarray) -> np.ndarray:
-        return np.asarray(cost[np.asarray(order[pos], dtype=np.int64)], dtype=np.float64)
-    return at
+    Args:
+        costs: (dp, r) costs of each rank's entries in its order (columns past
+            ``counts[d]`` are ignored).
+        counts: entries of each rank (equal but for policy ``none``).
+        budget: the budget.
+        accumulation_steps: the batch count is a multiple of this (gradient accumulation).
+
+    Returns:
+        (batches, cuts): the batch count S, the same for every rank, and (dp, S + 1) entry
+        offsets: rank d's batch w is its entries ``cuts[d, w]:cuts[d, w + 1]``. Under
+        ``sum`` a rank's batches are cut where its running cost passes each multiple of
+        its total / S, and S is the least (rounded up to ``accumulation_steps``) that keeps every
+        batch of every rank within the budget that way: ``ceil(max_d total_d / (limit -
+        largest entry))``. Under ``max``, or where ``max_samples`` binds, batches hold
+        equal counts (within one) of at most ``floor(limit / largest entry)`` entries.
+        An entry dearer than the budget makes every batch one entry.
+    """
+    dp = costs.shape[0]
+    counts = np.asarray(counts, np.int64)
+    r = int(counts.max(initial=0))
+    if r == 0:
+        return 0, np.zeros((dp, 1), np.int64)
+    live = np.arange(costs.shape[1])[None, :] < counts[:, None]
+    c = np.where(live, costs, 0.0)
+    top = float(c.max())
+    cap = budget.max_samples or r
+    per = max(1, min(cap, int(budget.limit // top))) if 0 < top <= budget.limit else (1 if top else cap)
+
+    def rounded(s: int) -> int:
+        return min(-(-max(s, 1) // accumulation_steps) * accumulation_steps, r)
+
+    def even(s: int) -> tuple[int, np.ndarray]:
+        w = np.arange(s + 1, dtype=np.int64)[None, :]
+        return s, np.minimum(w * r // s, counts[:, None])
+
+    if top > budget.limit or budget.model is BudgetModel.MAX:
+        return even(rounded(-(-r // per)))
+    totals = c.sum(axis=1)
+    room = budget.limit - top  # what a batch may hold beyond its largest entry
+    need = int(math.ceil(float(totals.max()) / room)) if room > 0 else r
+    s = rounded(max(need, -(-r // cap)))
+    cum = np.cumsum(c, axis=1)
+    cuts = np.zeros((dp, s + 1), np.int64)
+    for d in range(dp):
+        n = int(counts[d])
+        if n == 0:
+            continue
+        # entry j goes to batch floor(midpoint_j * S / total): a batch costs at most
+        # total / S + the largest entry <= limit
+        mid = cum[d, :n] - c[d, :n] / 2.0
+        if totals[d] > 0:
+            part = np.minimum((mid * (s / float(totals[d]))).astype(np.int64), s - 1)
+        else:
+            part = np.arange(n, dtype=np.int64) * s // n
+        cuts[d, 1:] = np.searchsorted(part, np.arange(1, s + 1), side="left")
+        cuts[d] = _non_empty(cuts[d], n)
+        if int(np.diff(cuts[d]).max(initial=0)) > cap:  # the count bound binds: even counts
+            return even(rounded(-(-r // per)))
+    return s, cuts
+
+
+def _non_empty(cut: np.ndarray, n: int) -> np.ndarray:
+    """Offsets moved so that every batch holds an entry (while there are as many entries
+    as batches): a batch either keeps a subset of its entries or takes a single one, so
+    none gets dearer than the budget allowed."""
+    s = cut.size - 1
+    k = np.arange(s + 1, dtype=np.int64)
+    up = np.maximum.accumulate(cut - k) + k          # strictly increasing from the front
+    return np.minimum(up, np.maximum(n - (s - k), k.clip(max=n)))  # ... and room at the end
 
 
 def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
@@ -135,7 +209,8 @@ def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, a
 
     def strata(ds: Dataset, key: Hashable, ids: Any, n: int, passes: int) -> Measured:
         order = ds.sorted_by_cost(key)
-        bb = BucketBatches(n, passes, dp, _sorted_cost(ds, order),
+        bb = BucketBatches(n, passes, dp,
+                           lambda pos: np.asarray(ds.cost[np.asarray(order[pos], np.int64)], np.float64),
                            derive_seed(at.seed, at.epoch, ds.name, key, "budget"), budget, at.policy.value,
                            at.oversubscribe, at.pad_to is PadTo.BATCH, at.accumulation_steps)
         kept = bb.batches > 0
@@ -158,8 +233,7 @@ def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at:
     unit = budget.pad_unit(dp) * at.accumulation_steps
     got = bucket_table(dss, padded(unit, at.policy, at.oversubscribe, 0), epoch=at.epoch, dp=dp, batch=1,
                        unit=unit, oversubscribe=at.oversubscribe, size=budget.describe())
-    local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, d, at.window,
-                         at.locality, at.node_ranks)
+    local = LocalBuckets(raw, dss, got.kept, at)
     steps: list[int] = []
     starts: list[np.ndarray] = []
     counts = np.zeros(len(got.kept), np.int64)

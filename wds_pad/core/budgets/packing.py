@@ -28,7 +28,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ...errors import ConfigError
-from .budget import Budget, BudgetModel
+from ..policy import check_positive
+from .budget import Budget, BudgetModel, ByStrata, flat_bins
 
 __all__ = ["OVERSIZE", "PACK_PACKING", "WINDOW", "Pack", "PackBudget", "best_fit_windows"]
 
@@ -45,16 +46,8 @@ PACK_PACKING = f"bfd-window{WINDOW}/lockstep-1"
 OVERSIZE = ("refuse", "alone")
 
 
-def _count(name: str, value: Any, optional: bool = False) -> int | None:
-    if optional and value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"Pack.{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
-    return int(value)
-
-
 @dataclass(frozen=True)
-class Pack:
+class Pack(ByStrata):
     """Batches of ``packs`` packs per DP rank, each at most ``seq_len`` tokens (costs).
 
     Args:
@@ -77,9 +70,9 @@ class Pack:
     needs_costs: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "seq_len", _count("seq_len", self.seq_len))
-        object.__setattr__(self, "packs", _count("packs", self.packs))
-        object.__setattr__(self, "max_segments", _count("max_segments", self.max_segments, optional=True))
+        for name in ("seq_len", "packs", "max_segments"):
+            value = check_positive(f"Pack.{name}", getattr(self, name), optional=name == "max_segments")
+            object.__setattr__(self, name, value)
         if self.oversize not in OVERSIZE:
             raise ConfigError(f"Pack.oversize must be one of {', '.join(OVERSIZE)}, got {self.oversize!r}")
 
@@ -87,28 +80,16 @@ class Pack:
         """The budget of one pack: what the strata are packed under (core/budgets/budgetplan.py)."""
         return PackBudget(float(self.seq_len), BudgetModel.SUM, self.max_segments)
 
-    def pad_unit(self, dp_size: int, pad_to: Any = None, accumulation_steps: int = 1) -> int:
-        """A stratum, one entry per DP rank, as under a budget."""
-        return dp_size
-
-    def short_last_batch(self, pad_to: Any) -> bool:
-        """Never: every batch is ``packs`` packs (a bucket's pack count is made a multiple of it)."""
-        return False
-
     def describe(self) -> str:
-        """How messages name it: ``pack 8192 x 4``."""
         return f"pack {self.seq_len} x {self.packs}"
 
     def summary(self) -> str:
-        """How ``plan --summary`` and ``batched()`` name it, as messages do."""
         return self.describe()
 
     def fingerprint(self) -> dict[str, Any]:
-        """The plan fingerprint's ``batch_size`` field: the pack and how packs are formed."""
-        return {"pack": {**self.to_json(), "packing": PACK_PACKING}}
+        return {"pack": {**self.to_json(), "packing": PACK_PACKING}}  # how packs are formed is part of the plan
 
     def to_json(self) -> dict[str, Any]:
-        """The pack as the plan fingerprint and ``wds-pad plan --json`` record it."""
         return {"seq_len": self.seq_len, "packs": self.packs, "max_segments": self.max_segments,
                 "oversize": self.oversize}
 
@@ -139,11 +120,7 @@ def best_fit_windows(weights: Any, limit: float, cap: int = 0, window: int = WIN
             hi = n  # a short last window joins this one
         packs.extend(_best_fit(w, lo, hi, limit, cap))
         lo = hi
-    sizes = np.fromiter((len(p) for p in packs), dtype=np.int64, count=len(packs))
-    offsets = np.zeros(len(packs) + 1, np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    order = np.fromiter((i for p in packs for i in p), dtype=np.int64, count=int(offsets[-1]))
-    return order, offsets
+    return flat_bins(packs)
 
 
 def _best_fit(w: np.ndarray, lo: int, hi: int, limit: float, cap: int) -> list[list[int]]:

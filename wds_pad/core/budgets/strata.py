@@ -38,24 +38,15 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
 from .budget import Budget, BudgetModel, fits_one_more
-from ..permute import ROUNDS, mix64, permute
+from ..permute import keyed_round_keys as _keys, permute
 from ..seed import derive_seed
 
 __all__ = ["BucketBatches"]
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _keys(base: int, idx: np.ndarray) -> np.ndarray:
-    """Round keys (ROUNDS, len(idx)) of the permutations ``idx`` derived from ``base``."""
-    with np.errstate(over="ignore"):
-        key = mix64(np.uint64(base) + (np.asarray(idx, np.uint64) + np.uint64(1)) * _GOLDEN)
-        return np.stack([mix64(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
 
 
 class BucketBatches:
@@ -174,35 +165,29 @@ class BucketBatches:
     def _place_short(self, seq: np.ndarray, offsets: np.ndarray, copy: np.ndarray,
                      weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The short tail stratum, last: into the last batch if it fits, else its own."""
-        x = float(weights[self.short])
-        if offsets.size > 1:
-            last = seq[offsets[-2]:offsets[-1]]
-            if fits_one_more(self._load(weights[last]), int(last.size), x, self.budget) and x <= self.budget.limit:
-                return np.append(seq, self.short), np.append(offsets[:-1], offsets[-1] + 1), np.append(copy, False)
-        return np.append(seq, self.short), np.append(offsets, offsets[-1] + 1), np.append(copy, False)
+        fits = offsets.size > 1 and self._fitting(weights[seq[offsets[-2]:]], [float(weights[self.short])])
+        return (np.append(seq, self.short), np.append(offsets[:-1] if fits else offsets, offsets[-1] + 1),
+                np.append(copy, False))
 
-    def _load(self, w: np.ndarray) -> float:
-        if not w.size:
-            return 0.0
-        return float(w.sum()) if self.budget.model is BudgetModel.SUM else float(w.max())
+    def _fitting(self, last: np.ndarray, xs: Iterable[float]) -> int:
+        """How many strata of weights ``xs``, in order, fit one after another into a batch
+        whose strata weigh ``last``."""
+        summed, k = self.budget.model is BudgetModel.SUM, 0
+        load = (float(last.sum()) if summed else float(last.max())) if last.size else 0.0
+        for x in xs:
+            if x > self.budget.limit or not fits_one_more(load, int(last.size) + k, x, self.budget):
+                break
+            load, k = load + x if summed else max(load, x), k + 1
+        return k
 
     def _top_up(self, seq: np.ndarray, offsets: np.ndarray, copy: np.ndarray,
                 weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of the first complete strata (in packed order) into the last batch while
         they fit: the bucket's last step as full as the others (``pad_to="batch"``)."""
-        last = seq[offsets[-2]:]
-        load, count = self._load(weights[last]), int(last.size)
-        extra: list[int] = []
-        for u in seq[seq != self.short].tolist():
-            x = float(weights[u])
-            if x > self.budget.limit or not fits_one_more(load, count, x, self.budget):
-                break
-            load = load + x if self.budget.model is BudgetModel.SUM else max(load, x)
-            count += 1
-            extra.append(u)
-        if not extra:
+        whole = seq[seq != self.short]
+        add = whole[:self._fitting(weights[seq[offsets[-2]:]], (float(weights[u]) for u in whole.tolist()))]
+        if not add.size:
             return seq, offsets, copy
-        add = np.asarray(extra, np.int64)
         return (np.concatenate([seq, add]), np.append(offsets[:-1], offsets[-1] + add.size),
                 np.concatenate([copy, np.ones(add.size, bool)]))
 

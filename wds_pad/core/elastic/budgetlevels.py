@@ -1,9 +1,5 @@
-"""The levels of an elastic remainder under a budget (core/budgets/budget.py): strata, or each rank's entries.
-
-core/elastic/remainder.py plans what earlier layouts left of an epoch for every sizing; this
-module is what a :class:`~wds_pad.core.budgets.budget.Budget` supplies (and a Pack, planned as the
-budget of its packs): how a level is described, what a segment consumed of it and what it
-leaves, and where a rank's entries of the top level come from.
+"""The levels of an elastic remainder (core/elastic/remainder.py) under a budget (and a
+Pack, planned as the budget of its packs): strata, or each rank's entries.
 
 - ``locality="none"``: a level is, per bucket, a list of entries in cost order, kept as
   runs of the previous level's list (level 0: the bucket's cost order, one copy per pass).
@@ -14,7 +10,7 @@ leaves, and where a rank's entries of the top level come from.
 - ``locality="shard"``: a level is, per bucket, each rank's entries explicitly; what the
   old ranks left of theirs, rank after rank, is dealt to the new ranks in contiguous
   blocks (so a new rank reads the remaining samples of a few old ranks' shards) and cut
-  in lockstep again (core/budgets/lockstep.py). O(samples) per level, like the plan it resumes.
+  in lockstep again (core/budgets/budgetplan.py). O(samples) per level, like the plan it resumes.
 
 Invariants (tests/core/test_budgetremainder.py): those of core/elastic/remainder.py; every new
 rank has the same batch count (but for policy ``none``), a multiple of
@@ -24,20 +20,19 @@ rank has the same batch count (but for policy ``none``), a multiple of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from ...errors import StateMismatchError
 from ..budgets.budget import Budget
-from ..budgets.budgetplan import RankCuts, shard_cut
-from ..budgets.lockstep import lockstep_cuts
-from ..planning.planrecord import Bins, BucketStats, Plan, rank_batches
+from ..budgets.budgetplan import BudgetBuckets, RankCuts, lockstep_cuts, shard_cut
+from ..planning.planrecord import Bins, Plan, rank_batches
 from ..policy import Policy, PadTo
-from ..sampleseed import PADDED
 from ..seed import derive_seed, json_digest
 from ..local.shardschedule import PlannedShardUses
 from ..budgets.strata import BucketBatches
+from .countlevels import Levels
 
 __all__ = ["BudgetLevels"]
 
@@ -54,13 +49,13 @@ class _Level:
     runs: list[Any] = field(default_factory=list)       # per bucket: (run starts, run sources) or None
 
 
-class BudgetLevels:
+class BudgetLevels(Levels):
     """The levels of a budget remainder (see the module docstring), from the base plan on."""
 
     def __init__(self, base: Plan, dss: Sequence[Any], budget: Budget, accumulation_steps: int, seed: int,
                  epoch: int, dp: int) -> None:
-        self.base, self.dss, self.budget, self.seed, self.epoch = base, dss, budget, seed, epoch
-        self.accumulation_steps = accumulation_steps
+        super().__init__(base, dss, budget, accumulation_steps, seed, epoch)
+        self.budget = budget
         self.shard = base.locality.dealt
         self.pol = "none" if base.policy is Policy.NONE else "cyclic"
         nb0 = len(base.bucket_table)
@@ -68,7 +63,7 @@ class BudgetLevels:
         if self.shard:
             local = base.buckets.local
             for j, (di, key) in enumerate(base.bucket_table):
-                st = _stat(base, di, key)
+                st = self.stats0[j]
                 lv0.batches.append(shard_cut(local, j, st.padded_length, min(st.length, st.padded_length), lv0.dp,
                                              dss[di].cost, budget, accumulation_steps))
         else:
@@ -76,24 +71,16 @@ class BudgetLevels:
         lv0.runs = [None] * nb0
         self.levels = [lv0]
 
-    @property
-    def top(self) -> _Level:
-        return self.levels[-1]
-
     def steps(self) -> list[int]:
         return [bb.batches for bb in self.top.batches]
 
-    def scheduled(self, schedule: np.ndarray, window: np.ndarray) -> None:
-        self.top.schedule, self.top.window = schedule, window
-
-    def advance(self, seg: Any, dp: int, taken: Any) -> tuple[np.ndarray, list[int]]:
+    def advance(self, seg: Any, dp: int) -> tuple[np.ndarray, list[int]]:
         """Add the level ``seg`` left of the top one, dealt to ``dp`` ranks: (its buckets as base
-        kept-bucket indices, steps per bucket). ``taken(schedule, seg, dp, buckets)``: the
-        steps of each bucket a lockstep segment consumed (core/elastic/remainder.py)."""
+        kept-bucket indices, steps per bucket)."""
         lv, base, shard = self.top, self.base, self.shard
         counts = np.asarray([[bb.count(d) for d in range(lv.dp)] for bb in lv.batches], np.int64).reshape(-1, lv.dp)
         if seg.steps is not None:
-            took = np.repeat(taken(lv.schedule, seg, lv.dp, lv.tab.size)[:, None], lv.dp, axis=1)
+            took = np.repeat(self.taken(seg)[:, None], lv.dp, axis=1)
         else:
             took = self._positions(lv, seg, counts)
         nxt = _Level(dp=dp, tab=np.zeros(0, np.int64), schedule=np.zeros(0, np.int64),
@@ -124,9 +111,7 @@ class BudgetLevels:
             step_of, _ = rank_batches(counts[:, d], [], sched, lv.window, 1, starts)
             pos = int(seg.positions[d])
             if pos > step_of.size:
-                raise StateMismatchError(
-                    f"loader state position {pos} of dp_rank {d} is past the end of epoch {self.epoch} on "
-                    f"dp_size {lv.dp} ({step_of.size} batches on that rank); the state does not belong to this plan")
+                raise self.past_end(d, pos, step_of.size)
             reach = int(step_of[pos - 1]) + 1 if pos else 0
             out[:, d] = np.bincount(sched[:reach], minlength=nb)
         return out
@@ -174,20 +159,23 @@ class BudgetLevels:
         counts = np.asarray([bb.count(d) for bb in top.batches], np.int64)
         bins = Bins([bb.cuts[d] if shard else bb.offsets for bb in top.batches])
         if shard:
-            shard_map = [dealt.layout.shard for dealt in base.buckets.local.dealt]
-            order: Any = ExplicitRemainder(top, d, shard_map)
+            order: Any = ExplicitRemainder(top, d, self.shard_map())
             local = order
+            real = [sum(int((~p).sum()) for p in bb.pad) for bb in top.batches]
+            planned = [sum(int(p.size) for p in bb.pad) for bb in top.batches]
         else:
-            orders = [self.dss[di].sorted_by_cost(key) for di, key in base.bucket_table]
-            base_n = [_stat(base, di, key).samples for di, key in base.bucket_table]
-            order, local = StrataRemainder(self.levels, base_n, orders, d), None
-        stats = tuple(_top_stat(base, t, bb, shard) for t, bb in zip(top.tab.tolist(), top.batches))
-        return counts, self.steps(), bins, order, local, stats
+            j0 = top.tab.tolist()
+            order = BudgetBuckets(top.batches, [base.buckets.order.orders[j] for j in j0], d,
+                                  [base.buckets.order.n[j] for j in j0], partial(_resolve, self.levels))
+            local = None
+            real, planned = [bb.real for bb in top.batches], [bb.planned for bb in top.batches]
+        steps = self.steps()
+        return counts, steps, bins, order, local, self.stats(table, real, planned, steps, [False] * len(steps))
 
     def digest(self, segments: Sequence[Any], table: Sequence[tuple[int, Hashable]]) -> str:
         top = self.top
         doc = {"kind": "wds_pad.budget_remainder/1",
-               "segments": [s.to_json()[:2] + ([s.node_ranks] if s.node_ranks else []) for s in segments],
+               "segments": self.segment_keys(segments),
                "dp": top.dp, "table": [[int(di), repr(key)] for di, key in table],
                "steps": [int(bb.batches) for bb in top.batches],
                "schedule": np.asarray(top.schedule, np.int64).tolist()}
@@ -255,40 +243,12 @@ def _resolve(levels: list[_Level], j: int, idx: np.ndarray) -> np.ndarray:
     return idx
 
 
-class StrataRemainder:
-    """The top level's entries of this rank (locality none): the ``budget`` hook of a Plan."""
-
-    def __init__(self, levels: list[_Level], base_n: Sequence[int], orders: Sequence[Any], d: int) -> None:
-        self.levels, self.base_n, self.orders, self.d = levels, list(base_n), list(orders), d
-
-    def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.numbered(b, k)[:2]
-
-    def numbered(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(sample ids, padded flags, copy numbers): the base plan's pass of each entry, plus
-        ``PADDED`` for a padded copy, as ``BudgetBuckets.numbered`` numbers them."""
-        top = self.levels[-1]
-        b, k = np.asarray(b, np.int64), np.asarray(k, np.int64)
-        samples, pad = np.empty(k.size, np.int64), np.empty(k.size, bool)
-        number = np.empty(k.size, np.int64)
-        for j in np.unique(b).tolist():
-            sel = np.flatnonzero(b == j)
-            pos, _, copies = top.batches[j].at(np.full(sel.size, self.d, np.int64), k[sel])
-            code = _resolve(self.levels, j, pos)
-            j0 = int(top.tab[j])
-            samples[sel] = np.asarray(self.orders[j0][code % self.base_n[j0]], np.int64)
-            pad[sel] = copies
-            number[sel] = code // max(self.base_n[j0], 1) + PADDED * copies
-        return samples, pad, number
-
-
 class ExplicitRemainder(PlannedShardUses):
     """The top level's entries of this rank (locality shard), and the shards it reads."""
 
     def __init__(self, top: _Level, d: int, shard_map: Sequence[Any]) -> None:
-        self.top, self.d, self._shard_map = top, d, shard_map
-        self.plan: Plan | None = None
-        self._uses: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        super().__init__(shard_map)
+        self.top, self.d = top, d
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         b, k = np.asarray(b, np.int64), np.asarray(k, np.int64)
@@ -299,24 +259,6 @@ class ExplicitRemainder(PlannedShardUses):
             samples[sel] = cut.ids[self.d][k[sel]]
             pad[sel] = cut.pad[self.d][k[sel]]
         return samples, pad
-
-
-def _stat(base: Plan, di: int, key: Hashable) -> BucketStats:
-    name = base.datasets[di]
-    return next(s for s in base.stats if s.dataset == name and s.bucket == key)
-
-
-def _top_stat(base: Plan, t: int, bb: Any, shard: bool) -> BucketStats:
-    di, key = base.bucket_table[t]
-    s0 = _stat(base, di, key)
-    if shard:
-        real = sum(int((~p).sum()) for p in bb.pad)
-        planned = sum(int(p.size) for p in bb.pad)
-    else:
-        real, planned = bb.real, bb.planned
-    return BucketStats(dataset=s0.dataset, bucket=key, samples=s0.samples, repeats=s0.repeats, length=real,
-                       padded_length=planned, padded_copies=planned - real, truncated=0, dropped=False,
-                       oversubscribed=False, steps=bb.batches)
 
 
 def _next_shard(cut: RankCuts, taken: np.ndarray, dp: int, cost: Any, budget: Budget, accumulation_steps: int,

@@ -1,8 +1,5 @@
-"""The levels of an elastic remainder under a :class:`~wds_pad.core.sizing.Count`: runs of positions.
-
-core/elastic/remainder.py plans what earlier layouts left of an epoch for every sizing; this
-module is what a count supplies: how a level is described, what a segment consumed of it
-and what it leaves, and where a rank's entries of the top level come from.
+"""The levels of an elastic remainder (core/elastic/remainder.py): what every sizing's share
+(:class:`Levels`), and a :class:`~wds_pad.core.sizing.Count`'s: runs of positions.
 
 Level 0 is the epoch planned on the first layout (``plan_epoch``); bucket b holds
 ``real_b`` entries that are samples of the epoch (positions ``[0, min(m_b, padded_b))``
@@ -81,29 +78,81 @@ class _Level:
         return d * self.length[b] // self.dp + k
 
 
-class CountLevels:
+class Levels:
+    """What the levels of every sizing share (a count's below, a budget's in
+    core/elastic/budgetlevels.py): the base plan and its buckets' stats, the top level and
+    its schedule, what a segment took of it, and the top level's stats."""
+
+    def __init__(self, base: Plan, dss: Sequence[Any], sizing: Any, accumulation_steps: int, seed: int,
+                 epoch: int) -> None:
+        self.base, self.dss, self.sizing, self.seed, self.epoch = base, dss, sizing, seed, epoch
+        self.accumulation_steps = accumulation_steps
+        by_name = {(s.dataset, s.bucket): s for s in base.stats}
+        self.stats0 = [by_name[(base.datasets[di], key)] for di, key in base.bucket_table]
+        self.levels: list[Any] = []
+
+    @property
+    def top(self) -> Any:
+        return self.levels[-1]
+
+    def scheduled(self, schedule: np.ndarray, window: np.ndarray) -> None:
+        self.top.schedule, self.top.window = schedule, window
+
+    def taken(self, seg: Any) -> np.ndarray:
+        """Steps of each bucket of the top level that a lockstep segment consumed.
+
+        Raises:
+            StateMismatchError: the segment goes past the level's last step.
+        """
+        lv = self.top
+        if seg.steps > lv.schedule.size:
+            raise StateMismatchError(
+                f"loader state position {seg.steps} is past the end of epoch {self.epoch} on dp_size {lv.dp} "
+                f"({lv.schedule.size} steps); the state does not belong to this plan")
+        return np.bincount(lv.schedule[:seg.steps].astype(np.int64), minlength=lv.tab.size)
+
+    def past_end(self, d: int, pos: int, batches: int) -> StateMismatchError:
+        """The error of a per-rank segment whose dp_rank ``d`` took ``pos`` of its ``batches``."""
+        return StateMismatchError(
+            f"loader state position {pos} of dp_rank {d} is past the end of epoch {self.epoch} on dp_size "
+            f"{self.top.dp} ({batches} batches on that rank); the state does not belong to this plan")
+
+    @staticmethod
+    def segment_keys(segments: Sequence[Any]) -> list[list[Any]]:
+        """What a remainder's digest says of its segments: each one's layout and how far it got."""
+        return [s.to_json()[:2] + ([s.node_ranks] if s.node_ranks else []) for s in segments]
+
+    def shard_map(self) -> list[Any]:
+        """Per dataset, each sample id's shard (the base plan's shard-local deal)."""
+        return [dealt.layout.shard for dealt in self.base.buckets.local.dealt]
+
+    def stats(self, table: Sequence[tuple[int, Hashable]], real: Any, planned: Any, steps: Any,
+              oversubscribed: Any) -> tuple[BucketStats, ...]:
+        """The top level's BucketStats: per bucket its ``real`` entries, ``planned`` with copies."""
+        return tuple(
+            BucketStats(dataset=self.base.datasets[di], bucket=key, samples=s0.samples, repeats=s0.repeats,
+                        length=int(r), padded_length=int(n), padded_copies=int(n - r), truncated=0, dropped=False,
+                        oversubscribed=bool(o), steps=int(st))
+            for (di, key), s0, r, n, st, o in zip(table, [self.stats0[t] for t in self.top.tab.tolist()], real,
+                                                   planned, steps, oversubscribed))
+
+
+class CountLevels(Levels):
     """The levels of a count remainder (see the module docstring), from the base plan on."""
 
     def __init__(self, base: Plan, dss: Sequence[Any], sizing: Count, accumulation_steps: int, seed: int,
                  epoch: int, dp: int) -> None:
-        self.base, self.sizing, self.accumulation_steps, self.epoch = base, sizing, accumulation_steps, epoch
+        super().__init__(base, dss, sizing, accumulation_steps, seed, epoch)
         self.bs = base.batch_size
-        by_name = {(s.dataset, s.bucket): s for s in base.stats}
-        self.stats0 = [by_name[(base.datasets[di], key)] for di, key in base.bucket_table]
         length0 = np.asarray([s.padded_length for s in self.stats0], np.int64)
         real0 = np.minimum(np.asarray([s.length for s in self.stats0], np.int64), length0)
         self.levels = [_Level(tab=np.arange(len(self.stats0), dtype=np.int64), real=real0, length=length0,
                               dp=dp, deal=RR, schedule=base.schedule, window=base.window)]
         self.deal = BLOCK if base.locality.dealt else RR
 
-    @property
-    def top(self) -> _Level:
-        return self.levels[-1]
-
-    def advance(self, seg: Any, dp: int, taken: Any) -> tuple[np.ndarray, list[int]]:
+    def advance(self, seg: Any, dp: int) -> tuple[np.ndarray, list[int]]:
         """Add the level ``seg`` left of the top one, dealt to ``dp`` ranks: (its buckets as base
-        kept-bucket indices, steps per bucket). ``taken(schedule, seg, dp, buckets)``: the
-        steps of each bucket a lockstep segment consumed (core/elastic/remainder.py)."""
+        kept-bucket indices, steps per bucket)."""
         lv, bs = self.top, self.bs
         unit = self.sizing.pad_unit(dp, self.base.pad_to, self.accumulation_steps)
         pad = self.base.policy is not Policy.NONE
@@ -111,12 +160,12 @@ class CountLevels:
         if seg.steps is not None and self.deal == RR and lv.deal == RR:
             # locality none in lockstep: the consumed part of each bucket is a prefix (its first
             # taken * dp * bs positions): O(buckets), not O(buckets x dp)
-            first = np.minimum(taken(lv.schedule, seg, lv.dp, nb) * (lv.dp * bs), lv.real)
+            first = np.minimum(self.taken(seg) * (lv.dp * bs), lv.real)
             bucket = np.arange(nb, dtype=np.int64)
             start, size = first, lv.real - first
             stride = np.ones(nb, np.int64)
         else:
-            e = self._consumed(lv, seg, taken)
+            e = self._consumed(lv, seg)
             ranks = np.arange(lv.dp, dtype=np.int64)
             reals = lv.reals(ranks)
             size = np.maximum(reals - e, 0).ravel()
@@ -138,19 +187,16 @@ class CountLevels:
                                   up=kept.astype(np.int64), off=off, pstart=pstart, pfrom=start, pstride=stride))
         return self.top.tab, self.steps()
 
-    def scheduled(self, schedule: np.ndarray, window: np.ndarray) -> None:
-        self.top.schedule, self.top.window = schedule, window
-
     def steps(self) -> list[int]:
         top = self.top
         return (-(-top.length // (top.dp * self.bs))).tolist()  # type: ignore[no-any-return]
 
-    def _consumed(self, lv: _Level, seg: Any, taken: Any) -> np.ndarray:
+    def _consumed(self, lv: _Level, seg: Any) -> np.ndarray:
         """Entries each rank of ``lv`` consumed per bucket (shape (buckets, dp))."""
         bs, nb = self.bs, lv.tab.size
         counts = lv.counts(np.arange(lv.dp, dtype=np.int64))
         if seg.steps is not None:
-            return np.minimum(taken(lv.schedule, seg, lv.dp, nb)[:, None] * bs, counts)
+            return np.minimum(self.taken(seg)[:, None] * bs, counts)
         # per-rank positions: a rank lacks the batch of a bucket's window w when w * bs >= its
         # count; ranks differ only there (the optional steps), so each position maps to a step
         # in O(those steps), not by walking the rank's plan
@@ -167,10 +213,7 @@ class CountLevels:
         total = sched.size - lacks.sum(axis=0)
         over = np.flatnonzero(pos > total)
         if over.size:
-            d = int(over[0])
-            raise StateMismatchError(
-                f"loader state position {int(pos[d])} of dp_rank {d} is past the end of epoch {self.epoch} on "
-                f"dp_size {lv.dp} ({int(total[d])} batches on that rank); the state does not belong to this plan")
+            raise self.past_end(int(over[0]), int(pos[over[0]]), int(total[over[0]]))
         took = np.zeros((nb, lv.dp), np.int64)
         order = np.argsort(sched, kind="stable")  # each bucket's steps, ascending
         bounds = np.searchsorted(sched[order], np.arange(nb + 1))
@@ -184,24 +227,14 @@ class CountLevels:
         top, bs, base = self.top, self.bs, self.base
         counts = top.counts(np.asarray([d], np.int64))[:, 0]
         steps = self.steps()
-        shard_map = None
-        if base.locality.dealt:
-            shard_map = [dealt.layout.shard for dealt in base.buckets.local.dealt]
-        rest = RemainderBuckets(self.levels, base.buckets, d, shard_map)
-        stats = tuple(
-            BucketStats(dataset=base.datasets[di], bucket=key, samples=self.stats0[int(t)].samples,
-                        repeats=self.stats0[int(t)].repeats, length=int(r), padded_length=int(n),
-                        padded_copies=int(n - r), truncated=0, dropped=False,
-                        oversubscribed=bool(n > r and r < base.pad_to.unit(top.dp, bs)),
-                        steps=int(s))
-            for (di, key), t, r, n, s in zip(table, top.tab, top.real, top.length, steps))
-        return counts, steps, None, rest, rest, stats
+        rest = RemainderBuckets(self.levels, base.buckets, d, self.shard_map() if base.locality.dealt else None)
+        over = (top.length > top.real) & (top.real < base.pad_to.unit(top.dp, bs))
+        return counts, steps, None, rest, rest, self.stats(table, top.real, top.length, steps, over)
 
     def digest(self, segments: Sequence[Any], table: Sequence[tuple[int, Hashable]]) -> str:
         top = self.top
         h = hashlib.blake2b(digest_size=16)
-        h.update(repr(("wds_pad.remainder", 1, [s.to_json()[:2] + ([s.node_ranks] if s.node_ranks else [])
-                                                for s in segments], top.dp, top.deal,
+        h.update(repr(("wds_pad.remainder", 1, self.segment_keys(segments), top.dp, top.deal,
                        [(int(di), repr(key)) for di, key in table])).encode())
         for a in (top.real, top.length, top.schedule):
             h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
@@ -213,10 +246,8 @@ class RemainderBuckets(PlannedShardUses):
     shards it reads."""
 
     def __init__(self, levels: list[_Level], base: Any, d: int, shard_map: Any) -> None:
+        super().__init__(shard_map)
         self.levels, self.base, self.d = levels, base, d
-        self._shard_map = shard_map  # per dataset: sample id -> shard (locality shard), or None
-        self._uses: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.plan: Plan | None = None
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         top = self.levels[-1]

@@ -11,13 +11,8 @@ the first layout (``plan_epoch``); segment j says how far the ranks of level j's
 (``steps`` in lockstep, or each DP rank's batch index with policy ``none``); level j + 1 is
 what it left, dealt to the next layout's ranks. This module walks the levels, schedules
 each (core/planning/schedule.py) and makes the top level's Plan; what a level is depends on the
-sizing, chosen by its ``kind`` from :data:`REMAINDER_LEVELS`:
-
-- a count (core/elastic/countlevels.py): per bucket, runs of the previous level's positions;
-- a budget (core/elastic/budgetlevels.py): per bucket, strata in cost order (locality ``none``)
-  or each rank's entries (``shard``), cut into batches within the budget again;
-- a pack: the budget of its packs, every segment counted in packs, grouped into batches
-  of B packs again (core/budgets/packplan.py).
+sizing, chosen by its ``kind`` from :data:`REMAINDER_LEVELS` (a Pack's: its budget's, every
+segment counted in packs, grouped into batches of B packs again).
 
 Invariants (tests/core/test_remainder.py, test_budgetremainder.py, test_packplan.py):
 - the union over earlier segments of what their ranks consumed, plus the real entries
@@ -34,9 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
-from ...errors import ConfigError, StateError, StateMismatchError
+from ...errors import ConfigError, StateError
 from ..budgets.budget import Budget
 from ..dataset import as_datasets
 from .budgetlevels import BudgetLevels
@@ -92,14 +85,6 @@ class Segment:
     def topology(self) -> Topology:
         """Rank 0 of this segment's layout (as planned: its DP ranks, its nodes)."""
         return Topology(world_size=self.dp_size, rank=0, local_world_size=self.node_ranks or None)
-
-
-@dataclass(frozen=True, eq=False)
-class Remainder:
-    """This rank's plan of what is left of an epoch, and its fingerprint (every rank's alike)."""
-
-    plan: Plan
-    fingerprint: str
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,19 +154,15 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
         if seg.dp_size != levels.top.dp:
             raise StateError(f"an elastic segment says dp_size {seg.dp_size} where its layout had {levels.top.dp}")
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
-        tab, steps = levels.advance(seg, dp, lambda sched, seg, dp, nb: steps_taken(sched, seg, dp, nb, epoch))
+        tab, steps = levels.advance(seg, dp)
         table = [base.bucket_table[int(t)] for t in tab]
         levels.scheduled(*step_schedule(dss, table, steps, seed, epoch, accumulation_steps=accumulation_steps))
     top = levels.top
     d = int(topology.dp_rank)  # type: ignore[arg-type]
     table = tuple(base.bucket_table[int(t)] for t in top.tab)
     counts, steps, bins, order, local, stats = levels.rank(d, table)
-    if bins is None:
-        width = base.batch_size
-        batch_step, offsets = rank_batches(counts, steps, top.schedule, top.window, width)
-    else:
-        batch_step, offsets = rank_batches(counts, steps, top.schedule, top.window, 1, bins)
-        width = max(1, int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1)
+    width = base.batch_size if bins is None else bins.widest
+    batch_step, offsets = rank_batches(counts, steps, top.schedule, top.window, width, bins)
     buckets = Buckets([], top.dp, d, order=order, local=local, counts=counts)
     plan = Plan(epoch=base.epoch, topology=topology, batch_size=width, policy=base.policy, mode=base.mode,
                 pad_to=base.pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
@@ -192,16 +173,3 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
         local.plan = plan  # its shard uses are read off the plan it belongs to
     return plan, levels.digest(segments, table)
 
-
-def steps_taken(schedule: np.ndarray, seg: Segment, dp: int, buckets: int, epoch: int) -> np.ndarray:
-    """Steps of each of ``buckets`` a lockstep segment consumed of a level on ``dp`` ranks
-    scheduled as ``schedule``.
-
-    Raises:
-        StateMismatchError: the segment goes past the level's last step.
-    """
-    if seg.steps > schedule.size:  # type: ignore[operator]
-        raise StateMismatchError(
-            f"loader state position {seg.steps} is past the end of epoch {epoch} on dp_size {dp} "
-            f"({schedule.size} steps); the state does not belong to this plan")
-    return np.bincount(schedule[:seg.steps].astype(np.int64), minlength=buckets)

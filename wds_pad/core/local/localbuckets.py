@@ -21,28 +21,22 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from ...errors import ConfigError
 from ..dataset import Dataset, IdRange
 from .locality import DealtDataset, Locality, layouts, tail_needed
-from ..permute import ROUNDS, mix64, permute
+from ..permute import keyed_round_keys, permute
 from ..seed import derive_seed
+
+if TYPE_CHECKING:
+    from ..planning.buckettable import Kept, Planning
 
 __all__ = ["LocalBuckets"]
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SCAN_FACTOR = 4  # a bucket of up to 4 x shards rows finds its shards by one scan of its rows
-
-
-def _window_keys(base: int, idx: np.ndarray) -> np.ndarray:
-    """Round keys (ROUNDS, len(idx)) of the permutations ``idx`` of one bucket: the numpy
-    image of ``round_keys(mix(base + (idx + 1) * golden))``, bitwise on every machine."""
-    with np.errstate(over="ignore"):
-        key = mix64(np.uint64(base) + (idx.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
-        return np.stack([mix64(key + np.uint64(i + 1) * _GOLDEN) for i in range(ROUNDS)])
 
 
 def _floor_mul_div(k: np.ndarray, f: np.ndarray, r: np.ndarray) -> np.ndarray:
@@ -152,23 +146,15 @@ class _LocalBucket:
         """Samples of b in each global window's shards."""
         return np.diff(self.win_cum)
 
-    @property
-    def pool(self) -> np.ndarray:
-        """Entries of b each global window's shards hold (every pass)."""
-        return self.win_samples * self.passes
-
-    @property
-    def rank_of(self) -> np.ndarray:
-        """The rank of each global window."""
-        return self.dealt.rank_of
-
     def _pool_entries(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
         """Sample ids of pool entries u of global windows g: pass-major, shuffled per pass."""
         first = self.win_cum[g]
         n_w = self.win_cum[g + 1] - first
         pass_idx = u // n_w
-        t = permute(u % n_w, n_w, _window_keys(self.base_key, g * self.passes + pass_idx))
-        vpos = first + t                                   # the entry's place among b's samples, visit order
+        return self._ids_at(first + permute(u % n_w, n_w, keyed_round_keys(self.base_key, g * self.passes + pass_idx)))
+
+    def _ids_at(self, vpos: np.ndarray) -> np.ndarray:
+        """Sample ids at places ``vpos`` among b's samples in visit order."""
         i = np.searchsorted(self.v_cum, vpos, side="right") - 1
         rows = self.v_row[i].astype(np.int64) + (vpos - self.v_cum[i].astype(np.int64))
         return np.asarray(self.sorted_ids[rows], dtype=np.int64)
@@ -206,11 +192,8 @@ class _LocalBucket:
         inner = u < kept
         s = n_w * self.passes - 1 - (u - kept)
         if inner.any():
-            s[inner] = permute(u[inner], kept[inner], _window_keys(self.base_key ^ 0xE59, g[inner]))
-        vpos = first + s % n_w
-        i = np.searchsorted(self.v_cum, vpos, side="right") - 1
-        rows = self.v_row[i].astype(np.int64) + (vpos - self.v_cum[i].astype(np.int64))
-        return np.asarray(self.sorted_ids[rows], dtype=np.int64)
+            s[inner] = permute(u[inner], kept[inner], keyed_round_keys(self.base_key ^ 0xE59, g[inner]))
+        return self._ids_at(first + s % n_w)
 
     def rank_entries(self, d: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Sample ids of entries k of ranks d, k < need[d]: own ones with foreign spread in."""
@@ -263,28 +246,25 @@ class LocalBuckets:
     consecutive DP ranks for good, the tables below are a node's, and a node's ranks take
     its entries in turn: everything said of "a rank" is said of its node."""
 
-    def __init__(self, raw: Sequence[Any], dss: Sequence[Dataset],
-                 kept: Sequence[tuple[int, Hashable, Any, int, int, int]],
-                 seed: int, epoch: int, dp: int, d: int, window: int, locality: Locality = Locality.SHARD,
-                 node_ranks: int = 1) -> None:
-        lays = layouts(raw, dss)
-        stable = locality is Locality.NODE  # dealt to nodes, the same every epoch
-        node_ranks = node_ranks if stable else 1
-        self.dealt = [DealtDataset(lay, ds.name, seed, epoch, dp // node_ranks, window, stable=stable)
-                      for lay, ds in zip(lays, dss)]
+    def __init__(self, raw: Sequence[Any], dss: Sequence[Dataset], kept: Sequence[Kept], at: Planning) -> None:
+        seed, epoch, dp = at.seed, at.epoch, at.dp
+        stable = at.locality is Locality.NODE  # dealt to nodes, the same every epoch
+        node_ranks = at.node_ranks if stable else 1
+        self.dealt = [DealtDataset(lay, ds.name, seed, epoch, dp // node_ranks, at.window, stable=stable)
+                      for lay, ds in zip(layouts(raw, dss), dss)]
         self.buckets = [
-            _LocalBucket(self.dealt[di], ids, passes, n * passes, length, dp,
-                         derive_seed(seed, epoch, dss[di].name, key, "window"), node_ranks)
-            for di, key, ids, n, passes, length in kept]
+            _LocalBucket(self.dealt[k.di], k.ids, k.passes, k.n * k.passes, k.length, dp,
+                         derive_seed(seed, epoch, dss[k.di].name, k.key, "window"), node_ranks)
+            for k in kept]
+        self.kept_dataset = [k.di for k in kept]
         for di, dealt in enumerate(self.dealt):
             if stable:  # a node's tail holds what it gives away of every bucket
-                need = [bk.tail_needed() for bk, k in zip(self.buckets, kept) if k[0] == di]
+                need = [bk.tail_needed() for bk, kd in zip(self.buckets, self.kept_dataset) if kd == di]
                 dealt.set_tails(np.max(need, axis=0) if need else np.zeros(dealt.rank_start.size - 1, np.int64))
         for bk in self.buckets:
             bk.local_pad = stable
             bk.place()
-        self.kept_dataset = [k[0] for k in kept]
-        self.dp, self.d, self.window, self.node_ranks = dp, d, window, node_ranks
+        self.dp, self.d, self.window, self.node_ranks = dp, at.d, at.window, node_ranks
         self.set_steps(0)  # the planner gives the epoch's steps once its schedule is drawn
 
     def set_steps(self, total: int) -> None:
@@ -352,12 +332,3 @@ class LocalBuckets:
         if hi == lo:
             return np.full(np.asarray(steps).shape, -1, np.int64)
         return np.searchsorted(self.win_step[di][lo:hi], steps, side="right") - 1
-
-    def is_foreign(self, b: int, k: np.ndarray, d: int | None = None) -> np.ndarray:
-        """Whether entries k (real, not padded) of kept bucket b on rank d are foreign."""
-        d = self.d if d is None else d
-        bk = self.buckets[b]
-        k = d % self.node_ranks + np.asarray(k, np.int64) * self.node_ranks  # its owner's entries
-        dd = np.full(k.size, d // self.node_ranks, np.int64)
-        r, f = bk.need[dd], bk.deficit[dd]
-        return _floor_mul_div(k + 1, f, r) > _floor_mul_div(k, f, r)

@@ -46,9 +46,8 @@ sorts each bucket once, O(samples)); a batch costs O(batch size x log(shards)). 
 The planner needs each sample's shard: an Index (``shard`` column and shard table) or a
 :class:`ShardMap` around a Dataset. Anything else is a ConfigError that names the fix.
 
-This module holds the choice (``Locality``), the shard maps and step 1, the deal of
-each epoch's shards to the ranks and their windows; the per-bucket tables of steps 2-4
-are core/local/localbuckets.py's, what a plan reads core/local/reads.py's (its reading cost cli/readfigures.py's).
+This module holds the choice (``Locality``), the shard maps and step 1; steps 2-4 are
+core/local/localbuckets.py's.
 
 Invariants:
 - each epoch every shard of a dataset is dealt to exactly one DP rank, as a contiguous
@@ -70,7 +69,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import ConfigError
-from ..dataset import Dataset, IdRange
+from ..dataset import Dataset, max_id
 from ..seed import derive_rng
 
 __all__ = ["Locality", "ShardMap", "shard_map_of"]
@@ -115,7 +114,7 @@ class ShardMap:
                                          or (not self.grouped and sh.min() < 0))):
             raise ConfigError("ShardMap.shard must be a 1-D array of shard numbers >= 0, indexed by sample id")
         object.__setattr__(self, "shard", sh)
-        top = max((_max_id(ids) for ids in self.dataset.buckets.values()), default=-1)
+        top = max((max_id(ids) for ids in self.dataset.buckets.values()), default=-1)
         if top >= sh.size:
             raise ConfigError(f"ShardMap.shard has {sh.size} entries but dataset {self.dataset.name!r} "
                               f"holds sample id {top}; give one shard number per sample id")
@@ -132,12 +131,6 @@ class ShardMap:
     def to_dataset(self) -> Dataset:
         """The Dataset (so the planner takes a ShardMap wherever it takes a Dataset)."""
         return self.dataset
-
-
-def _max_id(ids: Any) -> int:
-    if isinstance(ids, IdRange):
-        return ids.stop - 1
-    return int(ids[-1]) if ids.size else -1
 
 
 @dataclass(frozen=True)

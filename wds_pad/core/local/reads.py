@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["IMPORT_READS", "Reads", "dataset_of_entries", "imported", "node_held", "node_reads", "rank_reads",
-           "shard_blocks"]
+__all__ = ["IMPORT_READS", "Reads", "dataset_of_entries", "imported", "imports_shards", "node_held", "node_reads",
+           "rank_reads", "shard_blocks", "window_lag"]
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,29 @@ def rank_reads(plan: Any, shard_of: Sequence[Any], lengths: Sequence[Any]) -> li
             out.append(Reads(sel, sh, ln, np.ones(sel.size, bool), np.zeros(0, np.int64)))
             continue
         mine = np.asarray(local.rank_shards(di), dtype=np.int64)
-        own = np.isin(sh, mine)
-        # an own shard's read two or more windows before its window is read singly (the
-        # reader holds a shard from one window early, and keeps bytes for later reads)
-        where = np.zeros(int(max(mine.max(initial=0), sh.max(initial=0))) + 1, np.int64)
-        where[mine] = np.arange(mine.size) // plan.shard_window
-        own &= local.window_of_step(di, steps[sel]) - where[sh] >= -1
+        # an own shard's read two or more windows before its window is read singly
+        own = np.isin(sh, mine) & (window_lag(sh, mine, plan.shard_window, local.window_of_step(di, steps[sel])) >= -1)
         out.append(Reads(sel, sh, ln, ~own, mine))
     return out
+
+
+def window_lag(shards: np.ndarray, visit: np.ndarray, window: int, step_window: np.ndarray) -> np.ndarray:
+    """For a rank's own-shard reads: how many windows after its shard's window each read's
+    step lies (negative: before it).
+
+    The plan gives window w of the rank's visit order a span of steps, and takes a
+    bucket's entries at those steps from w's shards, but for the few that the shards'
+    bucket counts cannot match (a bucket with fewer batches than windows, or more
+    samples in w than steps for them). The reader holds a shard from its first use
+    (fetched ahead) up to its window's end, so a read one window early (lag -1) fetches
+    it early and reads from it; reads after its window (lag > 0) come from the few bytes
+    kept when it is dropped; reads two or more windows early are single ranged GETs.
+    """
+    if not shards.size:
+        return np.zeros(0, np.int64)
+    pos_in_visit = np.zeros(int(max(visit.max(initial=0), shards.max())) + 1, np.int64)
+    pos_in_visit[visit] = np.arange(visit.size)
+    return step_window - pos_in_visit[shards] // window
 
 
 def shard_blocks(shard_bytes: Any, shards: np.ndarray, block_bytes: int) -> tuple[int, int]:
@@ -94,8 +109,14 @@ def node_reads(plans: Sequence[Any], shard_of: Sequence[Any], lengths: Sequence[
     for p in plans:
         plan, count = counted.get(id(p), (p, 0))
         counted[id(p)] = (plan, count + 1)
-    imports = any(getattr(getattr(plan, "locality", None), "value", None) == "node" for plan, _ in counted.values())
+    imports = imports_shards([plan for plan, _ in counted.values()])
     return [(rank_reads(plan, shard_of, lengths), count) for plan, count in counted.values()], imports
+
+
+def imports_shards(plans: Sequence[Any]) -> bool:
+    """Whether a node of these plans reads other nodes' shards often enough to keep them
+    (``locality="node"``: see IMPORT_READS)."""
+    return any(getattr(getattr(plan, "locality", None), "value", None) == "node" for plan in plans)
 
 
 def node_held(reads: Sequence[list[Reads]], di: int, imports: bool) -> np.ndarray:

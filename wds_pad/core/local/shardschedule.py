@@ -37,7 +37,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .reads import IMPORT_READS
+from .reads import IMPORT_READS, dataset_of_entries, imports_shards, window_lag
 from ..planning.planrecord import Batch, Plan
 
 __all__ = ["NodeUses", "ShardReads", "node_uses", "shard_reads"]
@@ -112,7 +112,7 @@ def shard_reads(plan: Plan, walk: Sequence[int], first: int, counter: int, num_w
         own = np.isin(shards, mine_shards)
         shards, workers, where, steps, samples = (
             shards[own], workers[own], where[own], steps[own], samples[own])
-        lag = _window_lag(shards, mine_shards, plan.shard_window, local.window_of_step(di, steps))
+        lag = window_lag(shards, mine_shards, plan.shard_window, local.window_of_step(di, steps))
         by_shard = np.argsort(shards, kind="stable")  # each shard's uses, in walk order
         for grp in np.split(by_shard, np.flatnonzero(np.diff(shards[by_shard])) + 1) if shards.size else ():
             mine = grp[workers[grp] == worker]  # this worker's uses, in order
@@ -144,7 +144,7 @@ def _table(rows: list[tuple[int, int, int, list[int], int, int, np.ndarray]], nu
 def _walked(plan: Plan, walk: Sequence[int], first: int) -> Iterator[Batch]:
     """The batches ``walk[first:]`` of ``plan``, computed in blocks of about 64K entries
     when the walk is the whole plan (one permutation pass per block, not per batch)."""
-    if isinstance(walk, range) and walk.step == 1 and hasattr(plan, "batches"):
+    if isinstance(walk, range) and walk.step == 1:
         block = max(1, 65536 // max(plan.batch_size, 1))
         for lo in range(walk.start + first, walk.stop, block):
             yield from plan.batches(lo, min(lo + block, walk.stop))
@@ -153,33 +153,15 @@ def _walked(plan: Plan, walk: Sequence[int], first: int) -> Iterator[Batch]:
         yield plan[int(walk[k])]
 
 
-def _window_lag(shards: np.ndarray, visit: np.ndarray, window: int, step_window: np.ndarray) -> np.ndarray:
-    """For a rank's own-shard reads: how many windows after its shard's window each read's
-    step lies (negative: before it).
-
-    The plan gives window w of the rank's visit order a span of steps, and takes a
-    bucket's entries at those steps from w's shards, but for the few that the shards'
-    bucket counts cannot match (a bucket with fewer batches than windows, or more
-    samples in w than steps for them). The reader holds a shard from its first use
-    (fetched ahead) up to its window's end, so a read one window early (lag -1) fetches
-    it early and reads from it; reads after its window (lag > 0) come from the few bytes
-    kept when it is dropped; reads two or more windows early are single ranged GETs.
-    """
-    if not shards.size:
-        return np.zeros(0, np.int64)
-    pos_in_visit = np.zeros(int(max(visit.max(initial=0), shards.max())) + 1, np.int64)
-    pos_in_visit[visit] = np.arange(visit.size)
-    return step_window - pos_in_visit[shards] // window
-
-
 class PlannedShardUses:
     """Shard locality of a remainder's Plan, read off the plan itself: what the shard cache
-    reads whole (core/local/shardschedule.py shard_reads). O(the rank's share). The class using it
-    sets ``plan`` (once planned), ``_shard_map`` (per dataset: sample id -> shard) and ``_uses``."""
+    reads whole (:func:`shard_reads`). O(the rank's share). ``plan`` is set once planned;
+    ``shard_map``: per dataset, sample id -> shard (None: not shard-local)."""
 
-    plan: Plan | None
-    _shard_map: Any
-    _uses: dict[int, tuple[np.ndarray, np.ndarray]]
+    def __init__(self, shard_map: Any) -> None:
+        self.plan: Plan | None = None
+        self._shard_map = shard_map
+        self._uses: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def _shard_uses(self, di: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's shards of dataset ``di`` read at least twice, in order of first use,
@@ -187,11 +169,8 @@ class PlannedShardUses:
         if di not in self._uses:
             plan = self.plan
             assert plan is not None
-            sizes = np.diff(plan.offsets)
-            b = np.repeat(plan.schedule[plan.batch_step], sizes)
-            ds_of = np.asarray([t[0] for t in plan.bucket_table], np.int64)
-            sel = np.flatnonzero(ds_of[b] == di) if b.size else np.zeros(0, np.int64)
-            steps = np.repeat(plan.batch_step, sizes)[sel]
+            sel = np.flatnonzero(dataset_of_entries(plan) == di)
+            steps = np.repeat(plan.batch_step, np.diff(plan.offsets))[sel]
             shard = np.asarray(self._shard_map[di][plan.samples[sel]], np.int64)
             uniq, first, cnt = np.unique(shard, return_index=True, return_counts=True)
             many = cnt >= 2  # one read of a shard: a single ranged GET costs less than the shard
@@ -284,8 +263,7 @@ def node_uses(plans: Sequence[Plan], local_ranks: Sequence[Sequence[int]], first
         if first >= n:
             continue
         sizes = np.diff(plan.offsets)[first:]
-        table = np.asarray([t[0] for t in plan.bucket_table], np.int64)
-        ds = np.repeat(table[plan.schedule[plan.batch_step[first:]]], sizes) if table.size else np.zeros(0, np.int64)
+        ds = dataset_of_entries(plan)[int(plan.offsets[first]):]
         samples = plan.samples[int(plan.offsets[first]):]
         shard = np.empty(samples.size, np.int64)
         for di in np.unique(ds).tolist():
@@ -318,7 +296,7 @@ def node_uses(plans: Sequence[Plan], local_ranks: Sequence[Sequence[int]], first
     mine_rows = np.searchsorted(rows, mine_keys[order])
     mine_bounds = np.searchsorted(mine_rows, np.arange(rows.size + 1)).astype(np.int64)
     whole = np.isin(rows, np.concatenate(held)) if held else np.zeros(rows.size, bool)
-    if any(getattr(plan.locality, "value", None) == "node" for plan in plans):
+    if imports_shards(plans):
         # another node's shard read at several steps is fetched whole and kept (the same few
         # every epoch): core/local/reads.py IMPORT_READS
         whole |= np.diff(bounds) >= IMPORT_READS

@@ -78,10 +78,6 @@ class Kept:
     stat: int            # its place in the table's stats
     cut: Any = None
 
-    def local(self) -> tuple[int, Hashable, Any, int, int, int]:
-        """The row core/local/localbuckets.py deals shards by."""
-        return self.di, self.key, self.ids, self.n, self.passes, self.length
-
 
 @dataclass
 class BucketTable:
@@ -133,19 +129,9 @@ def padded(unit: int, policy: Policy, oversubscribe: bool, step_entries: int) ->
 
 def bucket_table(dss: Sequence[Dataset], measure: Callable[..., Measured], *, epoch: int, dp: int,
                  batch: int, unit: int, oversubscribe: bool, size: str) -> BucketTable:
-    """Keep, pad or drop every bucket of ``dss`` as ``measure`` says, with the size guard.
-
-    Args:
-        dss: the datasets, in plan order.
-        measure: ``measure(ds, key, ids, n, passes) -> Measured`` of a non-empty bucket.
-        epoch, dp: as planned (for the messages).
-        batch, unit: the batch size and pad unit the size guard's message names.
-        oversubscribe: as planned.
-        size: how the epoch guard's message names the sizing (``str(batch_size)``, ``budget 8192``).
-
-    Raises:
-        ConfigError: a bucket or the epoch past MAX_PLANNED_ENTRIES.
-    """
+    """Keep, pad or drop every bucket of ``dss`` as ``measure(ds, key, ids, n, passes)`` says
+    of each non-empty one, with the size guard (a ConfigError past MAX_PLANNED_ENTRIES,
+    whose message names the plan's ``epoch``, ``dp``, ``batch``, ``unit`` and sizing ``size``)."""
     stats: list[BucketStats] = []
     kept: list[Kept] = []
     dropped: list[str] = []

@@ -29,12 +29,6 @@ Invariants (hypothesis properties in tests/core/test_plan.py, for both localitie
 - the same inputs give a bitwise identical plan in every process, under any
   PYTHONHASHSEED; epoch e + 1 is planned with the same policy as epoch e;
 - a wrong argument is a ConfigError naming it, before anything is allocated.
-
-This module holds the planner itself (``plan_epoch`` and the steps-mode ``iter_steps``);
-its records ``Plan`` / ``Batch`` / ``BucketStats`` and the rank's entries of step 4 live
-in ``core.planning.planrecord``, the rules of steps 2-3 and the epoch limits in ``core.policy``,
-the Dataset record and its bucket order in ``core.dataset``, the schedule of step 5 in
-``core.planning.schedule``.
 """
 
 from __future__ import annotations
@@ -176,12 +170,8 @@ def plan_epoch(
         sized.local.set_steps(int(schedule.size))
     buckets = Buckets(sized.keyed, at.dp, at.d, order=sized.order, local=sized.local, counts=sized.counts)
     bins = Bins(sized.starts) if sized.starts is not None else None
-    if bins is None:
-        width = sizing.batch_size  # type: ignore[union-attr]
-        batch_step, offsets = rank_batches(buckets.counts, sized.steps, schedule, window_of, width)
-    else:
-        batch_step, offsets = rank_batches(buckets.counts, sized.steps, schedule, window_of, 1, bins)
-        width = max(1, int(np.diff(bins.flat).max(initial=1)) if bins.flat.size > 1 else 1)
+    width = sizing.batch_size if bins is None else bins.widest  # type: ignore[union-attr]
+    batch_step, offsets = rank_batches(buckets.counts, sized.steps, schedule, window_of, width, bins)
     return Plan(
         epoch=epoch, topology=topology, batch_size=width, policy=policy, mode=mode, pad_to=pad_to,
         oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss),
@@ -210,8 +200,7 @@ def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at:
                for j in range(kb.passes)]) for kb in got.kept]
     local = None
     if at.locality.dealt:  # the order inside each bucket; the schedule is the same
-        local = LocalBuckets(raw, dss, [kb.local() for kb in got.kept], at.seed, at.epoch, dp, at.d, at.window,
-                             at.locality, at.node_ranks)
+        local = LocalBuckets(raw, dss, got.kept, at)
     counts = np.asarray([max(0, -(-(kb.length - at.d) // dp)) for kb in got.kept], dtype=np.int64)
     return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept], counts=counts, starts=None,
                         order=local, local=local, keyed=keyed)

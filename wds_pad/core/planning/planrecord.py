@@ -96,17 +96,12 @@ class Batch:
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """This rank's ordered batches for one epoch, evaluated lazily.
+    """This rank's ordered batches for one epoch, evaluated lazily (see the module's invariants).
 
     ``schedule[s]`` is the bucket-table index every rank takes at global step s and
     ``window[s]`` how many earlier steps took the same bucket; ``batch_step[i]`` is the
     global step of this rank's i-th batch, which holds ``offsets[i + 1] - offsets[i]``
-    entries. A batch's sample ids are computed when it is asked for (``plan[i]``), from
-    the per-bucket facts kept here, so a plan costs O(buckets + steps) to set up and to
-    hold, and each batch O(batch size), whatever the number of samples.
-    ``samples`` / ``pad`` (every entry of the rank, in batch order) are computed on
-    first use: O(the rank's share). ``batch_size`` is the widest batch: the count of a
-    :class:`~wds_pad.core.sizing.Count`, the widest batch planned under a Budget.
+    entries. ``batch_size`` is the widest batch: a Count's, or the widest planned under a Budget.
     """
 
     epoch: int
@@ -157,21 +152,14 @@ class Plan:
             raise TypeError(f"plan indices are ints, got {type(i).__name__}")
         if not -n <= i < n:
             raise IndexError(f"batch {i} out of range for a plan of {n} batches")
-        i = int(i) % n
-        step = int(self.batch_step[i])
-        b = int(self.schedule[step])
-        ds, key = self.bucket_table[b]
-        size = int(self.offsets[i + 1] - self.offsets[i])
-        first = int(self._first(np.asarray([b]), np.asarray([int(self.window[step])]))[0])
+        return self.batches(int(i) % n, int(i) % n + 1)[0]
 
-        def batch() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-            k = np.arange(first, first + size, dtype=np.int64)
-            bb = np.full(size, b, dtype=np.int64)
-            return self._seeded(bb, k)
-
-        samples, pad, seeds = _within_memory(batch, size, f"batch {i}")
-        pack = None if self.packs is None else self.packs.numbers([b], [int(self.window[step])], [size])
-        return Batch(self.epoch, step, i, self.datasets[ds], key, samples, pad, pack, seeds)
+    def _entry_keys(self, steps: np.ndarray, sizes: np.ndarray, before: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(kept bucket, entry number in it) of every entry of the rank's batches at global
+        ``steps``, of ``sizes`` entries, ``before`` entries before each."""
+        t = self.schedule[steps].astype(np.int64)
+        first = self._first(t, self.window[steps].astype(np.int64))
+        return np.repeat(t, sizes), np.repeat(first - before, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
 
     def _seeded(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(samples, pad, seeds) of entries ``k`` of kept buckets ``b`` (core/sampleseed.py)."""
@@ -196,15 +184,9 @@ class Plan:
         steps = self.batch_step[idx]
         sizes = self.offsets[idx + 1] - self.offsets[idx]
         before = np.cumsum(sizes) - sizes
-        total = int(sizes.sum())
-
-        def entries() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-            b = np.repeat(self.schedule[steps], sizes).astype(np.int64)
-            first = self._first(self.schedule[steps].astype(np.int64), self.window[steps].astype(np.int64))
-            k = np.repeat(first - before, sizes) + np.arange(total, dtype=np.int64)
-            return self._seeded(b, k)
-
-        samples, pad, seeds = _within_memory(entries, total, f"batches {int(idx[0])}..{int(idx[-1])}")
+        what = f"batch {int(idx[0])}" if idx.size == 1 else f"batches {int(idx[0])}..{int(idx[-1])}"
+        samples, pad, seeds = _within_memory(lambda: self._seeded(*self._entry_keys(steps, sizes, before)),
+                                             int(sizes.sum()), what)
         packs = None if self.packs is None else self.packs.numbers(self.schedule[steps], self.window[steps], sizes)
         out = []
         table, names, epoch = self.bucket_table, self.datasets, self.epoch
@@ -223,15 +205,9 @@ class Plan:
     def _all(self) -> tuple[np.ndarray, np.ndarray]:
         cached = self.__dict__.get("_entries")
         if cached is None:
-            def share() -> tuple[np.ndarray, np.ndarray]:
-                sizes = np.diff(self.offsets)
-                b = np.repeat(self.schedule[self.batch_step], sizes)
-                first = self._first(self.schedule[self.batch_step].astype(np.int64),
-                                    self.window[self.batch_step].astype(np.int64))
-                k = np.repeat(first - self.offsets[:-1], sizes) + np.arange(int(self.offsets[-1]), dtype=np.int64)
-                return self.buckets.entries(b, k)
-
-            cached = _within_memory(share, int(self.offsets[-1]), "this rank's share")
+            keys = (self.batch_step, np.diff(self.offsets), self.offsets[:-1])
+            cached = _within_memory(lambda: self.buckets.entries(*self._entry_keys(*keys)), int(self.offsets[-1]),
+                                    "this rank's share")
             self.__dict__["_entries"] = cached
         return cached
 
@@ -269,7 +245,7 @@ class Buckets:
     """
 
     def __init__(self, kept: Sequence[tuple[Any, int, int, int, list[list[int]]]], dp: int, d: int, *,
-                 order: EntryOrder | None = None, local: Any = None, counts: np.ndarray | None = None) -> None:
+                 counts: np.ndarray, order: EntryOrder | None = None, local: Any = None) -> None:
         self.ids = [k[0] for k in kept]
         self.n = np.asarray([k[1] for k in kept], dtype=np.int64)
         self.m = np.asarray([k[2] for k in kept], dtype=np.int64)
@@ -279,9 +255,7 @@ class Buckets:
         self.dp, self.d = dp, d
         self.local: Any = local  # a LocalBuckets (core/local/localbuckets.py) or a remainder of one, or None
         self.order: EntryOrder = order if order is not None else local if local is not None else self
-        # entries of this rank per kept bucket
-        self.counts = counts if counts is not None else np.asarray(
-            [max(0, -(-(length - d) // dp)) for _, _, _, length, _ in kept], dtype=np.int64)
+        self.counts = counts  # entries of this rank per kept bucket
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` (parallel arrays)."""
@@ -294,7 +268,28 @@ class Buckets:
     def at(self, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
         the rank (the elastic remainder of an epoch reads the whole layout's order)."""
-        return _at(self, b, pos)
+        if self.local is not None:
+            return self.local.at(b, pos)
+        if not pos.size:
+            return np.zeros(0, np.int64), np.zeros(0, bool)
+        m_e = self.m[b]
+        n_e = self.n[b]
+        q = pos % m_e
+        pass_idx = q // n_e
+        keys = self.key_rows[self.first_row[b] + pass_idx].T
+        perm = permute(q % n_e, n_e, keys)
+        samples = np.empty(pos.size, dtype=np.int64)
+        if np.all(b == b[0]):  # one batch: one bucket
+            samples[:] = self.ids[int(b[0])][perm]
+        else:
+            order = np.argsort(b, kind="stable")
+            bounds = np.searchsorted(b[order], np.arange(len(self.ids) + 1))
+            for j, ids in enumerate(self.ids):
+                lo, hi = int(bounds[j]), int(bounds[j + 1])
+                if hi > lo:
+                    sel = order[lo:hi]
+                    samples[sel] = ids[perm[sel]]
+        return samples, pos >= m_e
 
     def copies(self, b: np.ndarray, k: np.ndarray) -> np.ndarray | None:
         """Copy numbers of entries ``k`` of kept buckets ``b`` (``p // n``, core/sampleseed.py), or None."""
@@ -324,6 +319,11 @@ class Bins:
     def start(self, b: np.ndarray, w: np.ndarray) -> np.ndarray:
         return self.flat[self.base[np.asarray(b, np.int64)] + np.asarray(w, np.int64)]
 
+    @property
+    def widest(self) -> int:
+        """The plan's ``batch_size`` under them: the widest batch (at least 1)."""
+        return max(1, int(np.diff(self.flat).max(initial=1)) if self.flat.size > 1 else 1)
+
 
 def rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.ndarray, window: np.ndarray,
                   bs: int, bins: Bins | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -331,29 +331,21 @@ def rank_batches(counts: np.ndarray, bucket_steps: Sequence[int], schedule: np.n
     global step s is its entries [k*bs, (k+1)*bs) of bucket schedule[s], k = window[s]
     (with ``bins``: [bins.start(b, k), bins.start(b, k + 1)))."""
     step_dtype = np.int32 if schedule.size < 2**31 else np.int64
-    if bins is not None:
-        sched = schedule.astype(np.int64)
-        win = window.astype(np.int64)
-        lo = bins.start(sched, win) if schedule.size else np.zeros(0, np.int64)
-        hi = np.minimum(bins.start(sched, win + 1), counts[sched]) if schedule.size else np.zeros(0, np.int64)
-        sizes = np.maximum(hi - lo, 0)
-        has = sizes > 0
-        batch_step = np.flatnonzero(has).astype(step_dtype)
-        offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
-        np.cumsum(sizes[has], out=offsets[1:])
-        return batch_step, offsets
-    if np.array_equal(counts, np.asarray(bucket_steps, dtype=np.int64) * bs):
+    if bins is None and np.array_equal(counts, np.asarray(bucket_steps, dtype=np.int64) * bs):
         # every bucket fills whole global steps (cyclic, drop, or lengths that happen to
         # divide): this rank has a full batch at every step; nothing per step to compute
-        batch_step = np.arange(schedule.size, dtype=step_dtype)
-        offsets = np.arange(schedule.size + 1, dtype=np.int64) * bs
+        return np.arange(schedule.size, dtype=step_dtype), np.arange(schedule.size + 1, dtype=np.int64) * bs
+    if not schedule.size:
+        sizes = np.zeros(0, np.int64)
+    elif bins is not None:
+        sched, win = schedule.astype(np.int64), window.astype(np.int64)
+        sizes = np.maximum(np.minimum(bins.start(sched, win + 1), counts[sched]) - bins.start(sched, win), 0)
     else:
-        starts_in_bucket = window.astype(np.int64) * bs
-        sizes = np.clip(counts[schedule] - starts_in_bucket, 0, bs) if schedule.size else np.zeros(0, np.int64)
-        has = sizes > 0
-        batch_step = np.flatnonzero(has).astype(step_dtype)
-        offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
-        np.cumsum(sizes[has], out=offsets[1:])
+        sizes = np.clip(counts[schedule] - window.astype(np.int64) * bs, 0, bs)
+    has = sizes > 0
+    batch_step = np.flatnonzero(has).astype(step_dtype)
+    offsets = np.zeros(batch_step.size + 1, dtype=np.int64)
+    np.cumsum(sizes[has], out=offsets[1:])
     return batch_step, offsets
 
 
@@ -368,30 +360,3 @@ def _within_memory(compute: Any, entries: int, what: str) -> Any:
             f"(about {entries * 64 / 2**30:.1f} GiB); lower the batch size, plan on more DP ranks, "
             "or turn oversubscribe off"
         ) from exc
-
-
-def _at(bk: Buckets, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
-    the rank (the elastic remainder of an epoch reads the whole layout's order)."""
-    if bk.local is not None:
-        return bk.local.at(b, pos)
-    if not pos.size:
-        return np.zeros(0, np.int64), np.zeros(0, bool)
-    m_e = bk.m[b]
-    n_e = bk.n[b]
-    q = pos % m_e
-    pass_idx = q // n_e
-    keys = bk.key_rows[bk.first_row[b] + pass_idx].T
-    perm = permute(q % n_e, n_e, keys)
-    samples = np.empty(pos.size, dtype=np.int64)
-    if np.all(b == b[0]):  # one batch: one bucket
-        samples[:] = bk.ids[int(b[0])][perm]
-    else:
-        order = np.argsort(b, kind="stable")
-        bounds = np.searchsorted(b[order], np.arange(len(bk.ids) + 1))
-        for j, ids in enumerate(bk.ids):
-            lo, hi = int(bounds[j]), int(bounds[j + 1])
-            if hi > lo:
-                sel = order[lo:hi]
-                samples[sel] = ids[perm[sel]]
-    return samples, pos >= m_e
