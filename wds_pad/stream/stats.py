@@ -1,17 +1,17 @@
 """Where data time goes on this rank: :class:`StreamStats`, and the clock that counts it.
 
 Invariants:
-- counters are always on and cost, in the loop's process, two ``time.perf_counter_ns``
-  reads per batch (where its wait begins, where it is handed over: the least an exact
+- counters are always on and cost, in the loop's process, two clock reads per batch
+  (where its wait begins, where it is handed over: the least an exact
   wait takes, its two ends are apart by the training step) and two more around a
   collation that does more than list the samples (the batch maker's); with workers
   two more per message there and two per message in a worker; one per remote request
   in the reader: never per sample. On the per-batch path they add two numbers into one
-  list: the wait, in float seconds of ``time.perf_counter`` (the same clock; a float
-  costs less to subtract and add than the int nanoseconds of a 44-bit clock), into the
-  slot of how the batch came (made in this process or received from workers; the wait
-  is their sum), and the count: no dicts, attributes, branches or calls. The other
-  timings are int nanoseconds;
+  list: the wait, in float seconds of ``time.perf_counter``, into the slot of how the
+  batch came (made in this process or received from workers; the wait is their sum),
+  and the count: no dicts, attributes, branches or calls. The other timings are int
+  nanoseconds of ``time.perf_counter_ns``, the same clock: a float costs less to
+  subtract and add than the two-digit ints of a 44-bit nanosecond clock;
 - ``wait_s`` is the time the training loop spent inside ``next()`` on the dataset or
   the Loader, in the main process;
 - the stages split the time spent making batches: ``get_s`` and ``cache_wait_s`` are the
