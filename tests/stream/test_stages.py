@@ -445,3 +445,29 @@ def test_dropping_a_large_sample_stream_stops_its_threads(mixed: Index) -> None:
     stream = fetch(ReadOptions(local_threads=3))(iter(PlannedSource(spec, worker=(0, 1))))
     taken = list(itertools.islice(stream, 10))
     assert len(taken) == 10 and set(_read_ahead_threads()) == before
+
+
+def test_the_node_plans_its_next_epoch_on_a_thread_of_its_own_not_in_a_read(index: Index,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the node holds next epoch is planned ahead, off the thread that asks (a
+    process's last read of a shard, inline in the loop's ``next()``), and is what the next
+    epoch's own schedule says the node holds."""
+    from wds_pad.stream import stages
+    from wds_pad.stream.dataset import BucketedWebDataset
+
+    planned_on: list[str] = []
+    real = stages.node_uses
+
+    def recorded(*args: Any, **kw: Any) -> Any:
+        planned_on.append(threading.current_thread().name)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(stages, "node_uses", recorded)
+    topo = Topology(4, 0, local_world_size=2)
+    spec = BucketedWebDataset(index, batch_size=2, seed=3, locality="shard", topology=topo,
+                              check_agreement=False).spec
+    first = next(stages.node_schedule(PlannedSource(spec, worker=(0, 1))))
+    later = dict(first.later)  # asked here: planned already, or waited for
+    assert planned_on == [threading.current_thread().name, "wds_pad-next-epoch"]
+    nxt = next(stages.node_schedule(PlannedSource(spec, Position(1, 0), worker=(0, 1))))
+    assert set(later) == {s.name for s in nxt.shards.values() if s.held} and later

@@ -68,8 +68,9 @@ def measured(index: str, reference: Path, root: Path, args: argparse.Namespace, 
     logs = nodejob.logs(state, NPROCS)
     steps = min(len(v) for v in logs.values())
     wait = [max(logs[r][s]["wait"] for r in logs) for s in range(steps)]
-    stalls = sum(w * 1000 > args.stall_ms for w in wait[1:])
-    return {"first_batch_s": wait[0], "stall_share": stalls / max(steps - 1, 1), "stalls": stalls}
+    stalled = [(s, wait[s]) for s in range(1, steps) if wait[s] * 1000 > args.stall_ms]
+    return {"first_batch_s": wait[0], "stall_share": len(stalled) / max(steps - 1, 1), "stalls": len(stalled),
+            "stalled": stalled}
 
 
 def _ratio(p: float, m: float) -> str:
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         www = root / "www"
         make_blob_shards(www / "d", samples=args.samples, sample_bytes=args.sample_bytes, shards=args.shards, seed=1)
         names = sorted(p.name for p in (www / "d").glob("*.tar"))
-        rows = []
+        rows, stalled = [], []
         with http_server(www) as server:
             proxy = FaultProxy(server.host, server.port).start()
             try:
@@ -119,10 +120,13 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{p['stall_share']:.3f}", f"{m['stall_share']:.3f}",
                                  _ratio(p["stall_share"], m["stall_share"]),
                                  f"{sum(p['gets_per_epoch'])}", f"{gets}", f"{time.perf_counter() - t:.0f}"])
+                    waits = ", ".join(f"{s} ({w * 1000:.0f} ms)" for s, w in m["stalled"]) or "none"
+                    stalled.append(f"  {ms:g} ms: {waits}")
             finally:
                 proxy.stop()
         print(table(["latency", "first batch s, sim", "measured", "ratio", "stall share, sim", "measured", "ratio",
                      "GETs, sim", "counted", "wall s"], rows))
+        print("\nthe job's stalled steps (the slowest rank's wait):", *stalled, sep="\n")
         print("\ntarget: each ratio within 0.85-1.15")
         return 0
     finally:

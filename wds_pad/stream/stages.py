@@ -79,10 +79,7 @@ class PlannedSource:
 
     def __init__(self, spec: PlanSpec, start: Cursor | None = None,
                  worker: tuple[int, int] | None = None, run: int = 1) -> None:
-        self.spec = spec
-        self.start = start or Cursor()
-        self.worker = worker
-        self.run = max(1, int(run))
+        self.spec, self.start, self.worker, self.run = spec, start or Cursor(), worker, max(1, int(run))
 
     def _worker(self) -> tuple[int, int]:
         if self.worker is not None:
@@ -206,7 +203,6 @@ def _batch_key(sample: dict[str, Any]) -> tuple[Any, Any]:
                           "and do that inside collation_fn") from exc
 
 
-
 def shard_schedule(source: Any) -> Iterator[list[Any]]:
     """Per epoch a stream walks, the shards its DataLoader worker reads whole (its rank's
     own shards under ``locality="shard"``), in order of first use: what
@@ -293,13 +289,17 @@ def node_schedule(source: Any) -> Iterator[NodeEpoch]:
 
 class _Later(Mapping[str, int]):
     """The shards the node holds in the next epoch (file stem -> the first step it reads
-    each), planned when first asked (by then the epoch's first reads are under way)."""
+    each), planned ahead on a thread of its own, not in the read that first asks (inline in ``next()``)."""
 
     def __init__(self, spec: PlanSpec, make: Callable[[], NodeUses]) -> None:
-        self._spec, self._make = spec, make
-        self._lock = threading.Lock()
+        self._spec, self._make, self._lock = spec, make, threading.Lock()
         self._after: NodeUses | None = None
         self._table: dict[str, int] | None = None
+        threading.Thread(target=self._ahead, name="wds_pad-next-epoch", daemon=True).start()
+
+    def _ahead(self) -> None:
+        with contextlib.suppress(Exception):  # an error is raised again where the table is asked for
+            self._stems()
 
     def uses(self) -> NodeUses | None:
         """The next epoch's table (None: there is no next epoch)."""

@@ -1,19 +1,24 @@
 """Where data time goes on this rank: :class:`StreamStats`, and the clock that counts it.
 
 Invariants:
-- counters are always on and cost, in the loop's process, two ``time.perf_counter_ns``
-  reads per batch (where its wait begins, where it is handed over) and a third where a
-  collation that does more than list the samples begins (the handing over ends it);
-  with workers two more per message there and two per message in a worker; one per
-  remote request in the reader: never per sample. On the per-batch path they add ints
-  into one list: no floats, dicts, attributes or calls;
+- counters are always on and cost, in the loop's process, two clock reads per batch
+  (where its wait begins, where it is handed over: the least an exact
+  wait takes, its two ends are apart by the training step) and two more around a
+  collation that does more than list the samples (the batch maker's); with workers
+  two more per message there and two per message in a worker; one per remote request
+  in the reader: never per sample. On the per-batch path they add two numbers into one
+  list: the wait, in float seconds of ``time.perf_counter``, into the slot of how the
+  batch came (made in this process or received from workers; the wait is their sum),
+  and the count: no dicts, attributes, branches or calls. The other timings are int
+  nanoseconds of ``time.perf_counter_ns``, the same clock: a float costs less to
+  subtract and add than the two-digit ints of a 44-bit nanosecond clock;
 - ``wait_s`` is the time the training loop spent inside ``next()`` on the dataset or
   the Loader, in the main process;
 - the stages split the time spent making batches: ``get_s`` and ``cache_wait_s`` are the
   waits of the reading thread on its ranged GETs and on the shard cache (the reader's
-  :class:`~wds_pad.io.options.ReadStats`), ``collate_s`` runs from the start of a
-  batch's collation to its hand-over (none for a collation that only lists the
-  samples; in the main process with workers: all of its wait that is not
+  :class:`~wds_pad.io.options.ReadStats`), ``collate_s`` is the time of the batches'
+  collations (none for a collation that only lists the samples; in the main process
+  with workers: all of its wait that is not
   ``transport_s``, the unpacking and collation), ``tar_s`` the rest of
   making a batch (local reads, tar headers and members, per-sample stages);
   ``transport_s`` is the main process's wait on its DataLoader workers' messages. In one
@@ -35,16 +40,16 @@ from torch.utils.data import get_worker_info
 
 from .transport import PackedRun
 
-__all__ = ["COLLATING", "Clock", "StreamStats", "WorkerNote"]
+__all__ = ["COLLATE", "Clock", "StreamStats", "WorkerNote"]
 
-_COUNTS = ("wait_ns", "batches", "make_ns", "collate_ns", "received_ns", "transport_ns",
+# waited_s: the loop's wait for batches made in its own process (which is their making
+# too); received_s: its wait for batches received from workers; the wait is their sum
+_COUNTS = ("waited_s", "batches", "make_ns", "collate_ns", "received_s", "transport_ns",
            "gets", "get_bytes", "cache_hits", "get_wait_ns", "cache_wait_ns")
-WAIT, BATCHES, MAKE, COLLATE, RECEIVED, TRANSPORT = range(6)  # Clock.acc's own timings
+WAITED, BATCHES, MAKE, COLLATE, RECEIVED, TRANSPORT = range(6)  # Clock.acc's own timings
+#: ``Clock.acc[COLLATE]``: nanoseconds of collation, added by the batch maker that timed it
 _READER = _COUNTS[6:]  # the reader's (ReadStats), folded in when its iteration ends
 _FIRST_READER = len(_COUNTS) - len(_READER)
-#: ``Clock.acc[COLLATING]``: when the collation of the batch being made began
-#: (perf_counter_ns; set by the batch maker, closed by the timing that hands it over)
-COLLATING = len(_COUNTS)
 STAGES = ("get_s", "cache_wait_s", "tar_s", "collate_s", "transport_s")
 
 
@@ -95,7 +100,7 @@ class StreamStats:
 #: A worker's counters of its current iteration, riding as the last element of each message
 #: it sends: ``(worker id, counts in _COUNTS order, the shard waits that changed since its
 #: previous note)``. A plain tuple: it pickles and unpickles in a fraction of a class's time.
-WorkerNote = tuple[int, tuple[int, ...], dict[str, int]]
+WorkerNote = tuple[int, tuple[float, ...], dict[str, int]]
 
 
 def _add(into: dict[str, int], counts: dict[str, int]) -> None:
@@ -107,17 +112,18 @@ class Clock:
     """The counters of one dataset in one process (the main one or a worker)."""
 
     def __init__(self) -> None:
-        # this process's timings and finished readers, in _COUNTS order, then the COLLATING mark
-        self.acc = [0] * (len(_COUNTS) + 1)
+        # this process's timings and finished readers, in _COUNTS order
+        self.acc: list[float] = [0] * len(_COUNTS)
+        self.acc[WAITED] = self.acc[RECEIVED] = 0.0
         self.by_url: dict[str, int] = {}
         self.reader: Any = None  # the ReadStats of the running iteration's reader
         # the running iteration's workers: the latest counts of each, and its shards' waits
-        self.workers: dict[int, tuple[tuple[int, ...], dict[str, int]]] = {}
+        self.workers: dict[int, tuple[tuple[float, ...], dict[str, int]]] = {}
 
     # -- reading the counters ------------------------------------------------------------
-    def counts(self) -> list[int]:
+    def counts(self) -> list[float]:
         """This process's counters, in ``_COUNTS`` order, the running reader's included."""
-        counts, st = self.acc[:COLLATING], self.reader
+        counts, st = self.acc[:], self.reader
         if st is not None:
             for i, k in enumerate(_READER, _FIRST_READER):
                 counts[i] += getattr(st, k)
@@ -134,12 +140,14 @@ class Clock:
         counts = dict(zip(_COUNTS, own))
         s = 1e-9
         waits = counts["get_wait_ns"] + counts["cache_wait_ns"]
-        tar = max(0, counts["make_ns"] - waits - counts["collate_ns"])
-        unpack = max(0, counts["received_ns"] - counts["transport_ns"])  # the main process's rest
+        made = counts["make_ns"] + counts["waited_s"] * 1e9  # the workers' making, and this process's
+        tar = max(0.0, made - waits - counts["collate_ns"])
+        unpack = max(0.0, counts["received_s"] * 1e9 - counts["transport_ns"])  # the main process's rest
         worst = max(by_url.items(), key=lambda kv: kv[1], default=("", 0))
         return StreamStats(
-            rank=rank, wait_s=counts["wait_ns"] * s, batches=counts["batches"], gets=counts["gets"],
-            bytes_read=counts["get_bytes"], cache_hits=counts["cache_hits"],
+            rank=rank, wait_s=counts["waited_s"] + counts["received_s"], batches=int(counts["batches"]),
+            gets=int(counts["gets"]),
+            bytes_read=int(counts["get_bytes"]), cache_hits=int(counts["cache_hits"]),
             get_s=counts["get_wait_ns"] * s, cache_wait_s=counts["cache_wait_ns"] * s, tar_s=tar * s,
             collate_s=(counts["collate_ns"] + unpack) * s, transport_s=counts["transport_ns"] * s,
             slowest_shard=worst[0], slowest_shard_s=worst[1] * s)
@@ -171,43 +179,31 @@ class Clock:
     # -- timing, per batch -----------------------------------------------------------------
     def waited(self, items: Iterable[Any], making: bool) -> Iterator[Any]:
         """The training loop's side: ``items`` (batches), the time spent inside their
-        ``next()`` added to ``wait_ns`` and to ``make_ns`` if they are made in this
-        process (``making``), else to ``received_ns``; each counted in ``batches``. The
-        collation a batch maker began (``acc[COLLATING]``) ends where the batch is
-        handed over: one clock read ends both. Closes ``items`` when closed."""
+        ``next()`` added to ``waited_s`` if they are made in this process (``making``:
+        the wait is their making), else to ``received_s``; each counted in ``batches``.
+        Closes ``items`` when closed."""
         it = iter(items)
-        now, acc, also = time.perf_counter_ns, self.acc, MAKE if making else RECEIVED
+        now, acc, into = time.perf_counter, self.acc, WAITED if making else RECEIVED
         try:
             began = now()
             for item in it:
-                ended = now()
-                spent = ended - began
-                acc[WAIT] += spent
-                acc[also] += spent
+                acc[into] += now() - began
                 acc[BATCHES] += 1
-                if acc[COLLATING] > began:
-                    acc[COLLATE] += ended - acc[COLLATING]
                 yield item
                 began = now()
-            spent = now() - began
-            acc[WAIT] += spent
-            acc[also] += spent
+            acc[into] += now() - began
         finally:
             _close(it)
 
     def made(self, items: Iterable[Any]) -> Iterator[Any]:
         """In a DataLoader worker: ``items`` (messages), the time spent making them added to
-        ``make_ns``, each one's collation ended where it is handed over. Closes ``items``
-        when closed."""
+        ``make_ns``. Closes ``items`` when closed."""
         it = iter(items)
         now, acc = time.perf_counter_ns, self.acc
         try:
             began = now()
             for item in it:
-                ended = now()
-                acc[MAKE] += ended - began
-                if acc[COLLATING] > began:
-                    acc[COLLATE] += ended - acc[COLLATING]
+                acc[MAKE] += now() - began
                 yield item
                 began = now()
             acc[MAKE] += now() - began

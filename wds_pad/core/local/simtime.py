@@ -155,8 +155,10 @@ def timeline(nodes: Sequence[tuple[Held, Sequence[ProcessReads]]], steps: int, l
     asked, taken = np.zeros(steps), np.zeros(steps)
     if steps == 0:
         return Timeline(asked, taken, 0.0, 0, 0.0)
-    runs = [(_Node(held, procs, link, block_bytes), p) for held, procs in nodes for p in procs]
-    state = [_Process(node, p, link, steps) for node, p in runs]
+    state = []
+    for held, procs in nodes:  # one node, its copies and fetches, shared by its processes
+        node = _Node(held, procs, link, block_bytes)
+        state += [_Process(node, p, link, steps) for p in procs]
     for s in range(steps):
         asked[s] = 0.0 if s == 0 else taken[s - 1] + link.step_s
         taken[s] = max([asked[s]] + [st.step(s, asked) for st in state])
