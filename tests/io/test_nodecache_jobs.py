@@ -24,8 +24,8 @@ import pytest
 
 import nodechaos  # tools/ is on sys.path (tests/conftest.py)
 import nodejob
+import nodejob_runs
 from data_helpers import serve_dir
-from wds_pad.cli.synth import make_blob_shards
 from wds_pad import load_index
 from wds_pad.index.build import build_index
 
@@ -38,10 +38,9 @@ KW = {"batch_size": 4, "seed": 5, "window": 2, "cp": CP}
 
 
 @pytest.fixture(scope="module")
-def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("node-shards")
-    make_blob_shards(out, samples=320, sample_bytes=4000, shards=SHARDS, seed=3)
-    return out
+def shard_dir(job_shards: Path) -> Path:
+    assert len(list(job_shards.glob("*.tar"))) == SHARDS
+    return job_shards
 
 
 @pytest.fixture
@@ -202,38 +201,23 @@ def test_a_torchrun_job_without_cache_dir_shares_a_folder_of_its_own_and_removes
 
 
 @pytest.mark.parametrize("sizing", ["batch", "budget"])
-def test_two_nodes_with_node_locality_fetch_nothing_again_after_the_first_epoch(
-        served: tuple[Any, str, int], shard_dir: Path, tmp_path: Path, sizing: str) -> None:
+def test_two_nodes_with_node_locality_fetch_nothing_again_after_the_first_epoch(job_runs: Any, sizing: str) -> None:
     """2 simulated nodes x 2 ranks (LOCAL_WORLD_SIZE=2, each node its own cache_dir),
     ``locality="node"``, a fixed batch or a cost budget: a node keeps its shards, and the
     other nodes' shards it reads (even a sample of one read once an epoch), every epoch, so
-    epochs 1 and 2 make no GET at all; bytes exact."""
-    proxy, index, blocks = served
+    epochs 1 and 2 make no GET at all; bytes exact. (The session's 3-epoch runs of
+    ``tests/nodejob_runs.py``, which test_simulate_jobs.py checks too.)"""
+    run, index = job_runs.runs[nodejob_runs.epoch_run("node", sizing, 2)], job_runs.index
+    blocks = sum(-(-s.size // nodejob_runs.BLOCK) for s in load_index(index).shards)
     kw = {**KW, "cp": 1, "locality": "node", "local_world_size": 2}
     if sizing == "budget":  # 4000-byte samples of widths 16..1024: a few to a batch
-        index = str(tmp_path / "costs.wdsidx")
-        build_index([s.url for s in load_index(served[1]).shards], "aspect:width,height",
-                    output=index, cost="json:width")
-        kw = {**kw, "budget": 2048.0}
+        kw = {**kw, "budget": nodejob_runs.BUDGET}
     expected = nodejob.expected_batches(index, NPROCS, 3, **kw)
-    cache, state = tmp_path / "cache", tmp_path / "state"
-    state.mkdir()
-    args = job_args(index, shard_dir, cache, state, pause=True, epochs=3)
-    args[args.index("--cp") + 1] = "1"
-    args += ["--locality", "node", "--local-world-size", "2"]
-    if sizing == "budget":
-        args += ["--budget", str(kw["budget"])]
-    proxy.reset_counters()
-    job = nodejob.Job(args, NPROCS, run="nodes").start()
-    seen = []
-    for e in range(3):
-        wait_for(state / f"done{e}", job)
-        seen.append(proxy.requests_seen - sum(seen))
-        (state / f"go{e}").write_text("")
-    finished(job)
-    counts = nodejob.check_logs(state, NPROCS, expected)
+    counts = nodejob.check_logs(run.state, NPROCS, expected)
     assert counts["wrong"] == counts["missing"] == counts["repeated"] == counts["unplanned"] == 0, counts
+    seen = run.requests
     print(f"GETs, two nodes, {sizing}: per epoch {seen} ({blocks} blocks in the shards)")
+    assert len(seen) == 3
     assert seen[0] <= 2 * blocks  # each node its own shards, and a few of the other's
     assert seen[1] == seen[2] == 0
-    assert sorted(p.name for p in cache.iterdir()) == ["node0", "node1"]
+    assert sorted(p.name for p in Path(run.arg("--cache-dir")).iterdir()) == ["node0", "node1"]
