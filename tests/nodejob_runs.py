@@ -43,12 +43,14 @@ class Run:
         state: the run's state folder (logs, saved states, pause files).
         requests: per epoch, every request the proxy saw (HEADs included).
         heads: per epoch, the HEAD requests among them.
+        left: what its ``--cache-dir`` held at its end (:func:`nodejob.cache_left`).
     """
 
     args: list[str]
     state: Path = Path()
     requests: list[int] = field(default_factory=list)
     heads: list[int] = field(default_factory=list)
+    left: dict[str, list[str]] = field(default_factory=dict)
 
     def arg(self, name: str) -> str:
         return self.args[self.args.index(name) + 1]
@@ -101,6 +103,8 @@ def run_all(runs: dict[str, Run], nprocs: int, proxy: Any, folder: Path, timeout
             run.requests.append(proxy.requests_seen)  # the ranks wait: nothing is in flight
             run.heads.append(sum(r.method == "HEAD" for r in proxy.requests))
             proxy.reset_counters()
+            if e == int(run.arg("--epochs")) - 1:  # its workers are gone, the ranks wait
+                run.left = nodejob.cache_left(Path(run.arg("--cache-dir")))
             (run.state / f"go{e}").write_text("")
     assert job.wait() == [0] * nprocs, job.outputs()
 
@@ -123,11 +127,14 @@ def io_runs(index: str, reference: Path, caches: Path) -> dict[str, Run]:
     """What tests/io runs once per session: a 3-epoch run per locality, sizing and node
     size (:func:`epoch_run`), each on a cache folder of its own; then for each of
     :data:`WARM` a 1-epoch run (``cold-<locality>-<per node>``) and another one
-    (``warm-...``) on the cache folders the first left."""
-    def args(cache: Path, epochs: int, locality: str, sizing: str, per_node: int) -> list[str]:
+    (``warm-...``) on the cache folders the first left; then ``one-node``, 2 epochs of one
+    node of dp 2 x cp 2 with ``locality="shard"``, and ``one-node-warm``, 1 epoch on its
+    cache folder."""
+    def args(cache: Path, epochs: int, locality: str, sizing: str, per_node: int, cp: int = 1) -> list[str]:
         return ["--index", index, "--reference", str(reference), "--cache-dir", str(cache), "--epochs", str(epochs),
-                "--workers", "2", "--cp", "1", "--batch-size", "4", "--seed", str(SEED), "--window", str(WINDOW),
-                "--block-bytes", str(BLOCK), "--locality", locality, "--local-world-size", str(per_node)] + (
+                "--workers", "2", "--cp", str(cp), "--batch-size", "4", "--seed", str(SEED), "--window", str(WINDOW),
+                "--block-bytes", str(BLOCK), "--locality", locality] + (
+                    ["--local-world-size", str(per_node)] if per_node else []) + (
                     ["--budget", str(BUDGET)] if sizing == "budget" else [])
 
     runs = {epoch_run(lo, si, pn): Run(args(caches / epoch_run(lo, si, pn), EPOCHS, lo, si, pn))
@@ -136,6 +143,8 @@ def io_runs(index: str, reference: Path, caches: Path) -> dict[str, Run]:
         for kind in ("cold", "warm"):
             runs[f"{kind}-{locality}-{per_node}"] = Run(args(caches / f"warm-{locality}-{per_node}", 1, locality,
                                                              "batch", per_node))
+    runs["one-node"] = Run(args(caches / "one-node", 2, "shard", "batch", 0, cp=2))
+    runs["one-node-warm"] = Run(args(caches / "one-node", 1, "shard", "batch", 0, cp=2))
     return runs
 
 
