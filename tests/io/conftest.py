@@ -4,7 +4,6 @@ jobs over loopback HTTP that several test modules check (run once per session)."
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +59,7 @@ class JobRuns:
 
 
 @pytest.fixture(scope="session")
-def job_runs(nginx_server: Any, job_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRuns]:
+def job_runs(nginx_server: Any, job_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> JobRuns:
     """Every run of :func:`nodejob_runs.io_runs` in one launch, reading the shards from
     ``nginx_server`` through a FaultProxy that counts each epoch's requests."""
     import nodejob_runs
@@ -77,4 +76,4 @@ def job_runs(nginx_server: Any, job_shards: Path, tmp_path_factory: pytest.TempP
                     output=index, cost="json:width")
         runs = nodejob_runs.io_runs(index, job_shards, root / "caches")
         nodejob_runs.run_all(runs, nodejob_runs.NPROCS, proxy, root / "states")
-        yield JobRuns(index, job_shards, runs)
+    return JobRuns(index, job_shards, runs)  # the proxy stopped: no thread of it outlives the runs
