@@ -76,6 +76,17 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     from datetime import timedelta
 
     import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    stream(args)
+    print(json.dumps({"rank": dist.get_rank(), "ok": True}), flush=True)
+    return 0
+
+
+def stream(args: argparse.Namespace) -> None:
+    """One run of the job in this rank, its gloo process group made: every epoch of
+    ``args`` (see :func:`parser`), logged and checked."""
+    import torch.distributed as dist
     import webdataset as wds
 
     from wds_pad import BucketedWebDataset, DroppedBucketWarning, Loader, ReadOptions
@@ -83,7 +94,6 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
 
     shards = sorted(str(p) for p in Path(args.reference).glob("*.tar"))
     reference = {s["__key__"]: s for s in wds.WebDataset(shards, shardshuffle=False, nodesplitter=lambda x: x)}
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     run = os.environ.get("NODEJOB_RUN", "0")
     if args.local_world_size and args.cache_dir:  # a simulated node: its own folder, as another machine has
@@ -123,8 +133,6 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
                     (state_dir / f"done{epoch}").write_text("")
                 while not (state_dir / f"go{epoch}").exists():
                     time.sleep(0.02)
-    print(json.dumps({"rank": rank, "ok": True}), flush=True)
-    return 0
 
 
 # -- the launcher ----------------------------------------------------------------------------
@@ -149,11 +157,13 @@ class Job:
         run: the run's name, in the logs.
         env: more environment (PYTHONPATH: which wds_pad the ranks import).
         timeout: seconds before the run counts as hung.
+        script: what each rank runs (default: this file's :func:`rank_main`); ``args``
+            must name a ``--state`` folder, where each rank's output goes.
     """
 
     def __init__(self, args: Sequence[str], nprocs: int, *, run: str = "0", env: dict[str, str] | None = None,
-                 timeout: float = 180.0) -> None:
-        self.args, self.nprocs, self.run, self.timeout = list(args), nprocs, run, timeout
+                 timeout: float = 180.0, script: Path = HERE) -> None:
+        self.args, self.nprocs, self.run, self.timeout, self.script = list(args), nprocs, run, timeout, script
         self.env = dict(env or {})
         self.procs: list[subprocess.Popen[bytes]] = []
         self.killed: list[str] = []
@@ -167,7 +177,7 @@ class Job:
         state = Path(self._arg("--state"))
         for rank in range(self.nprocs):
             out = open(state / f"out-{self.run}-rank{rank}.txt", "wb")  # noqa: SIM115 - the child's
-            self.procs.append(subprocess.Popen([sys.executable, str(HERE), *self.args],
+            self.procs.append(subprocess.Popen([sys.executable, str(self.script), *self.args],
                                                env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                start_new_session=True))

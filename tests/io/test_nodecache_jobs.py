@@ -7,7 +7,8 @@ the FaultProxy in front of the server; a shard is several ``block_bytes`` GETs, 
 figures are GETs per shard fetch (all blocks of every shard = 1.0). Every rank checks
 every sample's bytes against the shards on local disk, and the logs of all runs must add
 up to each rank's plan, each batch once. Without a cache_dir the job shares a folder of its
-own in the temporary directory, gone when it ends.
+own in the temporary directory, gone when it ends. The runs that need no kill and no exit
+of their own are the session's, in one launch (``job_runs``, ``tests/nodejob_runs.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import pytest
 
 import nodechaos  # tools/ is on sys.path (tests/conftest.py)
 import nodejob
+import nodejob_runs
 from data_helpers import serve_dir
-from wds_pad.cli.synth import make_blob_shards
 from wds_pad import load_index
 from wds_pad.index.build import build_index
 
@@ -38,10 +39,9 @@ KW = {"batch_size": 4, "seed": 5, "window": 2, "cp": CP}
 
 
 @pytest.fixture(scope="module")
-def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("node-shards")
-    make_blob_shards(out, samples=320, sample_bytes=4000, shards=SHARDS, seed=3)
-    return out
+def shard_dir(job_shards: Path) -> Path:
+    assert len(list(job_shards.glob("*.tar"))) == SHARDS
+    return job_shards
 
 
 @pytest.fixture
@@ -68,40 +68,31 @@ def finished(job: nodejob.Job) -> None:
     assert codes == [0] * NPROCS, job.outputs()
 
 
-def wait_for(path: Path, job: nodejob.Job) -> None:
-    while not path.exists():
-        assert all(p.poll() is None for p in job.procs), job.outputs()
-        time.sleep(0.02)
-
-
 def logged(state: Path) -> int:
     return min(len(v) for v in nodejob.logs(state, NPROCS).values())
 
 
 def test_one_node_fetches_each_shard_once_keeps_it_and_a_restart_or_warm_job_fetches_nothing_again(
-        served: tuple[Any, str, int], shard_dir: Path, tmp_path: Path) -> None:
-    proxy, index, blocks = served
+        job_runs: Any, served: tuple[Any, str, int], shard_dir: Path, tmp_path: Path) -> None:
+    # epoch 0, then epoch 1 of the same job: every shard fits cache_bytes (the session's run
+    # "one-node" of tests/nodejob_runs.py: these options, each epoch's requests counted apart)
+    first, index = job_runs.runs["one-node"], job_runs.index
+    assert [first.arg(a) for a in ("--cp", "--locality", "--epochs", "--workers")] == [str(CP), "shard", "2", "2"]
+    assert "--local-world-size" not in first.args  # one node of the 4 processes
+    blocks = sum(-(-s.size // BLOCK) for s in load_index(index).shards)
     expected = nodejob.expected_batches(index, NPROCS, EPOCHS, **KW)
     batches = sum(len(v) for v in expected.values())
-    # epoch 0, then epoch 1 of the same job: every shard fits cache_bytes
-    cache, state = tmp_path / "cache", tmp_path / "state"
-    state.mkdir()
-    job = nodejob.Job(job_args(index, shard_dir, cache, state, pause=True), NPROCS, run="first").start()
-    wait_for(state / "done0", job)
-    epoch0 = proxy.requests_seen
-    (state / "go0").write_text("")
-    wait_for(state / "done1", job)
-    epoch1 = proxy.requests_seen - epoch0
-    (state / "go1").write_text("")
-    finished(job)
-    assert nodejob.check_logs(state, NPROCS, expected) == {
+    epoch0, epoch1 = first.requests
+    assert nodejob.check_logs(first.state, NPROCS, expected) == {
         "batches": batches, "repeated": 0, "wrong": 0, "missing": 0, "unplanned": 0, "differing": 0}
     assert epoch0 == blocks  # each shard once over the node: 1.0 per shard, CP peers and workers included
     assert epoch1 == 0
-    left = nodejob.cache_left(cache)
+    left = first.left
     assert len(left["shard"]) == SHARDS and not left["part"] + left["tmp"] + left["done"] + left["other"]
 
     # a job killed with SIGKILL mid-epoch, restarted from its states on the same cache_dir
+    proxy, index, blocks = served
+    expected = nodejob.expected_batches(index, NPROCS, EPOCHS, **KW)
     cache2, state2 = tmp_path / "cache2", tmp_path / "state2"
     state2.mkdir()
     proxy.reset_counters()
@@ -123,17 +114,16 @@ def test_one_node_fetches_each_shard_once_keeps_it_and_a_restart_or_warm_job_fet
     print(f"restart: HEADs per shard {heads / SHARDS:.2f}")
     assert restart - heads <= 1.05 * blocks
 
-    # a new job on the warm cache_dir of the first
-    state3 = tmp_path / "state3"
-    state3.mkdir()
-    proxy.reset_counters()
-    finished(nodejob.Job(job_args(index, shard_dir, cache, state3, epochs=1), NPROCS, run="warm").start())
-    heads = sum(r.method == "HEAD" for r in proxy.requests)
+    # a new job on the warm cache_dir of the first (the session's run "one-node-warm")
+    warm, index = job_runs.runs["one-node-warm"], job_runs.index
+    assert warm.arg("--cache-dir") == first.arg("--cache-dir") and warm.arg("--epochs") == "1"
+    heads, requests = warm.heads[0], warm.requests[0]
     assert heads <= SHARDS  # each cached shard checked against the store once per job, by one process
-    print(f"warm job: GETs per shard fetch {(proxy.requests_seen - heads) / blocks:.2f}, HEADs per shard "
-          f"{heads / SHARDS:.2f}")
-    assert proxy.requests_seen - heads <= 0.05 * blocks
-    assert nodejob.check_logs(state3, NPROCS, one)["missing"] == 0
+    print(f"warm job: GETs per shard fetch {(requests - heads) / blocks:.2f}, HEADs per shard {heads / SHARDS:.2f}")
+    assert requests - heads <= 0.05 * blocks
+    one = {r: {k: v for k, v in e.items() if k[0] == 0}
+           for r, e in nodejob.expected_batches(index, NPROCS, EPOCHS, **KW).items()}
+    assert nodejob.check_logs(warm.state, NPROCS, one)["missing"] == 0
 
 
 @pytest.mark.parametrize("kills", [3])
@@ -202,38 +192,23 @@ def test_a_torchrun_job_without_cache_dir_shares_a_folder_of_its_own_and_removes
 
 
 @pytest.mark.parametrize("sizing", ["batch", "budget"])
-def test_two_nodes_with_node_locality_fetch_nothing_again_after_the_first_epoch(
-        served: tuple[Any, str, int], shard_dir: Path, tmp_path: Path, sizing: str) -> None:
+def test_two_nodes_with_node_locality_fetch_nothing_again_after_the_first_epoch(job_runs: Any, sizing: str) -> None:
     """2 simulated nodes x 2 ranks (LOCAL_WORLD_SIZE=2, each node its own cache_dir),
     ``locality="node"``, a fixed batch or a cost budget: a node keeps its shards, and the
     other nodes' shards it reads (even a sample of one read once an epoch), every epoch, so
-    epochs 1 and 2 make no GET at all; bytes exact."""
-    proxy, index, blocks = served
+    epochs 1 and 2 make no GET at all; bytes exact. (The session's 3-epoch runs of
+    ``tests/nodejob_runs.py``, which test_simulate_jobs.py checks too.)"""
+    run, index = job_runs.runs[nodejob_runs.epoch_run("node", sizing, 2)], job_runs.index
+    blocks = sum(-(-s.size // nodejob_runs.BLOCK) for s in load_index(index).shards)
     kw = {**KW, "cp": 1, "locality": "node", "local_world_size": 2}
     if sizing == "budget":  # 4000-byte samples of widths 16..1024: a few to a batch
-        index = str(tmp_path / "costs.wdsidx")
-        build_index([s.url for s in load_index(served[1]).shards], "aspect:width,height",
-                    output=index, cost="json:width")
-        kw = {**kw, "budget": 2048.0}
+        kw = {**kw, "budget": nodejob_runs.BUDGET}
     expected = nodejob.expected_batches(index, NPROCS, 3, **kw)
-    cache, state = tmp_path / "cache", tmp_path / "state"
-    state.mkdir()
-    args = job_args(index, shard_dir, cache, state, pause=True, epochs=3)
-    args[args.index("--cp") + 1] = "1"
-    args += ["--locality", "node", "--local-world-size", "2"]
-    if sizing == "budget":
-        args += ["--budget", str(kw["budget"])]
-    proxy.reset_counters()
-    job = nodejob.Job(args, NPROCS, run="nodes").start()
-    seen = []
-    for e in range(3):
-        wait_for(state / f"done{e}", job)
-        seen.append(proxy.requests_seen - sum(seen))
-        (state / f"go{e}").write_text("")
-    finished(job)
-    counts = nodejob.check_logs(state, NPROCS, expected)
+    counts = nodejob.check_logs(run.state, NPROCS, expected)
     assert counts["wrong"] == counts["missing"] == counts["repeated"] == counts["unplanned"] == 0, counts
+    seen = run.requests
     print(f"GETs, two nodes, {sizing}: per epoch {seen} ({blocks} blocks in the shards)")
+    assert len(seen) == 3
     assert seen[0] <= 2 * blocks  # each node its own shards, and a few of the other's
     assert seen[1] == seen[2] == 0
-    assert sorted(p.name for p in cache.iterdir()) == ["node0", "node1"]
+    assert sorted(p.name for p in Path(run.arg("--cache-dir")).iterdir()) == ["node0", "node1"]
