@@ -39,7 +39,7 @@ from ..planning.buckettable import Measured, Planning, SizedBuckets, bucket_tabl
 from .budget import Budget, BudgetModel
 from ..dataset import Dataset
 from ..local.localbuckets import LocalBuckets
-from ..policy import PadTo
+from ..policy import PadTo, rank_position, rank_share
 from ..sampleseed import PADDED
 from ..seed import derive_seed
 from .strata import BucketBatches
@@ -101,17 +101,15 @@ def shard_cut(local: LocalBuckets, j: int, length: int, real: int, dp: int, cost
     """Kept bucket ``j`` of a shard-local plan (``length`` entries padded, ``real`` of them
     samples): every rank's entries, and the lockstep cuts of them under ``budget``.
     O(the bucket's entries): every rank must know every rank's costs to agree on a count."""
-    r = -(-length // dp)
-    pos = np.arange(r * dp, dtype=np.int64)
+    d = np.arange(dp, dtype=np.int64)
+    pos = rank_position(d[:, None], np.arange(-(-length // dp), dtype=np.int64), dp)  # (dp, entries of rank 0)
     live = pos < length
-    ids = np.zeros(r * dp, np.int64)
+    ids = np.zeros(pos.shape, np.int64)
     ids[live], _ = local.at(np.full(int(live.sum()), j, np.int64), pos[live])
     costs = np.where(live, np.asarray(cost[ids], dtype=np.float64), 0.0)
-    per_ids, per_cost = ids.reshape(r, dp).T, costs.reshape(r, dp).T  # rank d's entry k: position d + k * dp
-    counts = np.maximum(0, -(-(length - np.arange(dp)) // dp))
-    steps, cuts = lockstep_cuts(per_cost, counts, budget, accumulation_steps=accumulation_steps)
-    pad = (np.arange(dp)[:, None] + np.arange(r)[None, :] * dp) >= real
-    return RankCuts([per_ids[d, :counts[d]] for d in range(dp)], [pad[d, :counts[d]] for d in range(dp)],
+    counts = rank_share(length, dp, d)
+    steps, cuts = lockstep_cuts(costs, counts, budget, accumulation_steps=accumulation_steps)
+    return RankCuts([ids[e, :counts[e]] for e in d.tolist()], [pos[e, :counts[e]] >= real for e in d.tolist()],
                     steps, cuts)
 
 
@@ -194,14 +192,7 @@ def _non_empty(cut: np.ndarray, n: int) -> np.ndarray:
 
 def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
     """The bucket planner of a :class:`~wds_pad.core.budgets.budget.Budget`: kept buckets, their
-    steps and this rank's entries and batches (see the module docstring).
-
-    Raises:
-        ConfigError: a dataset without costs (named).
-    """
-    for ds in dss:
-        if ds.cost is None:
-            ds.sorted_by_cost(next(iter(ds.buckets), None))  # raises the ConfigError naming it
+    steps and this rank's entries and batches (see the module docstring)."""
     if at.locality.dealt:
         return _shard_local(raw, dss, budget, at)
     dp, d = at.dp, at.d

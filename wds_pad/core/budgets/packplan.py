@@ -61,15 +61,12 @@ def pack_buckets(budget_buckets: Callable[..., SizedBuckets], raw: Sequence[Any]
     the bucket planner of a budget (core/budgets/budgetplan.py's, registered with it in core/planning/plan.py).
 
     Raises:
-        ConfigError: policy ``none``; a dataset without costs; a sample costlier than
+        ConfigError: policy ``none``; a sample costlier than
             ``seq_len`` (unless ``oversize="alone"``), with their count and the fix.
     """
     if at.policy is Policy.NONE:
         raise ConfigError(f"{pack.describe()} with padding policy 'none': every rank's batch must be "
                           f"{pack.packs} packs; use pad='cyclic' or 'drop'")
-    for ds in dss:
-        if ds.cost is None:
-            ds.sorted_by_cost(next(iter(ds.buckets), None))  # raises the ConfigError naming it
     if pack.oversize == "refuse":
         _refuse_oversize(dss, pack)
     B = pack.packs

@@ -52,7 +52,7 @@ from ..budgets.packplan import pack_buckets
 from ..permute import round_keys
 from .planrecord import Batch, Bins, BucketStats, Plan, Buckets, rank_batches
 from .proportion import extended, mix
-from ..policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, resolve_policy
+from ..policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, rank_share, resolve_policy
 from .schedule import step_schedule
 from ..seed import check_seed, derive_seed
 from ..sizing import Count, as_sizing
@@ -136,7 +136,8 @@ def plan_epoch(
         The Plan of ``topology.rank`` for ``epoch``.
 
     Raises:
-        ConfigError: a wrong argument, named with the expected form.
+        ConfigError: a wrong argument, named with the expected form; under a Budget or a
+            Pack, a dataset without costs.
     """
     if not isinstance(topology, Topology):
         raise ConfigError(f"topology must be a wds_pad.Topology, got {type(topology).__name__}")
@@ -156,6 +157,8 @@ def plan_epoch(
     if mixed.targets is not None and sizing.kind != "count":
         raise ConfigError("proportions are planned with batches of a sample count (batch_size=N, --batch-size), "
                           f"not with {sizing.describe()}; drop the proportions or the budget")
+    for ds in dss if sizing.needs_costs else ():
+        ds.require_costs()
     at = Planning(seed=seed, epoch=epoch, dp=int(topology.dp_size), d=int(topology.dp_rank),  # type: ignore[arg-type]
                   policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to,
                   accumulation_steps=accumulation_steps,
@@ -201,7 +204,7 @@ def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at:
     local = None
     if at.locality.dealt:  # the order inside each bucket; the schedule is the same
         local = LocalBuckets(raw, dss, got.kept, at)
-    counts = np.asarray([max(0, -(-(kb.length - at.d) // dp)) for kb in got.kept], dtype=np.int64)
+    counts = rank_share([kb.length for kb in got.kept], dp, at.d)
     return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept], counts=counts, starts=None,
                         order=local, local=local, keyed=keyed)
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..permute import ROUNDS, permute
-from ..policy import Mode, PadTo, Policy
+from ..policy import Mode, PadTo, Policy, rank_position
 from ..sampleseed import seed_bases, seeded_entries
 
 if TYPE_CHECKING:  # the records a Plan holds; their modules plan, this one only records
@@ -263,7 +263,7 @@ class Buckets:
             return self.order.entries(b, k)
         if not k.size:
             return np.zeros(0, np.int64), np.zeros(0, bool)
-        return self.at(b, self.d + self.dp * k)
+        return self.at(b, rank_position(self.d, k, self.dp))
 
     def at(self, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
@@ -296,7 +296,7 @@ class Buckets:
         if self.order is not self:
             numbers = getattr(self.order, "copies", None)
             return None if numbers is None else numbers(b, k)  # type: ignore[no-any-return]
-        return self.positions(b, self.d + self.dp * np.asarray(k, np.int64))
+        return self.positions(b, rank_position(self.d, np.asarray(k, np.int64), self.dp))
 
     def positions(self, b: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
         """Copy numbers at global positions ``pos`` of kept buckets ``b`` (None: a local order)."""
