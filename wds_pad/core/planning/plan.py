@@ -43,12 +43,12 @@ import numpy as np
 
 from ...errors import ConfigError, DroppedBucketWarning
 from ..budgets.budget import Budget
-from ..budgets.budgetplan import budget_buckets
-from .buckettable import Planning, SizedBuckets, bucket_table, padded
+from ..budgets.budgetplan import budget_cut
+from .buckettable import BucketCut, BucketTable, Planning, SizedBuckets, bucket_table, padded
 from ..dataset import Dataset, as_datasets
 from ..local.localbuckets import LocalBuckets
 from ..local.locality import Locality
-from ..budgets.packplan import pack_buckets
+from ..budgets.packplan import PackCut
 from ..permute import round_keys
 from .planrecord import Batch, Bins, BucketStats, Plan, Buckets, rank_batches
 from .proportion import extended, mix
@@ -163,7 +163,7 @@ def plan_epoch(
                   policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to,
                   accumulation_steps=accumulation_steps,
                   locality=locality, window=shard_window, node_ranks=node_ranks, targets=mixed.targets)
-    sized = BUCKET_PLANNERS[sizing.kind](raw, dss, sizing, at)
+    sized = plan_buckets(raw, dss, sizing, at)
     got = sized.buckets
     _warn_dropped(warn, got.dropped, got.dropped_samples, got.total_samples, epoch)
 
@@ -185,33 +185,46 @@ def plan_epoch(
     )
 
 
-def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at: Planning) -> SizedBuckets:
-    """The bucket planner of a :class:`~wds_pad.core.sizing.Count`: every bucket padded to
-    the pad unit, a rank's entries cut into batches of ``batch_size`` (the last of a bucket
-    shorter with ``pad_to="rank"`` or ``policy="none"``), in the keyed global order or the
-    shard-local one."""
-    bs, dp = sizing.batch_size, at.dp
-    unit = sizing.pad_unit(dp, at.pad_to, at.accumulation_steps)
-    measure = padded(unit, at.policy, at.oversubscribe, dp * bs)
-    if at.targets is not None:
-        measure = extended(measure, at.targets, [ds.name for ds in dss])
-    got = bucket_table(dss, measure, epoch=at.epoch, dp=dp,
-                       batch=bs, unit=unit, oversubscribe=at.oversubscribe, size=sizing.describe())
-    # one keyed permutation per pass: each kept bucket's global order, evaluated pointwise
-    keyed = [(kb.ids, kb.n, kb.n * kb.passes, kb.length,
-              [round_keys(derive_seed(at.seed, at.epoch, dss[kb.di].name, kb.key, "shuffle", j))
-               for j in range(kb.passes)]) for kb in got.kept]
-    local = None
-    if at.locality.dealt:  # the order inside each bucket; the schedule is the same
-        local = LocalBuckets(raw, dss, got.kept, at)
-    counts = rank_share([kb.length for kb in got.kept], dp, at.d)
-    return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept], counts=counts, starts=None,
-                        order=local, local=local, keyed=keyed)
+def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count | Budget, at: Planning) -> SizedBuckets:
+    """The one bucket planner: the sizing's cut (``BUCKET_CUTS[sizing.kind]``) measures every
+    bucket through the bucket table, the shard-local order is drawn over the kept buckets
+    with locality ``shard`` or ``node``, and the cut says each kept bucket's steps and this
+    rank's entries and batches."""
+    cut = BUCKET_CUTS[sizing.kind](sizing, at, dss)
+    got = bucket_table(dss, cut.measure, epoch=at.epoch, dp=at.dp, batch=cut.batch, unit=cut.unit,
+                       oversubscribe=at.oversubscribe, size=cut.size)
+    sized = cut.cut(dss, got, LocalBuckets(raw, dss, got.kept, at) if at.locality.dealt else None)
+    got.with_steps(sized.steps)
+    return sized
 
 
-#: each sizing's bucket planner, by the sizing's ``kind``
-BUCKET_PLANNERS: dict[str, Callable[..., SizedBuckets]] = {
-    "count": count_buckets, "budget": budget_buckets, "pack": partial(pack_buckets, budget_buckets)}
+class CountCut:
+    """The bucket cut of a :class:`~wds_pad.core.sizing.Count`: every bucket padded to the
+    pad unit (proportions: to its target length), a rank's entries cut into batches of
+    ``batch_size`` (the last of a bucket shorter with ``pad_to="rank"`` or ``policy="none"``),
+    in the keyed global order or the shard-local one."""
+
+    def __init__(self, sizing: Count, at: Planning, dss: Sequence[Dataset]) -> None:
+        self.at, self.batch, self.size = at, sizing.batch_size, sizing.describe()
+        self.unit = sizing.pad_unit(at.dp, at.pad_to, at.accumulation_steps)
+        self.measure = padded(self.unit, at.policy, at.oversubscribe, at.dp * self.batch)
+        if at.targets is not None:
+            self.measure = extended(self.measure, at.targets, [ds.name for ds in dss])
+
+    def cut(self, dss: Sequence[Dataset], got: BucketTable, local: Any) -> SizedBuckets:
+        at = self.at
+        # one keyed permutation per pass: each kept bucket's global order, evaluated pointwise
+        keyed = [(kb.ids, kb.n, kb.n * kb.passes, kb.length,
+                  [round_keys(derive_seed(at.seed, at.epoch, dss[kb.di].name, kb.key, "shuffle", j))
+                   for j in range(kb.passes)]) for kb in got.kept]
+        return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept],
+                            counts=rank_share([kb.length for kb in got.kept], at.dp, at.d), starts=None,
+                            order=local, local=local, keyed=keyed)
+
+
+#: each sizing's bucket cut (core/planning/buckettable.py's ``BucketCut``), by the sizing's ``kind``
+BUCKET_CUTS: dict[str, Callable[..., BucketCut]] = {
+    "count": CountCut, "budget": budget_cut, "pack": partial(PackCut, budget_cut)}
 
 
 def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Count | Budget) -> int:
