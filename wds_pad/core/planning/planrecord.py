@@ -28,7 +28,6 @@ from ..policy import Mode, PadTo, Policy, rank_position
 from ..sampleseed import seed_bases, seeded_entries
 
 if TYPE_CHECKING:  # the records a Plan holds; their modules plan, this one only records
-    from ..budgets.budget import Budget
     from ..local.locality import Locality
     from ..sizing import Sizing
     from ..topology import Topology
@@ -127,11 +126,6 @@ class Plan:
     packs: Any = field(default=None, repr=False)  # a Pack's pack numbers (core/budgets/packplan.py), or None
     seed: int | None = None  # the shared seed: each entry's seed derives from it (None: no seeds)
 
-    @property
-    def budget(self) -> Budget | None:
-        """The Budget batches are sized by, or None (a count: ``batch_size`` each)."""
-        return self.sizing if self.sizing.kind == "budget" else None  # type: ignore[return-value]
-
     def _first(self, b: np.ndarray, w: np.ndarray) -> np.ndarray:
         """Where window ``w`` of kept bucket ``b`` starts among this rank's entries of it."""
         if self.bins is None:
@@ -169,10 +163,14 @@ class Plan:
         return seeded_entries(self.buckets, b, k, self.__dict__.get("_seed_bases"))
 
     def __iter__(self) -> Iterator[Batch]:
-        # consecutive batches in blocks of about 64K entries: one permutation pass each
+        return self.iter_batches(0, len(self))
+
+    def iter_batches(self, lo: int, hi: int) -> Iterator[Batch]:
+        """Batches ``lo .. hi - 1`` in order, computed in blocks of about 64K entries (one
+        permutation pass each)."""
         block = max(1, 65536 // max(self.batch_size, 1))
-        for lo in range(0, len(self), block):
-            yield from self.batches(lo, lo + block)
+        for start in range(lo, hi, block):
+            yield from self.batches(start, min(start + block, hi))
 
     def batches(self, lo: int, hi: int, step: int = 1) -> list[Batch]:
         """Batches ``range(lo, hi, step)``, equal to ``[self[i] for i in range(lo, hi, step)]``,
