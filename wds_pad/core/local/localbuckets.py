@@ -218,8 +218,7 @@ class _LocalBucket:
         of its node's own entries, so that a node's copies are of its own shards (a node
         with no entry of the bucket copies the global front)."""
         if self.local_pad:
-            d, k = position_rank(pos, dp)
-            o, x = d // self.node_ranks, d % self.node_ranks + k * self.node_ranks
+            o, x = self._owner_entry(pos, dp)
             need = self.need[o]
             over = (x >= need) & (need > 0)
             x = np.where(over, (x - need) % np.maximum(need, 1), x)
@@ -234,9 +233,13 @@ class _LocalBucket:
 
     def entries_global(self, pos: np.ndarray, dp: int) -> np.ndarray:
         """Sample ids at global positions ``pos``, padded ones wrapping to the global front."""
-        q = pos % self.m
-        d, k = position_rank(q, dp)
-        return self.rank_entries(d // self.node_ranks, d % self.node_ranks + k * self.node_ranks)
+        return self.rank_entries(*self._owner_entry(pos % self.m, dp))
+
+    def _owner_entry(self, pos: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+        """(owner, its entry) of global positions ``pos``: the entry of rank ``p mod dp`` a
+        node's ranks take in turn."""
+        d, k = position_rank(pos, dp)
+        return d // self.node_ranks, d % self.node_ranks + k * self.node_ranks
 
 
 class LocalBuckets:
