@@ -38,7 +38,7 @@ __all__ = ["BucketCut", "BucketTable", "Kept", "Measured", "Planning", "SizedBuc
 
 @dataclass(frozen=True)
 class Planning:
-    """The plan's arguments every bucket planner reads (validated by ``plan_epoch``)."""
+    """The plan's arguments every bucket cut reads (validated by ``plan_epoch``)."""
 
     seed: int
     epoch: int
@@ -104,7 +104,7 @@ class BucketTable:
 
 @dataclass
 class SizedBuckets:
-    """What a sizing's bucket planner decides for the planner to schedule."""
+    """What a sizing's bucket cut decides for the planner to schedule."""
 
     buckets: BucketTable
     steps: list[int]                  # global steps per kept bucket (a multiple of accumulation_steps)

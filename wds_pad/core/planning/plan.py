@@ -6,16 +6,16 @@ process. Per (dataset, bucket), identically on every rank:
 1. sample ids in sorted order, shuffled by a keyed pseudorandom permutation whose key
    derives from (seed, epoch, dataset, bucket, pass); with ``repeats`` r the bucket
    holds 1 + r independently shuffled passes, concatenated before anything is split.
-   The permutation is evaluated only at this rank's positions (``_permute``), so a
+   The permutation is evaluated only at this rank's positions (``Buckets.at``), so a
    rank's plan costs O(samples / dp_size), not a full shuffle of every bucket;
 2. a bucket smaller than one pad unit is dropped (a DroppedBucketWarning names it)
    unless ``oversubscribe`` lets the cyclic extension fill it to one whole unit;
 3. ``cyclic`` extends the list by its own prefix to the next multiple of the pad unit
    (extra entries are marked as padded copies), ``drop`` truncates to the multiple,
    ``none`` leaves it uneven;
-4. dp_rank d takes global positions p with p mod dp_size == d and cuts them into
-   batches, so each global step is one contiguous window of the bucket's order and
-   context-parallel peers get identical batches;
+4. dp_rank d takes global positions p with p mod dp_size == d (``policy.rank_position``)
+   and the sizing's cut makes them batches, so each global step is one contiguous window
+   of the bucket's order and context-parallel peers get identical batches;
 5. a schedule derived from (seed, epoch) interleaves the buckets' windows (each bucket's
    windows in order; datasets merged as Poisson processes with rates equal to their
    weights), so all ranks take the same (dataset, bucket) at the same step.
