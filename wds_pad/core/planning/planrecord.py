@@ -290,10 +290,8 @@ class Buckets:
         return samples, pos >= m_e
 
     def copies(self, b: np.ndarray, k: np.ndarray) -> np.ndarray | None:
-        """Copy numbers of entries ``k`` of kept buckets ``b`` (``p // n``, core/sampleseed.py), or None."""
-        if self.order is not self:
-            numbers = getattr(self.order, "copies", None)
-            return None if numbers is None else numbers(b, k)  # type: ignore[no-any-return]
+        """Copy numbers of entries ``k`` of kept buckets ``b`` in the keyed order (``p // n``,
+        core/sampleseed.py)."""
         return self.positions(b, rank_position(self.d, np.asarray(k, np.int64), self.dp))
 
     def positions(self, b: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
