@@ -55,7 +55,7 @@ from .proportion import extended, mix
 from ..policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, rank_share, resolve_policy
 from .schedule import step_schedule
 from ..seed import check_seed, derive_seed
-from ..sizing import Count, as_sizing
+from ..sizing import Count, Sizing, as_sizing
 from ..topology import Topology
 
 __all__ = ["Batch", "BucketStats", "Plan", "iter_steps", "plan_epoch"]
@@ -185,7 +185,7 @@ def plan_epoch(
     )
 
 
-def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count | Budget, at: Planning) -> SizedBuckets:
+def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Sizing, at: Planning) -> SizedBuckets:
     """The one bucket planner: the sizing's cut (``BUCKET_CUTS[sizing.kind]``) measures every
     bucket through the bucket table, the shard-local order is drawn over the kept buckets
     with locality ``shard`` or ``node``, and the cut says each kept bucket's steps and this
@@ -227,7 +227,7 @@ BUCKET_CUTS: dict[str, Callable[..., BucketCut]] = {
     "count": CountCut, "budget": budget_cut, "pack": partial(PackCut, budget_cut)}
 
 
-def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Count | Budget) -> int:
+def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Sizing) -> int:
     steps = check_positive("accumulation_steps", value)
     if steps > 1 and policy is Policy.NONE:
         raise ConfigError(
