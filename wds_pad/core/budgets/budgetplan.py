@@ -236,9 +236,8 @@ class LockstepCut:
         at = self.at
         cuts = [shard_cut(local, j, kb.length, min(kb.n * kb.passes, kb.length), at.dp, dss[kb.di].cost,
                           self.budget, at.accumulation_steps) for j, kb in enumerate(got.kept)]
-        return SizedBuckets(got, steps=[c.steps for c in cuts], counts=np.asarray([c.count(at.d) for c in cuts],
-                                                                                  np.int64),
-                            starts=[c.cuts[at.d] for c in cuts], order=local, local=local)
+        return SizedBuckets(got, steps=[c.steps for c in cuts], starts=[c.cuts[at.d] for c in cuts],
+                            counts=np.asarray([c.count(at.d) for c in cuts], np.int64), order=local, local=local)
 
 
 def budget_cut(budget: Budget, at: Planning, dss: Sequence[Dataset]) -> StrataCut | LockstepCut:
