@@ -113,7 +113,7 @@ class SizedBuckets:
                                       # batch batch_size entries)
     order: EntryOrder | None          # where entries come from (None: the keyed order of core/planning/planrecord.py)
     local: Any = None                 # the shard-local order (LocalBuckets), whose set_steps takes the schedule
-    keyed: list[tuple[Any, int, int, int, list[list[int]]]] = field(default_factory=list)
+    keyed: list[tuple[Any, int, int, list[list[int]]]] = field(default_factory=list)  # Buckets' keyed order
     packs: Any = None                 # a Pack's pack of each entry (core/budgets/packplan.py's PackNumbers), or None
 
 

@@ -214,7 +214,7 @@ class CountCut:
     def cut(self, dss: Sequence[Dataset], got: BucketTable, local: Any) -> SizedBuckets:
         at = self.at
         # one keyed permutation per pass: each kept bucket's global order, evaluated pointwise
-        keyed = [(kb.ids, kb.n, kb.n * kb.passes, kb.length,
+        keyed = [(kb.ids, kb.n, kb.n * kb.passes,
                   [round_keys(derive_seed(at.seed, at.epoch, dss[kb.di].name, kb.key, "shuffle", j))
                    for j in range(kb.passes)]) for kb in got.kept]
         return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept],

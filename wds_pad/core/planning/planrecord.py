@@ -242,14 +242,14 @@ class Buckets:
     fixed when the buckets are made.
     """
 
-    def __init__(self, kept: Sequence[tuple[Any, int, int, int, list[list[int]]]], dp: int, d: int, *,
+    def __init__(self, kept: Sequence[tuple[Any, int, int, list[list[int]]]], dp: int, d: int, *,
                  counts: np.ndarray, order: EntryOrder | None = None, local: Any = None) -> None:
         self.ids = [k[0] for k in kept]
         self.n = np.asarray([k[1] for k in kept], dtype=np.int64)
         self.m = np.asarray([k[2] for k in kept], dtype=np.int64)
-        self.key_rows = np.asarray([row for k in kept for row in k[4]], dtype=np.uint64).reshape(-1, ROUNDS)
+        self.key_rows = np.asarray([row for k in kept for row in k[3]], dtype=np.uint64).reshape(-1, ROUNDS)
         self.first_row = np.zeros(len(kept), dtype=np.int64)
-        np.cumsum([len(k[4]) for k in kept][:-1], out=self.first_row[1:])
+        np.cumsum([len(k[3]) for k in kept][:-1], out=self.first_row[1:])
         self.dp, self.d = dp, d
         self.local: Any = local  # a LocalBuckets (core/local/localbuckets.py) or a remainder of one, or None
         self.order: EntryOrder = order if order is not None else local if local is not None else self
