@@ -176,6 +176,11 @@ def test_a_sample_longer_than_seq_len_is_refused_with_its_count_unless_it_travel
     assert sorted(s.tolist() for s in packs if cost[s].sum() > 40) in ([[1], [2]], [[1], [1], [2]], [[1], [2], [2]])
 
 
+def test_packing_needs_costs_and_names_the_dataset_without() -> None:
+    with pytest.raises(ConfigError, match="dataset 'd' has no costs"):
+        plan_epoch(Dataset("d", {"a": np.arange(8)}), Topology(2, 0), seed=1, batch_size=Pack(4, packs=2))
+
+
 def test_packing_needs_a_padding_policy_that_keeps_ranks_equal() -> None:
     ds = Dataset("d", {"a": np.arange(8)}, cost=np.ones(8))
     with pytest.raises(ConfigError, match="policy 'none'"):

@@ -1,5 +1,6 @@
 """Tests of the planner's rules (wds_pad/core/policy.py): ``auto`` resolution, the padded
-length of each policy, and the epoch and planned-size limits."""
+length of each policy, the round-robin deal of positions to DP ranks, and the epoch and
+planned-size limits."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wds_pad import ConfigError, Dataset, Mode, Policy, Topology, plan_epoch
-from wds_pad.core.policy import MAX_PLANNED_ENTRIES, padded_length, resolve_policy
+from wds_pad.core.policy import (MAX_PLANNED_ENTRIES, padded_length, position_rank, rank_position, rank_share,
+                                 resolve_policy)
 
 
 def test_auto_policy_resolution() -> None:
@@ -37,6 +39,18 @@ def test_padded_length_is_the_policys_multiple_of_the_unit(m: int, unit: int, po
         assert m <= length < m + unit
     else:
         assert m - unit < length <= m
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 500), st.integers(1, 40))
+def test_the_round_robin_deal_gives_every_position_to_one_rank(length: int, dp: int) -> None:
+    d = np.arange(dp, dtype=np.int64)
+    shares = rank_share(length, dp, d)
+    assert int(shares.sum()) == length and int(shares.max() - shares.min()) <= 1
+    pos = np.concatenate([rank_position(r, np.arange(int(shares[r]), dtype=np.int64), dp) for r in range(dp)])
+    assert np.array_equal(np.sort(pos), np.arange(length))  # each position dealt once
+    owner, k = position_rank(pos, dp)
+    assert np.array_equal(rank_position(owner, k, dp), pos)
 
 
 def test_max_epoch_is_one_exported_constant() -> None:

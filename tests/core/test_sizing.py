@@ -43,14 +43,14 @@ def test_a_count_given_as_such_plans_what_its_int_plans() -> None:
         a = plan_epoch(ds, locality_free, seed=5, epoch=2, batch_size=3)
         b = plan_epoch(ds, locality_free, seed=5, epoch=2, batch_size=Count(3))
         assert np.array_equal(a.samples, b.samples) and np.array_equal(a.pad, b.pad)
-        assert a.stats == b.stats and a.budget is None and a.sizing == Count(3)
+        assert a.stats == b.stats and a.sizing == Count(3)
 
 
-def test_a_plan_names_its_sizing_and_its_budget_only_under_one() -> None:
+def test_a_plan_names_its_sizing() -> None:
     ds = Dataset("d", {"a": np.arange(40)}, cost=np.arange(1, 41, dtype=np.float64))
     budget = Budget(60.0)
     plan = plan_epoch(ds, Topology(2, 0), seed=1, batch_size=budget)
-    assert plan.sizing is budget and plan.budget is budget
+    assert plan.sizing is budget
     assert isinstance(plan_epoch(ds, Topology(2, 0), seed=1, batch_size=4), Plan)
 
 

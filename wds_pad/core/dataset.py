@@ -195,16 +195,21 @@ class Dataset:
                                   "costs must be finite numbers >= 0")
         object.__setattr__(self, "cost", c)
 
+    def require_costs(self) -> None:
+        """A ConfigError naming the dataset and the fix when it has no costs: what a sizing
+        that ``needs_costs`` (a Budget, a Pack) asks of every dataset."""
+        if self.cost is None:
+            raise ConfigError(f"dataset {self.name!r} has no costs, so it cannot be planned under a budget: "
+                              "index it with --cost (build_index(..., cost=...)), or pass cost= to Dataset")
+
     def sorted_by_cost(self, key: Hashable) -> Any:
         """Bucket ``key``'s sample ids in cost order (ties by id): the index's order, or
         sorted once here (O(n log n), cached).
 
         Raises:
-            ConfigError: the dataset has no costs.
+            ConfigError: the dataset has no costs (:meth:`require_costs`).
         """
-        if self.cost is None:
-            raise ConfigError(f"dataset {self.name!r} has no costs, so it cannot be planned under a budget: "
-                              "index it with --cost (build_index(..., cost=...)), or pass cost= to Dataset")
+        self.require_costs()
         if self.cost_order is not None:
             return self.cost_order(key)
         cache = self.__dict__.setdefault("_by_cost", {})

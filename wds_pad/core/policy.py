@@ -10,6 +10,10 @@ to anything that depends on the process, the machine or the clock. Invariants:
 - ``resolve_policy`` never returns ``AUTO``: it is cyclic for epoch-driven runs or
   explicit oversubscription, else drop (invariant 6: the same inputs resolve the same
   way for every epoch);
+- a bucket's padded order is dealt round robin, one rule: dp_rank d's entry k is global
+  position ``d + k * dp_size`` (``rank_position``), position p is rank ``p mod dp_size``'s
+  entry ``p // dp_size`` (``position_rank``), and of ``length`` positions rank d holds
+  ``ceil((length - d) / dp_size)`` (``rank_share``);
 - ``padded_length(m, unit, ...)`` is ``m`` for ``none``, else a multiple of ``unit``:
   the next one up for ``cyclic``, the one below for ``drop``; a list shorter than one
   unit becomes 0 (dropped) unless cyclic with oversubscription fills it to one unit.
@@ -40,6 +44,9 @@ __all__ = [
     "check_positive",
     "padded_length",
     "parse_enum",
+    "position_rank",
+    "rank_position",
+    "rank_share",
     "resolve_policy",
 ]
 
@@ -144,6 +151,22 @@ def padded_length(m: int, unit: int, policy: Policy, oversubscribe: bool) -> int
     if policy is Policy.CYCLIC:
         return -(-m // unit) * unit
     return (m // unit) * unit
+
+
+def rank_position(d: Any, k: Any, dp: int) -> Any:
+    """The global position of dp_rank ``d``'s entry ``k`` (ints or int64 arrays): the
+    round-robin deal every planner splits a bucket's order by."""
+    return d + k * dp
+
+
+def position_rank(pos: Any, dp: int) -> tuple[Any, Any]:
+    """(dp_rank, entry number) of global position ``pos``: the inverse of :func:`rank_position`."""
+    return pos % dp, pos // dp
+
+
+def rank_share(length: Any, dp: int, d: Any) -> Any:
+    """How many of ``length`` global positions dp_rank ``d`` holds (0 when d >= length)."""
+    return np.maximum(0, -(-(np.asarray(length, np.int64) - d) // dp))
 
 
 def check_bucket_size(

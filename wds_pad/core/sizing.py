@@ -3,8 +3,8 @@
 The planner composes a sizing with an entry order (core/planning/planrecord.py's ``EntryOrder``):
 the sizing owns the pad unit a bucket is padded to, whether a bucket's last batch may be
 short, how it names itself in messages and in the plan's fingerprint, and which bucket
-planner cuts a bucket's order into batches (``kind``, a name core/planning/plan.py looks up, as
-Mosaic Streaming looks up a shuffle). ``plan_epoch(batch_size=...)`` takes an int or a
+cut measures its buckets and cuts their order into batches (``kind``, a name
+core/planning/plan.py looks up in ``BUCKET_CUTS``, as Mosaic Streaming looks up a shuffle). ``plan_epoch(batch_size=...)`` takes an int or a
 Budget; :func:`as_sizing` turns it into a sizing, once.
 
 Invariants:
@@ -29,7 +29,7 @@ __all__ = ["Count", "Sizing", "as_sizing"]
 class Sizing(Protocol):
     """What the planner asks of a sizing (:class:`Count`, :class:`~wds_pad.core.budgets.budget.Budget`)."""
 
-    kind: ClassVar[str]          # the bucket planner that cuts its batches (core/planning/plan.py)
+    kind: ClassVar[str]          # its bucket cut (core/planning/plan.py BUCKET_CUTS)
     needs_costs: ClassVar[bool]  # every dataset must give each sample's cost
 
     def pad_unit(self, dp_size: int, pad_to: PadTo, accumulation_steps: int) -> int:

@@ -77,7 +77,7 @@ class Budget(ByStrata):
     limit: float
     model: BudgetModel = BudgetModel.SUM
     max_samples: int | None = None
-    kind: ClassVar[str] = "budget"  # the bucket planner that cuts its batches (core/budgets/budgetplan.py)
+    kind: ClassVar[str] = "budget"  # its bucket cut (core/budgets/budgetplan.py budget_cut)
     needs_costs: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

@@ -1,10 +1,9 @@
 """Planning an epoch under a budget: each bucket's batches sized by cost (core/budgets/budget.py).
 
-``plan_epoch(..., batch_size=Budget(...))`` calls :func:`budget_buckets` (the budget's
-bucket planner) for what a sizing decides: which buckets are kept (through
-core/planning/buckettable.py, as for a count), how many steps each takes, which entries a rank holds
-and where each of its batches starts. Everything after it (the schedule, the rank's
-batches, the Plan record) is the same for every sizing.
+:func:`budget_cut` is a budget's bucket cut (the protocol of core/planning/buckettable.py):
+how a bucket is measured for the bucket table, how many steps each kept bucket takes,
+which entries a rank holds and where each of its batches starts. The rest (the bucket
+table, the entry order, the schedule, the Plan) is the one planner's (core/planning/plan.py).
 
 - ``locality="none"``: each bucket's strata are packed into batches identically on every
   rank (:class:`~wds_pad.core.budgets.strata.BucketBatches`); a rank's entries are one member of
@@ -31,20 +30,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 import numpy as np
 
-from ..planning.buckettable import Measured, Planning, SizedBuckets, bucket_table, padded
+from ..planning.buckettable import BucketTable, Measured, Planning, SizedBuckets, padded
 from .budget import Budget, BudgetModel
 from ..dataset import Dataset
-from ..local.localbuckets import LocalBuckets
-from ..policy import PadTo
+from ..policy import PadTo, rank_position, rank_share
 from ..sampleseed import PADDED
 from ..seed import derive_seed
 from .strata import BucketBatches
 
-__all__ = ["BudgetBuckets", "RankCuts", "budget_buckets", "lockstep_cuts", "shard_cut"]
+if TYPE_CHECKING:
+    from ..local.localbuckets import LocalBuckets
+
+__all__ = ["BudgetBuckets", "LockstepCut", "RankCuts", "StrataCut", "budget_cut", "lockstep_cuts", "shard_cut"]
 
 
 class BudgetBuckets:
@@ -101,17 +102,15 @@ def shard_cut(local: LocalBuckets, j: int, length: int, real: int, dp: int, cost
     """Kept bucket ``j`` of a shard-local plan (``length`` entries padded, ``real`` of them
     samples): every rank's entries, and the lockstep cuts of them under ``budget``.
     O(the bucket's entries): every rank must know every rank's costs to agree on a count."""
-    r = -(-length // dp)
-    pos = np.arange(r * dp, dtype=np.int64)
+    d = np.arange(dp, dtype=np.int64)
+    pos = rank_position(d[:, None], np.arange(-(-length // dp), dtype=np.int64), dp)  # (dp, entries of rank 0)
     live = pos < length
-    ids = np.zeros(r * dp, np.int64)
+    ids = np.zeros(pos.shape, np.int64)
     ids[live], _ = local.at(np.full(int(live.sum()), j, np.int64), pos[live])
     costs = np.where(live, np.asarray(cost[ids], dtype=np.float64), 0.0)
-    per_ids, per_cost = ids.reshape(r, dp).T, costs.reshape(r, dp).T  # rank d's entry k: position d + k * dp
-    counts = np.maximum(0, -(-(length - np.arange(dp)) // dp))
-    steps, cuts = lockstep_cuts(per_cost, counts, budget, accumulation_steps=accumulation_steps)
-    pad = (np.arange(dp)[:, None] + np.arange(r)[None, :] * dp) >= real
-    return RankCuts([per_ids[d, :counts[d]] for d in range(dp)], [pad[d, :counts[d]] for d in range(dp)],
+    counts = rank_share(length, dp, d)
+    steps, cuts = lockstep_cuts(costs, counts, budget, accumulation_steps=accumulation_steps)
+    return RankCuts([ids[e, :counts[e]] for e in d.tolist()], [pos[e, :counts[e]] >= real for e in d.tolist()],
                     steps, cuts)
 
 
@@ -192,56 +191,56 @@ def _non_empty(cut: np.ndarray, n: int) -> np.ndarray:
     return np.minimum(up, np.maximum(n - (s - k), k.clip(max=n)))  # ... and room at the end
 
 
-def budget_buckets(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
-    """The bucket planner of a :class:`~wds_pad.core.budgets.budget.Budget`: kept buckets, their
-    steps and this rank's entries and batches (see the module docstring).
+class StrataCut:
+    """A budget's bucket cut over strata (``locality="none"``): each bucket measured and cut
+    into batches by :class:`~wds_pad.core.budgets.strata.BucketBatches`, the same on every
+    rank; this rank's entries are one member of each stratum (:class:`BudgetBuckets`)."""
 
-    Raises:
-        ConfigError: a dataset without costs (named).
-    """
-    for ds in dss:
-        if ds.cost is None:
-            ds.sorted_by_cost(next(iter(ds.buckets), None))  # raises the ConfigError naming it
-    if at.locality.dealt:
-        return _shard_local(raw, dss, budget, at)
-    dp, d = at.dp, at.d
-    unit = budget.pad_unit(dp)
+    batch = 1
 
-    def strata(ds: Dataset, key: Hashable, ids: Any, n: int, passes: int) -> Measured:
-        order = ds.sorted_by_cost(key)
-        bb = BucketBatches(n, passes, dp,
+    def __init__(self, budget: Budget, at: Planning, dss: Sequence[Dataset]) -> None:
+        self.budget, self.at, self.unit, self.size = budget, at, budget.pad_unit(at.dp), budget.describe()
+
+    def measure(self, ds: Dataset, key: Hashable, ids: Any, n: int, passes: int) -> Measured:
+        at, order = self.at, ds.sorted_by_cost(key)
+        bb = BucketBatches(n, passes, at.dp,
                            lambda pos: np.asarray(ds.cost[np.asarray(order[pos], np.int64)], np.float64),
-                           derive_seed(at.seed, at.epoch, ds.name, key, "budget"), budget, at.policy.value,
+                           derive_seed(at.seed, at.epoch, ds.name, key, "budget"), self.budget, at.policy.value,
                            at.oversubscribe, at.pad_to is PadTo.BATCH, at.accumulation_steps)
-        kept = bb.batches > 0
         return Measured(length=bb.planned, real=bb.real, truncated=bb.truncated, steps=bb.batches,
-                        oversubscribed=kept and bb.complete == 0,
-                        dropped_why=f"({n * passes} < one entry per DP rank, {dp})", cut=(bb, order))
+                        oversubscribed=bb.batches > 0 and bb.complete == 0,
+                        dropped_why=f"({n * passes} < one entry per DP rank, {at.dp})", cut=(bb, order))
 
-    got = bucket_table(dss, strata, epoch=at.epoch, dp=dp, batch=1, unit=unit, oversubscribe=at.oversubscribe,
-                       size=budget.describe())
-    batches = [kb.cut[0] for kb in got.kept]
-    counts = np.asarray([bb.count(d) for bb in batches], np.int64)
-    order = BudgetBuckets(batches, [kb.cut[1] for kb in got.kept], d)
-    return SizedBuckets(got, steps=[bb.batches for bb in batches], counts=counts,
-                        starts=[bb.offsets for bb in batches], order=order)
+    def cut(self, dss: Sequence[Dataset], got: BucketTable, local: Any) -> SizedBuckets:
+        batches, d = [kb.cut[0] for kb in got.kept], self.at.d
+        return SizedBuckets(got, steps=[bb.batches for bb in batches],
+                            counts=np.asarray([bb.count(d) for bb in batches], np.int64),
+                            starts=[bb.offsets for bb in batches],
+                            order=BudgetBuckets(batches, [kb.cut[1] for kb in got.kept], d))
 
 
-def _shard_local(raw: Sequence[Any], dss: Sequence[Dataset], budget: Budget, at: Planning) -> SizedBuckets:
-    dp, d = at.dp, at.d
-    # each rank's entries of a bucket come in whole optimizer steps' worth
-    unit = budget.pad_unit(dp) * at.accumulation_steps
-    got = bucket_table(dss, padded(unit, at.policy, at.oversubscribe, 0), epoch=at.epoch, dp=dp, batch=1,
-                       unit=unit, oversubscribe=at.oversubscribe, size=budget.describe())
-    local = LocalBuckets(raw, dss, got.kept, at)
-    steps: list[int] = []
-    starts: list[np.ndarray] = []
-    counts = np.zeros(len(got.kept), np.int64)
-    for j, kb in enumerate(got.kept):
-        cut = shard_cut(local, j, kb.length, min(kb.n * kb.passes, kb.length), dp, dss[kb.di].cost, budget,
-                        at.accumulation_steps)
-        steps.append(cut.steps)
-        starts.append(cut.cuts[d])
-        counts[j] = cut.count(d)
-    got.with_steps(steps)
-    return SizedBuckets(got, steps=steps, counts=counts, starts=starts, order=local, local=local)
+class LockstepCut:
+    """A budget's bucket cut over a shard-local order: each bucket padded to ``dp_size`` x
+    ``accumulation_steps`` entries (each rank's entries come in whole optimizer steps'
+    worth), every rank's entries cut in order into the same number of batches
+    (:func:`shard_cut`)."""
+
+    batch = 1
+
+    def __init__(self, budget: Budget, at: Planning, dss: Sequence[Dataset]) -> None:
+        self.budget, self.at, self.size = budget, at, budget.describe()
+        self.unit = budget.pad_unit(at.dp) * at.accumulation_steps
+        self.measure = padded(self.unit, at.policy, at.oversubscribe, 0)  # steps known once cut
+
+    def cut(self, dss: Sequence[Dataset], got: BucketTable, local: Any) -> SizedBuckets:
+        at = self.at
+        cuts = [shard_cut(local, j, kb.length, min(kb.n * kb.passes, kb.length), at.dp, dss[kb.di].cost,
+                          self.budget, at.accumulation_steps) for j, kb in enumerate(got.kept)]
+        return SizedBuckets(got, steps=[c.steps for c in cuts], starts=[c.cuts[at.d] for c in cuts],
+                            counts=np.asarray([c.count(at.d) for c in cuts], np.int64), order=local, local=local)
+
+
+def budget_cut(budget: Budget, at: Planning, dss: Sequence[Dataset]) -> StrataCut | LockstepCut:
+    """The bucket cut of a :class:`~wds_pad.core.budgets.budget.Budget` (see the module
+    docstring): strata in the keyed order, lockstep cuts in a shard-local one."""
+    return (LockstepCut if at.locality.dealt else StrataCut)(budget, at, dss)

@@ -66,7 +66,7 @@ class Pack(ByStrata):
     packs: int = 1
     max_segments: int | None = None
     oversize: str = "refuse"
-    kind: ClassVar[str] = "pack"  # the bucket planner that cuts its batches (core/budgets/packplan.py)
+    kind: ClassVar[str] = "pack"  # its bucket cut (core/budgets/packplan.py PackCut)
     needs_costs: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ from .packing import Pack
 from ..planning.planrecord import Bins, Plan, rank_batches
 from ..policy import Policy
 
-__all__ = ["PackNumbers", "group_plan", "pack_buckets"]
+__all__ = ["PackCut", "PackNumbers", "group_plan"]
 
 
 class PackNumbers:
@@ -55,29 +55,33 @@ class PackNumbers:
         return np.repeat(np.tile(np.arange(self.packs, dtype=np.int64), b.shape[0]), per.ravel())
 
 
-def pack_buckets(budget_buckets: Callable[..., SizedBuckets], raw: Sequence[Any], dss: Sequence[Dataset], pack: Pack,
-                 at: Planning) -> SizedBuckets:
-    """The bucket planner of a :class:`~wds_pad.core.budgets.packing.Pack` (see the module docstring), given
-    the bucket planner of a budget (core/budgets/budgetplan.py's, registered with it in core/planning/plan.py).
+class PackCut:
+    """The bucket cut of a :class:`~wds_pad.core.budgets.packing.Pack` (see the module docstring):
+    the cut ``budget_cut`` makes of the budget of one pack with ``accumulation_steps`` x B
+    (core/budgets/budgetplan.py's, handed over where both are registered, core/planning/plan.py),
+    every B of a bucket's packs then one batch.
 
     Raises:
-        ConfigError: policy ``none``; a dataset without costs; a sample costlier than
-            ``seq_len`` (unless ``oversize="alone"``), with their count and the fix.
+        ConfigError: policy ``none``; a sample costlier than ``seq_len`` (unless
+            ``oversize="alone"``), with their count and the fix.
     """
-    if at.policy is Policy.NONE:
-        raise ConfigError(f"{pack.describe()} with padding policy 'none': every rank's batch must be "
-                          f"{pack.packs} packs; use pad='cyclic' or 'drop'")
-    for ds in dss:
-        if ds.cost is None:
-            ds.sorted_by_cost(next(iter(ds.buckets), None))  # raises the ConfigError naming it
-    if pack.oversize == "refuse":
-        _refuse_oversize(dss, pack)
-    B = pack.packs
-    sized = budget_buckets(raw, dss, pack.budget(), replace(at, accumulation_steps=at.accumulation_steps * B))
-    steps = [int(s) // B for s in sized.steps]
-    sized.buckets.with_steps(steps)
-    starts = [np.asarray(s, np.int64) for s in (sized.starts or [])]
-    return replace(sized, steps=steps, starts=[s[::B] for s in starts], packs=PackNumbers(starts, B))
+
+    def __init__(self, budget_cut: Callable[..., Any], pack: Pack, at: Planning, dss: Sequence[Dataset]) -> None:
+        if at.policy is Policy.NONE:
+            raise ConfigError(f"{pack.describe()} with padding policy 'none': every rank's batch must be "
+                              f"{pack.packs} packs; use pad='cyclic' or 'drop'")
+        if pack.oversize == "refuse":
+            _refuse_oversize(dss, pack)
+        self.packs = pack.packs
+        self.packed = budget_cut(pack.budget(), replace(at, accumulation_steps=at.accumulation_steps * pack.packs), dss)
+        self.unit, self.batch, self.size, self.measure = (self.packed.unit, self.packed.batch, self.packed.size,
+                                                          self.packed.measure)
+
+    def cut(self, dss: Sequence[Dataset], got: Any, local: Any) -> SizedBuckets:
+        sized, B = self.packed.cut(dss, got, local), self.packs
+        starts = [np.asarray(s, np.int64) for s in (sized.starts or [])]
+        return replace(sized, steps=[int(s) // B for s in sized.steps], starts=[s[::B] for s in starts],
+                       packs=PackNumbers(starts, B))
 
 
 def _refuse_oversize(dss: Sequence[Dataset], pack: Pack) -> None:

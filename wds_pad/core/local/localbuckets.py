@@ -29,6 +29,7 @@ from ...errors import ConfigError
 from ..dataset import Dataset, IdRange
 from .locality import DealtDataset, Locality, layouts, tail_needed
 from ..permute import keyed_round_keys, permute
+from ..policy import position_rank, rank_position, rank_share
 from ..seed import derive_seed
 
 if TYPE_CHECKING:
@@ -102,9 +103,8 @@ class _LocalBucket:
         owner = np.searchsorted(dealt.rank_start, dealt.deal_pos[nz_shard], side="right") - 1
         own = np.bincount(owner, weights=nz_count, minlength=dealt.rank_start.size - 1).astype(np.int64) * passes
         real = min(m, length)
-        d = np.arange(dp, dtype=np.int64)
         # an owner (a rank, or a node of ``node_ranks`` consecutive DP ranks) needs its ranks' shares
-        self.need = np.maximum(0, -(-(real - d) // dp)).reshape(-1, node_ranks).sum(axis=1)
+        self.need = rank_share(real, dp, np.arange(dp, dtype=np.int64)).reshape(-1, node_ranks).sum(axis=1)
         self.own = own
         self.keep = np.minimum(own, self.need)            # own entries a rank yields itself
         self.surplus_cum = np.zeros(self.need.size + 1, np.int64)
@@ -218,8 +218,7 @@ class _LocalBucket:
         of its node's own entries, so that a node's copies are of its own shards (a node
         with no entry of the bucket copies the global front)."""
         if self.local_pad:
-            d, k = pos % dp, pos // dp
-            o, x = d // self.node_ranks, d % self.node_ranks + k * self.node_ranks
+            o, x = self._owner_entry(pos, dp)
             need = self.need[o]
             over = (x >= need) & (need > 0)
             x = np.where(over, (x - need) % np.maximum(need, 1), x)
@@ -234,9 +233,13 @@ class _LocalBucket:
 
     def entries_global(self, pos: np.ndarray, dp: int) -> np.ndarray:
         """Sample ids at global positions ``pos``, padded ones wrapping to the global front."""
-        q = pos % self.m
-        d, k = q % dp, q // dp
-        return self.rank_entries(d // self.node_ranks, d % self.node_ranks + k * self.node_ranks)
+        return self.rank_entries(*self._owner_entry(pos % self.m, dp))
+
+    def _owner_entry(self, pos: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+        """(owner, its entry) of global positions ``pos``: the entry of rank ``p mod dp`` a
+        node's ranks take in turn."""
+        d, k = position_rank(pos, dp)
+        return d // self.node_ranks, d % self.node_ranks + k * self.node_ranks
 
 
 class LocalBuckets:
@@ -287,7 +290,7 @@ class LocalBuckets:
 
     def entries(self, b: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` of this rank."""
-        return self.at(b, self.d + self.dp * np.asarray(k, np.int64))
+        return self.at(b, rank_position(self.d, np.asarray(k, np.int64), self.dp))
 
     def at(self, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``."""

@@ -116,7 +116,7 @@ def node_reads(plans: Sequence[Any], shard_of: Sequence[Any], lengths: Sequence[
 def imports_shards(plans: Sequence[Any]) -> bool:
     """Whether a node of these plans reads other nodes' shards often enough to keep them
     (``locality="node"``: see IMPORT_READS)."""
-    return any(getattr(getattr(plan, "locality", None), "value", None) == "node" for plan in plans)
+    return any(plan.locality == "node" for plan in plans)  # Locality is a str Enum
 
 
 def node_held(reads: Sequence[list[Reads]], di: int, imports: bool) -> np.ndarray:

@@ -142,12 +142,9 @@ def _table(rows: list[tuple[int, int, int, list[int], int, int, np.ndarray]], nu
 
 
 def _walked(plan: Plan, walk: Sequence[int], first: int) -> Iterator[Batch]:
-    """The batches ``walk[first:]`` of ``plan``, computed in blocks of about 64K entries
-    when the walk is the whole plan (one permutation pass per block, not per batch)."""
+    """The batches ``walk[first:]`` of ``plan``, in blocks (``Plan.iter_batches``) when the walk is a run."""
     if isinstance(walk, range) and walk.step == 1:
-        block = max(1, 65536 // max(plan.batch_size, 1))
-        for lo in range(walk.start + first, walk.stop, block):
-            yield from plan.batches(lo, min(lo + block, walk.stop))
+        yield from plan.iter_batches(walk.start + first, walk.stop)
         return
     for k in range(first, len(walk)):
         yield plan[int(walk[k])]

@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ...errors import ConfigError
+from ..policy import rank_position
 from ..seed import derive_rng
 from ..topology import Topology
 
@@ -39,7 +40,7 @@ def deal_shards(n: int, seed: int, epoch: int, dp_size: int) -> tuple[np.ndarray
     if n == 0:
         return np.zeros((dp_size, 0), np.int64), np.zeros((dp_size, 0), bool)
     order = derive_rng(seed, epoch, "shards").permutation(n).astype(np.int64)
-    p = np.arange(length, dtype=np.int64).reshape(-1, dp_size).T  # row d: d, d + dp_size, ...
+    p = rank_position(np.arange(dp_size, dtype=np.int64)[:, None], np.arange(length // dp_size, dtype=np.int64), dp_size)
     return order[p % n], p >= n
 
 

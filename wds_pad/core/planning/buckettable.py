@@ -5,9 +5,11 @@ what it makes of the bucket (its padded length, its real entries, its steps); it
 the size guard (``check_bucket_size``, ``check_planned_total``) and writes the
 ``BucketStats``, so every sizing keeps, pads and drops by one loop. :func:`padded` is the
 measure of the pad rule (``padded_length`` to a pad unit); a budget's strata measure
-themselves (core/budgets/budgetplan.py). :class:`SizedBuckets` is what a sizing's bucket planner
-hands the planner: the table, each kept bucket's steps, this rank's entries per bucket,
-where its batches start, and the entry order they come from.
+themselves (core/budgets/budgetplan.py). A :class:`BucketCut` is what a sizing gives the one
+bucket planner (core/planning/plan.py's ``plan_buckets``): its pad unit, its measure, and
+how the kept buckets are cut into batches, as :class:`SizedBuckets`: the table, each kept
+bucket's steps, this rank's entries per bucket, where its batches start, and the entry
+order they come from.
 
 Invariants:
 - an empty bucket is never measured (invariant 5): its stats say 0 everywhere;
@@ -20,7 +22,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol, Sequence
 
 import numpy as np
 
@@ -31,12 +33,12 @@ if TYPE_CHECKING:
     from ..dataset import Dataset
     from ..local.locality import Locality
 
-__all__ = ["BucketTable", "Kept", "Measured", "Planning", "SizedBuckets", "bucket_table", "padded"]
+__all__ = ["BucketCut", "BucketTable", "Kept", "Measured", "Planning", "SizedBuckets", "bucket_table", "padded"]
 
 
 @dataclass(frozen=True)
 class Planning:
-    """The plan's arguments every bucket planner reads (validated by ``plan_epoch``)."""
+    """The plan's arguments every bucket cut reads (validated by ``plan_epoch``)."""
 
     seed: int
     epoch: int
@@ -96,12 +98,13 @@ class BucketTable:
     def with_steps(self, steps: Sequence[int]) -> None:
         """Record each kept bucket's steps, known once its batches are cut."""
         for k, st in zip(self.kept, steps):
-            self.stats[k.stat] = replace(self.stats[k.stat], steps=int(st))
+            if self.stats[k.stat].steps != st:
+                self.stats[k.stat] = replace(self.stats[k.stat], steps=int(st))
 
 
 @dataclass
 class SizedBuckets:
-    """What a sizing's bucket planner decides for the planner to schedule."""
+    """What a sizing's bucket cut decides for the planner to schedule."""
 
     buckets: BucketTable
     steps: list[int]                  # global steps per kept bucket (a multiple of accumulation_steps)
@@ -110,8 +113,24 @@ class SizedBuckets:
                                       # batch batch_size entries)
     order: EntryOrder | None          # where entries come from (None: the keyed order of core/planning/planrecord.py)
     local: Any = None                 # the shard-local order (LocalBuckets), whose set_steps takes the schedule
-    keyed: list[tuple[Any, int, int, int, list[list[int]]]] = field(default_factory=list)
+    keyed: list[tuple[Any, int, int, list[list[int]]]] = field(default_factory=list)  # Buckets' keyed order
     packs: Any = None                 # a Pack's pack of each entry (core/budgets/packplan.py's PackNumbers), or None
+
+
+class BucketCut(Protocol):
+    """What a sizing gives the bucket planner, made from (sizing, Planning, datasets) by the
+    function core/planning/plan.py's ``BUCKET_CUTS`` names for its ``kind``."""
+
+    unit: int   # the pad unit (as the size guard names it)
+    batch: int  # samples per batch (as the size guard names it; 1 under a budget)
+    size: str   # the sizing, as the size guard names it
+
+    def measure(self, ds: Dataset, key: Hashable, ids: Any, n: int, passes: int) -> Measured:
+        """What the sizing makes of one non-empty bucket (for :func:`bucket_table`)."""
+
+    def cut(self, dss: Sequence[Dataset], got: BucketTable, local: Any) -> SizedBuckets:
+        """The kept buckets of ``got`` cut into this rank's batches; ``local``: the
+        shard-local order (core/local/localbuckets.py) with locality ``shard`` or ``node``, else None."""
 
 
 def padded(unit: int, policy: Policy, oversubscribe: bool, step_entries: int) -> Callable[..., Measured]:

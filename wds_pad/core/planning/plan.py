@@ -6,16 +6,16 @@ process. Per (dataset, bucket), identically on every rank:
 1. sample ids in sorted order, shuffled by a keyed pseudorandom permutation whose key
    derives from (seed, epoch, dataset, bucket, pass); with ``repeats`` r the bucket
    holds 1 + r independently shuffled passes, concatenated before anything is split.
-   The permutation is evaluated only at this rank's positions (``_permute``), so a
+   The permutation is evaluated only at this rank's positions (``Buckets.at``), so a
    rank's plan costs O(samples / dp_size), not a full shuffle of every bucket;
 2. a bucket smaller than one pad unit is dropped (a DroppedBucketWarning names it)
    unless ``oversubscribe`` lets the cyclic extension fill it to one whole unit;
 3. ``cyclic`` extends the list by its own prefix to the next multiple of the pad unit
    (extra entries are marked as padded copies), ``drop`` truncates to the multiple,
    ``none`` leaves it uneven;
-4. dp_rank d takes global positions p with p mod dp_size == d and cuts them into
-   batches, so each global step is one contiguous window of the bucket's order and
-   context-parallel peers get identical batches;
+4. dp_rank d takes global positions p with p mod dp_size == d (``policy.rank_position``)
+   and the sizing's cut makes them batches, so each global step is one contiguous window
+   of the bucket's order and context-parallel peers get identical batches;
 5. a schedule derived from (seed, epoch) interleaves the buckets' windows (each bucket's
    windows in order; datasets merged as Poisson processes with rates equal to their
    weights), so all ranks take the same (dataset, bucket) at the same step.
@@ -43,19 +43,19 @@ import numpy as np
 
 from ...errors import ConfigError, DroppedBucketWarning
 from ..budgets.budget import Budget
-from ..budgets.budgetplan import budget_buckets
-from .buckettable import Planning, SizedBuckets, bucket_table, padded
+from ..budgets.budgetplan import budget_cut
+from .buckettable import BucketCut, BucketTable, Planning, SizedBuckets, bucket_table, padded
 from ..dataset import Dataset, as_datasets
 from ..local.localbuckets import LocalBuckets
 from ..local.locality import Locality
-from ..budgets.packplan import pack_buckets
+from ..budgets.packplan import PackCut
 from ..permute import round_keys
 from .planrecord import Batch, Bins, BucketStats, Plan, Buckets, rank_batches
 from .proportion import extended, mix
-from ..policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, resolve_policy
+from ..policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, rank_share, resolve_policy
 from .schedule import step_schedule
 from ..seed import check_seed, derive_seed
-from ..sizing import Count, as_sizing
+from ..sizing import Count, Sizing, as_sizing
 from ..topology import Topology
 
 __all__ = ["Batch", "BucketStats", "Plan", "iter_steps", "plan_epoch"]
@@ -136,7 +136,8 @@ def plan_epoch(
         The Plan of ``topology.rank`` for ``epoch``.
 
     Raises:
-        ConfigError: a wrong argument, named with the expected form.
+        ConfigError: a wrong argument, named with the expected form; under a Budget or a
+            Pack, a dataset without costs.
     """
     if not isinstance(topology, Topology):
         raise ConfigError(f"topology must be a wds_pad.Topology, got {type(topology).__name__}")
@@ -156,11 +157,13 @@ def plan_epoch(
     if mixed.targets is not None and sizing.kind != "count":
         raise ConfigError("proportions are planned with batches of a sample count (batch_size=N, --batch-size), "
                           f"not with {sizing.describe()}; drop the proportions or the budget")
+    for ds in dss if sizing.needs_costs else ():
+        ds.require_costs()
     at = Planning(seed=seed, epoch=epoch, dp=int(topology.dp_size), d=int(topology.dp_rank),  # type: ignore[arg-type]
                   policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to,
                   accumulation_steps=accumulation_steps,
                   locality=locality, window=shard_window, node_ranks=node_ranks, targets=mixed.targets)
-    sized = BUCKET_PLANNERS[sizing.kind](raw, dss, sizing, at)
+    sized = plan_buckets(raw, dss, sizing, at)
     got = sized.buckets
     _warn_dropped(warn, got.dropped, got.dropped_samples, got.total_samples, epoch)
 
@@ -182,36 +185,49 @@ def plan_epoch(
     )
 
 
-def count_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Count, at: Planning) -> SizedBuckets:
-    """The bucket planner of a :class:`~wds_pad.core.sizing.Count`: every bucket padded to
-    the pad unit, a rank's entries cut into batches of ``batch_size`` (the last of a bucket
-    shorter with ``pad_to="rank"`` or ``policy="none"``), in the keyed global order or the
-    shard-local one."""
-    bs, dp = sizing.batch_size, at.dp
-    unit = sizing.pad_unit(dp, at.pad_to, at.accumulation_steps)
-    measure = padded(unit, at.policy, at.oversubscribe, dp * bs)
-    if at.targets is not None:
-        measure = extended(measure, at.targets, [ds.name for ds in dss])
-    got = bucket_table(dss, measure, epoch=at.epoch, dp=dp,
-                       batch=bs, unit=unit, oversubscribe=at.oversubscribe, size=sizing.describe())
-    # one keyed permutation per pass: each kept bucket's global order, evaluated pointwise
-    keyed = [(kb.ids, kb.n, kb.n * kb.passes, kb.length,
-              [round_keys(derive_seed(at.seed, at.epoch, dss[kb.di].name, kb.key, "shuffle", j))
-               for j in range(kb.passes)]) for kb in got.kept]
-    local = None
-    if at.locality.dealt:  # the order inside each bucket; the schedule is the same
-        local = LocalBuckets(raw, dss, got.kept, at)
-    counts = np.asarray([max(0, -(-(kb.length - at.d) // dp)) for kb in got.kept], dtype=np.int64)
-    return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept], counts=counts, starts=None,
-                        order=local, local=local, keyed=keyed)
+def plan_buckets(raw: Sequence[Any], dss: Sequence[Dataset], sizing: Sizing, at: Planning) -> SizedBuckets:
+    """The one bucket planner: the sizing's cut (``BUCKET_CUTS[sizing.kind]``) measures every
+    bucket through the bucket table, the shard-local order is drawn over the kept buckets
+    with locality ``shard`` or ``node``, and the cut says each kept bucket's steps and this
+    rank's entries and batches."""
+    cut = BUCKET_CUTS[sizing.kind](sizing, at, dss)
+    got = bucket_table(dss, cut.measure, epoch=at.epoch, dp=at.dp, batch=cut.batch, unit=cut.unit,
+                       oversubscribe=at.oversubscribe, size=cut.size)
+    sized = cut.cut(dss, got, LocalBuckets(raw, dss, got.kept, at) if at.locality.dealt else None)
+    got.with_steps(sized.steps)
+    return sized
 
 
-#: each sizing's bucket planner, by the sizing's ``kind``
-BUCKET_PLANNERS: dict[str, Callable[..., SizedBuckets]] = {
-    "count": count_buckets, "budget": budget_buckets, "pack": partial(pack_buckets, budget_buckets)}
+class CountCut:
+    """The bucket cut of a :class:`~wds_pad.core.sizing.Count`: every bucket padded to the
+    pad unit (proportions: to its target length), a rank's entries cut into batches of
+    ``batch_size`` (the last of a bucket shorter with ``pad_to="rank"`` or ``policy="none"``),
+    in the keyed global order or the shard-local one."""
+
+    def __init__(self, sizing: Count, at: Planning, dss: Sequence[Dataset]) -> None:
+        self.at, self.batch, self.size = at, sizing.batch_size, sizing.describe()
+        self.unit = sizing.pad_unit(at.dp, at.pad_to, at.accumulation_steps)
+        self.measure = padded(self.unit, at.policy, at.oversubscribe, at.dp * self.batch)
+        if at.targets is not None:
+            self.measure = extended(self.measure, at.targets, [ds.name for ds in dss])
+
+    def cut(self, dss: Sequence[Dataset], got: BucketTable, local: Any) -> SizedBuckets:
+        at = self.at
+        # one keyed permutation per pass: each kept bucket's global order, evaluated pointwise
+        keyed = [(kb.ids, kb.n, kb.n * kb.passes,
+                  [round_keys(derive_seed(at.seed, at.epoch, dss[kb.di].name, kb.key, "shuffle", j))
+                   for j in range(kb.passes)]) for kb in got.kept]
+        return SizedBuckets(got, steps=[got.stats[kb.stat].steps for kb in got.kept],
+                            counts=rank_share([kb.length for kb in got.kept], at.dp, at.d), starts=None,
+                            order=local, local=local, keyed=keyed)
 
 
-def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Count | Budget) -> int:
+#: each sizing's bucket cut (core/planning/buckettable.py's ``BucketCut``), by the sizing's ``kind``
+BUCKET_CUTS: dict[str, Callable[..., BucketCut]] = {
+    "count": CountCut, "budget": budget_cut, "pack": partial(PackCut, budget_cut)}
+
+
+def _check_accumulation(value: Any, policy: Policy, pad_to: PadTo, sizing: Sizing) -> int:
     steps = check_positive("accumulation_steps", value)
     if steps > 1 and policy is Policy.NONE:
         raise ConfigError(

@@ -24,11 +24,10 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..permute import ROUNDS, permute
-from ..policy import Mode, PadTo, Policy
+from ..policy import Mode, PadTo, Policy, rank_position
 from ..sampleseed import seed_bases, seeded_entries
 
 if TYPE_CHECKING:  # the records a Plan holds; their modules plan, this one only records
-    from ..budgets.budget import Budget
     from ..local.locality import Locality
     from ..sizing import Sizing
     from ..topology import Topology
@@ -127,11 +126,6 @@ class Plan:
     packs: Any = field(default=None, repr=False)  # a Pack's pack numbers (core/budgets/packplan.py), or None
     seed: int | None = None  # the shared seed: each entry's seed derives from it (None: no seeds)
 
-    @property
-    def budget(self) -> Budget | None:
-        """The Budget batches are sized by, or None (a count: ``batch_size`` each)."""
-        return self.sizing if self.sizing.kind == "budget" else None  # type: ignore[return-value]
-
     def _first(self, b: np.ndarray, w: np.ndarray) -> np.ndarray:
         """Where window ``w`` of kept bucket ``b`` starts among this rank's entries of it."""
         if self.bins is None:
@@ -169,10 +163,14 @@ class Plan:
         return seeded_entries(self.buckets, b, k, self.__dict__.get("_seed_bases"))
 
     def __iter__(self) -> Iterator[Batch]:
-        # consecutive batches in blocks of about 64K entries: one permutation pass each
+        return self.iter_batches(0, len(self))
+
+    def iter_batches(self, lo: int, hi: int) -> Iterator[Batch]:
+        """Batches ``lo .. hi - 1`` in order, computed in blocks of about 64K entries (one
+        permutation pass each)."""
         block = max(1, 65536 // max(self.batch_size, 1))
-        for lo in range(0, len(self), block):
-            yield from self.batches(lo, lo + block)
+        for start in range(lo, hi, block):
+            yield from self.batches(start, min(start + block, hi))
 
     def batches(self, lo: int, hi: int, step: int = 1) -> list[Batch]:
         """Batches ``range(lo, hi, step)``, equal to ``[self[i] for i in range(lo, hi, step)]``,
@@ -244,14 +242,14 @@ class Buckets:
     fixed when the buckets are made.
     """
 
-    def __init__(self, kept: Sequence[tuple[Any, int, int, int, list[list[int]]]], dp: int, d: int, *,
+    def __init__(self, kept: Sequence[tuple[Any, int, int, list[list[int]]]], dp: int, d: int, *,
                  counts: np.ndarray, order: EntryOrder | None = None, local: Any = None) -> None:
         self.ids = [k[0] for k in kept]
         self.n = np.asarray([k[1] for k in kept], dtype=np.int64)
         self.m = np.asarray([k[2] for k in kept], dtype=np.int64)
-        self.key_rows = np.asarray([row for k in kept for row in k[4]], dtype=np.uint64).reshape(-1, ROUNDS)
+        self.key_rows = np.asarray([row for k in kept for row in k[3]], dtype=np.uint64).reshape(-1, ROUNDS)
         self.first_row = np.zeros(len(kept), dtype=np.int64)
-        np.cumsum([len(k[4]) for k in kept][:-1], out=self.first_row[1:])
+        np.cumsum([len(k[3]) for k in kept][:-1], out=self.first_row[1:])
         self.dp, self.d = dp, d
         self.local: Any = local  # a LocalBuckets (core/local/localbuckets.py) or a remainder of one, or None
         self.order: EntryOrder = order if order is not None else local if local is not None else self
@@ -263,7 +261,7 @@ class Buckets:
             return self.order.entries(b, k)
         if not k.size:
             return np.zeros(0, np.int64), np.zeros(0, bool)
-        return self.at(b, self.d + self.dp * k)
+        return self.at(b, rank_position(self.d, k, self.dp))
 
     def at(self, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``, whatever
@@ -292,11 +290,9 @@ class Buckets:
         return samples, pos >= m_e
 
     def copies(self, b: np.ndarray, k: np.ndarray) -> np.ndarray | None:
-        """Copy numbers of entries ``k`` of kept buckets ``b`` (``p // n``, core/sampleseed.py), or None."""
-        if self.order is not self:
-            numbers = getattr(self.order, "copies", None)
-            return None if numbers is None else numbers(b, k)  # type: ignore[no-any-return]
-        return self.positions(b, self.d + self.dp * np.asarray(k, np.int64))
+        """Copy numbers of entries ``k`` of kept buckets ``b`` in the keyed order (``p // n``,
+        core/sampleseed.py)."""
+        return self.positions(b, rank_position(self.d, np.asarray(k, np.int64), self.dp))
 
     def positions(self, b: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
         """Copy numbers at global positions ``pos`` of kept buckets ``b`` (None: a local order)."""
