@@ -116,3 +116,9 @@ def test_bad_options_are_one_usage_error_in_flags(index: str, args: list[str], w
     code = main(["simulate", *[index if a == "IX" else a for a in args]])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("wds-pad simulate: error:") and words in err
+
+
+def test_a_negative_start_skew_is_a_usage_error(index: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", index, "--world-size", "4", "--batch-size", "4", "--seed", "1", "--start-skew-ms", "-5"])
+    assert exc.value.code == 2 and "--start-skew-ms" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from wds_pad.core.local.simtime import Held, Link, ProcessReads, timeline
+from wds_pad.core.local.simtime import Held, Link, ProcessReads, start_offsets, timeline
 
 LINK = Link(latency_s=0.5, bandwidth=100.0, step_s=1.0, in_flight=1, start_s=0.0, stall_s=0.0,
             shards_at_once=1, gets_per_shard=2)
@@ -93,3 +93,29 @@ def test_the_job_takes_a_step_when_its_slowest_process_has_it() -> None:
     t = timeline([(NONE, [fast]), (NONE, [slow])], 1, LINK, 100)
     assert t.first_s == pytest.approx(0.5 + 4.0)
     assert timeline([(NONE, [])], 0, LINK, 100).first_s == 0.0
+
+
+def test_a_process_that_starts_late_makes_the_step_after_the_first_wait() -> None:
+    # A (single reads, two in flight): reads 0-1 at 1.5, read 2 (batch 1's first) at 3.0, which
+    # ends batch 0: the job's first batch, step 1 asked at 4.0. B fetches a shard of 4 blocks
+    # (blocks 0-1 at 1.5, 2-3 at 3.0): its batch 0 at 1.5, batch 1 (block 3) at 3.0: no wait
+    a = reads([-1, -1, -1, -1], per_batch=2)
+    held = Held(blocks=np.asarray([4]), nbytes=np.asarray([400]), epoch=np.zeros(1, np.int64))
+    b = reads([0, 0, 0, 0], block=[0, 0, 0, 3], per_batch=2, order=[[0]])
+    job = [(NONE, [a]), (held, [b])]
+    link = replace(LINK, in_flight=2)
+    t = timeline(job, 2, link, 100)
+    assert t.taken.tolist() == pytest.approx([3.0, 4.0]) and t.stalls == 0
+    # B starts 1.2 s after A: its block 3 comes at 4.2, and step 1 waits for it; the first
+    # batch is still 3.0 (B waits 1.5 from its own start)
+    late = timeline(job, 2, link, 100, offsets=[0.0, 1.2])
+    assert late.taken.tolist() == pytest.approx([3.0, 4.2]) and late.stalls == 1
+    assert late.first_s == pytest.approx(3.0)
+    # the same from the link's skew, spread over the job's processes in order
+    assert timeline(job, 2, replace(link, start_skew_s=1.2), 100).taken.tolist() == pytest.approx([3.0, 4.2])
+    # A late instead: the step after the first is asked later, and nothing waits
+    assert timeline(job, 2, link, 100, offsets=[1.2, 0.0]).stalls == 0
+    assert start_offsets(3, 0.2).tolist() == pytest.approx([0.0, 0.1, 0.2])
+    assert start_offsets(1, 0.2).tolist() == [0.0]
+    with pytest.raises(ValueError, match="one start >= 0 per process"):
+        timeline(job, 2, link, 100, offsets=[0.0])

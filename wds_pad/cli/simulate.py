@@ -31,6 +31,9 @@ __all__ = ["add_parser"]
 #: The stream's start before its first request (``--start-ms``), measured by
 #: tools/bench/simulate.py on a 2-core machine: a property of the machine, not of the plan.
 START_MS = 370.0
+#: How far apart the job's processes start their streams (``--start-skew-ms``): the mean
+#: spread of the ranks' first requests in six runs of tools/bench/simulate.py (13-225 ms).
+START_SKEW_MS = 110.0
 
 
 def _number(text: str) -> float:
@@ -62,6 +65,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--start-ms", type=_number, default=START_MS, help="the stream's start before its first "
                    f"request: plans of the node, connections, imports (default {START_MS:g}: measured on a "
                    "2-core machine, see docs/object-storage.md; measure yours)")
+    p.add_argument("--start-skew-ms", type=_number, default=START_SKEW_MS, help="how far apart the job's "
+                   "processes start their streams: process i of P starts i/(P-1) of it after the first "
+                   f"(default {START_SKEW_MS:g}: measured on a 2-core machine, see docs/object-storage.md)")
     p.add_argument("--stall-ms", type=_number, default=10.0, help="a step stalls when it waits longer than this")
     p.add_argument("--block-bytes", type=positive_int, help="bytes of one GET of a shard read whole "
                    "(default: ReadOptions' block_bytes)")
@@ -112,6 +118,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                    link=Link(latency_s=args.latency_ms / 1000, bandwidth=args.bandwidth_mbps * 1e6 / 8,
                              step_s=args.step_ms / 1000, in_flight=args.in_flight or ReadOptions().max_in_flight,
                              lookahead=args.lookahead_steps, start_s=args.start_ms / 1000,
+                             start_skew_s=args.start_skew_ms / 1000,
                              stall_s=args.stall_ms / 1000),
                    prices=Prices(per_get=args.price_per_get, per_gb=args.price_per_gb), warm=args.warm,
                    offsets=[ix.offset for ix in indexes])

@@ -6,7 +6,10 @@ order, epoch after epoch) through one reader, and the model follows that reader
 
 - **start**: nothing is sent to the store before ``start_s`` after the stream starts
   (``iter()``: the node's plans made, the filesystem and its connections opened, the
-  modules imported); a fixed cost of the machine, measured, not derived;
+  modules imported); a fixed cost of the machine, measured, not derived. The job's
+  processes do not start at once: process i of P (node by node) starts ``start_skew_s``
+  x i / (P - 1) after the first (:func:`start_offsets`), its fetches and reads from then
+  on; which process starts last is chance in a real job, the model takes the job's order;
 - **whole shards**: a node holds some shards (:class:`Held`); each process fetches the held
   shards it reads, in the order it first reads them (a step's in shard order), ``shards_at_once`` at a time, and
   skips one another process of the node started or the folder kept; a shard comes in GETs
@@ -26,8 +29,9 @@ order, epoch after epoch) through one reader, and the model follows that reader
 - **a GET** takes ``latency_s`` plus its bytes at ``bandwidth`` (GETs in flight do not share it);
 - **steps**: every process is asked for step s's batch at once, the job takes it when
   every process has it (the step's collectives), and asks for the next ``step_s`` later.
-  The first batch is taken at ``first_s`` (from the stream's start, ``start_s``
-  included); a later step stalls when it is taken more than ``stall_s`` after it was asked for.
+  Step 0 is asked of each process when its stream starts; ``first_s`` is the longest a
+  process waits for its first batch from its own start (``start_s`` included); a later step
+  stalls when it is taken more than ``stall_s`` after it was asked for.
 
 Invariants:
 - pure (no I/O, no clock), deterministic; O(reads + held shards x log) per job, one
@@ -44,7 +48,9 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Held", "Link", "ProcessReads", "Timeline", "timeline"]
+from ...errors import ConfigError
+
+__all__ = ["Held", "Link", "ProcessReads", "Timeline", "start_offsets", "timeline"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class Link:
     in_flight: int = 8                # reads a process keeps sent ahead (ReadOptions.max_in_flight)
     lookahead: int = 0                # batches made ahead of the step that asks for them (0: inside next())
     start_s: float = 0.0              # the stream's start before its first request
+    start_skew_s: float = 0.0         # the processes' starts spread over this much (see start_offsets)
     stall_s: float = 0.0              # a step stalls when it waits longer than this
     shards_at_once: int = 2           # whole shards a process fetches at once (the node cache's depth)
     gets_per_shard: int = 2           # GETs in flight per shard fetched
@@ -97,12 +104,13 @@ class Timeline:
 class _Node:
     """A node's held shards and when their fetches start, planned per epoch when first needed."""
 
-    def __init__(self, held: Held, procs: Sequence[ProcessReads], link: Link, block_bytes: int) -> None:
-        self.held, self.procs, self.link = held, procs, link
+    def __init__(self, held: Held, procs: Sequence[ProcessReads], link: Link, block_bytes: int,
+                 starts: Sequence[float]) -> None:
+        self.held, self.procs, self.link, self.starts = held, procs, link, starts
         self.block_s = link.latency_s + np.minimum(held.nbytes, block_bytes) / link.bandwidth  # one GET of a block
         self.started = np.full(held.blocks.size, np.inf)
         self.planned: set[int] = set()
-        self.epoch_sent: dict[int, float] = {0: link.start_s}
+        self.epoch_sent: dict[int, float] = {0: min(starts, default=link.start_s)}
 
     def sent(self, epoch: int, t: float) -> None:
         self.epoch_sent[epoch] = min(self.epoch_sent.get(epoch, t), t)
@@ -124,7 +132,8 @@ class _Node:
         t0 = self.epoch_sent.get(epoch, self.link.start_s)
         orders = [p.order[epoch] if epoch < len(p.order) else np.zeros(0, np.int64) for p in self.procs]
         per = max(self.link.gets_per_shard, 1)
-        heap = [(t0, k, slot) for k in range(len(orders)) for slot in range(max(self.link.shards_at_once, 1))]
+        heap = [(max(t0, self.starts[k]), k, slot) for k in range(len(orders))
+                for slot in range(max(self.link.shards_at_once, 1))]
         heapq.heapify(heap)
         at = [0] * len(orders)
         while heap:
@@ -141,8 +150,16 @@ class _Node:
             heapq.heappush(heap, (t + rounds * float(self.block_s[row]), k, slot))
 
 
+def start_offsets(processes: int, skew_s: float) -> np.ndarray:
+    """When each of the job's processes starts its stream, after the first: ``skew_s`` spread
+    evenly over them in the job's order (node by node, local rank by local rank)."""
+    if processes < 2 or skew_s <= 0:
+        return np.zeros(max(processes, 0))
+    return skew_s * np.arange(processes) / (processes - 1)
+
+
 def timeline(nodes: Sequence[tuple[Held, Sequence[ProcessReads]]], steps: int, link: Link,
-             block_bytes: int) -> Timeline:
+             block_bytes: int, offsets: Sequence[float] | None = None) -> Timeline:
     """When a job's steps are taken (see the module doc).
 
     Args:
@@ -151,35 +168,46 @@ def timeline(nodes: Sequence[tuple[Held, Sequence[ProcessReads]]], steps: int, l
         steps: the job's steps, every epoch's after the other.
         link: the time model's parameters.
         block_bytes: the bytes of one GET of a shard fetched whole.
+        offsets: per process of the job (node by node), when its stream starts after the
+            first one's (default: :func:`start_offsets` of ``link.start_skew_s``).
     """
     asked, taken = np.zeros(steps), np.zeros(steps)
     if steps == 0:
         return Timeline(asked, taken, 0.0, 0, 0.0)
-    state = []
+    count = sum(len(procs) for _, procs in nodes)
+    offs = np.asarray(start_offsets(count, link.start_skew_s) if offsets is None else offsets, float)
+    if offs.shape != (count,) or not np.all(offs >= 0):
+        raise ConfigError(f"timeline offsets: give one start >= 0 per process of the job ({count} processes, "
+                          f"node by node), got {offs.tolist()}")
+    state, at = [], 0
     for held, procs in nodes:  # one node, its copies and fetches, shared by its processes
-        node = _Node(held, procs, link, block_bytes)
-        state += [_Process(node, p, link, steps) for p in procs]
+        starts = [link.start_s + float(o) for o in offs[at:at + len(procs)]]
+        node = _Node(held, procs, link, block_bytes, starts)
+        state += [_Process(node, p, link, steps, start) for p, start in zip(procs, starts)]
+        at += len(procs)
     for s in range(steps):
         asked[s] = 0.0 if s == 0 else taken[s - 1] + link.step_s
         taken[s] = max([asked[s]] + [st.step(s, asked) for st in state])
     waits = taken[1:] - asked[1:]
     stalls = int((waits > link.stall_s + 1e-12).sum())
-    return Timeline(asked, taken, float(taken[0]), stalls, stalls / max(steps - 1, 1))
+    # the first batch: the longest a process waits for it from its own stream's start
+    first = max(float(st.made[0]) - (st.start - link.start_s) for st in state) if state else float(taken[0])
+    return Timeline(asked, taken, max(first, 0.0), stalls, stalls / max(steps - 1, 1))
 
 
 class _Process:
     """One process's stream: sends, hands out and makes batches (see the module doc)."""
 
-    def __init__(self, node: _Node, reads: ProcessReads, link: Link, steps: int) -> None:
-        self.node, self.r, self.link = node, reads, link
+    def __init__(self, node: _Node, reads: ProcessReads, link: Link, steps: int, start: float) -> None:
+        self.node, self.r, self.link, self.start = node, reads, link, start
         n = int(reads.held.size)
         self.popped = np.zeros(n)          # when each read was handed out
         self.got = np.zeros(n)             # when each read's bytes were there
         self.done = 0                      # reads whose ``got`` is known
-        self.served = link.start_s         # when the copy's read thread served its latest read
+        self.served = start                # when the copy's read thread served its latest read
         self.made = np.zeros(steps)        # when each batch was made
         self.ready = np.zeros(steps)       # when the step had it
-        self.last = link.start_s           # when the latest read was handed out
+        self.last = start                  # when the latest read was handed out
         self.epoch_of = np.searchsorted(reads.epoch_starts, np.arange(n), side="right") - 1
 
     def _runs_from(self, s: int, asked: np.ndarray) -> float:
@@ -187,13 +215,13 @@ class _Process:
         n = self.link.lookahead
         if n <= 0:
             return float(asked[s])
-        before = float(self.made[s - 1]) if s else self.link.start_s
-        freed = float(self.ready[s - n]) if s - n >= 0 else self.link.start_s
+        before = float(self.made[s - 1]) if s else self.start
+        freed = float(self.ready[s - n]) if s - n >= 0 else self.start
         return max(before, freed)
 
     def step(self, s: int, asked: np.ndarray) -> float:
         r, link = self.r, self.link
-        run = max(self._runs_from(s, asked), link.start_s)
+        run = max(self._runs_from(s, asked), self.start)
         lo = int(r.batch_ends[s - 1]) if s else 0
         hi = int(r.batch_ends[s])
         if s:
@@ -215,7 +243,7 @@ class _Process:
             return float(self.got[j])
         r, link = self.r, self.link
         w = max(link.in_flight, 1)
-        sent = max(float(self.popped[j - w]), link.start_s) if j >= w else link.start_s
+        sent = max(float(self.popped[j - w]), self.start) if j >= w else self.start
         e = int(self.epoch_of[j])
         if j == r.epoch_starts[e]:
             self.node.sent(e, sent)

@@ -11,10 +11,11 @@ before is still in its folder (a shard is kept exactly when the node holds it ag
 so it costs no GET again; ``warm`` starts on a folder left by an earlier run of the
 same job (it holds what the first epoch holds).
 
-Time is :mod:`~.simtime`'s model of the readers: each process fetches ahead, from the
-stream's start, the held shards it reads in order of first use (a few at a time, a few
-GETs each), keeps a few reads in flight ahead of the one it hands out, and the job takes a
-step once every process has its batch and asks for the next ``step_s`` later.
+Time is :mod:`~.simtime`'s model of the readers: each process fetches ahead, from its
+stream's start (the processes' starts spread over ``link.start_skew_s``), the held shards
+it reads in order of first use (a few at a time, a few GETs each), keeps a few reads in
+flight ahead of the one it hands out, and the job takes a step once every process has its
+batch and asks for the next ``step_s`` later.
 
 Invariants:
 - pure (no I/O, no clock): from the plans and, per dataset, each sample's shard and byte
