@@ -27,13 +27,14 @@ Invariants (tests/core/test_remainder.py, test_budgetremainder.py, test_packplan
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from ...errors import ConfigError, StateError
 from ..budgets.budget import Budget
 from ..dataset import as_datasets
-from .budgetlevels import BudgetLevels
-from .countlevels import CountLevels
+from .listlevels import ListLevels, LockstepCut
+from .stratalevels import StrataLevels
 from ..local.locality import Locality
 from ..budgets.packing import Pack
 from ..budgets.packplan import group_plan
@@ -95,8 +96,12 @@ class Remainder:
     fingerprint: str
 
 
-#: what a level of the remainder is, by the sizing's ``kind`` (a Pack's is its budget's)
-REMAINDER_LEVELS: dict[str, Callable[..., Any]] = {"count": CountLevels, "budget": BudgetLevels}
+#: what a level of the remainder is, by the sizing's ``kind`` (a Pack's is its budget's) and
+#: whether shards are dealt: runs of the previous level's list cut by a count or in lockstep
+#: under a budget (core/elastic/listlevels.py), or a budget's strata (core/elastic/stratalevels.py)
+REMAINDER_LEVELS: dict[tuple[str, bool], Callable[..., Any]] = {
+    ("count", False): ListLevels, ("count", True): ListLevels,
+    ("budget", False): StrataLevels, ("budget", True): partial(ListLevels, cut=LockstepCut)}
 
 
 def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment], *, seed: int, epoch: int,
@@ -148,8 +153,8 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
                       mode=mode, oversubscribe=oversubscribe, pad_to=pad_to, warn=False, locality=locality,
                       window=window, accumulation_steps=accumulation_steps)
     dss = as_datasets(datasets)
-    levels = REMAINDER_LEVELS[sizing.kind](base, dss, sizing, accumulation_steps, seed, epoch,
-                                           segments[0].dp_size)
+    levels = REMAINDER_LEVELS[sizing.kind, base.locality.dealt](base, dss, sizing, accumulation_steps, seed,
+                                                                epoch, segments[0].dp_size)
     for j, seg in enumerate(segments):
         if seg.dp_size != levels.top.dp:
             raise StateError(f"an elastic segment says dp_size {seg.dp_size} where its layout had {levels.top.dp}")

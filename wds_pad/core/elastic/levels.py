@@ -1,0 +1,133 @@
+"""What every level walk of an elastic remainder shares (core/elastic/remainder.py): the
+base plan and its buckets' stats, the top level and its schedule, what a segment took of
+it (one walk for lockstep steps and for per-rank positions, whatever the sizing), the
+top level's stats and the remainder's digest.
+
+A level is, per kept bucket, a list of the entries left, dealt to the level's DP ranks and
+cut into batches; how the list is ordered and cut is the level kind's
+(core/elastic/listlevels.py: runs of the previous list, cut by a count or in lockstep
+under a budget; core/elastic/stratalevels.py: a budget's strata in cost order). What a
+kind gives this walk is, per bucket and rank, how many batches the rank has
+(``have``); what it gets back is how many of them each rank took.
+
+Invariants: those of core/elastic/remainder.py; a remainder's digest is a function of its
+segments and top level alone, in the format its sizing's saved states carry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from ...errors import StateMismatchError
+from ..planning.planrecord import BucketStats, Plan
+from ..seed import json_digest
+
+__all__ = ["Levels", "remainder_digest"]
+
+
+class Levels:
+    """The levels of a remainder (a kind's below it), from the base plan on: the base plan
+    and its buckets' stats, the top level and its schedule, what a segment took of it,
+    and the top level's stats."""
+
+    def __init__(self, base: Plan, dss: Sequence[Any], sizing: Any, accumulation_steps: int, seed: int,
+                 epoch: int) -> None:
+        self.base, self.dss, self.sizing, self.seed, self.epoch = base, dss, sizing, seed, epoch
+        self.accumulation_steps = accumulation_steps
+        by_name = {(s.dataset, s.bucket): s for s in base.stats}
+        self.stats0 = [by_name[(base.datasets[di], key)] for di, key in base.bucket_table]
+        self.levels: list[Any] = []
+
+    @property
+    def top(self) -> Any:
+        return self.levels[-1]
+
+    def scheduled(self, schedule: np.ndarray, window: np.ndarray) -> None:
+        self.top.schedule, self.top.window = schedule, window
+
+    def taken(self, seg: Any) -> np.ndarray:
+        """Steps of each bucket of the top level that a lockstep segment consumed.
+
+        Raises:
+            StateMismatchError: the segment goes past the level's last step.
+        """
+        lv = self.top
+        if seg.steps > lv.schedule.size:
+            raise StateMismatchError(
+                f"loader state position {seg.steps} is past the end of epoch {self.epoch} on dp_size {lv.dp} "
+                f"({lv.schedule.size} steps); the state does not belong to this plan")
+        return np.bincount(lv.schedule[:seg.steps].astype(np.int64), minlength=lv.tab.size)
+
+    def took(self, seg: Any, have: np.ndarray) -> np.ndarray:
+        """Batches each rank of the top level took per bucket (shape (buckets, dp)), where
+        rank d has ``have[b, d]`` batches of bucket b (its first ones: a rank lacks a
+        bucket's batch at window w when w >= have).
+
+        Ranks differ only at the steps some of them lack (policy ``none``), so each rank's
+        position maps to a step in O(those steps), not by walking the rank's plan.
+
+        Raises:
+            StateMismatchError: a segment goes past the end of what a rank had.
+        """
+        lv = self.top
+        nb = lv.tab.size
+        if seg.steps is not None:
+            return np.repeat(self.taken(seg)[:, None], lv.dp, axis=1)  # type: ignore[no-any-return]
+        lo, hi = have.min(axis=1), have.max(axis=1)
+        sched = lv.schedule.astype(np.int64)
+        win = lv.window.astype(np.int64)
+        opt = np.flatnonzero((win >= lo[sched]) & (win < hi[sched])) if sched.size else np.zeros(0, np.int64)
+        pos = np.asarray(seg.positions, dtype=np.int64)
+        lacks = win[opt][:, None] >= have[sched[opt]]  # (optional steps, ranks): no batch there
+        reach = pos.copy()  # the step after each rank's last consumed batch
+        for o, row in zip(opt.tolist(), lacks):  # ascending: each lacking step before it pushes it on
+            reach += row & (o < reach)
+        total = sched.size - lacks.sum(axis=0)
+        over = np.flatnonzero(pos > total)
+        if over.size:
+            d = int(over[0])
+            raise StateMismatchError(
+                f"loader state position {int(pos[d])} of dp_rank {d} is past the end of epoch {self.epoch} on "
+                f"dp_size {lv.dp} ({int(total[d])} batches on that rank); the state does not belong to this plan")
+        took = np.zeros((nb, lv.dp), np.int64)
+        order = np.argsort(sched, kind="stable")  # each bucket's steps, ascending
+        bounds = np.searchsorted(sched[order], np.arange(nb + 1))
+        for b in range(nb):
+            took[b] = np.searchsorted(order[bounds[b]:bounds[b + 1]], reach)
+        return took
+
+    def shard_map(self) -> list[Any]:
+        """Per dataset, each sample id's shard (the base plan's shard-local deal)."""
+        return [dealt.layout.shard for dealt in self.base.buckets.local.dealt]
+
+    def stats(self, table: Sequence[tuple[int, Hashable]], real: Any, planned: Any, steps: Any,
+              oversubscribed: Any) -> tuple[BucketStats, ...]:
+        """The top level's BucketStats: per bucket its ``real`` entries, ``planned`` with copies."""
+        return tuple(
+            BucketStats(dataset=self.base.datasets[di], bucket=key, samples=s0.samples, repeats=s0.repeats,
+                        length=int(r), padded_length=int(n), padded_copies=int(n - r), truncated=0, dropped=False,
+                        oversubscribed=bool(o), steps=int(st))
+            for (di, key), s0, r, n, st, o in zip(table, [self.stats0[t] for t in self.top.tab.tolist()], real,
+                                                   planned, steps, oversubscribed))
+
+
+def remainder_digest(kind: str, segments: Sequence[Any], table: Sequence[tuple[int, Hashable]], top: Any,
+                     steps: Sequence[int]) -> str:
+    """The fingerprint of a remainder: its segments (each one's layout and how far it got),
+    its top level's layout, bucket table, steps and schedule. A count's remainder states
+    its level's real and planned entries per bucket (``repr`` + blake2b, as its saved
+    states carry it), a budget's its steps per bucket (JSON, ``json_digest``)."""
+    keys = [s.to_json()[:2] + ([s.node_ranks] if s.node_ranks else []) for s in segments]
+    tab = [[int(di), repr(key)] for di, key in table]
+    if kind == "count":
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr(("wds_pad.remainder", 1, keys, top.dp, top.deal, [tuple(t) for t in tab])).encode())
+        for a in (top.real, top.length, top.schedule):
+            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+        return h.hexdigest()
+    return json_digest({"kind": "wds_pad.budget_remainder/1", "segments": keys, "dp": top.dp, "table": tab,
+                        "steps": [int(s) for s in steps], "schedule": np.asarray(top.schedule, np.int64).tolist()},
+                       size=16)
