@@ -25,7 +25,7 @@ from ...errors import StateMismatchError
 from ..planning.planrecord import BucketStats, Plan
 from ..seed import json_digest
 
-__all__ = ["Levels", "remainder_digest"]
+__all__ = ["Levels", "Runs", "remainder_digest"]
 
 
 class Levels:
@@ -112,6 +112,34 @@ class Levels:
                         oversubscribed=bool(o), steps=int(st))
             for (di, key), s0, r, n, st, o in zip(table, [self.stats0[t] for t in self.top.tab.tolist()], real,
                                                    planned, steps, oversubscribed))
+
+
+class Runs:
+    """A level's list as runs of the previous level's (one concept for every level kind).
+
+    Run q holds the list's indices ``[start[q], start[q + 1])``; at its offset o it holds
+    entry ``first[q] + stride[q] * (o // mult[q])`` of the previous list, in pass
+    ``passes[q, o % mult[q]]``: that entry's code ``pass * n + index`` (one pass, mult 1,
+    but from a budget's level 0, whose list holds every pass of its cost order).
+    """
+
+    def __init__(self, sizes: np.ndarray, first: np.ndarray, stride: np.ndarray | None = None,
+                 mult: np.ndarray | None = None, passes: np.ndarray | None = None, n: int = 0) -> None:
+        self.first, self.mult, self.passes, self.n = first, mult, passes, n
+        self.stride = np.ones(first.size, np.int64) if stride is None else stride
+        sizes = sizes if mult is None else sizes * mult
+        self.start = np.zeros(sizes.size, np.int64)
+        np.cumsum(sizes[:-1], out=self.start[1:])
+        self.total = int(sizes.sum())
+
+    def prev(self, idx: np.ndarray) -> np.ndarray:
+        """The previous list's codes of entries ``idx`` of this one."""
+        q = np.searchsorted(self.start, idx, side="right") - 1
+        off = idx - self.start[q]
+        if self.mult is None:  # one pass
+            return self.first[q] + self.stride[q] * off  # type: ignore[no-any-return]
+        m = self.mult[q]
+        return self.passes[q, off % m] * self.n + self.first[q] + self.stride[q] * (off // m)  # type: ignore[index]
 
 
 def remainder_digest(kind: str, segments: Sequence[Any], table: Sequence[tuple[int, Hashable]], top: Any,

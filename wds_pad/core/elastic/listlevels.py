@@ -44,7 +44,7 @@ from ..budgets.budgetplan import lockstep_cuts
 from ..local.shardschedule import PlannedShardUses
 from ..planning.planrecord import Bins, Plan
 from ..policy import Policy
-from .levels import Levels, remainder_digest
+from .levels import Levels, Runs
 
 __all__ = ["FixedCut", "ListLevels", "LockstepCut", "RemainderBuckets"]
 
@@ -61,10 +61,9 @@ class _Level:
     schedule: np.ndarray
     window: np.ndarray
     up: np.ndarray | None = None      # each bucket's position in the previous level
-    off: np.ndarray | None = None     # first remainder index (over every bucket) of each bucket
-    pstart: np.ndarray | None = None  # remainder index (over every bucket) where each run starts
-    pfrom: np.ndarray | None = None   # previous-level index of each run's first entry
-    pstride: np.ndarray | None = None
+    off: np.ndarray | None = None     # first list index (over every bucket) of each bucket
+    runs: Runs | None = None          # the list (over every bucket) as runs of the previous level's
+    steps: list[int] = field(default_factory=list)  # per bucket, as its cut makes them
     cuts: list[np.ndarray] = field(default_factory=list)  # LockstepCut: per bucket (dp, steps + 1) offsets
 
     def counts(self, d: np.ndarray) -> np.ndarray:
@@ -99,10 +98,8 @@ class FixedCut:
         return self.sizing.pad_unit(dp, self.pad_to, self.k)  # type: ignore[no-any-return]
 
     def cut(self, lv: _Level, ids: Any) -> None:
-        """Nothing to store: batch w of a rank is its entries [w * batch_size, (w + 1) * batch_size)."""
-
-    def steps(self, lv: _Level) -> list[int]:
-        return (-(-lv.length // (lv.dp * self.batch_size))).tolist()  # type: ignore[no-any-return]
+        """Batch w of a rank is its entries [w * batch_size, (w + 1) * batch_size)."""
+        lv.steps = (-(-lv.length // (lv.dp * self.batch_size))).tolist()
 
     def have(self, lv: _Level, counts: np.ndarray) -> np.ndarray:
         return -(-counts // self.batch_size)
@@ -144,9 +141,7 @@ class LockstepCut:
             costs[live] = np.asarray(self.cost[int(lv.tab[b])][ids(np.full(idx.size, b, np.int64), idx)],
                                      np.float64)
             lv.cuts.append(lockstep_cuts(costs, counts[b], self.budget, accumulation_steps=self.k)[1])
-
-    def steps(self, lv: _Level) -> list[int]:
-        return [int(c.shape[1]) - 1 for c in lv.cuts]
+        lv.steps = [int(c.shape[1]) - 1 for c in lv.cuts]
 
     def have(self, lv: _Level, counts: np.ndarray) -> np.ndarray:
         return np.asarray([(c[:, :-1] < counts[b][:, None]).sum(axis=1) for b, c in enumerate(lv.cuts)],
@@ -210,27 +205,22 @@ class ListLevels(Levels):
         length = real if not pad else -(-real // unit) * unit
         off = np.zeros(kept.size, np.int64)
         np.cumsum(real[:-1], out=off[1:])
-        pstart = np.zeros(size.size, np.int64)
-        np.cumsum(size[:-1], out=pstart[1:])
         self.levels.append(_Level(tab=lv.tab[kept], real=real, length=length, dp=dp, deal=self.deal,
                                   schedule=np.zeros(0, np.int64), window=np.zeros(0, np.int64),
-                                  up=kept.astype(np.int64), off=off, pstart=pstart, pfrom=start, pstride=stride))
+                                  up=kept.astype(np.int64), off=off, runs=Runs(size, start, stride)))
         self.cut.cut(self.top, lambda b, idx: RemainderBuckets(self.levels, self.base.buckets, 0, None).at(b, idx)[0])
-        return self.top.tab, self.cut.steps(self.top)
+        return self.top.tab, self.top.steps
 
     def rank(self, d: int, table: Sequence[tuple[int, Hashable]]) -> tuple[Any, ...]:
         """(entries per bucket, steps per bucket, where its batches start or None, the entry
         order, the shard-local order, BucketStats) of dp_rank ``d`` of the top level."""
         top = self.top
         counts = top.counts(np.asarray([d], np.int64))[:, 0]
-        steps = self.cut.steps(top)
+        steps = top.steps
         rest = RemainderBuckets(self.levels, self.base.buckets, d,
                                 self.shard_map() if self.base.locality.dealt else None)
         return (counts, steps, self.cut.bins(top, d), rest, rest,
                 self.stats(table, top.real, top.length, steps, self.cut.oversubscribed(top)))
-
-    def digest(self, segments: Sequence[Any], table: Sequence[tuple[int, Hashable]]) -> str:
-        return remainder_digest(self.sizing.kind, segments, table, self.top, self.cut.steps(self.top))
 
 
 class RemainderBuckets(PlannedShardUses):
@@ -261,9 +251,7 @@ class RemainderBuckets(PlannedShardUses):
         cycle = idx // np.maximum(top.real[b], 1)
         idx = idx % top.real[b]
         for lv in reversed(self.levels[1:]):
-            g = lv.off[b] + idx  # type: ignore[index]
-            q = np.searchsorted(lv.pstart, g, side="right") - 1  # type: ignore[arg-type]
-            idx = lv.pfrom[q] + lv.pstride[q] * (g - lv.pstart[q])  # type: ignore[index]
+            idx = lv.runs.prev(lv.off[b] + idx)  # type: ignore[index, union-attr]
             b = lv.up[b]  # type: ignore[index]
         return pad, cycle, b, idx
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 from ...errors import ConfigError, StateError
 from ..budgets.budget import Budget
 from ..dataset import as_datasets
+from .levels import remainder_digest
 from .listlevels import ListLevels, LockstepCut
 from .stratalevels import StrataLevels
 from ..local.locality import Locality
@@ -176,5 +177,5 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
                 accumulation_steps=accumulation_steps, seed=base.seed)
     if local is not None:
         local.plan = plan  # its shard uses are read off the plan it belongs to
-    return plan, levels.digest(segments, table)
+    return plan, remainder_digest(sizing.kind, segments, table, top, steps)
 

@@ -28,7 +28,7 @@ from ..budgets.strata import BucketBatches
 from ..planning.planrecord import Bins, Plan
 from ..policy import PadTo, Policy
 from ..seed import derive_seed
-from .levels import Levels, remainder_digest
+from .levels import Levels, Runs
 
 __all__ = ["StrataLevels"]
 
@@ -73,7 +73,7 @@ class StrataLevels(Levels):
                      window=np.zeros(0, np.int64))
         tab: list[int] = []
         for b, bb in enumerate(lv.batches):
-            made = self._next_strata(b, bb, took[b], dp, self.dss[base.bucket_table[int(lv.tab[b])][0]].cost)
+            made = self._next_strata(b, bb, counts[b], took[b], dp, self.dss[base.bucket_table[int(lv.tab[b])][0]].cost)
             if made is None:
                 continue
             tab.append(int(lv.tab[b]))
@@ -83,13 +83,12 @@ class StrataLevels(Levels):
         self.levels.append(nxt)
         return nxt.tab, self.steps()
 
-    def _next_strata(self, b: int, bb: BucketBatches, taken: np.ndarray, dp: int,
-                     cost: Any) -> tuple[BucketBatches, _Runs] | None:
-        """What ranks of the top level left of its bucket ``b`` (which they took ``taken``
-        batches of, per rank), as the next level's list (runs of the top level's codes, in
-        cost order) and its batches."""
+    def _next_strata(self, b: int, bb: BucketBatches, counts: np.ndarray, taken: np.ndarray, dp: int,
+                     cost: Any) -> tuple[BucketBatches, Runs] | None:
+        """What ranks of the top level left of its bucket ``b`` (of which they hold ``counts``
+        entries and took ``taken`` batches, per rank), as the next level's list (runs of the
+        top level's codes, in cost order) and its batches."""
         lv, levels, base = self.top, self.levels, self.base
-        counts = np.asarray([bb.count(d) for d in range(lv.dp)], np.int64)
         consumed = np.minimum(bb.offsets[np.minimum(taken, bb.batches)], counts)
         lo, hi = int(consumed.min()), int(consumed.max())
         whole = bb.seq[hi:][~bb.copy[hi:]]
@@ -105,7 +104,7 @@ class StrataLevels(Levels):
             lengths = np.concatenate([lengths, np.ones(len(singles), np.int64)])
         if not lengths.sum():
             return None
-        runs = _Runs(starts, lengths, bb.n, bb.passes)
+        runs = _cost_ordered(starts, lengths, bb.n, bb.passes)
         j0 = int(lv.tab[b])
         di, key = base.bucket_table[j0]
         order0 = base.buckets.order.orders[j0]
@@ -132,12 +131,10 @@ class StrataLevels(Levels):
                 self.stats(table, [bb.real for bb in top.batches], [bb.planned for bb in top.batches], steps,
                            [False] * len(steps)))
 
-    def digest(self, segments: Sequence[Any], table: Sequence[tuple[int, Hashable]]) -> str:
-        return remainder_digest(self.sizing.kind, segments, table, self.top, self.steps())
 
-
-class _Runs:
-    """A level's list of a bucket's entries in cost order, as runs of the previous level's.
+def _cost_ordered(codes: np.ndarray, lengths: np.ndarray, n: int, passes: int) -> Runs:
+    """A bucket's entries left, runs of the previous level's codes ``codes`` (``lengths``
+    long), as the next level's list: in cost order.
 
     From level 0 (whose entries are codes ``pass * n + position``, a pass's positions in
     cost order): elementary runs of positions, each with the passes that remain at every
@@ -145,46 +142,28 @@ class _Runs:
     (exactly cost order: what a stratum's weight, its last member's cost, needs). From a
     deeper level (one pass): runs of its list indices, which are disjoint.
     """
-
-    def __init__(self, codes: np.ndarray, lengths: np.ndarray, n: int, passes: int) -> None:
-        if passes == 1:
-            order = np.argsort(codes, kind="stable")
-            self.first, self.mult = codes[order], np.ones(order.size, np.int64)
-            self.length = lengths[order]
-            self.passes = np.zeros((order.size, 1), np.int64)
-        else:
-            pas, pos = codes // n, codes % n
-            cuts = np.unique(np.concatenate([pos, pos + lengths]))
-            lo, hi = cuts[:-1], cuts[1:]
-            cover = np.zeros((lo.size, passes), bool)
-            for p in range(passes):
-                mine = pas == p
-                if not mine.any():
-                    continue
-                st, en = pos[mine], pos[mine] + lengths[mine]
-                o = np.argsort(st, kind="stable")
-                st, en = st[o], en[o]
-                q = np.searchsorted(st, lo, side="right") - 1
-                cover[:, p] = (q >= 0) & (en[np.maximum(q, 0)] > lo)
-            keep = cover.any(axis=1)
-            lo, hi, cover = lo[keep], hi[keep], cover[keep]
-            self.first, self.length = lo, hi - lo
-            self.mult = cover.sum(axis=1).astype(np.int64)
-            # the passes present in each run, in order, padded with -1
-            self.passes = np.where(cover, np.arange(passes)[None, :], passes)
-            self.passes.sort(axis=1)
-        self.n = n
-        sizes = self.length * self.mult
-        self.start = np.zeros(sizes.size, np.int64)
-        np.cumsum(sizes[:-1], out=self.start[1:])
-        self.total = int(sizes.sum())
-
-    def prev(self, idx: np.ndarray) -> np.ndarray:
-        """The previous level's codes (level 0) or list indices of entries ``idx``."""
-        q = np.searchsorted(self.start, idx, side="right") - 1
-        off = idx - self.start[q]
-        m = self.mult[q]
-        return self.passes[q, off % m] * self.n + self.first[q] + off // m
+    if passes == 1:
+        order = np.argsort(codes, kind="stable")
+        return Runs(lengths[order], codes[order])
+    pas, pos = codes // n, codes % n
+    cuts = np.unique(np.concatenate([pos, pos + lengths]))
+    lo, hi = cuts[:-1], cuts[1:]
+    cover = np.zeros((lo.size, passes), bool)
+    for p in range(passes):
+        mine = pas == p
+        if not mine.any():
+            continue
+        st, en = pos[mine], pos[mine] + lengths[mine]
+        o = np.argsort(st, kind="stable")
+        st, en = st[o], en[o]
+        q = np.searchsorted(st, lo, side="right") - 1
+        cover[:, p] = (q >= 0) & (en[np.maximum(q, 0)] > lo)
+    keep = cover.any(axis=1)
+    lo, hi, cover = lo[keep], hi[keep], cover[keep]
+    # the passes present in each run, in order (padded with ``passes``, never read)
+    present = np.where(cover, np.arange(passes)[None, :], passes)
+    present.sort(axis=1)
+    return Runs(hi - lo, lo, mult=cover.sum(axis=1).astype(np.int64), passes=present, n=n)
 
 
 def _resolve(levels: list[_Level], j: int, idx: np.ndarray) -> np.ndarray:
