@@ -1,17 +1,14 @@
-"""What every level walk of an elastic remainder shares (core/elastic/remainder.py): the
-base plan and its buckets' stats, the top level and its schedule, what a segment took of
-it (one walk for lockstep steps and for per-rank positions, whatever the sizing), the
-top level's stats and the remainder's digest.
+"""What every level walk of an elastic remainder (core/elastic/remainder.py) shares: the
+top level and its schedule, what a segment took of it (one walk for lockstep steps and
+per-rank positions), a level's list as :class:`Runs` of the previous one's, the top
+level's stats and the remainder's digest.
 
-A level is, per kept bucket, a list of the entries left, dealt to the level's DP ranks and
-cut into batches; how the list is ordered and cut is the level kind's
-(core/elastic/listlevels.py: runs of the previous list, cut by a count or in lockstep
-under a budget; core/elastic/stratalevels.py: a budget's strata in cost order). What a
-kind gives this walk is, per bucket and rank, how many batches the rank has
-(``have``); what it gets back is how many of them each rank took.
+A level kind orders each bucket's list and cuts it into batches (core/elastic/listlevels.py,
+core/elastic/stratalevels.py); it gives this walk how many batches each rank has of each
+bucket, and gets back how many of them each rank took.
 
-Invariants: those of core/elastic/remainder.py; a remainder's digest is a function of its
-segments and top level alone, in the format its sizing's saved states carry.
+Invariants: those of core/elastic/remainder.py; the digest depends on the segments and the
+top level alone, in the format its sizing's saved states carry.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ How a level is dealt to its ranks (``deal``):
   the remaining samples of a few old ranks' shards, about one GET per shard still needed.
 
 How a rank's entries are cut into batches, the only part the sizing decides (``cut``):
-- :class:`FixedCut` (a count): ``batch_size`` entries a batch, nothing stored; nothing
+- :class:`ListLevels` (a count): ``batch_size`` entries a batch, nothing stored; nothing
   materialises the epoch;
-- :class:`LockstepCut` (a budget, shard-local): every rank's entries cut in order into the
-  same number of batches within the budget (core/budgets/budgetplan.py's
+- :class:`LockstepLevels` (a budget, shard-local): every rank's entries cut in order into
+  the same number of batches within the budget (core/budgets/budgetplan.py's
   ``lockstep_cuts``); to agree on that number every rank reads the cost of every entry of
   the level: O(its entries), like the shard-local plan it resumes.
 
@@ -39,14 +39,13 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from ..budgets.budget import Budget
 from ..budgets.budgetplan import lockstep_cuts
 from ..local.shardschedule import PlannedShardUses
 from ..planning.planrecord import Bins, Plan
 from ..policy import Policy
 from .levels import Levels, Runs
 
-__all__ = ["FixedCut", "ListLevels", "LockstepCut", "RemainderBuckets"]
+__all__ = ["ListLevels", "LockstepLevels", "RemainderBuckets"]
 
 RR, BLOCK = "rr", "block"
 
@@ -64,7 +63,7 @@ class _Level:
     off: np.ndarray | None = None     # first list index (over every bucket) of each bucket
     runs: Runs | None = None          # the list (over every bucket) as runs of the previous level's
     steps: list[int] = field(default_factory=list)  # per bucket, as its cut makes them
-    cuts: list[np.ndarray] = field(default_factory=list)  # LockstepCut: per bucket (dp, steps + 1) offsets
+    cuts: list[np.ndarray] = field(default_factory=list)  # LockstepLevels: per bucket (dp, steps + 1) offsets
 
     def counts(self, d: np.ndarray) -> np.ndarray:
         """Entries (padded copies included) of ranks ``d`` per bucket: shape (buckets, len(d))."""
@@ -87,111 +86,66 @@ class _Level:
         return d * self.length[b] // self.dp + k
 
 
-class FixedCut:
-    """A count's cut of a level: ``batch_size`` entries a batch (a bucket's last may be short)."""
-
-    def __init__(self, levels: ListLevels) -> None:
-        self.sizing, self.pad_to, self.k = levels.sizing, levels.base.pad_to, levels.accumulation_steps
-        self.batch_size = int(levels.base.batch_size)
-
-    def unit(self, dp: int) -> int:
-        return self.sizing.pad_unit(dp, self.pad_to, self.k)  # type: ignore[no-any-return]
-
-    def cut(self, lv: _Level, ids: Any) -> None:
-        """Batch w of a rank is its entries [w * batch_size, (w + 1) * batch_size)."""
-        lv.steps = (-(-lv.length // (lv.dp * self.batch_size))).tolist()
-
-    def have(self, lv: _Level, counts: np.ndarray) -> np.ndarray:
-        return -(-counts // self.batch_size)
-
-    def consumed(self, lv: _Level, took: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        return np.minimum(took * self.batch_size, counts)
-
-    def bins(self, lv: _Level, d: int) -> Bins | None:
-        return None
-
-    def oversubscribed(self, lv: _Level) -> np.ndarray:
-        return (lv.length > lv.real) & (lv.real < self.pad_to.unit(lv.dp, self.batch_size))
-
-
-class LockstepCut:
-    """A budget's cut of a shard-local level: each rank's entries cut in order into the same
-    number of batches, each within the budget (stored: per bucket, (dp, steps + 1) offsets)."""
-
-    def __init__(self, levels: ListLevels) -> None:
-        self.budget: Budget = levels.sizing
-        self.k = levels.accumulation_steps
-        self.cost = [levels.dss[di].cost for di, _ in levels.base.bucket_table]  # per base kept bucket
-
-    def unit(self, dp: int) -> int:
-        return dp * self.k  # each rank's entries of a bucket come in whole optimizer steps' worth
-
-    def cut(self, lv: _Level, ids: Any) -> None:
-        """Every bucket's cuts, from the costs of every rank's entries (``ids(b, idx)``: the
-        sample ids at level indices ``idx`` of bucket ``b``)."""
-        ranks = np.arange(lv.dp, dtype=np.int64)
-        counts = lv.counts(ranks)
-        lv.cuts = []
-        for b in range(lv.tab.size):
-            r = max(int(counts[b].max(initial=0)), 1)
-            k = np.arange(r, dtype=np.int64)[None, :]
-            live = k < counts[b][:, None]
-            idx = lv.index(np.full(live.shape, b), ranks[:, None], k)[live]
-            costs = np.zeros((lv.dp, r), np.float64)
-            costs[live] = np.asarray(self.cost[int(lv.tab[b])][ids(np.full(idx.size, b, np.int64), idx)],
-                                     np.float64)
-            lv.cuts.append(lockstep_cuts(costs, counts[b], self.budget, accumulation_steps=self.k)[1])
-        lv.steps = [int(c.shape[1]) - 1 for c in lv.cuts]
-
-    def have(self, lv: _Level, counts: np.ndarray) -> np.ndarray:
-        return np.asarray([(c[:, :-1] < counts[b][:, None]).sum(axis=1) for b, c in enumerate(lv.cuts)],
-                          np.int64).reshape(-1, lv.dp)
-
-    def consumed(self, lv: _Level, took: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        ranks = np.arange(lv.dp)
-        return np.asarray([c[ranks, np.minimum(t, c.shape[1] - 1)] for c, t in zip(lv.cuts, took)],
-                          np.int64).reshape(-1, lv.dp)
-
-    def bins(self, lv: _Level, d: int) -> Bins | None:
-        return Bins([c[d] for c in lv.cuts])
-
-    def oversubscribed(self, lv: _Level) -> np.ndarray:
-        return np.zeros(lv.tab.size, bool)
-
-
 class ListLevels(Levels):
-    """The levels of a remainder listed as runs (see the module docstring), from the base
-    plan on, each cut into batches by ``cut`` (FixedCut or LockstepCut)."""
+    """The levels of a count's remainder, listed as runs (see the module docstring), from the
+    base plan on: a rank's batches hold ``batch_size`` of its entries each (a bucket's last
+    may be short). :class:`LockstepLevels` changes only that cut."""
 
     def __init__(self, base: Plan, dss: Sequence[Any], sizing: Any, accumulation_steps: int, seed: int,
-                 epoch: int, dp: int, cut: Any = FixedCut) -> None:
+                 epoch: int, dp: int) -> None:
         super().__init__(base, dss, sizing, accumulation_steps, seed, epoch)
-        self.cut = cut(self)
+        self.bs = int(base.batch_size)
         length0 = np.asarray([s.padded_length for s in self.stats0], np.int64)
         real0 = np.minimum(np.asarray([s.length for s in self.stats0], np.int64), length0)
         self.levels = [_Level(tab=np.arange(len(self.stats0), dtype=np.int64), real=real0, length=length0,
                               dp=dp, deal=RR, schedule=base.schedule, window=base.window)]
         self.deal = BLOCK if base.locality.dealt else RR
-        self.cut.cut(self.top, lambda b, idx: base.buckets.at(b, idx)[0])
+        self.cut(self.top, lambda b, idx: base.buckets.at(b, idx)[0])
 
+    # -- the cut: what the sizing decides --------------------------------------------------
+    def unit(self, dp: int) -> int:
+        """What a level on ``dp`` ranks pads each bucket's list to a multiple of."""
+        return self.sizing.pad_unit(dp, self.base.pad_to, self.accumulation_steps)  # type: ignore[no-any-return]
+
+    def cut(self, lv: _Level, ids: Any) -> None:
+        """Cut the ranks' entries of level ``lv`` into batches (``ids(b, idx)``: the sample ids
+        at its indices ``idx`` of bucket ``b``): batch w of a rank is its entries
+        [w * batch_size, (w + 1) * batch_size), nothing stored but the steps."""
+        lv.steps = (-(-lv.length // (lv.dp * self.bs))).tolist()
+
+    def have(self, lv: _Level, counts: np.ndarray) -> np.ndarray:
+        """Batches of each rank per bucket, which hold ``counts`` entries: (buckets, dp)."""
+        return -(-counts // self.bs)
+
+    def consumed(self, lv: _Level, took: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Entries of each rank per bucket in the ``took`` batches it took: (buckets, dp)."""
+        return np.minimum(took * self.bs, counts)
+
+    def bins(self, lv: _Level, d: int) -> Bins | None:
+        return None
+
+    def oversubscribed(self, lv: _Level) -> np.ndarray:
+        return (lv.length > lv.real) & (lv.real < self.base.pad_to.unit(lv.dp, self.bs))
+
+    # -- the walk ------------------------------------------------------------------------
     def advance(self, seg: Any, dp: int) -> tuple[np.ndarray, list[int]]:
         """Add the level ``seg`` left of the top one, dealt to ``dp`` ranks: (its buckets as base
         kept-bucket indices, steps per bucket)."""
         lv = self.top
-        unit = self.cut.unit(dp)
+        unit = self.unit(dp)
         pad = self.base.policy is not Policy.NONE
         nb = lv.tab.size
         if seg.steps is not None and self.deal == RR and lv.deal == RR:
             # locality none (a count: only it deals round robin) in lockstep: the consumed part of
             # each bucket is a prefix (its first taken * dp * bs positions): O(buckets), not O(buckets x dp)
-            first = np.minimum(self.taken(seg) * (lv.dp * self.cut.batch_size), lv.real)
+            first = np.minimum(self.taken(seg) * (lv.dp * self.bs), lv.real)
             bucket = np.arange(nb, dtype=np.int64)
             start, size = first, lv.real - first
             stride = np.ones(nb, np.int64)
         else:
             ranks = np.arange(lv.dp, dtype=np.int64)
             counts = lv.counts(ranks)
-            e = self.cut.consumed(lv, self.took(seg, self.cut.have(lv, counts)), counts)
+            e = self.consumed(lv, self.took(seg, self.have(lv, counts)), counts)
             reals = lv.reals(ranks)
             size = np.maximum(reals - e, 0).ravel()
             bucket = np.repeat(np.arange(nb, dtype=np.int64), lv.dp)
@@ -208,7 +162,7 @@ class ListLevels(Levels):
         self.levels.append(_Level(tab=lv.tab[kept], real=real, length=length, dp=dp, deal=self.deal,
                                   schedule=np.zeros(0, np.int64), window=np.zeros(0, np.int64),
                                   up=kept.astype(np.int64), off=off, runs=Runs(size, start, stride)))
-        self.cut.cut(self.top, lambda b, idx: RemainderBuckets(self.levels, self.base.buckets, 0, None).at(b, idx)[0])
+        self.cut(self.top, lambda b, idx: RemainderBuckets(self.levels, self.base.buckets, 0, None).at(b, idx)[0])
         return self.top.tab, self.top.steps
 
     def rank(self, d: int, table: Sequence[tuple[int, Hashable]]) -> tuple[Any, ...]:
@@ -219,8 +173,48 @@ class ListLevels(Levels):
         steps = top.steps
         rest = RemainderBuckets(self.levels, self.base.buckets, d,
                                 self.shard_map() if self.base.locality.dealt else None)
-        return (counts, steps, self.cut.bins(top, d), rest, rest,
-                self.stats(table, top.real, top.length, steps, self.cut.oversubscribed(top)))
+        return (counts, steps, self.bins(top, d), rest, rest,
+                self.stats(table, top.real, top.length, steps, self.oversubscribed(top)))
+
+
+class LockstepLevels(ListLevels):
+    """The levels of a budget's shard-local remainder: listed as a count's, each rank's
+    entries cut in order into the same number of batches within the budget (per bucket,
+    (dp, steps + 1) offsets)."""
+
+    def unit(self, dp: int) -> int:
+        return dp * self.accumulation_steps  # each rank's entries come in whole optimizer steps' worth
+
+    def cut(self, lv: _Level, ids: Any) -> None:
+        """Every bucket's cuts, from the costs of every rank's entries."""
+        ranks = np.arange(lv.dp, dtype=np.int64)
+        counts = lv.counts(ranks)
+        lv.cuts = []
+        for b in range(lv.tab.size):
+            r = max(int(counts[b].max(initial=0)), 1)
+            k = np.arange(r, dtype=np.int64)[None, :]
+            live = k < counts[b][:, None]
+            idx = lv.index(np.full(live.shape, b), ranks[:, None], k)[live]
+            costs = np.zeros((lv.dp, r), np.float64)
+            cost = self.dss[self.base.bucket_table[int(lv.tab[b])][0]].cost
+            costs[live] = np.asarray(cost[ids(np.full(idx.size, b, np.int64), idx)], np.float64)
+            lv.cuts.append(lockstep_cuts(costs, counts[b], self.sizing, accumulation_steps=self.accumulation_steps)[1])
+        lv.steps = [int(c.shape[1]) - 1 for c in lv.cuts]
+
+    def have(self, lv: _Level, counts: np.ndarray) -> np.ndarray:
+        return np.asarray([(c[:, :-1] < counts[b][:, None]).sum(axis=1) for b, c in enumerate(lv.cuts)],
+                          np.int64).reshape(-1, lv.dp)
+
+    def consumed(self, lv: _Level, took: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        ranks = np.arange(lv.dp)
+        return np.asarray([c[ranks, np.minimum(t, c.shape[1] - 1)] for c, t in zip(lv.cuts, took)],
+                          np.int64).reshape(-1, lv.dp)
+
+    def bins(self, lv: _Level, d: int) -> Bins | None:
+        return Bins([c[d] for c in lv.cuts])
+
+    def oversubscribed(self, lv: _Level) -> np.ndarray:
+        return np.zeros(lv.tab.size, bool)
 
 
 class RemainderBuckets(PlannedShardUses):

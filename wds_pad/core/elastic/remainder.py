@@ -10,9 +10,10 @@ One composition for every sizing and every entry order. Level 0 is the epoch pla
 the first layout (``plan_epoch``); segment j says how far the ranks of level j's layout got
 (``steps`` in lockstep, or each DP rank's batch index with policy ``none``); level j + 1 is
 what it left, dealt to the next layout's ranks. This module walks the levels, schedules
-each (core/planning/schedule.py) and makes the top level's Plan; what a level is depends on the
-sizing, chosen by its ``kind`` from :data:`REMAINDER_LEVELS` (a Pack's: its budget's, every
-segment counted in packs, grouped into batches of B packs again).
+each (core/planning/schedule.py) and makes the top level's Plan; what a level is, chosen from
+:data:`REMAINDER_LEVELS` by the sizing's ``kind`` and the locality, is a list of runs of the
+previous level's cut by a count or in lockstep under a budget, or a budget's strata (a
+Pack's: its budget's, every segment counted in packs, grouped into batches of B packs again).
 
 Invariants (tests/core/test_remainder.py, test_budgetremainder.py, test_packplan.py):
 - the union over earlier segments of what their ranks consumed, plus the real entries
@@ -27,14 +28,13 @@ Invariants (tests/core/test_remainder.py, test_budgetremainder.py, test_packplan
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any, Callable, Sequence
 
 from ...errors import ConfigError, StateError
 from ..budgets.budget import Budget
 from ..dataset import as_datasets
 from .levels import remainder_digest
-from .listlevels import ListLevels, LockstepCut
+from .listlevels import ListLevels, LockstepLevels
 from .stratalevels import StrataLevels
 from ..local.locality import Locality
 from ..budgets.packing import Pack
@@ -102,7 +102,7 @@ class Remainder:
 #: under a budget (core/elastic/listlevels.py), or a budget's strata (core/elastic/stratalevels.py)
 REMAINDER_LEVELS: dict[tuple[str, bool], Callable[..., Any]] = {
     ("count", False): ListLevels, ("count", True): ListLevels,
-    ("budget", False): StrataLevels, ("budget", True): partial(ListLevels, cut=LockstepCut)}
+    ("budget", False): StrataLevels, ("budget", True): LockstepLevels}
 
 
 def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment], *, seed: int, epoch: int,
