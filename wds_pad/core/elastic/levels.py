@@ -14,7 +14,7 @@ top level alone, in the format its sizing's saved states carry.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -58,10 +58,11 @@ class Levels:
                 f"({lv.schedule.size} steps); the state does not belong to this plan")
         return np.bincount(lv.schedule[:seg.steps].astype(np.int64), minlength=lv.tab.size)
 
-    def took(self, seg: Any, have: np.ndarray) -> np.ndarray:
-        """Batches each rank of the top level took per bucket (shape (buckets, dp)), where
-        rank d has ``have[b, d]`` batches of bucket b (its first ones: a rank lacks a
-        bucket's batch at window w when w >= have).
+    def took(self, seg: Any, have: Callable[[], np.ndarray]) -> np.ndarray:
+        """Batches each rank of the top level took per bucket: shape (buckets, dp), or
+        (buckets, 1) for a lockstep segment (every rank alike). ``have()`` gives how many
+        batches rank d has of bucket b (its first ones: it lacks a bucket's batch at window w
+        when w >= have[b, d]), asked for per-rank positions only.
 
         Ranks differ only at the steps some of them lack (policy ``none``), so each rank's
         position maps to a step in O(those steps), not by walking the rank's plan.
@@ -72,7 +73,8 @@ class Levels:
         lv = self.top
         nb = lv.tab.size
         if seg.steps is not None:
-            return np.repeat(self.taken(seg)[:, None], lv.dp, axis=1)  # type: ignore[no-any-return]
+            return self.taken(seg)[:, None]
+        have = have()
         lo, hi = have.min(axis=1), have.max(axis=1)
         sched = lv.schedule.astype(np.int64)
         win = lv.window.astype(np.int64)

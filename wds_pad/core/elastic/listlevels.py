@@ -145,7 +145,7 @@ class ListLevels(Levels):
         else:
             ranks = np.arange(lv.dp, dtype=np.int64)
             counts = lv.counts(ranks)
-            e = self.consumed(lv, self.took(seg, self.have(lv, counts)), counts)
+            e = self.consumed(lv, self.took(seg, lambda: self.have(lv, counts)), counts)
             reals = lv.reals(ranks)
             size = np.maximum(reals - e, 0).ravel()
             bucket = np.repeat(np.arange(nb, dtype=np.int64), lv.dp)

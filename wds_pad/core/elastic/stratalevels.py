@@ -66,14 +66,14 @@ class StrataLevels(Levels):
         lv, base = self.top, self.base
         counts = np.asarray([[bb.count(d) for d in range(lv.dp)] for bb in lv.batches], np.int64).reshape(-1, lv.dp)
         # a rank has a bucket's batch w while the batch starts before its last entry
-        have = np.asarray([(bb.offsets[:-1][None, :] < c[:, None]).sum(axis=1) for bb, c in zip(lv.batches, counts)],
-                          np.int64).reshape(-1, lv.dp)
-        took = self.took(seg, have)
+        took = self.took(seg, lambda: np.asarray([np.searchsorted(bb.offsets[:-1], c) for bb, c in
+                                                  zip(lv.batches, counts)], np.int64).reshape(-1, lv.dp))
         nxt = _Level(dp=dp, tab=np.zeros(0, np.int64), schedule=np.zeros(0, np.int64),
                      window=np.zeros(0, np.int64))
         tab: list[int] = []
         for b, bb in enumerate(lv.batches):
-            made = self._next_strata(b, bb, counts[b], took[b], dp, self.dss[base.bucket_table[int(lv.tab[b])][0]].cost)
+            cost = self.dss[base.bucket_table[int(lv.tab[b])][0]].cost
+            made = self._next_strata(b, bb, counts[b], took[b], dp, cost)
             if made is None:
                 continue
             tab.append(int(lv.tab[b]))
