@@ -45,24 +45,11 @@ class Levels:
     def scheduled(self, schedule: np.ndarray, window: np.ndarray) -> None:
         self.top.schedule, self.top.window = schedule, window
 
-    def taken(self, seg: Any) -> np.ndarray:
-        """Steps of each bucket of the top level that a lockstep segment consumed.
-
-        Raises:
-            StateMismatchError: the segment goes past the level's last step.
-        """
-        lv = self.top
-        if seg.steps > lv.schedule.size:
-            raise StateMismatchError(
-                f"loader state position {seg.steps} is past the end of epoch {self.epoch} on dp_size {lv.dp} "
-                f"({lv.schedule.size} steps); the state does not belong to this plan")
-        return np.bincount(lv.schedule[:seg.steps].astype(np.int64), minlength=lv.tab.size)
-
-    def took(self, seg: Any, have: Callable[[], np.ndarray]) -> np.ndarray:
+    def took(self, seg: Any, have: Callable[[], np.ndarray] | None = None) -> np.ndarray:
         """Batches each rank of the top level took per bucket: shape (buckets, dp), or
         (buckets, 1) for a lockstep segment (every rank alike). ``have()`` gives how many
         batches rank d has of bucket b (its first ones: it lacks a bucket's batch at window w
-        when w >= have[b, d]), asked for per-rank positions only.
+        when w >= have[b, d]), needed for per-rank positions only.
 
         Ranks differ only at the steps some of them lack (policy ``none``), so each rank's
         position maps to a step in O(those steps), not by walking the rank's plan.
@@ -73,8 +60,12 @@ class Levels:
         lv = self.top
         nb = lv.tab.size
         if seg.steps is not None:
-            return self.taken(seg)[:, None]
-        have = have()
+            if seg.steps > lv.schedule.size:
+                raise StateMismatchError(
+                    f"loader state position {seg.steps} is past the end of epoch {self.epoch} on dp_size {lv.dp} "
+                    f"({lv.schedule.size} steps); the state does not belong to this plan")
+            return np.bincount(lv.schedule[:seg.steps].astype(np.int64), minlength=nb)[:, None]
+        have = have()  # type: ignore[misc]
         lo, hi = have.min(axis=1), have.max(axis=1)
         sched = lv.schedule.astype(np.int64)
         win = lv.window.astype(np.int64)

@@ -138,7 +138,7 @@ class ListLevels(Levels):
         if seg.steps is not None and self.deal == RR and lv.deal == RR:
             # locality none (a count: only it deals round robin) in lockstep: the consumed part of
             # each bucket is a prefix (its first taken * dp * bs positions): O(buckets), not O(buckets x dp)
-            first = np.minimum(self.taken(seg) * (lv.dp * self.bs), lv.real)
+            first = np.minimum(self.took(seg)[:, 0] * (lv.dp * self.bs), lv.real)
             bucket = np.arange(nb, dtype=np.int64)
             start, size = first, lv.real - first
             stride = np.ones(nb, np.int64)

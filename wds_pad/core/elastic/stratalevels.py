@@ -51,14 +51,10 @@ class StrataLevels(Levels):
     def __init__(self, base: Plan, dss: Sequence[Any], budget: Budget, accumulation_steps: int, seed: int,
                  epoch: int, dp: int) -> None:
         super().__init__(base, dss, budget, accumulation_steps, seed, epoch)
-        self.budget = budget
         self.pol = "none" if base.policy is Policy.NONE else "cyclic"
         nb0 = len(base.bucket_table)
         self.levels = [_Level(dp=dp, tab=np.arange(nb0, dtype=np.int64), schedule=base.schedule,
                               window=base.window, batches=list(base.buckets.order.batches), runs=[None] * nb0)]
-
-    def steps(self) -> list[int]:
-        return [bb.batches for bb in self.top.batches]
 
     def advance(self, seg: Any, dp: int) -> tuple[np.ndarray, list[int]]:
         """Add the level ``seg`` left of the top one, dealt to ``dp`` ranks: (its buckets as base
@@ -81,7 +77,7 @@ class StrataLevels(Levels):
             nxt.runs.append(made[1])
         nxt.tab = np.asarray(tab, np.int64)
         self.levels.append(nxt)
-        return nxt.tab, self.steps()
+        return nxt.tab, [bb.batches for bb in nxt.batches]
 
     def _next_strata(self, b: int, bb: BucketBatches, counts: np.ndarray, taken: np.ndarray, dp: int,
                      cost: Any) -> tuple[BucketBatches, Runs] | None:
@@ -115,7 +111,7 @@ class StrataLevels(Levels):
             return np.asarray(cost[np.asarray(order0[code % n0], np.int64)], np.float64)
         made = BucketBatches(runs.total, 1, dp, sorted_cost,
                              derive_seed(self.seed, self.epoch, base.datasets[di], key, "budget", len(levels)),
-                             self.budget, self.pol, True, base.pad_to is PadTo.BATCH, self.accumulation_steps)
+                             self.sizing, self.pol, True, base.pad_to is PadTo.BATCH, self.accumulation_steps)
         return (made, runs) if made.batches else None
 
     def rank(self, d: int, table: Sequence[tuple[int, Hashable]]) -> tuple[Any, ...]:
@@ -126,7 +122,7 @@ class StrataLevels(Levels):
         j0 = top.tab.tolist()
         order = BudgetBuckets(top.batches, [base.buckets.order.orders[j] for j in j0], d,
                               [base.buckets.order.n[j] for j in j0], partial(_resolve, self.levels))
-        steps = self.steps()
+        steps = [bb.batches for bb in top.batches]
         return (counts, steps, Bins([bb.offsets for bb in top.batches]), order, None,
                 self.stats(table, [bb.real for bb in top.batches], [bb.planned for bb in top.batches], steps,
                            [False] * len(steps)))
