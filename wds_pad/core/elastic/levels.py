@@ -42,9 +42,6 @@ class Levels:
     def top(self) -> Any:
         return self.levels[-1]
 
-    def scheduled(self, schedule: np.ndarray, window: np.ndarray) -> None:
-        self.top.schedule, self.top.window = schedule, window
-
     def took(self, seg: Any, have: Callable[[], np.ndarray] | None = None) -> np.ndarray:
         """Batches each rank of the top level took per bucket: shape (buckets, dp), or
         (buckets, 1) for a lockstep segment (every rank alike). ``have()`` gives how many

@@ -183,7 +183,7 @@ class LockstepLevels(ListLevels):
     (dp, steps + 1) offsets)."""
 
     def unit(self, dp: int) -> int:
-        return dp * self.accumulation_steps  # each rank's entries come in whole optimizer steps' worth
+        return self.sizing.pad_unit(dp) * self.accumulation_steps  # each rank's entries: whole optimizer steps
 
     def cut(self, lv: _Level, ids: Any) -> None:
         """Every bucket's cuts, from the costs of every rank's entries."""

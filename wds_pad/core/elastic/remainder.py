@@ -162,7 +162,8 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
         tab, steps = levels.advance(seg, dp)
         table = [base.bucket_table[int(t)] for t in tab]
-        levels.scheduled(*step_schedule(dss, table, steps, seed, epoch, accumulation_steps=accumulation_steps))
+        levels.top.schedule, levels.top.window = step_schedule(dss, table, steps, seed, epoch,
+                                                               accumulation_steps=accumulation_steps)
     top = levels.top
     d = int(topology.dp_rank)  # type: ignore[arg-type]
     table = tuple(base.bucket_table[int(t)] for t in top.tab)
