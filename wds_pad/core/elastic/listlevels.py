@@ -64,6 +64,7 @@ class _Level:
     runs: Runs | None = None          # the list (over every bucket) as runs of the previous level's
     steps: list[int] = field(default_factory=list)  # per bucket, as its cut makes them
     cuts: list[np.ndarray] = field(default_factory=list)  # LockstepLevels: per bucket (dp, steps + 1) offsets
+    ids: list[np.ndarray] = field(default_factory=list)   # LockstepLevels: per bucket, each entry's sample id
 
     def counts(self, d: np.ndarray) -> np.ndarray:
         """Entries (padded copies included) of ranks ``d`` per bucket: shape (buckets, len(d))."""
@@ -100,17 +101,16 @@ class ListLevels(Levels):
         self.levels = [_Level(tab=np.arange(len(self.stats0), dtype=np.int64), real=real0, length=length0,
                               dp=dp, deal=RR, schedule=base.schedule, window=base.window)]
         self.deal = BLOCK if base.locality.dealt else RR
-        self.cut(self.top, lambda b, idx: base.buckets.at(b, idx)[0])
+        self.cut(self.top)
 
     # -- the cut: what the sizing decides --------------------------------------------------
     def unit(self, dp: int) -> int:
         """What a level on ``dp`` ranks pads each bucket's list to a multiple of."""
         return self.sizing.pad_unit(dp, self.base.pad_to, self.accumulation_steps)  # type: ignore[no-any-return]
 
-    def cut(self, lv: _Level, ids: Any) -> None:
-        """Cut the ranks' entries of level ``lv`` into batches (``ids(b, idx)``: the sample ids
-        at its indices ``idx`` of bucket ``b``): batch w of a rank is its entries
-        [w * batch_size, (w + 1) * batch_size), nothing stored but the steps."""
+    def cut(self, lv: _Level) -> None:
+        """Cut the ranks' entries of level ``lv`` (the top one) into batches: batch w of a rank
+        is its entries [w * batch_size, (w + 1) * batch_size), nothing stored but the steps."""
         lv.steps = (-(-lv.length // (lv.dp * self.bs))).tolist()
 
     def have(self, lv: _Level, counts: np.ndarray) -> np.ndarray:
@@ -162,7 +162,7 @@ class ListLevels(Levels):
         self.levels.append(_Level(tab=lv.tab[kept], real=real, length=length, dp=dp, deal=self.deal,
                                   schedule=np.zeros(0, np.int64), window=np.zeros(0, np.int64),
                                   up=kept.astype(np.int64), off=off, runs=Runs(size, start, stride)))
-        self.cut(self.top, lambda b, idx: RemainderBuckets(self.levels, self.base.buckets, 0, None).at(b, idx)[0])
+        self.cut(self.top)
         return self.top.tab, self.top.steps
 
     def rank(self, d: int, table: Sequence[tuple[int, Hashable]]) -> tuple[Any, ...]:
@@ -185,19 +185,26 @@ class LockstepLevels(ListLevels):
     def unit(self, dp: int) -> int:
         return self.sizing.pad_unit(dp) * self.accumulation_steps  # each rank's entries: whole optimizer steps
 
-    def cut(self, lv: _Level, ids: Any) -> None:
-        """Every bucket's cuts, from the costs of every rank's entries."""
+    def cut(self, lv: _Level) -> None:
+        """Every bucket's cuts, from the costs of every rank's entries (each entry's sample id
+        kept, in list order, for the next level's)."""
         ranks = np.arange(lv.dp, dtype=np.int64)
         counts = lv.counts(ranks)
-        lv.cuts = []
+        lv.cuts, lv.ids = [], []
         for b in range(lv.tab.size):
+            idx = np.arange(int(lv.length[b]), dtype=np.int64)
+            if lv.runs is None:  # level 0: the base plan's order
+                lv.ids.append(self.base.buckets.at(np.full(idx.size, b, np.int64), idx)[0])
+            else:  # padded copies repeat the list's own front
+                prev = lv.runs.prev(lv.off[b] + idx % lv.real[b])  # type: ignore[index]
+                lv.ids.append(self.levels[-2].ids[int(lv.up[b])][prev])  # type: ignore[index]
             r = max(int(counts[b].max(initial=0)), 1)
             k = np.arange(r, dtype=np.int64)[None, :]
             live = k < counts[b][:, None]
-            idx = lv.index(np.full(live.shape, b), ranks[:, None], k)[live]
             costs = np.zeros((lv.dp, r), np.float64)
             cost = self.dss[self.base.bucket_table[int(lv.tab[b])][0]].cost
-            costs[live] = np.asarray(cost[ids(np.full(idx.size, b, np.int64), idx)], np.float64)
+            costs[live] = np.asarray(cost[lv.ids[b][lv.index(np.full(live.shape, b), ranks[:, None], k)[live]]],
+                                     np.float64)
             lv.cuts.append(lockstep_cuts(costs, counts[b], self.sizing, accumulation_steps=self.accumulation_steps)[1])
         lv.steps = [int(c.shape[1]) - 1 for c in lv.cuts]
 
