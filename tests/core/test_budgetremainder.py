@@ -13,12 +13,14 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wds_pad import Budget, Dataset, DroppedBucketWarning, ShardMap, Topology, plan_epoch
 from wds_pad.core.budgets.budget import batch_cost
 from wds_pad.core.elastic.remainder import Segment, plan_remainder
+from wds_pad.errors import StateMismatchError
 
 PROPERTY = settings(max_examples=120, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -113,3 +115,15 @@ def test_a_budgeted_shard_remainder_reads_whole_the_shards_of_each_dataset_it_vi
                 uniq, first_use, count = np.unique(shard, return_index=True, return_counts=True)
                 want = uniq[count >= 2][np.argsort(first_use[count >= 2], kind="stable")]
                 assert plan.buckets.local.rank_shards(di).tolist() == want.tolist()
+
+
+def test_refusals_name_what_is_wrong_for_every_locality() -> None:
+    cost = np.arange(1.0, 41.0)
+    ds = Dataset("d", {0: np.arange(40)}, cost=cost)
+    budget = Budget(60.0)
+    for src, locality in ((ds, "none"), (ShardMap(ds, shard=np.arange(40) % 4), "shard")):
+        kw = dict(seed=1, epoch=0, batch_size=budget, locality=locality)
+        with pytest.raises(StateMismatchError, match="position 99 is past the end of epoch 0 on dp_size 2"):
+            plan_remainder(src, Topology(1, 0), [Segment(2, steps=99)], policy="cyclic", **kw)
+        with pytest.raises(StateMismatchError, match="position 50 of dp_rank 1 is past the end"):
+            plan_remainder(src, Topology(1, 0), [Segment(2, positions=(1, 50))], policy="none", **kw)

@@ -10,9 +10,10 @@ One composition for every sizing and every entry order. Level 0 is the epoch pla
 the first layout (``plan_epoch``); segment j says how far the ranks of level j's layout got
 (``steps`` in lockstep, or each DP rank's batch index with policy ``none``); level j + 1 is
 what it left, dealt to the next layout's ranks. This module walks the levels, schedules
-each (core/planning/schedule.py) and makes the top level's Plan; what a level is depends on the
-sizing, chosen by its ``kind`` from :data:`REMAINDER_LEVELS` (a Pack's: its budget's, every
-segment counted in packs, grouped into batches of B packs again).
+each (core/planning/schedule.py) and makes the top level's Plan; what a level is, chosen from
+:data:`REMAINDER_LEVELS` by the sizing's ``kind`` and the locality, is a list of runs of the
+previous level's cut by a count or in lockstep under a budget, or a budget's strata (a
+Pack's: its budget's, every segment counted in packs, grouped into batches of B packs again).
 
 Invariants (tests/core/test_remainder.py, test_budgetremainder.py, test_packplan.py):
 - the union over earlier segments of what their ranks consumed, plus the real entries
@@ -32,8 +33,9 @@ from typing import Any, Callable, Sequence
 from ...errors import ConfigError, StateError
 from ..budgets.budget import Budget
 from ..dataset import as_datasets
-from .budgetlevels import BudgetLevels
-from .countlevels import CountLevels
+from .levels import remainder_digest
+from .listlevels import ListLevels, LockstepLevels
+from .stratalevels import StrataLevels
 from ..local.locality import Locality
 from ..budgets.packing import Pack
 from ..budgets.packplan import group_plan
@@ -95,8 +97,12 @@ class Remainder:
     fingerprint: str
 
 
-#: what a level of the remainder is, by the sizing's ``kind`` (a Pack's is its budget's)
-REMAINDER_LEVELS: dict[str, Callable[..., Any]] = {"count": CountLevels, "budget": BudgetLevels}
+#: what a level of the remainder is, by the sizing's ``kind`` (a Pack's is its budget's) and
+#: whether shards are dealt: runs of the previous level's list cut by a count or in lockstep
+#: under a budget (core/elastic/listlevels.py), or a budget's strata (core/elastic/stratalevels.py)
+REMAINDER_LEVELS: dict[tuple[str, bool], Callable[..., Any]] = {
+    ("count", False): ListLevels, ("count", True): ListLevels,
+    ("budget", False): StrataLevels, ("budget", True): LockstepLevels}
 
 
 def plan_remainder(datasets: Any, topology: Topology, segments: Sequence[Segment], *, seed: int, epoch: int,
@@ -148,15 +154,16 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
                       mode=mode, oversubscribe=oversubscribe, pad_to=pad_to, warn=False, locality=locality,
                       window=window, accumulation_steps=accumulation_steps)
     dss = as_datasets(datasets)
-    levels = REMAINDER_LEVELS[sizing.kind](base, dss, sizing, accumulation_steps, seed, epoch,
-                                           segments[0].dp_size)
+    levels = REMAINDER_LEVELS[sizing.kind, base.locality.dealt](base, dss, sizing, accumulation_steps, seed,
+                                                                epoch, segments[0].dp_size)
     for j, seg in enumerate(segments):
         if seg.dp_size != levels.top.dp:
             raise StateError(f"an elastic segment says dp_size {seg.dp_size} where its layout had {levels.top.dp}")
         dp = segments[j + 1].dp_size if j + 1 < len(segments) else int(topology.dp_size)  # type: ignore[arg-type]
         tab, steps = levels.advance(seg, dp)
         table = [base.bucket_table[int(t)] for t in tab]
-        levels.scheduled(*step_schedule(dss, table, steps, seed, epoch, accumulation_steps=accumulation_steps))
+        levels.top.schedule, levels.top.window = step_schedule(dss, table, steps, seed, epoch,
+                                                               accumulation_steps=accumulation_steps)
     top = levels.top
     d = int(topology.dp_rank)  # type: ignore[arg-type]
     table = tuple(base.bucket_table[int(t)] for t in top.tab)
@@ -171,5 +178,5 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
                 accumulation_steps=accumulation_steps, seed=base.seed)
     if local is not None:
         local.plan = plan  # its shard uses are read off the plan it belongs to
-    return plan, levels.digest(segments, table)
+    return plan, remainder_digest(sizing.kind, segments, table, top, steps)
 
