@@ -234,8 +234,6 @@ class RemainderBuckets(PlannedShardUses):
 
     def at(self, b: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of the top level's indices ``idx`` of its buckets ``b``."""
-        if not idx.size:
-            return np.zeros(0, np.int64), np.zeros(0, bool)
         pad, _, b, idx = self.base_positions(b, idx)
         samples, _ = self.base.at(b, idx)
         return samples, pad
