@@ -42,7 +42,7 @@ import numpy as np
 from ..budgets.budgetplan import lockstep_unit, shard_cut
 from ..local.shardschedule import PlannedShardUses
 from ..planning.planrecord import Bins, Plan
-from ..policy import Policy, rank_position, rank_share
+from ..policy import padded_length, rank_position, rank_share
 from .levels import Levels, Runs
 
 __all__ = ["ListLevels", "LockstepLevels", "RemainderBuckets"]
@@ -133,7 +133,6 @@ class ListLevels(Levels):
         kept-bucket indices, steps per bucket)."""
         lv = self.top
         unit = self.unit(dp)
-        pad = self.base.policy is not Policy.NONE
         nb = lv.tab.size
         if seg.steps is not None and self.deal == RR and lv.deal == RR:
             # locality none (a count: only it deals round robin) in lockstep: the consumed part of
@@ -156,7 +155,7 @@ class ListLevels(Levels):
         real = np.bincount(bucket, weights=size, minlength=nb).astype(np.int64)
         kept = np.flatnonzero(real > 0)
         real = real[kept]
-        length = real if not pad else -(-real // unit) * unit
+        length = np.asarray([padded_length(r, unit, self.policy, True) for r in real.tolist()], np.int64)
         off = np.zeros(kept.size, np.int64)
         np.cumsum(real[:-1], out=off[1:])
         self.levels.append(_Level(tab=lv.tab[kept], real=real, length=length, dp=dp, deal=self.deal,
