@@ -73,7 +73,7 @@ def test_the_bucket_table_keeps_pads_and_drops_each_bucket_by_the_pad_rule(
 
     def measure(ds, key, ids, n, passes):
         measured.append(n)
-        return padded(unit, policy, oversubscribe, unit)(ds, key, ids, n, passes)
+        return padded(unit, policy, oversubscribe, lambda length: Count(unit).steps(length, 1))(ds, key, ids, n, passes)
 
     got = bucket_table(dss, measure, epoch=0, dp=1, batch=unit, unit=unit, oversubscribe=oversubscribe, size="x")
     assert 0 not in measured  # an empty bucket never reaches the arithmetic

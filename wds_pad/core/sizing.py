@@ -70,6 +70,11 @@ class Count:
         fills whole optimizer steps (``pad_to="batch"``) or whole rounds of ranks (``rank``)."""
         return pad_to.unit(dp_size, self.batch_size) * accumulation_steps
 
+    def steps(self, length: Any, dp_size: int) -> Any:
+        """Global steps of a bucket of ``length`` padded entries (an int or an array) dealt to
+        ``dp_size`` ranks: the batches of its largest share."""
+        return -(-length // (dp_size * self.batch_size))
+
     def short_last_batch(self, pad_to: PadTo) -> bool:
         return pad_to is PadTo.RANK
 

@@ -29,8 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -42,10 +41,7 @@ from ..sampleseed import PADDED
 from ..seed import derive_seed
 from .strata import BucketBatches
 
-if TYPE_CHECKING:
-    from ..local.localbuckets import LocalBuckets
-
-__all__ = ["BudgetBuckets", "LockstepCut", "RankCuts", "StrataCut", "budget_cut", "lockstep_cuts", "shard_cut"]
+__all__ = ["BudgetBuckets", "LockstepCut", "StrataCut", "budget_cut", "lockstep_cuts", "lockstep_unit", "shard_cut"]
 
 
 class BudgetBuckets:
@@ -79,39 +75,23 @@ class BudgetBuckets:
         return samples, pad, number
 
 
-@dataclass(eq=False)
-class RankCuts:
-    """A bucket's entries on a shard-local layout: each rank's (sample ids, padded flags),
-    in its order, and where each of its batches starts (the same count on every rank)."""
-
-    ids: list[np.ndarray]
-    pad: list[np.ndarray]
-    steps: int
-    cuts: np.ndarray  # (dp, steps + 1)
-
-    @property
-    def batches(self) -> int:
-        return self.steps
-
-    def count(self, d: int) -> int:
-        return int(self.ids[d].size)
+def lockstep_unit(budget: Budget, dp: int, accumulation_steps: int) -> int:
+    """What a shard-local budget pads each bucket's list to: ``dp_size`` x ``accumulation_steps``
+    entries, so each rank's entries come in whole optimizer steps (``Budget.pad_unit``, which
+    the fingerprint records, is the strata's ``dp_size``)."""
+    return budget.pad_unit(dp) * accumulation_steps
 
 
-def shard_cut(local: LocalBuckets, j: int, length: int, real: int, dp: int, cost: Any, budget: Budget,
-              accumulation_steps: int) -> RankCuts:
-    """Kept bucket ``j`` of a shard-local plan (``length`` entries padded, ``real`` of them
-    samples): every rank's entries, and the lockstep cuts of them under ``budget``.
-    O(the bucket's entries): every rank must know every rank's costs to agree on a count."""
-    d = np.arange(dp, dtype=np.int64)
-    pos = rank_position(d[:, None], np.arange(-(-length // dp), dtype=np.int64), dp)  # (dp, entries of rank 0)
-    live = pos < length
-    ids = np.zeros(pos.shape, np.int64)
-    ids[live], _ = local.at(np.full(int(live.sum()), j, np.int64), pos[live])
-    costs = np.where(live, np.asarray(cost[ids], dtype=np.float64), 0.0)
-    counts = rank_share(length, dp, d)
-    steps, cuts = lockstep_cuts(costs, counts, budget, accumulation_steps=accumulation_steps)
-    return RankCuts([ids[e, :counts[e]] for e in d.tolist()], [pos[e, :counts[e]] >= real for e in d.tolist()],
-                    steps, cuts)
+def shard_cut(ids: Callable[[np.ndarray, np.ndarray], np.ndarray], counts: np.ndarray, cost: Any, budget: Budget,
+              accumulation_steps: int) -> tuple[int, np.ndarray]:
+    """A shard-local bucket cut in lockstep under ``budget`` (:func:`lockstep_cuts`): rank d
+    holds ``counts[d]`` entries, ``ids(d, k)`` are the sample ids of entries ``k`` of ranks
+    ``d``. O(the bucket's entries): every rank must know every rank's costs to agree on a count."""
+    counts = np.asarray(counts, np.int64)
+    costs = np.zeros((counts.size, int(counts.max(initial=0))), np.float64)
+    d, k = np.nonzero(np.arange(costs.shape[1], dtype=np.int64)[None, :] < counts[:, None])
+    costs[d, k] = np.asarray(cost[ids(d, k)], np.float64)
+    return lockstep_cuts(costs, counts, budget, accumulation_steps=accumulation_steps)
 
 
 def lockstep_cuts(costs: np.ndarray, counts: np.ndarray, budget: Budget,
@@ -220,24 +200,25 @@ class StrataCut:
 
 
 class LockstepCut:
-    """A budget's bucket cut over a shard-local order: each bucket padded to ``dp_size`` x
-    ``accumulation_steps`` entries (each rank's entries come in whole optimizer steps'
-    worth), every rank's entries cut in order into the same number of batches
-    (:func:`shard_cut`)."""
+    """A budget's bucket cut over a shard-local order: each bucket padded to
+    :func:`lockstep_unit`, every rank's entries cut in order into the same number of
+    batches (:func:`shard_cut`)."""
 
     batch = 1
 
     def __init__(self, budget: Budget, at: Planning, dss: Sequence[Dataset]) -> None:
         self.budget, self.at, self.size = budget, at, budget.describe()
-        self.unit = budget.pad_unit(at.dp) * at.accumulation_steps
-        self.measure = padded(self.unit, at.policy, at.oversubscribe, 0)  # steps known once cut
+        self.unit = lockstep_unit(budget, at.dp, at.accumulation_steps)
+        self.measure = padded(self.unit, at.policy, at.oversubscribe, None)  # steps known once cut
 
     def cut(self, dss: Sequence[Dataset], got: BucketTable, local: Any) -> SizedBuckets:
-        at = self.at
-        cuts = [shard_cut(local, j, kb.length, min(kb.n * kb.passes, kb.length), at.dp, dss[kb.di].cost,
-                          self.budget, at.accumulation_steps) for j, kb in enumerate(got.kept)]
-        return SizedBuckets(got, steps=[c.steps for c in cuts], starts=[c.cuts[at.d] for c in cuts],
-                            counts=np.asarray([c.count(at.d) for c in cuts], np.int64), order=local, local=local)
+        at, ranks = self.at, np.arange(self.at.dp, dtype=np.int64)
+        counts = [rank_share(kb.length, at.dp, ranks) for kb in got.kept]
+        cuts = [shard_cut(lambda d, k, j=j: local.at(np.full(d.size, j, np.int64), rank_position(d, k, at.dp))[0],
+                          counts[j], dss[kb.di].cost, self.budget, at.accumulation_steps)
+                for j, kb in enumerate(got.kept)]
+        return SizedBuckets(got, steps=[s for s, _ in cuts], starts=[c[at.d] for _, c in cuts],
+                            counts=np.asarray([c[at.d] for c in counts], np.int64), order=local, local=local)
 
 
 def budget_cut(budget: Budget, at: Planning, dss: Sequence[Dataset]) -> StrataCut | LockstepCut:

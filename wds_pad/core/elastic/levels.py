@@ -20,6 +20,7 @@ import numpy as np
 
 from ...errors import StateMismatchError
 from ..planning.planrecord import BucketStats, Plan
+from ..policy import Policy
 from ..seed import json_digest
 
 __all__ = ["Levels", "Runs", "remainder_digest"]
@@ -34,6 +35,8 @@ class Levels:
                  epoch: int) -> None:
         self.base, self.dss, self.sizing, self.seed, self.epoch = base, dss, sizing, seed, epoch
         self.accumulation_steps = accumulation_steps
+        # a level is padded cyclically whatever the policy (drop would lose entries not yet trained), or not at all
+        self.policy = Policy.NONE if base.policy is Policy.NONE else Policy.CYCLIC
         by_name = {(s.dataset, s.bucket): s for s in base.stats}
         self.stats0 = [by_name[(base.datasets[di], key)] for di, key in base.bucket_table]
         self.levels: list[Any] = []

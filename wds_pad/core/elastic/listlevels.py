@@ -25,7 +25,7 @@ How a rank's entries are cut into batches, the only part the sizing decides (``c
   materialises the epoch;
 - :class:`LockstepLevels` (a budget, shard-local): every rank's entries cut in order into
   the same number of batches within the budget (core/budgets/budgetplan.py's
-  ``lockstep_cuts``); to agree on that number every rank reads the cost of every entry of
+  ``shard_cut``, as a shard-local plan cuts them); to agree on that number every rank reads the cost of every entry of
   the level: O(its entries), like the shard-local plan it resumes.
 
 Invariants (tests/core/test_remainder.py, test_budgetremainder.py): those of
@@ -39,10 +39,10 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from ..budgets.budgetplan import lockstep_cuts
+from ..budgets.budgetplan import lockstep_unit, shard_cut
 from ..local.shardschedule import PlannedShardUses
 from ..planning.planrecord import Bins, Plan
-from ..policy import Policy
+from ..policy import padded_length, rank_position, rank_share
 from .levels import Levels, Runs
 
 __all__ = ["ListLevels", "LockstepLevels", "RemainderBuckets"]
@@ -70,20 +70,20 @@ class _Level:
         """Entries (padded copies included) of ranks ``d`` per bucket: shape (buckets, len(d))."""
         n, dd = self.length[:, None], d[None, :]
         if self.deal == RR:
-            return np.maximum(0, -(-(n - dd) // self.dp))
+            return rank_share(n, self.dp, dd)
         return (dd + 1) * n // self.dp - dd * n // self.dp
 
     def reals(self, d: np.ndarray) -> np.ndarray:
         """Real entries of ranks ``d`` per bucket (shape (buckets, len(d))); they come first."""
         r, dd = self.real[:, None], d[None, :]
         if self.deal == RR:
-            return np.maximum(0, -(-(r - dd) // self.dp))
+            return rank_share(r, self.dp, dd)
         return np.clip(r - dd * self.length[:, None] // self.dp, 0, self.counts(d))
 
     def index(self, b: np.ndarray, d: Any, k: np.ndarray) -> np.ndarray:
         """Level index of entry k of rank d in bucket b."""
         if self.deal == RR:
-            return d + self.dp * k
+            return rank_position(d, k, self.dp)
         return d * self.length[b] // self.dp + k
 
 
@@ -111,7 +111,7 @@ class ListLevels(Levels):
     def cut(self, lv: _Level) -> None:
         """Cut the ranks' entries of level ``lv`` (the top one) into batches: batch w of a rank
         is its entries [w * batch_size, (w + 1) * batch_size), nothing stored but the steps."""
-        lv.steps = (-(-lv.length // (lv.dp * self.bs))).tolist()
+        lv.steps = self.sizing.steps(lv.length, lv.dp).tolist()
 
     def have(self, lv: _Level, counts: np.ndarray) -> np.ndarray:
         """Batches of each rank per bucket, which hold ``counts`` entries: (buckets, dp)."""
@@ -133,7 +133,6 @@ class ListLevels(Levels):
         kept-bucket indices, steps per bucket)."""
         lv = self.top
         unit = self.unit(dp)
-        pad = self.base.policy is not Policy.NONE
         nb = lv.tab.size
         if seg.steps is not None and self.deal == RR and lv.deal == RR:
             # locality none (a count: only it deals round robin) in lockstep: the consumed part of
@@ -156,7 +155,7 @@ class ListLevels(Levels):
         real = np.bincount(bucket, weights=size, minlength=nb).astype(np.int64)
         kept = np.flatnonzero(real > 0)
         real = real[kept]
-        length = real if not pad else -(-real // unit) * unit
+        length = np.asarray([padded_length(r, unit, self.policy, True) for r in real.tolist()], np.int64)
         off = np.zeros(kept.size, np.int64)
         np.cumsum(real[:-1], out=off[1:])
         self.levels.append(_Level(tab=lv.tab[kept], real=real, length=length, dp=dp, deal=self.deal,
@@ -183,7 +182,7 @@ class LockstepLevels(ListLevels):
     (dp, steps + 1) offsets)."""
 
     def unit(self, dp: int) -> int:
-        return self.sizing.pad_unit(dp) * self.accumulation_steps  # each rank's entries: whole optimizer steps
+        return lockstep_unit(self.sizing, dp, self.accumulation_steps)
 
     def cut(self, lv: _Level) -> None:
         """Every bucket's cuts, from the costs of every rank's entries (each entry's sample id
@@ -198,14 +197,9 @@ class LockstepLevels(ListLevels):
             else:  # padded copies repeat the list's own front
                 prev = lv.runs.prev(lv.off[b] + idx % lv.real[b])  # type: ignore[index]
                 lv.ids.append(self.levels[-2].ids[int(lv.up[b])][prev])  # type: ignore[index]
-            r = max(int(counts[b].max(initial=0)), 1)
-            k = np.arange(r, dtype=np.int64)[None, :]
-            live = k < counts[b][:, None]
-            costs = np.zeros((lv.dp, r), np.float64)
             cost = self.dss[self.base.bucket_table[int(lv.tab[b])][0]].cost
-            costs[live] = np.asarray(cost[lv.ids[b][lv.index(np.full(live.shape, b), ranks[:, None], k)[live]]],
-                                     np.float64)
-            lv.cuts.append(lockstep_cuts(costs, counts[b], self.sizing, accumulation_steps=self.accumulation_steps)[1])
+            lv.cuts.append(shard_cut(lambda d, k, b=b: lv.ids[b][lv.index(b, d, k)], counts[b], cost, self.sizing,
+                                     self.accumulation_steps)[1])
         lv.steps = [int(c.shape[1]) - 1 for c in lv.cuts]
 
     def have(self, lv: _Level, counts: np.ndarray) -> np.ndarray:
@@ -239,8 +233,6 @@ class RemainderBuckets(PlannedShardUses):
 
     def at(self, b: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) of the top level's indices ``idx`` of its buckets ``b``."""
-        if not idx.size:
-            return np.zeros(0, np.int64), np.zeros(0, bool)
         pad, _, b, idx = self.base_positions(b, idx)
         samples, _ = self.base.at(b, idx)
         return samples, pad

@@ -171,11 +171,8 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
     width = base.batch_size if bins is None else bins.widest
     batch_step, offsets = rank_batches(counts, steps, top.schedule, top.window, width, bins)
     buckets = Buckets([], top.dp, d, order=order, local=local, counts=counts)
-    plan = Plan(epoch=base.epoch, topology=topology, batch_size=width, policy=base.policy, mode=base.mode,
-                pad_to=base.pad_to, oversubscribe=base.oversubscribe, datasets=base.datasets, bucket_table=table,
-                schedule=top.schedule, window=top.window, batch_step=batch_step, offsets=offsets, stats=stats,
-                buckets=buckets, locality=base.locality, shard_window=base.shard_window, sizing=sizing, bins=bins,
-                accumulation_steps=accumulation_steps, seed=base.seed)
+    plan = replace(base, topology=topology, batch_size=width, bucket_table=table, schedule=top.schedule,
+                   window=top.window, batch_step=batch_step, offsets=offsets, stats=stats, buckets=buckets, bins=bins)
     if local is not None:
         local.plan = plan  # its shard uses are read off the plan it belongs to
     return plan, remainder_digest(sizing.kind, segments, table, top, steps)

@@ -26,7 +26,7 @@ from ..budgets.budget import Budget
 from ..budgets.budgetplan import BudgetBuckets
 from ..budgets.strata import BucketBatches
 from ..planning.planrecord import Bins, Plan
-from ..policy import PadTo, Policy
+from ..policy import PadTo
 from ..seed import derive_seed
 from .levels import Levels, Runs
 
@@ -51,7 +51,6 @@ class StrataLevels(Levels):
     def __init__(self, base: Plan, dss: Sequence[Any], budget: Budget, accumulation_steps: int, seed: int,
                  epoch: int, dp: int) -> None:
         super().__init__(base, dss, budget, accumulation_steps, seed, epoch)
-        self.pol = "none" if base.policy is Policy.NONE else "cyclic"
         nb0 = len(base.bucket_table)
         self.levels = [_Level(dp=dp, tab=np.arange(nb0, dtype=np.int64), schedule=base.schedule,
                               window=base.window, batches=list(base.buckets.order.batches), runs=[None] * nb0)]
@@ -111,7 +110,7 @@ class StrataLevels(Levels):
             return np.asarray(cost[np.asarray(order0[code % n0], np.int64)], np.float64)
         made = BucketBatches(runs.total, 1, dp, sorted_cost,
                              derive_seed(self.seed, self.epoch, base.datasets[di], key, "budget", len(levels)),
-                             self.sizing, self.pol, True, base.pad_to is PadTo.BATCH, self.accumulation_steps)
+                             self.sizing, self.policy.value, True, base.pad_to is PadTo.BATCH, self.accumulation_steps)
         return (made, runs) if made.batches else None
 
     def rank(self, d: int, table: Sequence[tuple[int, Hashable]]) -> tuple[Any, ...]:

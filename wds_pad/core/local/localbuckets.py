@@ -294,8 +294,6 @@ class LocalBuckets:
 
     def at(self, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, padded flags) at global positions ``pos`` of kept buckets ``b``."""
-        if not pos.size:
-            return np.zeros(0, np.int64), np.zeros(0, bool)
         samples = np.empty(pos.size, np.int64)
         pad = np.empty(pos.size, bool)
         for j in np.unique(b).tolist():

@@ -133,14 +133,15 @@ class BucketCut(Protocol):
         shard-local order (core/local/localbuckets.py) with locality ``shard`` or ``node``, else None."""
 
 
-def padded(unit: int, policy: Policy, oversubscribe: bool, step_entries: int) -> Callable[..., Measured]:
-    """The measure of the pad rule: ``padded_length`` to ``unit``; a bucket's steps are its
-    length in global steps of ``step_entries`` entries (0: known only once cut)."""
+def padded(unit: int, policy: Policy, oversubscribe: bool,
+           steps_of: Callable[[int], int] | None) -> Callable[..., Measured]:
+    """The measure of the pad rule: ``padded_length`` to ``unit``; a bucket's steps are
+    ``steps_of(length)`` (None: known only once cut)."""
 
     def measure(ds: Dataset, key: Hashable, ids: Any, n: int, passes: int) -> Measured:
         m = n * passes
         length = padded_length(m, unit, policy, oversubscribe)
-        steps = -(-length // step_entries) if length and step_entries else 0
+        steps = steps_of(length) if length and steps_of else 0
         return Measured(length=length, real=min(m, length), truncated=max(m - length, 0), steps=steps,
                         oversubscribed=0 < m < unit <= length, dropped_why=f"({m} < pad unit {unit})")
     return measure

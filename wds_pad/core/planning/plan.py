@@ -207,7 +207,7 @@ class CountCut:
     def __init__(self, sizing: Count, at: Planning, dss: Sequence[Dataset]) -> None:
         self.at, self.batch, self.size = at, sizing.batch_size, sizing.describe()
         self.unit = sizing.pad_unit(at.dp, at.pad_to, at.accumulation_steps)
-        self.measure = padded(self.unit, at.policy, at.oversubscribe, at.dp * self.batch)
+        self.measure = padded(self.unit, at.policy, at.oversubscribe, lambda length: sizing.steps(length, at.dp))
         if at.targets is not None:
             self.measure = extended(self.measure, at.targets, [ds.name for ds in dss])
 

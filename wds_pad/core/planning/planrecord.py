@@ -259,8 +259,6 @@ class Buckets:
         """(sample ids, padded flags) of entries ``k`` of kept buckets ``b`` (parallel arrays)."""
         if self.order is not self:
             return self.order.entries(b, k)
-        if not k.size:
-            return np.zeros(0, np.int64), np.zeros(0, bool)
         return self.at(b, rank_position(self.d, k, self.dp))
 
     def at(self, b: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
