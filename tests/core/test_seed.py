@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gloo_jobs import run_gloo_job
 from wds_pad import ConfigError, SeedError, derive_rng, shared_seed
 from wds_pad.core.seed import SEED_BITS, derive_seed, encode_key, stable_digest
 
@@ -54,9 +53,14 @@ def test_derived_streams_differ_by_every_part() -> None:
 def test_derivation_ignores_pythonhashseed(tmp_path: Path) -> None:
     code = ("from wds_pad.core.seed import derive_seed, derive_rng;"
             "print(derive_seed(5, 'x', ('y', 1)), derive_rng(5, 'bucket', 2.5).permutation(6).tolist())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
-                           env=dict(os.environ, PYTHONHASHSEED=h, PYTHONPATH=str(ROOT))).stdout
-            for h in ("0", "77", "random")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONHASHSEED=h, PYTHONPATH=str(ROOT)))
+             for h in ("0", "77", "random")]  # side by side: each is a fresh interpreter
+    outs = set()
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr
+        outs.add(stdout)
     assert len(outs) == 1
     assert outs.pop().strip() == f"{derive_seed(5, 'x', ('y', 1))} {derive_rng(5, 'bucket', 2.5).permutation(6).tolist()}"
 
@@ -91,37 +95,11 @@ def test_several_processes_without_a_group_cannot_draw(monkeypatch: pytest.Monke
         shared_seed()
 
 
-# -- a real broadcast: 3 gloo processes on localhost -----------------------------------------
-
-_SEED_JOB = r"""
-import datetime, json
-import torch.distributed as dist
-import wds_pad.core.collective as seed_mod
-from wds_pad import shared_seed
-
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank = dist.get_rank()
-res = {"drawn": [shared_seed(), shared_seed()], "configured": shared_seed(42)}
-sub = dist.new_group([1, 2])
-real_randbits = seed_mod.secrets.randbits
-def tagged(bits):  # every rank would draw its own value: the result shows who drew
-    assert bits == 63
-    return 1000 + rank
-seed_mod.secrets.randbits = tagged
-res["tagged_default"] = shared_seed()
-if rank in (1, 2):
-    res["tagged_sub"] = shared_seed(group=sub)
-    seed_mod.secrets.randbits = real_randbits
-    res["drawn_sub"] = shared_seed(group=sub)
-dist.barrier()
-dist.destroy_process_group()
-print(json.dumps(res))
-"""
-
+# -- a real broadcast: 3 gloo processes on localhost (the session's job, conftest.py) ----------
 
 @pytest.mark.slow
-def test_drawn_seed_is_broadcast_from_rank_zero(tmp_path: Path) -> None:
-    res = run_gloo_job(tmp_path, _SEED_JOB, world=3)
+def test_drawn_seed_is_broadcast_from_rank_zero(gloo_job: list[dict[str, Any]]) -> None:
+    res = gloo_job
     drawn = res[0]["drawn"]
     assert all(r["drawn"] == drawn for r in res)
     assert drawn[0] != drawn[1] and all(0 <= s < 2**63 for s in drawn)
