@@ -29,10 +29,10 @@ def test_without_torch_imported_nothing_imports_it() -> None:
 
 
 def test_in_a_gloo_job_every_rank_gathers_and_receives_rank_zeros_value(gloo_job: list[dict[str, Any]]) -> None:
-    # the session's 3-process job (conftest.py): the default group, then the subgroup [1, 2]
-    assert [r["group_size"] for r in gloo_job] == [3, 3, 3]
-    assert all(r["gathered"] == [{"rank": rank} for rank in range(3)] for r in gloo_job)
-    assert [r["broadcast"] for r in gloo_job] == ["from 0"] * 3
-    assert [r.get("sub_size") for r in gloo_job] == [None, 2, 2]
-    assert [r.get("sub_gathered") for r in gloo_job] == [None, [10, 20], [10, 20]]
-    assert [r.get("sub_broadcast") for r in gloo_job] == [None, 1, 1]  # the group's first rank, as a global rank
+    # the session's 4-process job (conftest.py): the default group, then the subgroup [1, 2]
+    assert [r["group_size"] for r in gloo_job] == [4, 4, 4, 4]
+    assert all(r["gathered"] == [{"rank": rank} for rank in range(4)] for r in gloo_job)
+    assert [r["broadcast"] for r in gloo_job] == ["from 0"] * 4
+    assert [r.get("sub_size") for r in gloo_job] == [None, 2, 2, None]
+    assert [r.get("sub_gathered") for r in gloo_job] == [None, [10, 20], [10, 20], None]
+    assert [r.get("sub_broadcast") for r in gloo_job] == [None, 1, 1, None]  # the group's first rank, as a global rank

@@ -1,6 +1,6 @@
 """Tests of the shared seed and the stable RNG derivation: canonical key encoding, golden
 values (the same numbers on every machine and under any PYTHONHASHSEED), seed validation,
-and a real broadcast over gloo in a 3-process job (default group and a subgroup)."""
+and a real broadcast over gloo in a 4-process job (default group and a subgroup)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_several_processes_without_a_group_cannot_draw(monkeypatch: pytest.Monke
         shared_seed()
 
 
-# -- a real broadcast: 3 gloo processes on localhost (the session's job, conftest.py) ----------
+# -- a real broadcast: 4 gloo processes on localhost (the session's job, conftest.py) ----------
 
 @pytest.mark.slow
 def test_drawn_seed_is_broadcast_from_rank_zero(gloo_job: list[dict[str, Any]]) -> None:
@@ -104,10 +104,10 @@ def test_drawn_seed_is_broadcast_from_rank_zero(gloo_job: list[dict[str, Any]]) 
     assert all(r["drawn"] == drawn for r in res)
     assert drawn[0] != drawn[1] and all(0 <= s < 2**63 for s in drawn)
     assert all(r["configured"] == 42 for r in res)
-    assert [r["tagged_default"] for r in res] == [1000, 1000, 1000]
+    assert [r["tagged_default"] for r in res] == [1000, 1000, 1000, 1000]
     # over the subgroup [1, 2] the root is the group's rank 0, i.e. global rank 1
     assert [res[1]["tagged_sub"], res[2]["tagged_sub"]] == [1001, 1001]
-    assert res[1]["drawn_sub"] == res[2]["drawn_sub"] and "drawn_sub" not in res[0]
+    assert res[1]["drawn_sub"] == res[2]["drawn_sub"] and "drawn_sub" not in res[0] and "drawn_sub" not in res[3]
 
 
 def test_check_seed_is_the_one_rule_of_the_api_and_the_cli() -> None:
