@@ -52,7 +52,7 @@ def _load_lists_module() -> Any:
 
 lists = _load_lists_module()
 
-PROPERTY = settings(max_examples=300, deadline=None,
+PROPERTY = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
