@@ -390,7 +390,8 @@ def _elastic_phase(params: dict[str, Any]) -> dict[str, Any]:
     """One job of an elastic run: resume (``resume_from``: the old job's state files, new
     rank r loading old rank ``r * old_world // world``'s) with allow_elastic=True, log every
     batch to ``log/rank<r>.jsonl``; with ``save_at``, save the state after that many batches,
-    mark it, and train on slowly until the parent kills the job."""
+    mark it, and train on slowly until the parent kills the job (with ``then_next``, leave
+    this epoch there for the launch's next scenario: the job is killed in a later one)."""
     import torch.distributed as dist
 
     from wds_pad import BucketedWebDataset, Loader, load_state_file, save_state_file
@@ -425,6 +426,8 @@ def _elastic_phase(params: dict[str, Any]) -> dict[str, Any]:
                 save_state_file(loader.state_dict(), params["state_dir"], rank)
                 dist.barrier()
                 (log_dir / f"saved{rank}").touch()
+                if params.get("then_next"):
+                    break  # the launch's next scenario goes on: the job is killed in a later one
             elif save_at and n > save_at:
                 time.sleep(0.5)  # training on, until the parent kills the job
     return {"batches": n, "state": loader.state_dict()}

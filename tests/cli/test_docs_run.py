@@ -75,8 +75,15 @@ PLACEHOLDERS: list[tuple[str, str, str, str]] = [
      "your credentials: moto's"),
     ("docs/resume.md", '"/ckpt/run1", 100, 10', '"ckpt/run1", 3, 2',
      "your checkpoint folder and run: one in the working directory, a save every 3 steps, 2 epochs"),
+    # (before the next one, which changes /tmp/wds-data)
+    ("docs/distributed.md", 'torchrun --nproc_per_node 2 examples/train_ddp.py --data /tmp/wds-data --out "$(mktemp -d)"',
+     'OUT=$(mktemp -d); torchrun --nproc_per_node 2 examples/train_ddp.py --data /tmp/wds-data --out "$OUT"',
+     "the same fresh run folder, named for the wait below"),
     ("docs/distributed.md", "/tmp/wds-data", "wds-data", "your data folder: one in the working directory"),
     ("docs/distributed.md", "--out /tmp/run", "--out run", "your run folder: one in the working directory"),
+    ("docs/distributed.md", "sleep 15", 'while kill -0 "$TORCHRUN" && ! { [ -s "$OUT/samples-rank00000.jsonl" ] && '
+     '[ -s "$OUT/samples-rank00001.jsonl" ]; }; do sleep 0.1; done',
+     "your wait for training to be under way: here until both ranks have logged a step"),
     ("docs/concepts.md", '"cuda", (4, 2)', '"cpu", (1, 2)', "your 8 GPUs: 2 CPU processes here"),
     ("docs/distributed.md", '"cuda", (dp, cp)', '"cpu", (1, 2)', "your GPUs and mesh sizes: 2 CPU processes here"),
 ]

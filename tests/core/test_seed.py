@@ -1,6 +1,6 @@
 """Tests of the shared seed and the stable RNG derivation: canonical key encoding, golden
 values (the same numbers on every machine and under any PYTHONHASHSEED), seed validation,
-and a real broadcast over gloo in a 3-process job (default group and a subgroup)."""
+and a real broadcast over gloo in a 4-process job (default group and a subgroup)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gloo_jobs import run_gloo_job
 from wds_pad import ConfigError, SeedError, derive_rng, shared_seed
 from wds_pad.core.seed import SEED_BITS, derive_seed, encode_key, stable_digest
 
@@ -54,9 +53,14 @@ def test_derived_streams_differ_by_every_part() -> None:
 def test_derivation_ignores_pythonhashseed(tmp_path: Path) -> None:
     code = ("from wds_pad.core.seed import derive_seed, derive_rng;"
             "print(derive_seed(5, 'x', ('y', 1)), derive_rng(5, 'bucket', 2.5).permutation(6).tolist())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
-                           env=dict(os.environ, PYTHONHASHSEED=h, PYTHONPATH=str(ROOT))).stdout
-            for h in ("0", "77", "random")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONHASHSEED=h, PYTHONPATH=str(ROOT)))
+             for h in ("0", "77", "random")]  # side by side: each is a fresh interpreter
+    outs = set()
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr
+        outs.add(stdout)
     assert len(outs) == 1
     assert outs.pop().strip() == f"{derive_seed(5, 'x', ('y', 1))} {derive_rng(5, 'bucket', 2.5).permutation(6).tolist()}"
 
@@ -91,45 +95,19 @@ def test_several_processes_without_a_group_cannot_draw(monkeypatch: pytest.Monke
         shared_seed()
 
 
-# -- a real broadcast: 3 gloo processes on localhost -----------------------------------------
-
-_SEED_JOB = r"""
-import datetime, json
-import torch.distributed as dist
-import wds_pad.core.collective as seed_mod
-from wds_pad import shared_seed
-
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank = dist.get_rank()
-res = {"drawn": [shared_seed(), shared_seed()], "configured": shared_seed(42)}
-sub = dist.new_group([1, 2])
-real_randbits = seed_mod.secrets.randbits
-def tagged(bits):  # every rank would draw its own value: the result shows who drew
-    assert bits == 63
-    return 1000 + rank
-seed_mod.secrets.randbits = tagged
-res["tagged_default"] = shared_seed()
-if rank in (1, 2):
-    res["tagged_sub"] = shared_seed(group=sub)
-    seed_mod.secrets.randbits = real_randbits
-    res["drawn_sub"] = shared_seed(group=sub)
-dist.barrier()
-dist.destroy_process_group()
-print(json.dumps(res))
-"""
-
+# -- a real broadcast: 4 gloo processes on localhost (the session's job, conftest.py) ----------
 
 @pytest.mark.slow
-def test_drawn_seed_is_broadcast_from_rank_zero(tmp_path: Path) -> None:
-    res = run_gloo_job(tmp_path, _SEED_JOB, world=3)
+def test_drawn_seed_is_broadcast_from_rank_zero(gloo_job: list[dict[str, Any]]) -> None:
+    res = gloo_job
     drawn = res[0]["drawn"]
     assert all(r["drawn"] == drawn for r in res)
     assert drawn[0] != drawn[1] and all(0 <= s < 2**63 for s in drawn)
     assert all(r["configured"] == 42 for r in res)
-    assert [r["tagged_default"] for r in res] == [1000, 1000, 1000]
+    assert [r["tagged_default"] for r in res] == [1000, 1000, 1000, 1000]
     # over the subgroup [1, 2] the root is the group's rank 0, i.e. global rank 1
     assert [res[1]["tagged_sub"], res[2]["tagged_sub"]] == [1001, 1001]
-    assert res[1]["drawn_sub"] == res[2]["drawn_sub"] and "drawn_sub" not in res[0]
+    assert res[1]["drawn_sub"] == res[2]["drawn_sub"] and "drawn_sub" not in res[0] and "drawn_sub" not in res[3]
 
 
 def test_check_seed_is_the_one_rule_of_the_api_and_the_cli() -> None:

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gloo_jobs import run_gloo_job
 from wds_pad import ConfigError, Topology, TopologyError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,40 +155,11 @@ def test_from_mesh_errors() -> None:
         Topology.from_mesh(fake_mesh(("dp", "cp"), (2, 2), None))
 
 
-# -- a real job: 4 gloo processes on localhost ---------------------------------------------
-
-_MESH_JOB = r"""
-import datetime, json, os
-import numpy as np
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from wds_pad import Dataset, Topology, plan_epoch
-
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank = dist.get_rank()
-res = {}
-dp_cp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-res["dp_cp"] = Topology.from_mesh(dp_cp, dp_dims=("dp",)).to_dict()
-res["cp_dp"] = Topology.from_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp"))).to_dict()
-res["all_dp"] = Topology.from_mesh(dp_cp, dp_dims=("dp", "cp")).to_dict()
-plan = plan_epoch(Dataset("d", {"a": np.arange(13), "b": np.arange(100, 109)}), Topology.from_mesh(dp_cp),
-                  seed=5, batch_size=2, oversubscribe=True)
-res["plan"] = [b.samples.tolist() for b in plan]
-sub = dist.new_group([2, 3])
-os.environ["RANK"] = "garbage"          # an initialised group must win over the environment
-os.environ["WORLD_SIZE"] = "1000"
-res["detect"] = Topology.detect(cp_size=2).to_dict()
-if rank in (2, 3):
-    res["sub"] = Topology.detect(group=sub).to_dict()
-dist.barrier()
-dist.destroy_process_group()
-print(json.dumps(res))
-"""
-
+# -- a real job: 4 gloo processes on localhost (the session's job, conftest.py) ---------------
 
 @pytest.mark.slow
-def test_real_device_mesh_in_four_gloo_processes(tmp_path: Path) -> None:
-    results = run_gloo_job(tmp_path, _MESH_JOB, world=4)
+def test_real_device_mesh_in_four_gloo_processes(gloo_job: list[dict[str, Any]]) -> None:
+    results = gloo_job
     for r, res in enumerate(results):
         assert res["dp_cp"] == dict(world_size=4, rank=r, cp_size=2, dp_size=2, dp_rank=r // 2, cp_rank=r % 2)
         # mesh ("cp", "dp"): rank r sits at coordinate (r // 2, r % 2)

@@ -9,66 +9,35 @@ optimizer steps in the finished one), all take the same bucket at each step, eve
 batch is two packs each within L (a sample costlier than L alone); over the two jobs
 every sample of the epoch is trained exactly once, each with the seed derived from
 (seed, epoch, dataset, sample) whatever the job that trained it, and every padded copy
-with a seed of its own.
+with a seed of its own. The jobs are the session's (``resized``, conftest.py).
 """
 
 from __future__ import annotations
 
-import json
-import signal
-import sys
-import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dist_helpers import Job, bucket_keys_of, format_outputs, launch, session_dataset
+from dist_helpers import bucket_keys_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-HELPERS = Path(__file__).resolve().parents[1] / "dist_helpers.py"
-ENV = {"PYTHONPATH": str(HELPERS.parents[1])}  # the ranks import this checkout's wds_pad
 
 
-def _run(world: int, out: Path, params: dict[str, Any], kill: bool) -> list[list[dict[str, Any]]]:
-    out.mkdir(parents=True)
-    params = {**params, "log": str(out)}
-    argv = [sys.executable, str(HELPERS), str(out), json.dumps([{"scenario": "elastic_phase", **params}])]
-    if not kill:
-        launch(argv, world, timeout=150, env=ENV)
-    else:
-        with Job(argv, world, timeout=150, env=ENV) as job:
-            deadline = time.monotonic() + 150
-            while not all((out / f"saved{r}").exists() for r in range(world)):
-                assert job.running() and time.monotonic() < deadline, format_outputs(job.collect())
-                time.sleep(0.1)
-            job.kill(signal.SIGKILL)
-    return [[json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(world)]
-
-
-def test_packed_under_accumulation_killed_on_4_resumed_on_3_trains_every_sample_once(
-        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+def test_packed_under_accumulation_killed_on_4_resumed_on_3_trains_every_sample_once(resized: dict[str, Any]) -> None:
     import numpy as np
 
-    from wds_pad import build_index, load_index
     from wds_pad.core.sampleseed import sample_seeds
 
-    data = session_dataset(tmp_path_factory)
-    index = str(tmp_path / "costed.wdsidx")
-    build_index(list(load_index(data["index"]).urls), "aspect:width,height", output=index, cost="bytes")
-    ix = load_index(index)
-    cost = {ix.key(i): float(ix.cost[i]) for i in range(len(ix))}
-    seq_len = int(3 * sorted(cost.values())[len(cost) // 2])
-    common = {"index": index, "batch_size": 0, "seed": 7, "accumulation_steps": 2,
-              "pack": {"seq_len": seq_len, "packs": 2, "oversize": "alone"}}
-    jobs = [(4, {"save_at": 4}), (3, {"old_world": 4})]
+    run = resized["pack"]  # the session's run (conftest.py)
+    index, cost, seq_len = run.info["index"], run.info["cost"], run.info["seq_len"]
+    assert run.common["pack"] == {"seq_len": seq_len, "packs": 2, "oversize": "alone"}
+    assert run.common["seed"] == 7 and run.common["accumulation_steps"] == 2
+    jobs = run.jobs
+    assert jobs == [(4, {"save_at": 4}), (3, {"old_world": 4})]
     trained: Counter[str] = Counter()
     for j, (world, extra) in enumerate(jobs):
-        params = {**common, **extra, "state_dir": str(tmp_path / f"state{j}")}
-        if j:
-            params["resume_from"] = str(tmp_path / f"state{j - 1}")
-        logs = _run(world, tmp_path / f"job{j}", params, kill="save_at" in extra)
+        logs = run.logs(j)
         if "save_at" in extra:
             logs = [log[:extra["save_at"]] for log in logs]  # trained before the state was saved
             assert all(len(log) == extra["save_at"] for log in logs)
