@@ -39,7 +39,10 @@ On the ``--also-producer`` shards only the fast path's contenders (``wds_pad dir
 Prints samples/s, MB/s, wall and CPU microseconds per sample (the process, its threads
 and its finished worker processes) and ratios against the peers on the same shards
 (litData: its own format, converted from the ``--producer`` shards), then the fast
-path's ratios on the ``--producer`` shards, each beside the target it compares with, and
+path's ratios on the ``--producer`` shards, each beside the target it compares with, the
+Loader rows' CPU microseconds per sample split between the main process and its workers
+(each run's ``RUSAGE_SELF`` and ``RUSAGE_CHILDREN``: the workers are joined when the loop
+ends) beside one process's, and
 the ratios docs/streaming.md cites (measured there on ``tarfile-ustar`` shards). The
 machine should be otherwise idle (the run says how busy other processes kept it). Usage::
 
