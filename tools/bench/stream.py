@@ -39,7 +39,10 @@ On the ``--also-producer`` shards only the fast path's contenders (``wds_pad dir
 Prints samples/s, MB/s, wall and CPU microseconds per sample (the process, its threads
 and its finished worker processes) and ratios against the peers on the same shards
 (litData: its own format, converted from the ``--producer`` shards), then the fast
-path's ratios on the ``--producer`` shards, each beside the target it compares with, and
+path's ratios on the ``--producer`` shards, each beside the target it compares with, the
+Loader rows' CPU microseconds per sample split between the main process and its workers
+(each run's ``RUSAGE_SELF`` and ``RUSAGE_CHILDREN``: the workers are joined when the loop
+ends) beside one process's, and
 the ratios docs/streaming.md cites (measured there on ``tarfile-ustar`` shards). The
 machine should be otherwise idle (the run says how busy other processes kept it). Usage::
 
@@ -50,6 +53,7 @@ machine should be otherwise idle (the run says how busy other processes kept it)
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -102,10 +106,24 @@ def ours_exact(ds: BucketedWebDataset) -> int:
         batchread.BatchReader.read = real  # type: ignore[method-assign]
 
 
-def ours_loader(ds: BucketedWebDataset, workers: int) -> int:
-    n = 0
+#: per Loader contender, each timed run's CPU seconds (main process, its exited workers)
+SPLIT: dict[str, list[tuple[float, float]]] = {}
+
+
+def _own_and_children() -> tuple[float, float]:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def ours_loader(ds: BucketedWebDataset, workers: int, name: str | None = None) -> int:
+    """``name``: record the run's CPU split between this process and its workers in SPLIT
+    (the workers are joined when the loop ends, so their CPU is counted as children's)."""
+    n, (own0, kids0) = 0, _own_and_children()
     for batch in Loader(ds, num_workers=workers):
         n += len(batch)
+    own1, kids1 = _own_and_children()
+    if name is not None:
+        SPLIT.setdefault(name, []).append((own1 - own0, kids1 - kids0))
     return n
 
 
@@ -210,11 +228,15 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
             "wds_pad direct": (lambda ds=ds: ours_direct(ds), planned, planned_bytes),
             "wds_pad batch 1": (lambda ds1=ds1: ours_direct(ds1), int(ids1.size), int(index.length[ids1].sum())),
             "wds_pad exact path": (lambda ds=ds: ours_exact(ds), planned, planned_bytes),
-            "wds_pad Loader(2)": (lambda ds=ds: ours_loader(ds, 2), planned, planned_bytes),
-            "wds_pad Loader(2), batch 1": (lambda ds1=ds1: ours_loader(ds1, 2), int(ids1.size),
+            "wds_pad Loader(2)": (lambda ds=ds, k=kind: ours_loader(ds, 2, f"{k}|wds_pad Loader(2)"), planned,
+                                  planned_bytes),
+            "wds_pad Loader(2), batch 1": (lambda ds1=ds1, k=kind: ours_loader(ds1, 2, f"{k}|wds_pad Loader(2), "
+                                                                                   "batch 1"), int(ids1.size),
                                            int(index.length[ids1].sum())),
             "wds_pad direct, zero_copy": (lambda dsz=dsz: ours_direct(dsz), planned, planned_bytes),
-            "wds_pad Loader(2), zero_copy": (lambda dsz=dsz: ours_loader(dsz, 2), planned, planned_bytes),
+            "wds_pad Loader(2), zero_copy": (lambda dsz=dsz, k=kind: ours_loader(dsz, 2, f"{k}|wds_pad Loader(2), "
+                                                                                      "zero_copy"), planned,
+                                             planned_bytes),
             "wds_pad stages, checked": (lambda ds=ds: ours_stages(ds, True), planned, planned_bytes),
             "wds_pad stages, unchecked": (lambda ds=ds: ours_stages(ds, False), planned, planned_bytes),
             "webdataset": (lambda urls=urls: webdataset_iter(urls), len(index), total_file),
@@ -237,9 +259,15 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
         if got != expected[key]:
             raise SystemExit(f"{label}/{key}: counted {got}, expected {expected[key]}")
 
+    SPLIT.clear()
     best = round_robin({key: c[0] for key, c in contenders.items()}, repeat,
                        timer=lambda fn: once(fn, cpu_seconds), check=check)
-    out: dict[str, dict[str, dict[str, float]]] = {k: {"rate": {}, "bw": {}, "cpu": {}, "start": {}} for k in kinds}
+    out: dict[str, dict[str, dict[str, Any]]] = {k: {"rate": {}, "bw": {}, "cpu": {}, "start": {}, "split": {}}
+                                                 for k in kinds}
+    for key, runs in SPLIT.items():  # the run of least CPU in all: its main and workers' shares
+        kind, name = key.split("|", 1)
+        own, kids = min(runs, key=sum)
+        out[kind]["split"][name] = (own / contenders[key][1] * 1e6, kids / contenders[key][1] * 1e6)
     for key, (_, expect, nbytes) in contenders.items():
         kind, name = key.split("|", 1)
         r = out[kind]
@@ -324,6 +352,18 @@ def targets(results: dict[str, dict[str, dict[str, dict[str, float]]]], main: st
     return rows
 
 
+def split_rows(results: dict[str, Any], kind: str) -> list[list[str]]:
+    """Per Loader contender: CPU us per sample in the main process, in its workers, in all,
+    and one process's (the matching ``wds_pad direct`` row)."""
+    rows = []
+    for label, r in results.items():
+        for name, (own, kids) in r[kind]["split"].items():
+            one = r[kind]["cpu"][name.replace("Loader(2)", "direct").replace("direct, batch 1", "batch 1")]
+            rows.append([label, name, f"{own:.1f}", f"{kids:.1f}", f"{own + kids:.1f}", f"{one:.1f}",
+                         f"{(own + kids) / one:.2f}x"])
+    return rows
+
+
 def counter_costs() -> str:
     """What the stats counters add to a batch, in nanoseconds (the rows above divide them)."""
     loader = [(b, *loader_ns_per_batch(run_length(b, 10_000))) for b in (64, 1)]
@@ -396,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ({counter_costs()})")
     starts = ", ".join(f"{label} {r[args.producer]['start']['wds_pad Loader(2)'] * 1e3:.0f} ms"
                        for label, r in results.items())
+    print("\nCPU per sample of the Loader rows, split between the main process and its workers "
+          f"(the run of least CPU in all), against one process (wds_pad direct), on {args.producer} shards:")
+    print(table(["case", "contender", "main us", "workers us", "all us", "one process us", "all / one process"],
+                split_rows(results, args.producer), align="llrrrrr"))
     print(f"Loader(2) start-up, iter() to the first batch (in its rates above; workers start at every epoch): "
           f"{starts}")
     for kind in producers:
