@@ -270,6 +270,8 @@ _MAIN = textwrap.dedent("""
     ds = BucketedWebDataset(sys.argv[1], batch_size=2, topology=Topology(1, 0), seed=1,
                             check_agreement=False, zero_copy=True)
     held = []
+    if sys.argv[3] == "starting":
+        print("ready", flush=True)
     for i, b in enumerate(Loader(ds, num_workers=2, multiprocessing_context=sys.argv[2])):
         held.append(b)
         if i == 2:
@@ -278,23 +280,60 @@ _MAIN = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_a_killed_main_process_leaves_no_shared_memory(index: Index, tmp_path: Path, context: str) -> None:
+def _children(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+
+
+@pytest.mark.parametrize("context,when", [("fork", "serving"), ("spawn", "serving"), ("spawn", "starting")])
+def test_a_killed_main_process_leaves_no_shared_memory(index: Index, tmp_path: Path, context: str,
+                                                        when: str) -> None:
+    """Killed while its workers serve batches, or while they still start (a spawn worker
+    then runs its first line after its parent is gone): every process of the job ends and
+    no shared memory is left."""
     before = _shm()
-    proc = subprocess.Popen([sys.executable, "-c", _MAIN, str(index.path), context], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _MAIN, str(index.path), context, when], stdout=subprocess.PIPE,
                             cwd=str(tmp_path))
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    children = _children(proc.pid)
+    if when == "starting":  # kill as soon as both workers (and spawn's resource tracker) exist
+        for _ in range(1200):
+            if len(children) >= 3:
+                break
+            import time
+
+            time.sleep(0.01)
+            children = _children(proc.pid)
+        assert len(children) >= 3, f"the workers never started: {children}"
     proc.kill()
     proc.wait()
-    for pid in children:  # the workers see their parent gone and exit
-        for _ in range(200):
+    left = []
+    for pid in children:  # the workers see their parent gone and exit (a hang bound, not a timing)
+        for _ in range(1200):
             if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z":
                 break
             import time
 
             time.sleep(0.05)
+        else:
+            left.append(pid)
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the killed job still running after 60 s: {left}"
     assert _shm() <= before
+
+
+def test_a_worker_whose_starting_process_is_gone_exits_in_its_init() -> None:
+    """A worker still starting when the main process was killed sees init as its parent
+    (torch's watchdog would take init's pid and serve nobody for ever): it exits there."""
+    from wds_pad.stream.workers import _MarkStarted
+
+    ran: list[int] = []
+    for parent, code in ((os.getpid(), 3), (os.getpid() + 10**6, 0)):  # its real parent; one that is gone
+        pid = os.fork()
+        if pid == 0:
+            _MarkStarted(None, ran.append, parent)(0)
+            os._exit(3 if ran == [0] else 4)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == code
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])

@@ -11,6 +11,9 @@ Invariants:
 - after ``ATTEMPTS`` attempts a :class:`WorkerStartError` says what to change;
 - ``spawn`` and ``forkserver`` workers are started from a process with one thread and
   are not watched;
+- a ``fork`` or ``spawn`` worker whose starting process is gone by the time it runs its
+  ``worker_init_fn`` (the main process killed while the worker still started) exits there:
+  torch's watchdog, made after that call, would take init for its parent and never end;
 - the loaders shut their DataLoader iterator down (:func:`shut_down`) however their loop
   ends, an error included, in the process that started its workers: an iterator left to
   the garbage collector may be collected in a later forked child, where torch's
@@ -52,13 +55,22 @@ _POLL = 0.005
 
 
 class _MarkStarted:
-    """``worker_init_fn``: set this worker's flag, then run the user's ``worker_init_fn``."""
+    """``worker_init_fn``: end this worker if the process that started it is gone, set its
+    started flag (fork), then run the user's ``worker_init_fn``.
 
-    def __init__(self, flags: Any, user: Callable[[int], Any] | None) -> None:
-        self.flags, self.user = flags, user
+    torch's watchdog takes the worker's parent pid after ``worker_init_fn``: a worker still
+    starting when the main process was killed would take init's pid for its parent's and
+    serve nobody for ever, holding the job's shared memory. ``parent`` is the pid a worker
+    of ``fork`` and ``spawn`` has for parent (forkserver's are the server's: not checked)."""
+
+    def __init__(self, flags: Any, user: Callable[[int], Any] | None, parent: int | None) -> None:
+        self.flags, self.user, self.parent = flags, user, parent
 
     def __call__(self, worker_id: int) -> None:
-        self.flags[worker_id] = 1
+        if self.parent is not None and os.getppid() != self.parent:
+            os._exit(0)  # nobody is left to hand a batch or an error to
+        if self.flags is not None:
+            self.flags[worker_id] = 1
         if self.user is not None:
             self.user(worker_id)
 
@@ -208,15 +220,18 @@ def worker_batches(dataset: Any, num_workers: int, kwargs: dict[str, Any], *, ow
     Raises:
         WorkerStartError: a worker was stuck in the fork in each of ``ATTEMPTS`` attempts.
     """
-    if start_method(kwargs.get("multiprocessing_context")) != "fork":
-        batches = iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, **kwargs))
+    method = start_method(kwargs.get("multiprocessing_context"))
+    if method != "fork":
+        parent = os.getpid() if method == "spawn" else None
+        given = dict(kwargs, worker_init_fn=_MarkStarted(None, kwargs.get("worker_init_fn"), parent))
+        batches = iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, **given))
         _unwatch_sigchld(batches)
         return batches
     fork = multiprocessing.get_context("fork")
     stuck: list[int] = []
     for attempt in range(1, ATTEMPTS + 1):
         flags = fork.RawArray("b", num_workers)
-        given = dict(kwargs, worker_init_fn=_MarkStarted(flags, kwargs.get("worker_init_fn")))
+        given = dict(kwargs, worker_init_fn=_MarkStarted(flags, kwargs.get("worker_init_fn"), os.getpid()))
         batches = iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, **given))
         _unwatch_sigchld(batches)
         stuck = _wait_started(batches, flags, start_timeout)
