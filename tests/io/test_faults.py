@@ -410,6 +410,22 @@ def test_http_stall_once_times_out_and_the_retry_finishes(http_index: Index, htt
     assert stats is not None and stats.timeouts >= timeouts and stats.retries >= timeouts, stats
 
 
+def test_http_a_batch_leaves_with_its_last_sample_not_the_next_batchs_first(
+        http_index: Index, http_proxy: FaultProxy, http_clean: list[Any]) -> None:
+    """Batch 0 is handed out while the GET of batch 1's first sample still hangs: a batch
+    waits for its own samples only, not for the next batch's first one to arrive."""
+    options = ReadOptions(timeout=3.0, retries=1, max_merged_bytes=0, max_in_flight=STALL_IN_FLIGHT, **FAST)
+    ds = _ds(http_index, read_options=options)
+    only = _only(http_index, int(ds.plan()[1].samples[0]))
+    http_proxy.stall_next(1, mode=StallMode.REQUEST, match=only)
+    it = iter(ds)
+    first = next(it)
+    # at most the stalled attempt was sent: batch 0 did not wait for its timeout and retry
+    assert _gets(http_proxy, only) <= 1
+    assert _digest([first, *it]) == http_clean
+    assert http_proxy.faults_injected == {"stall": 1} and _gets(http_proxy, only) == 2
+
+
 @pytest.mark.parametrize(("timeout", "retries"), SETTINGS)
 def test_http_always_stalled_range_fails_with_read_error_in_bounded_time(
         http_index: Index, http_proxy: FaultProxy, timeout: float, retries: int,

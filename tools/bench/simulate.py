@@ -100,6 +100,8 @@ def starts(state: Path, waits: dict[int, list[float]]) -> str:
     first = min(t["gets"][0] for t in tr.values() if t["gets"])
     return "; ".join(f"rank {r}: iter {1000 * (t['iter'] - left):.0f}, GET "
                      + (f"{1000 * (t['gets'][0] - first):.0f}" if t["gets"] else "-")
+                     + (f" (own iter +{1000 * (t['gets'][0] - t['iter']):.0f})" if t["gets"] else "")
+                     + f", batch 0 at iter +{1000 * (t['batches'][0] - t['iter']):.0f}"
                      + f", wait {1000 * waits[r][1]:.0f}" for r, t in tr.items())
 
 

@@ -28,9 +28,10 @@ from .planoptions import add_planning_options, plan_sources, planning_kwargs, si
 
 __all__ = ["add_parser"]
 
-#: The stream's start before its first request (``--start-ms``), measured by
-#: tools/bench/simulate.py on a 2-core machine: a property of the machine, not of the plan.
-START_MS = 370.0
+#: The stream's start before its first request (``--start-ms``): the mean of a job's first
+#: batch less the model's reads in six runs of tools/bench/simulate.py on a 2-core machine
+#: (docs/object-storage.md): a property of the machine, not of the plan.
+START_MS = 300.0
 #: How far apart the job's processes start their streams (``--start-skew-ms``): the mean
 #: spread of the ranks' first requests in six runs of tools/bench/simulate.py (13-225 ms).
 START_SKEW_MS = 110.0

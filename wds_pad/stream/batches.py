@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from contextlib import nullcontext
+from itertools import groupby
 from time import perf_counter_ns
 from typing import Any, Callable, Iterator
 
@@ -85,10 +86,11 @@ class BatchMaker:
         batch: list[Any] = []
         refs: list[dict[str, Any]] = []  # the fetched samples: their keys name them in errors
         current: tuple[int, int] | None = None
+        sizes: dict[tuple[int, int], int] = {}
         with shards:
-            for sample in fetcher(iter(source)):
+            for sample in fetcher(_sized(iter(source), sizes)):
                 key = (sample["__epoch__"], sample["__batch__"])
-                if key != current and batch:
+                if key != current and batch:  # a batch cut short (not expected): ends at the next one's
                     out = self._collated(batch, refs, pack, views)
                     self.advance(current)  # type: ignore[arg-type]
                     yield out
@@ -96,6 +98,12 @@ class BatchMaker:
                 current = key
                 refs.append(sample)
                 batch.append(self._transform(sample) if self.stages else sample)
+                if len(batch) == sizes.get(key):  # its last sample: out now, not at the next one's first
+                    del sizes[key]
+                    out = self._collated(batch, refs, pack, views)
+                    self.advance(key)
+                    yield out
+                    batch, refs = [], []
         if batch:
             out = self._collated(batch, refs, pack, views)
             self.advance(current)  # type: ignore[arg-type]
@@ -171,3 +179,14 @@ class BatchMaker:
             ref = {**sample, "__offset__": -1, "__length__": 0}
             alt = substitute(self.spec, self.fetcher.reader, ref, self.counters, message)
             return apply_stages(self.stages, alt)
+
+
+def _sized(refs: Iterator[dict[str, Any]], sizes: dict[tuple[int, int], int]) -> Iterator[dict[str, Any]]:
+    """The sample references, each batch's size noted in ``sizes`` before its first one is
+    passed on, so the batch leaves with its last sample instead of waiting for the next
+    batch's first to arrive (references are planned, not read: looking one batch ahead
+    costs no I/O)."""
+    for key, group in groupby(refs, key=lambda r: (r["__epoch__"], r["__batch__"])):
+        batch = list(group)
+        sizes[key] = len(batch)
+        yield from batch

@@ -22,9 +22,9 @@ order, epoch after epoch) through one reader, and the model follows that reader
 - **reads in flight**: a process keeps ``in_flight`` reads sent ahead of the one it hands
   out, in order: a read is sent when the read ``in_flight`` before it is handed out, and
   only while the stream runs. With ``ahead`` 0 the stream runs inside ``next()``: from
-  when a step asks for its batch until the batch is made (a batch's last read is handed
-  out when the next step asks); with ``ahead`` N it makes batches while fewer than N wait.
-  A batch is made once the next batch's first read is there too (that read ends it);
+  when a step asks for its batch until the batch is made; with ``ahead`` N it makes
+  batches while fewer than N wait. A batch is made once its last read is there (the
+  stream knows each batch's size: it does not wait for the next batch's first read).
   A single read (of a shard the node does not hold) is one GET;
 - **a GET** takes ``latency_s`` plus its bytes at ``bandwidth`` (GETs in flight do not share it);
 - **steps**: every process is asked for step s's batch at once, the job takes it when
@@ -202,8 +202,6 @@ class _Process:
         self.node, self.r, self.link, self.start = node, reads, link, start
         n = int(reads.held.size)
         self.popped = np.zeros(n)          # when each read was handed out
-        self.got = np.zeros(n)             # when each read's bytes were there
-        self.done = 0                      # reads whose ``got`` is known
         self.served = start                # when the copy's read thread served its latest read
         self.made = np.zeros(steps)        # when each batch was made
         self.ready = np.zeros(steps)       # when the step had it
@@ -224,23 +222,16 @@ class _Process:
         run = max(self._runs_from(s, asked), self.start)
         lo = int(r.batch_ends[s - 1]) if s else 0
         hi = int(r.batch_ends[s])
-        if s:
-            self.popped[lo] = run  # the batch's first read, the previous one's peek: handed out when this runs
         t = run
-        for j in range(lo, hi):
+        for j in range(lo, hi):  # a batch leaves with its last read (the stream knows each batch's size)
             t = max(t, self._got(j))
-            if j > lo or not s:
-                self.popped[j] = t
-        # a batch leaves once the next one's first read arrives (its key ends the batch)
-        made = max(t, self._got(hi)) if hi < r.held.size and hi > lo else t
-        self.made[s] = made
-        self.ready[s] = max(made, float(asked[s]))
+            self.popped[j] = t
+        self.made[s] = t
+        self.ready[s] = max(t, float(asked[s]))
         return float(self.ready[s])
 
     def _got(self, j: int) -> float:
-        """When read j's bytes are there (computed once: a peek is read again by the next step)."""
-        if j < self.done:
-            return float(self.got[j])
+        """When read j's bytes are there."""
         r, link = self.r, self.link
         w = max(link.in_flight, 1)
         sent = max(float(self.popped[j - w]), self.start) if j >= w else self.start
@@ -253,6 +244,4 @@ class _Process:
         else:  # one thread serves the node's copy, in order: it reaches this read after the one before
             reach = max(sent, self.served)
             got = self.served = max(reach, self.node.arrival(row, int(r.block[j]), e, reach))
-        self.got[j] = got
-        self.done = j + 1
         return got
