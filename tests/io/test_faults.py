@@ -36,6 +36,8 @@ from servers import MotoServer
 from data_helpers import make_dataset, plan_keys, serve_dir, upload_files
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.stream.dataset import BucketedWebDataset
+from wds_pad.stream.fetch import fetch
+from wds_pad.stream.stages import PlannedSource, plan_batched
 from wds_pad.errors import ReadError, ShardError, WdsPadError
 from wds_pad.index.codec import load_index
 from wds_pad.index.record import Index
@@ -424,6 +426,27 @@ def test_http_a_batch_leaves_with_its_last_sample_not_the_next_batchs_first(
     assert _gets(http_proxy, only) <= 1
     assert _digest([first, *it]) == http_clean
     assert http_proxy.faults_injected == {"stall": 1} and _gets(http_proxy, only) == 2
+
+
+def test_http_plan_batched_given_the_source_hands_a_batch_out_with_its_last_sample(
+        http_index: Index, http_proxy: FaultProxy, http_clean: list[Any]) -> None:
+    """The raw stages: ``plan_batched(source=...)`` ends a batch at the plan's size, so batch
+    0 comes while the GET of batch 1's first sample hangs; without the source it comes only
+    once that sample is there (after the timeout and the retry)."""
+    options = ReadOptions(timeout=3.0, retries=1, max_merged_bytes=0, max_in_flight=STALL_IN_FLIGHT, **FAST)
+    spec = _ds(http_index).spec
+    only = _only(http_index, int(spec.plan(0)[1].samples[0]))
+    for given in (True, False):
+        http_proxy.reset_counters()
+        http_proxy.stall_next(1, mode=StallMode.REQUEST, match=only)
+        source = PlannedSource(spec, worker=(0, 1))
+        it = plan_batched(source=source if given else None)(fetch(options)(iter(source)))
+        first = next(it)
+        if given:
+            assert _gets(http_proxy, only) <= 1  # batch 0 did not wait for the hanging GET
+        else:
+            assert _gets(http_proxy, only) == 2  # it waited for the timeout and the retry
+        assert _digest([first, *it]) == http_clean
 
 
 @pytest.mark.parametrize(("timeout", "retries"), SETTINGS)

@@ -24,7 +24,8 @@ from wds_pad.io.ranges import ReadOptions
 from wds_pad.io.shardcache import PlannedShard, ShardCache
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.state.cursor import Position
-from wds_pad.stream.stages import PlannedSource, shard_schedule
+from wds_pad.stream.stages import PlannedSource
+from wds_pad.stream.wholeshards import shard_schedule
 
 pytest_plugins = ["conftest_servers"]
 
@@ -176,7 +177,7 @@ def test_two_workers_share_the_rank_s_shards_through_the_node_folder(proxied: tu
     every read of it comes from that copy, and what stays after the epoch is what the rank
     holds again in the next one."""
     from wds_pad.io.nodefolder import default_folder
-    from wds_pad.stream.stages import node_schedule
+    from wds_pad.stream.wholeshards import node_schedule
 
     proxy, index = proxied
     folder = tmp_path / "cache" if shared == "cache_dir" else None

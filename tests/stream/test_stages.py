@@ -35,7 +35,7 @@ from wds_pad.io.ranges import RangeReader, ReadOptions
 from wds_pad.stream.fetch import BIG_SAMPLE, META_KEYS, Counters, expand, fetch, substitute
 from wds_pad.state.spec import PlanSpec
 from wds_pad.state.cursor import Position
-from wds_pad.stream.stages import PlannedSource, batch_refs, plan_batched
+from wds_pad.stream.stages import PlannedSource, batch_refs, plan_batched, sized_batches
 from wds_pad.core.topology import Topology
 
 SOLO = Topology(world_size=1, rank=0)
@@ -452,22 +452,38 @@ def test_the_node_plans_its_next_epoch_on_a_thread_of_its_own_not_in_a_read(inde
     """What the node holds next epoch is planned ahead, off the thread that asks (a
     process's last read of a shard, inline in the loop's ``next()``), and is what the next
     epoch's own schedule says the node holds."""
-    from wds_pad.stream import stages
+    from wds_pad.stream import wholeshards
     from wds_pad.stream.dataset import BucketedWebDataset
 
     planned_on: list[str] = []
-    real = stages.node_uses
+    real = wholeshards.node_uses
 
     def recorded(*args: Any, **kw: Any) -> Any:
         planned_on.append(threading.current_thread().name)
         return real(*args, **kw)
 
-    monkeypatch.setattr(stages, "node_uses", recorded)
+    monkeypatch.setattr(wholeshards, "node_uses", recorded)
     topo = Topology(4, 0, local_world_size=2)
     spec = BucketedWebDataset(index, batch_size=2, seed=3, locality="shard", topology=topo,
                               check_agreement=False).spec
-    first = next(stages.node_schedule(PlannedSource(spec, worker=(0, 1))))
+    first = next(wholeshards.node_schedule(PlannedSource(spec, worker=(0, 1))))
     later = dict(first.later)  # asked here: planned already, or waited for
     assert planned_on == [threading.current_thread().name, "wds_pad-next-epoch"]
-    nxt = next(stages.node_schedule(PlannedSource(spec, Position(1, 0), worker=(0, 1))))
+    nxt = next(wholeshards.node_schedule(PlannedSource(spec, Position(1, 0), worker=(0, 1))))
     assert set(later) == {s.name for s in nxt.shards.values() if s.held} and later
+
+
+def test_sized_batches_end_each_batch_at_its_size_and_one_cut_short_at_the_next_one() -> None:
+    samples = [{"__epoch__": 0, "__batch__": b, "i": i} for b, n in ((0, 3), (1, 2), (2, 2)) for i in range(n)]
+    del samples[4]  # batch 1 lost a sample (a stage dropped it)
+    sizes = {(0, 0): 3, (0, 1): 2, (0, 2): 2}
+    pulled: list[Any] = []
+
+    def src() -> Any:
+        for s in samples:
+            pulled.append(s)
+            yield s
+
+    it = sized_batches(src(), lambda e, j: sizes[(e, j)])
+    assert [s["i"] for s in next(it)] == [0, 1, 2] and len(pulled) == 3  # not the next batch's first
+    assert [[s["__batch__"] for s in b] for b in it] == [[1], [2, 2]]

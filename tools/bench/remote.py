@@ -173,7 +173,8 @@ def planned_gets(index: Index, plan: Any, block: int, workers: int) -> int:
     """GETs the plan says a rank makes: one per sample (none); with shard locality every
     shard a worker's schedule lists once, in blocks, and every other range singly."""
     from wds_pad.state.spec import PlanSpec
-    from wds_pad.stream.stages import PlannedSource, shard_schedule
+    from wds_pad.stream.stages import PlannedSource
+    from wds_pad.stream.wholeshards import shard_schedule
 
     if plan.buckets.local is None:
         return int(plan.samples.size)

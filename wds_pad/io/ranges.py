@@ -206,8 +206,8 @@ class RangeReader(LocalFiles, InFlight):
 
         Args:
             schedule: per epoch, the stream's planned shards in order of first use
-                (``wds_pad.stream.stages.shard_schedule``); with ``folder``, what the node's
-                plans say of the epoch (``wds_pad.stream.stages.node_schedule``).
+                (``wds_pad.stream.wholeshards.shard_schedule``); with ``folder``, what the node's
+                plans say of the epoch (``wds_pad.stream.wholeshards.node_schedule``).
             max_shards: shards held at most in memory, besides the one a read needs (the
                 plan's window + 1). With ``folder`` every shard of the schedule is fetched
                 ahead, in order of first use, two at a time, within ``cache_bytes``.

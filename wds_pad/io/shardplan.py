@@ -2,10 +2,10 @@
 running account of it.
 
 :class:`PlannedShard` is made by the shard-level path from the plan (one epoch's schedule,
-``wds_pad.stream.stages.shard_schedule``); :class:`ShardEntry` is what a
+``wds_pad.stream.wholeshards.shard_schedule``); :class:`ShardEntry` is what a
 :class:`~wds_pad.io.shardcache.ShardCache` keeps of each while it serves the epoch.
 :class:`NodeEpoch` (of :class:`NodeShard` records) is what the node's plans say of one
-epoch (``wds_pad.stream.stages.node_schedule``), for the node cache
+epoch (``wds_pad.stream.wholeshards.node_schedule``), for the node cache
 (:mod:`wds_pad.io.nodecache`), which keeps a :class:`NodeEntry` of each.
 
 Invariants:

@@ -18,7 +18,6 @@ Invariants:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from itertools import groupby
 from time import perf_counter_ns
 from typing import Any, Callable, Iterator
 
@@ -31,7 +30,8 @@ from .batchread import BatchReader
 from .collate import lists_only, run_collation, where_samples as _where
 from .stats import COLLATE, Clock
 from .fetch import Counters, all_local as _all_local, substitute
-from .stages import PlannedSource, apply_stages, batch_refs, whole_shards
+from .stages import PlannedSource, apply_stages, batch_refs, sized_batches
+from .wholeshards import whole_shards
 from .ring import Arena
 from .transport import LooseBatch, PackedRun, as_views, pack_samples, run_length
 from ..state import PlanSpec
@@ -81,33 +81,17 @@ class BatchMaker:
         if _all_local(self.spec, fetcher.reader):
             yield from self._local(source)
             return
-        # whole remote shards, as planned: the node's copies, or this process's memory (stages.whole_shards)
+        # whole remote shards, as planned: the node's copies, or this process's memory (wholeshards.py)
         shards = whole_shards(fetcher.reader, source) if self.spec.locality is not Locality.NONE else nullcontext()
-        batch: list[Any] = []
-        refs: list[dict[str, Any]] = []  # the fetched samples: their keys name them in errors
-        current: tuple[int, int] | None = None
-        sizes: dict[tuple[int, int], int] = {}
         with shards:
-            for sample in fetcher(_sized(iter(source), sizes)):
-                key = (sample["__epoch__"], sample["__batch__"])
-                if key != current and batch:  # a batch cut short (not expected): ends at the next one's
-                    out = self._collated(batch, refs, pack, views)
-                    self.advance(current)  # type: ignore[arg-type]
-                    yield out
-                    batch, refs = [], []
-                current = key
-                refs.append(sample)
-                batch.append(self._transform(sample) if self.stages else sample)
-                if len(batch) == sizes.get(key):  # its last sample: out now, not at the next one's first
-                    del sizes[key]
-                    out = self._collated(batch, refs, pack, views)
-                    self.advance(key)
-                    yield out
-                    batch, refs = [], []
-        if batch:
-            out = self._collated(batch, refs, pack, views)
-            self.advance(current)  # type: ignore[arg-type]
-            yield out
+            # (fetched sample, transformed sample), each transformed as it arrives; a batch
+            # leaves with its last sample (the plan's size), not at the next batch's first
+            pairs = ((s, self._transform(s) if self.stages else s) for s in fetcher(iter(source)))
+            for group in sized_batches(pairs, source.batch_len, key=_pair_key):
+                refs = [r for r, _ in group]  # the fetched samples: their keys name them in errors
+                out = self._collated([b for _, b in group], refs, pack, views)
+                self.advance(_pair_key(group[0]))
+                yield out
 
     def _collated(self, batch: list[Any], refs: list[dict[str, Any]], pack: bool, views: bool) -> Any:
         if pack:  # collated where it is unpacked: its members copied once into the ring, else pickled
@@ -181,12 +165,5 @@ class BatchMaker:
             return apply_stages(self.stages, alt)
 
 
-def _sized(refs: Iterator[dict[str, Any]], sizes: dict[tuple[int, int], int]) -> Iterator[dict[str, Any]]:
-    """The sample references, each batch's size noted in ``sizes`` before its first one is
-    passed on, so the batch leaves with its last sample instead of waiting for the next
-    batch's first to arrive (references are planned, not read: looking one batch ahead
-    costs no I/O)."""
-    for key, group in groupby(refs, key=lambda r: (r["__epoch__"], r["__batch__"])):
-        batch = list(group)
-        sizes[key] = len(batch)
-        yield from batch
+def _pair_key(pair: tuple[dict[str, Any], Any]) -> tuple[int, int]:
+    return pair[0]["__epoch__"], pair[0]["__batch__"]

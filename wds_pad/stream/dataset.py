@@ -46,7 +46,8 @@ from .agreement import check_agreement
 from .batches import BatchMaker
 from .fetch import Counters, fetch
 from .live import OpenIterators, refuse_resplitting
-from .stages import PlannedSource, join_node_folder
+from .stages import PlannedSource
+from .wholeshards import join_node_folder
 from .transport import packs
 from ..state import Cursor, PlanSpec, epoch_length, make_state, restore
 from ..core.topology import Topology

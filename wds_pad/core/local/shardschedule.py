@@ -5,7 +5,7 @@ With ``locality="shard"`` a rank reads its own shards whole, a window of them at
 (core/local/locality.py): the reader fetches a shard ahead of its first use and drops it after
 its last. :func:`shard_reads` says, for one epoch of a DataLoader worker's walk through
 the plan, which shards those are, in order of first use, with each planned read, as
-int64 arrays; the stream side (stream/stages.py ``shard_schedule``) only turns them into
+int64 arrays; the stream side (stream/wholeshards.py ``shard_schedule``) only turns them into
 the reader's records (io/shardcache.py ``PlannedShard``).
 
 The processes of a node share one copy of each shard (io/nodecache.py). :func:`node_uses`
