@@ -223,9 +223,8 @@ def _fork_child(conn: Any) -> None:
 def test_forked_child_finishes_a_suspended_read_ahead(local_files: dict[str, bytes]) -> None:
     global _FORK_AHEAD
     url = sorted(local_files)[1]
-    gate = threading.Event()
-    blocked: list[int] = []
     parent = os.getpid()
+    gate, blocked = threading.Event(), []
 
     def parse(fd: int, url: str, offset: int, length: int, arg: int) -> bytes:
         if arg >= 3 and threading.current_thread() is not threading.main_thread() \
@@ -236,28 +235,40 @@ def test_forked_child_finishes_a_suspended_read_ahead(local_files: dict[str, byt
 
     items = [(url, 100 * i, 50, i) for i in range(12)]
     expected = [(i, local_files[url][100 * i:100 * i + 50], None) for i in range(12)]
-    reader = RangeReader(ReadOptions(local_threads=2, max_in_flight=6))
-    ahead = reader.local_read_ahead()
-    _FORK_AHEAD = ahead.run(items, parse)
-    head = [next(_FORK_AHEAD) for _ in range(3)]
-    assert head == expected[:3]
-    deadline = time.monotonic() + 5
-    while len(blocked) < 2 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert len(blocked) == 2  # both threads hold an item no one in the child will finish
-    ctx = multiprocessing.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_fork_child, args=(send,))
-    proc.start()
-    send.close()
-    assert recv.poll(20), "the child hung waiting for the parent's read-ahead threads"
-    result = recv.recv()
-    proc.join(5)
-    assert result == expected[3:]
-    gate.set()
-    assert list(_FORK_AHEAD) == expected[3:]  # the parent goes on as if nothing happened
-    _FORK_AHEAD = None
-    ahead.close()
+    ahead: Any = None
+    try:
+        for _ in range(5):  # until both threads hold an item: the consumer runs any item no
+            # thread has started, so on a busy machine it may have read every one itself
+            gate, blocked = threading.Event(), []
+            reader = RangeReader(ReadOptions(local_threads=2, max_in_flight=6))
+            ahead = reader.local_read_ahead()
+            _FORK_AHEAD = ahead.run(items, parse)
+            head = [next(_FORK_AHEAD) for _ in range(3)]
+            assert head == expected[:3]
+            deadline = time.monotonic() + 5
+            while len(blocked) < 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if len(blocked) == 2:
+                break
+            gate.set()
+            ahead.close()
+        assert len(blocked) == 2  # both threads hold an item no one in the child will finish
+        ctx = multiprocessing.get_context("fork")
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_fork_child, args=(send,))
+        proc.start()
+        send.close()
+        assert recv.poll(20), "the child hung waiting for the parent's read-ahead threads"
+        result = recv.recv()
+        proc.join(5)
+        assert result == expected[3:]
+        gate.set()
+        assert list(_FORK_AHEAD) == expected[3:]  # the parent goes on as if nothing happened
+    finally:  # a failure here leaves no thread behind for the tests after it
+        gate.set()
+        _FORK_AHEAD = None
+        if ahead is not None:
+            ahead.close()
 
 
 def test_local_threads_is_validated() -> None:
