@@ -21,6 +21,9 @@ Invariants:
       range's form only when it first meets its URL, or when a read fails.
     * The fast path returns the first range it cannot read inline (not a local file),
       checked, for the in-flight reader (:mod:`wds_pad.io.inflight`) to continue from.
+    * :meth:`LocalFiles.local_map` gives the process's mapping of an open shard
+      (:mod:`wds_pad.io.shardmaps`), for the batch path to copy samples out of; the reader
+      holds it while it holds the shard's descriptor, and asks again after reopening it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from wds_pad.errors import ConfigError, ReadError, ShardError, StaleShardError
 
 from .descriptors import out_of_descriptors, runs_out
 from .faults import cause_text
-from .options import ReadStats
+from .options import ReadOptions, ReadStats
 from .redact import redact
+from .shardmaps import mapped, shrunk
 from .stale import short_read, ShardCheck
 
 if TYPE_CHECKING:
@@ -58,13 +62,15 @@ def check_range(rng: Any) -> tuple[str, int, int]:
     return url, offset, length
 
 
-def close_fds(fds: dict[str, int]) -> None:
+def close_fds(fds: dict[str, int], maps: dict[str, Any] | None = None) -> None:
     for fd in fds.values():
         try:
             os.close(fd)
         except OSError:
             pass
     fds.clear()
+    if maps is not None:
+        maps.clear()
 
 
 class LocalFiles:
@@ -74,8 +80,10 @@ class LocalFiles:
     """
 
     stats: ReadStats
+    options: ReadOptions
     _check: ShardCheck
     _fds: dict[str, int]  # shard URL -> its open descriptor
+    _maps: dict[str, memoryview | None]  # shard URL -> its mapping (shardmaps), while its descriptor is open
     _fd_limit: int  # descriptors kept at most (idle ones beyond it are closed)
     _busy: dict[int, int]  # descriptor -> reads in flight on read-ahead threads
 
@@ -95,13 +103,41 @@ class LocalFiles:
                 os.close(fd)
                 raise StaleShardError(verdict)
             self._fds[url] = fd
+            self._maps.pop(url, None)  # of the descriptor before: ask again (local_map)
         return fd
+
+    def local_map(self, url: str) -> memoryview | None:
+        """A read-only view of the mapping of the local shard ``url`` whose descriptor this
+        reader holds open (and checked); None: not open, or not mappable (read it with
+        ``os.pread``: the answer is kept while the descriptor is)."""
+        if url in self._maps:
+            return self._maps[url]
+        fd = self._fds.get(url)
+        if fd is None:
+            return None
+        view = self._maps[url] = mapped(self._target(url).path, fd) if self.options.map_local else None
+        return view
+
+    def mapped_views(self, urls: list[str]) -> list[memoryview] | None:
+        """Per range of ``urls`` (a batch's), the mapping of its shard to copy it out of, or
+        None: a shard not open yet or not mapped, or shorter now than its mapping (read the
+        batch with ``os.pread``, which says what changed). Maps the open shards it meets first."""
+        maps = self._maps
+        views = list(map(maps.get, urls))
+        if None in views:
+            for url in set(urls).difference(maps):
+                self.local_map(url)
+            views = list(map(maps.get, urls))
+            if None in views:
+                return None
+        return None if shrunk(self._fds, maps, set(urls)) else views  # type: ignore[return-value]
 
     def _evict(self, n: int) -> int:
         """Closes the ``n`` oldest descriptors no read-ahead thread is reading from; how many."""
         idle = list(itertools.islice((u for u, d in self._fds.items() if d not in self._busy), n))
         for u in idle:
             os.close(self._fds.pop(u))
+            self._maps.pop(u, None)
         return len(idle)
 
     def _open(self, url: str, offset: int) -> int:

@@ -3,8 +3,11 @@
 The fast path of ``BucketedWebDataset``: a batch's references, member offsets and sizes
 are computed in numpy from the index for a chunk of plan batches at once (no tar header
 is parsed, no reference dict is built, and a batch of one sample pays no numpy fixed
-cost of its own), each sample is one ``os.pread`` (large ones: one per member, straight
-into the payload's bytes), and each sample dict is a copy of one per-batch template.
+cost of its own, memberwork.py); each sample is one ``os.pread`` (large ones: one per
+member, straight into the payload's bytes) or, from the second stream of its shard in
+this process, a copy out of the shard's mapping (io/shardmaps.py: no system call, and
+the shard's size checked before each batch); each sample dict is a copy of one per-batch
+template.
 
 Invariants:
 - a batch read here is exactly what ``fetch`` gives for it: the same sample dicts, keys in
@@ -30,9 +33,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import weakref
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -41,84 +41,15 @@ from ..core.planning.plan import Batch
 from ..errors import WdsPadError
 from ..index.record import Index
 from ..io.ranges import RangeReader
-from ..tar.members import KEY_ERRORS
-from ..tar.names import (SIZE, Members, name_token_rows, size_token_rows, slice_sample, slice_sample_at,
-                         token_list)
+from ..io.shardmaps import faults, waited
+from ..tar.names import SIZE, Members, key_list, name_token_rows, size_token_rows, slice_sample, slice_sample_at
+from .memberwork import EXACT, Chunk, Work, tables
 from .ring import Arena, allocate, reserve
 from .transport import PackedBatch
 
 __all__ = ["BatchReader", "BIG_SAMPLE", "member_refs", "seed_list"]
 
 from ..io.readahead import BIG_SAMPLE  # read one payload per pread (no copy out of a range buffer)
-
-_TABLES: weakref.WeakKeyDictionary[Index, tuple[Any, ...]] = weakref.WeakKeyDictionary()
-
-
-def _tables(ix: Index) -> tuple[Any, ...]:
-    """Per index, once: its URLs and the sections the fast path reads."""
-    t = _TABLES.get(ix)
-    if t is None:
-        a = ix.arrays
-        t = _TABLES[ix] = (ix.urls, a["shard"], a["offset"], a["length"], a["key_offsets"], a["keys"],
-                           a["member_start"], a["member_ext"], a["member_size"], ix.exts)
-    return t
-
-
-def _key_list(a: np.ndarray, b: np.ndarray, table: np.ndarray) -> list[str]:
-    """The ``__key__`` of each sample whose key is ``table[a:b]``, in one numpy pass (decoded
-    as ``Index.key`` decodes, ``tar.members.key_text``)."""
-    lens = b - a
-    end = np.cumsum(lens + 1)  # each key, then NUL
-    out = np.zeros(int(end[-1]), np.uint8)
-    total = int(lens.sum())
-    if total:
-        src = np.repeat(a - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
-        dst = np.repeat(end - lens - 1 - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
-        out[dst] = table[src]
-    return out.tobytes().decode("utf-8", KEY_ERRORS).split("\0")[:-1]
-
-
-@dataclass
-class _Chunk:
-    """The member work of a chunk of plan batches, per sample as lists, per member as arrays
-    (see :meth:`BatchReader.prepare`); a batch's work is its slices of them. The per-member
-    lists only the per-sample path reads (header offsets, sizes, name and size tokens,
-    ``tar.names``) are made when it first does: a batch read into one buffer checks its
-    headers on the arrays."""
-
-    urls: list[str]
-    offsets: list[int]
-    lengths: list[int]
-    counts: list[int]
-    keys: list[str]
-    ids: list[int]
-    pads: list[bool]
-    exts: list[str]
-    arrays: tuple[Any, ...] = ()  # per sample lengths, counts; per member header offsets,
-    # sizes, name rows, whether each name fits, size rows
-
-    @cached_property
-    def heads(self) -> list[int]:  # member header offsets in their sample
-        return self.arrays[2].tolist() if self.arrays else []
-
-    @cached_property
-    def sizes(self) -> list[int]:
-        return self.arrays[3].tolist() if self.arrays else []
-
-    @cached_property
-    def ntoks(self) -> list[bytes | tuple[()]]:  # each member's name token (tar.names)
-        return token_list(self.arrays[4], self.arrays[5]) if self.arrays else []
-
-    @cached_property
-    def stoks(self) -> list[bytes]:  # ... and size token
-        return self.arrays[6].view("V12").ravel().tolist() if self.arrays else []
-
-
-#: One batch's work: its chunk, its samples [lo, hi) and members [mlo, mhi) there, and its
-#: bytes; ``_EXACT`` for a batch the exact path reads.
-_Work = tuple[_Chunk, int, int, int, int, int]
-_EXACT: Any = ()
-
 
 class BatchReader:
     """Reads plan batches of local shards through the member table (see the module doc).
@@ -133,7 +64,7 @@ class BatchReader:
     def __init__(self, reader: RangeReader | None, names: tuple[str, ...], indexes: tuple[Index, ...]) -> None:
         self.reader = reader  # type: ignore[assignment]
         self.by_name = {n: ix for n, ix in zip(names, indexes)}
-        self._work: dict[tuple[int, int], _Work] = {}
+        self._work: dict[tuple[int, int], Work] = {}
         self._arenas: dict[bool, Arena] = {}  # batch buffers, shared or not (ring.Arena)
         self.run = 1  # batches sent at a time (transport.run_length): what a ring is sized for
         #: after :meth:`read` returned None: the member table entries of that batch's
@@ -149,17 +80,17 @@ class BatchReader:
         for name, group in by_ds.items():
             ix = self.by_name[name]
             if not ix.has_members:
-                self._work.update(((b.epoch, b.index), _EXACT) for b in group)
+                self._work.update(((b.epoch, b.index), EXACT) for b in group)
                 continue
             self._prepare(ix, group)
 
     def _prepare(self, ix: Index, group: list[Batch]) -> None:
-        urls, shard, offset, length, ko, keys, ms, mext, msize, exts = _tables(ix)
+        urls, shard, offset, length, ko, keys, ms, mext, msize, exts = tables(ix)
         sizes_b = np.fromiter((b.samples.size for b in group), np.int64, len(group))
         ids = np.concatenate([b.samples for b in group]) if len(group) > 1 else group[0].samples
         n = ids.size
         if not n:
-            empty = _Chunk(*([] for _ in range(8)))  # type: ignore[arg-type]
+            empty = Chunk(*([] for _ in range(8)))  # type: ignore[arg-type]
             self._work.update(((b.epoch, b.index), (empty, 0, 0, 0, 0, 0)) for b in group)
             return
         ids = ids.astype(np.int64, copy=False)
@@ -186,24 +117,24 @@ class BatchReader:
         rows, fits = name_token_rows(keys, ka, kb, counts, ext_ids, exts)
         srows = size_token_rows(sizes)
         ext_list = list(map(exts.__getitem__, ext_ids.tolist()))
-        chunk = _Chunk(list(map(urls.__getitem__, shard[ids].tolist())), off.tolist(), ln.tolist(), counts.tolist(),
-                       _key_list(ka, kb, keys), ids.tolist(), np.concatenate([b.pad for b in group]).tolist(),
+        chunk = Chunk(list(map(urls.__getitem__, shard[ids].tolist())), off.tolist(), ln.tolist(), counts.tolist(),
+                       key_list(ka, kb, keys), ids.tolist(), np.concatenate([b.pad for b in group]).tolist(),
                        ext_list, (ln, counts, moff - 512, sizes, rows, fits, srows))
         mc = np.concatenate([[0], np.cumsum(counts)])
         bc = np.concatenate([[0], np.cumsum(ln)])
         work = self._work
         for b, lo, hi, mlo, mhi, nb, nbad in zip(group, b_start.tolist(), b_end.tolist(), mc[b_start].tolist(),
                                                  mc[b_end].tolist(), (bc[b_end] - bc[b_start]).tolist(), bad.tolist()):
-            work[(b.epoch, b.index)] = _EXACT if nbad else (chunk, lo, hi, mlo, mhi, nb)
+            work[(b.epoch, b.index)] = EXACT if nbad else (chunk, lo, hi, mlo, mhi, nb)
 
-    def take(self, batch: Batch) -> _Work | None:
+    def take(self, batch: Batch) -> Work | None:
         """The prepared member work of ``batch`` (prepared now if its chunk was not), or
         None: it has a sample the member table does not cover."""
         work = self._work.pop((batch.epoch, batch.index), None)
         if work is None:  # not prepared with its chunk (a plan without chunks)
             self.prepare([batch])
             work = self._work.pop((batch.epoch, batch.index))
-        return None if work is _EXACT else work
+        return None if work is EXACT else work
 
     def read(self, batch: Batch) -> list[dict[str, Any]] | None:
         """The sample dicts of ``batch``, or None: read it with ``fetch`` instead, handing it
@@ -230,7 +161,7 @@ class BatchReader:
             st.exact_samples += work[2] - work[1]
         return got
 
-    def _read_packed(self, batch: Batch, w: _Work, shared: bool) -> PackedBatch | None:
+    def _read_packed(self, batch: Batch, w: Work, shared: bool) -> PackedBatch | None:
         c, lo, hi, mlo, mhi, nbytes = w
         meta = (batch.bucket, batch.dataset, batch.epoch, batch.step, batch.index)
         if hi == lo:
@@ -260,20 +191,28 @@ class BatchReader:
                            c.keys[lo:hi], c.urls[lo:hi], c.ids[lo:hi], c.pads[lo:hi], meta,
                            None if batch.pack is None else batch.pack.tolist(), seed_list(batch))
 
-    def _fill(self, c: _Chunk, lo: int, hi: int, mlo: int, mhi: int, arr: np.ndarray,
+    def _fill(self, c: Chunk, lo: int, hi: int, mlo: int, mhi: int, arr: np.ndarray,
               base: np.ndarray) -> np.ndarray | None:
         """Read samples [lo, hi) of chunk ``c`` into ``arr`` at ``base`` and check every
         member header in numpy; the members' payload bounds in ``arr``, or None: not local,
         or cut short. Raises StaleShardError as ``slice_sample``."""
         reader = self.reader
         fds, local_fd = reader._fds, reader.local_fd
-        lengths, counts, heads, sizes, rows, fits, srows = c.arrays
+        lengths, counts, heads, sizes, _, fits, _ = c.arrays
         ln = lengths[lo:hi]
         view = memoryview(arr)
         urls, offsets = c.urls[lo:hi], c.offsets[lo:hi]
         preadv, nbs, starts = os.preadv, c.lengths[lo:hi], base.tolist()
-        open_fds = list(map(fds.get, urls))
-        if None not in open_fds:  # every shard open already: no open can close one under us
+        views = reader.mapped_views(urls)
+        if views is not None:  # each sample copied out of its shard's mapping: no system call
+            waits = faults()
+            try:
+                for v, o, nb, b in zip(views, offsets, nbs, starts):
+                    view[b:b + nb] = v[o:o + nb]
+            except ValueError:  # a range past the mapped file's end: read it with pread
+                return None
+            waited(waits)
+        elif None not in (open_fds := list(map(fds.get, urls))):  # every shard open: no open closes one
             iovs = [(view[b:b + nb],) for b, nb in zip(starts, nbs)]
             if list(map(preadv, open_fds, iovs, offsets)) != nbs:
                 return None
@@ -289,11 +228,9 @@ class BatchReader:
         # every member's header against the table, in numpy: its name field, its size field
         cnt = counts[lo:hi]
         pos = np.repeat(base, cnt) + heads[mlo:mhi]
-        ok = fits[mlo:mhi].copy()
-        width = rows.shape[1]
-        if width:
-            ok &= (arr[pos[:, None] + np.arange(width)] == rows[mlo:mhi]).all(1)
-        ok &= (arr[pos[:, None] + (SIZE + np.arange(12))] == srows[mlo:mhi]).all(1)
+        want, cols = c.fields
+        ok = (arr[pos[:, None] + cols] == want[mlo:mhi]).all(1)
+        ok &= fits[mlo:mhi]
         if not ok.all():  # another header form, or a changed shard: read in full (raises)
             first = np.cumsum(cnt) - cnt
             for s in np.unique(np.repeat(np.arange(hi - lo), cnt)[~ok]).tolist():
@@ -301,10 +238,12 @@ class BatchReader:
                 b, nb = int(base[s]), int(ln[s])
                 slice_sample(arr[b:b + nb].tobytes(), urls[s], offsets[s], c.keys[lo + s],
                              (c.exts[m:j], c.heads[m:j], c.sizes[m:j], c.ntoks[m:j], c.stoks[m:j]))
-        start = pos + 512
-        return np.stack([start, start + sizes[mlo:mhi]])
+        bounds = np.empty((2, pos.size), np.int64)
+        np.add(pos, 512, out=bounds[0])
+        np.add(bounds[0], sizes[mlo:mhi], out=bounds[1])
+        return bounds
 
-    def _read(self, batch: Batch, w: _Work) -> list[dict[str, Any]] | None:
+    def _read(self, batch: Batch, w: Work) -> list[dict[str, Any]] | None:
         c, lo, hi, mlo, mhi, nbytes = w
         if hi == lo:
             return []
@@ -320,13 +259,18 @@ class BatchReader:
         out: list[dict[str, Any]] = []
         append = out.append
         m = 0
-        for url, o, nb, cnt, key, i, p, z in zip(c.urls[lo:hi], c.offsets[lo:hi], c.lengths[lo:hi], c.counts[lo:hi],
-                                                  c.keys[lo:hi], c.ids[lo:hi], c.pads[lo:hi], seed_list(batch)):
+        urls = c.urls[lo:hi]
+        views = reader.mapped_views(urls)
+        maps = [v.obj for v in views] if views is not None else [None] * (hi - lo)  # type: ignore[union-attr]
+        waits = faults() if views is not None else 0
+        for url, mm, o, nb, cnt, key, i, p, z in zip(urls, maps, c.offsets[lo:hi], c.lengths[lo:hi], c.counts[lo:hi],
+                                                      c.keys[lo:hi], c.ids[lo:hi], c.pads[lo:hi], seed_list(batch)):
             fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
             if fd is None:
                 fd = local_fd(url)  # opens it: the stale-shard check, once per stream
                 if fd is None:
                     return None  # not a local file: RangeReader's remote path
+                reader.local_map(url)  # the next batches copy out of it
             d = tmpl.copy()
             d["__url__"] = url
             d["__key__"] = key
@@ -340,7 +284,7 @@ class BatchReader:
                 m = j
                 append(d)
                 continue
-            data = pread(fd, nb, o)
+            data = pread(fd, nb, o) if mm is None else mm[o:o + nb]  # out of the mapping: no system call
             if len(data) != nb:
                 return None
             at = data.startswith
@@ -367,6 +311,8 @@ class BatchReader:
                 slice_sample(data, url, o, key, (ext_names[m:j], heads[m:j], size_list[m:j], ntoks[m:j], stoks[m:j]))
             m = j
             append(d)
+        if views is not None:
+            waited(waits)
         st = reader.stats
         st.ranges += hi - lo
         st.requests += hi - lo
@@ -374,7 +320,7 @@ class BatchReader:
         return out
 
 
-def member_refs(work: _Work) -> list[Members]:
+def member_refs(work: Work) -> list[Members]:
     """Per sample of a prepared batch, what slicing its bytes takes: its member table
     entry (``tar.names.Members``: its members' extensions, header offsets in the sample,
     payload sizes, name and size tokens; the ``__members__`` of a reference, see

@@ -47,10 +47,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 from ..errors import StaleShardError, TarFormatError
 from .headers import ENC, HINT, REINDEX, member_name_size, read_entry
 from .reader import Reader
-from .members import KEY_RE, is_meta, key_bytes
+from .members import KEY_ERRORS, KEY_RE, is_meta, key_bytes
 from .settle import PAX_MATTERS
 
-__all__ = ["NAME", "SIZE", "Members", "member_differs", "member_entry", "name_token_rows", "name_tokens",
+__all__ = ["NAME", "SIZE", "Members", "key_list", "member_differs", "member_entry", "name_token_rows", "name_tokens",
            "size_token_rows", "size_tokens", "slice_sample", "slice_sample_at", "token_list"]
 
 NAME = 100  # bytes of a ustar header's name field
@@ -335,3 +335,17 @@ def member_entry(key: str, exts: Sequence[str], heads: Sequence[int], sizes: Seq
     return (list(exts), list(heads), list(sizes),
             name_tokens(raw, np.zeros(1, np.int64), np.full(1, raw.size), np.full(1, len(exts)), ids, table),
             size_tokens(np.asarray(sizes, np.int64)))
+
+
+def key_list(a: np.ndarray, b: np.ndarray, table: np.ndarray) -> list[str]:
+    """The ``__key__`` of each sample whose key is ``table[a:b]``, in one numpy pass (decoded
+    as ``Index.key`` decodes, ``tar.members.key_text``)."""
+    lens = b - a
+    end = np.cumsum(lens + 1)  # each key, then NUL
+    out = np.zeros(int(end[-1]), np.uint8)
+    total = int(lens.sum())
+    if total:
+        src = np.repeat(a - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
+        dst = np.repeat(end - lens - 1 - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
+        out[dst] = table[src]
+    return out.tobytes().decode("utf-8", KEY_ERRORS).split("\0")[:-1]
