@@ -10,7 +10,10 @@ both shard kinds in the same round robin:
 
 * ``wds_pad direct``  ``BucketedWebDataset`` iterated in the main process (no decode):
   the plan's random order through the index's member table, one ``os.pread`` per sample
-  (per payload for large samples), a webdataset sample dict each;
+  (per payload for large samples) the first time the process streams a shard, then a
+  copy out of the shard's kept mapping (``wds_pad.io.shardmaps``: the best of
+  ``--repeat`` runs is a later epoch's), a webdataset sample dict each; ``wds_pad direct,
+  os.pread`` the same with ``ReadOptions(map_local=False)``: every epoch as the first;
 * ``wds_pad batch 1``  the same with ``batch_size=1``: one sample per batch;
 * ``wds_pad exact path``  the same batches with the member table ignored: every sample's
   tar headers parsed again (the path of indexes without a member table, and what every
@@ -67,6 +70,7 @@ from _stats_cost import counter_ns_per_batch, loader_ns_per_batch
 
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
+from wds_pad.io.options import ReadOptions
 from wds_pad.errors import DroppedBucketWarning
 from wds_pad.index.record import Index
 from wds_pad.index.build import build_index
@@ -211,9 +215,9 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
     robin; returns ``{kind: {"rate" | "bw" | "cpu": {contender: value}}}``."""
     main = next(iter(kinds))
 
-    def dataset(index: Index, batch: int, zero_copy: bool = False) -> BucketedWebDataset:
+    def dataset(index: Index, batch: int, zero_copy: bool = False, **kw: Any) -> BucketedWebDataset:
         return BucketedWebDataset(index, batch_size=batch, topology=Topology(world_size=1, rank=0),
-                                  seed=0, check_agreement=False, zero_copy=zero_copy)
+                                  seed=0, check_agreement=False, zero_copy=zero_copy, **kw)
 
     contenders: dict[str, tuple[Any, int, int]] = {}  # "kind|name" -> (fn, samples, bytes)
     ids_of: dict[str, np.ndarray] = {}
@@ -226,6 +230,8 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
         planned, planned_bytes = int(ids.size), int(index.length[ids].sum())
         mine: dict[str, tuple[Any, int, int]] = {
             "wds_pad direct": (lambda ds=ds: ours_direct(ds), planned, planned_bytes),
+            "wds_pad direct, os.pread": (lambda dsp=dataset(index, batch_size, read_options=ReadOptions(
+                map_local=False)): ours_direct(dsp), planned, planned_bytes),
             "wds_pad batch 1": (lambda ds1=ds1: ours_direct(ds1), int(ids1.size), int(index.length[ids1].sum())),
             "wds_pad exact path": (lambda ds=ds: ours_exact(ds), planned, planned_bytes),
             "wds_pad Loader(2)": (lambda ds=ds, k=kind: ours_loader(ds, 2, f"{k}|wds_pad Loader(2)"), planned,
@@ -336,6 +342,8 @@ def targets(results: dict[str, dict[str, dict[str, dict[str, float]]]], main: st
                         rate["wds_pad Loader(2)"] / rate["litdata in order, 2 workers"], 3.0)]
     rows.append(_ratio("10 KB, one process (bytes) vs the bare pread loop",
                        rate["wds_pad direct"] / rate["bare pread loop"], 0.55))
+    rows.append(["10 KB, one process (bytes), os.pread every epoch vs the bare pread loop",
+                 f"{rate['wds_pad direct, os.pread'] / rate['bare pread loop']:.2f}x", "(a first epoch)"])
     cpu = small["cpu"]
     rows.append(["10 KB, cpu us/sample of Loader(2) (all processes) over one process",
                  f"{cpu['wds_pad Loader(2)'] / cpu['wds_pad direct']:.2f}x", "<= 1.3x"])
@@ -409,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     converts: dict[str, float] = {}
     busy0, ours0, t0 = machine_busy(), cpu_seconds(), time.perf_counter()
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for label, n, size, shards, batch in cases:
             kinds = {p: _shards(tmp, label, n, size, shards, p) for p in producers}

@@ -41,7 +41,7 @@ from ..core.planning.plan import Batch
 from ..errors import WdsPadError
 from ..index.record import Index
 from ..io.ranges import RangeReader
-from ..io.shardmaps import faults, waited
+from ..io import shardmaps
 from ..tar.names import SIZE, Members, key_list, name_token_rows, size_token_rows, slice_sample, slice_sample_at
 from .memberwork import EXACT, Chunk, Work, tables
 from .ring import Arena, allocate, reserve
@@ -205,13 +205,13 @@ class BatchReader:
         preadv, nbs, starts = os.preadv, c.lengths[lo:hi], base.tolist()
         views = reader.mapped_views(urls)
         if views is not None:  # each sample copied out of its shard's mapping: no system call
-            waits = faults()
+            waits = shardmaps.faults()
             try:
                 for v, o, nb, b in zip(views, offsets, nbs, starts):
                     view[b:b + nb] = v[o:o + nb]
             except ValueError:  # a range past the mapped file's end: read it with pread
                 return None
-            waited(waits)
+            shardmaps.waited(waits)
         elif None not in (open_fds := list(map(fds.get, urls))):  # every shard open: no open closes one
             iovs = [(view[b:b + nb],) for b, nb in zip(starts, nbs)]
             if list(map(preadv, open_fds, iovs, offsets)) != nbs:
@@ -262,7 +262,7 @@ class BatchReader:
         urls = c.urls[lo:hi]
         views = reader.mapped_views(urls)
         maps = [v.obj for v in views] if views is not None else [None] * (hi - lo)  # type: ignore[union-attr]
-        waits = faults() if views is not None else 0
+        waits = shardmaps.faults() if views is not None else 0
         for url, mm, o, nb, cnt, key, i, p, z in zip(urls, maps, c.offsets[lo:hi], c.lengths[lo:hi], c.counts[lo:hi],
                                                       c.keys[lo:hi], c.ids[lo:hi], c.pads[lo:hi], seed_list(batch)):
             fd = fds.get(url)  # looked up per sample: opening another shard may close an idle one
@@ -270,7 +270,6 @@ class BatchReader:
                 fd = local_fd(url)  # opens it: the stale-shard check, once per stream
                 if fd is None:
                     return None  # not a local file: RangeReader's remote path
-                reader.local_map(url)  # the next batches copy out of it
             d = tmpl.copy()
             d["__url__"] = url
             d["__key__"] = key
@@ -312,7 +311,7 @@ class BatchReader:
             m = j
             append(d)
         if views is not None:
-            waited(waits)
+            shardmaps.waited(waits)
         st = reader.stats
         st.ranges += hi - lo
         st.requests += hi - lo
