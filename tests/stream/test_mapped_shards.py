@@ -22,9 +22,12 @@ BATCH = 4
 
 
 @pytest.fixture(autouse=True)
-def fresh() -> Iterator[None]:
-    """Nothing seen, nothing kept, mapping on: before and after each test."""
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Nothing seen, nothing kept, mapping on: before and after each test. No copy counts
+    as waiting for the disk (a page the kernel dropped from its cache meanwhile would turn
+    mapping off: tests/io/test_shardmaps.py tests that rule)."""
     shardmaps._forget()
+    monkeypatch.setattr(shardmaps, "faults", lambda: 0)
     yield
     shardmaps._forget()
 
@@ -97,6 +100,7 @@ CUT_SHORT = textwrap.dedent("""
     from wds_pad import BucketedWebDataset, Topology
     from wds_pad.io import shardmaps
     index = wds_pad.load_index(sys.argv[1])
+    shardmaps.faults = lambda: 0  # no copy counts as waiting for the disk (a cache dropped meanwhile)
     kept = [(open(url, "rb").read(), os.stat(url).st_mtime_ns) for url in index.urls]
     for zero_copy in (False, True):
         shardmaps._forget()

@@ -106,9 +106,13 @@ def shrunk(fds: dict[str, int], maps: dict[str, Any], urls: set[str]) -> bool:
     return False
 
 
+_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # the thread's own where the system counts it
+
+
 def faults() -> int:
-    """Major page faults of the calling thread so far (reads that waited for the disk)."""
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
+    """Major page faults of the calling thread so far (of the process where the system
+    counts no thread's own): reads that waited for the disk."""
+    return resource.getrusage(_WHO).ru_majflt
 
 
 def waited(since: int) -> None:
