@@ -42,11 +42,16 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _Quiet(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that has what it needs hangs up on the rest of a whole-file answer
+
+
 class NoRangeServer:
     def __init__(self, root: Path) -> None:
         self.seen: list[tuple[str, str, str | None]] = []
         handler = type("Handler", (_Handler,), {"seen": self.seen})
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+        self.httpd = _Quiet(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
