@@ -62,7 +62,7 @@ def check_range(rng: Any) -> tuple[str, int, int]:
     return url, offset, length
 
 
-def close_fds(fds: dict[str, int], maps: dict[str, Any] | None = None) -> None:
+def close_fds(fds: dict[str, int], maps: dict[str, Any] | None = None, unmapped: set[str] | None = None) -> None:
     for fd in fds.values():
         try:
             os.close(fd)
@@ -71,6 +71,8 @@ def close_fds(fds: dict[str, int], maps: dict[str, Any] | None = None) -> None:
     fds.clear()
     if maps is not None:
         maps.clear()
+    if unmapped is not None:
+        unmapped.clear()
 
 
 class LocalFiles:
@@ -83,7 +85,8 @@ class LocalFiles:
     options: ReadOptions
     _check: ShardCheck
     _fds: dict[str, int]  # shard URL -> its open descriptor
-    _maps: dict[str, memoryview | None]  # shard URL -> its mapping (shardmaps), while its descriptor is open
+    _maps: dict[str, memoryview]  # shard URL -> its mapping (shardmaps), while its descriptor is open
+    _unmapped: set[str]  # shards asked for and not mapped (shardmaps.mapped said None), while open
     _fd_limit: int  # descriptors kept at most (idle ones beyond it are closed)
     _busy: dict[int, int]  # descriptor -> reads in flight on read-ahead threads
 
@@ -104,18 +107,24 @@ class LocalFiles:
                 raise StaleShardError(verdict)
             self._fds[url] = fd
             self._maps.pop(url, None)  # of the descriptor before: ask again (local_map)
+            self._unmapped.discard(url)
         return fd
 
     def local_map(self, url: str) -> memoryview | None:
         """A read-only view of the mapping of the local shard ``url`` whose descriptor this
         reader holds open (and checked); None: not open, or not mappable (read it with
         ``os.pread``: the answer is kept while the descriptor is)."""
-        if url in self._maps:
-            return self._maps[url]
+        view = self._maps.get(url)
+        if view is not None or url in self._unmapped:
+            return view
         fd = self._fds.get(url)
         if fd is None:
             return None
-        view = self._maps[url] = mapped(self._target(url).path, fd) if self.options.map_local else None
+        view = mapped(self._target(url).path, fd) if self.options.map_local else None
+        if view is None:
+            self._unmapped.add(url)
+        else:
+            self._maps[url] = view
         return view
 
     def mapped_views(self, urls: list[str]) -> list[memoryview] | None:
@@ -123,14 +132,16 @@ class LocalFiles:
         None: a shard not open yet or not mapped, or shorter now than its mapping (read the
         batch with ``os.pread``, which says what changed). Maps the open shards it meets first."""
         maps = self._maps
-        views = list(map(maps.get, urls))
-        if None in views:
-            for url in set(urls).difference(maps):
+        try:  # a lookup that fails: no comparison of views with None (a memoryview compares slowly)
+            views = list(map(maps.__getitem__, urls))
+        except KeyError:
+            for url in set(urls).difference(maps, self._unmapped):
                 self.local_map(url)
-            views = list(map(maps.get, urls))
-            if None in views:
+            try:
+                views = list(map(maps.__getitem__, urls))
+            except KeyError:
                 return None
-        return None if shrunk(self._fds, maps, set(urls)) else views  # type: ignore[return-value]
+        return None if shrunk(self._fds, maps, set(urls)) else views
 
     def _evict(self, n: int) -> int:
         """Closes the ``n`` oldest descriptors no read-ahead thread is reading from; how many."""
@@ -138,6 +149,7 @@ class LocalFiles:
         for u in idle:
             os.close(self._fds.pop(u))
             self._maps.pop(u, None)
+            self._unmapped.discard(u)
         return len(idle)
 
     def _open(self, url: str, offset: int) -> int:

@@ -92,7 +92,8 @@ class RangeReader(LocalFiles, InFlight):
         self._pid = os.getpid()
         self._targets: dict[str, Target] = {}
         self._fds: dict[str, int] = {}  # never replaced: the finalizer closes what it holds
-        self._maps: dict[str, memoryview | None] = {}  # shard mappings while their descriptors are open
+        self._maps: dict[str, memoryview] = {}  # shard mappings while their descriptors are open
+        self._unmapped: set[str] = set()  # ... and the shards not mapped
         self._busy: dict[int, int] = {}  # descriptor -> reads in flight on read-ahead threads
         self._fd_limit = fd_budget()  # a share of the soft RLIMIT_NOFILE, read now
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -120,7 +121,7 @@ class RangeReader(LocalFiles, InFlight):
         """
         if self._pid == os.getpid() and self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        close_fds(self._fds, self._maps)  # after a fork: the child's inherited copies
+        close_fds(self._fds, self._maps, self._unmapped)  # after a fork: the child's inherited copies
         self._targets, self._pool, self._busy = {}, None, {}
         self._pid, self._fd_limit = os.getpid(), fd_budget()
 
