@@ -272,11 +272,14 @@ _MAIN = textwrap.dedent("""
     held = []
     if sys.argv[3] == "starting":
         print("ready", flush=True)
-    for i, b in enumerate(Loader(ds, num_workers=2, multiprocessing_context=sys.argv[2])):
+    kept = sys.argv[3] == "between"  # killed while its kept workers wait for the next epoch
+    for i, b in enumerate(Loader(ds, num_workers=2, multiprocessing_context=sys.argv[2], persistent_workers=kept)):
         held.append(b)
-        if i == 2:
+        if i == 2 and not kept:
             print("ready", flush=True)
             time.sleep(600)
+    print("ready", flush=True)
+    time.sleep(600)
 """)
 
 
@@ -284,12 +287,14 @@ def _children(pid: int) -> list[str]:
     return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
 
 
-@pytest.mark.parametrize("context,when", [("fork", "serving"), ("spawn", "serving"), ("spawn", "starting")])
+@pytest.mark.parametrize("context,when", [("fork", "serving"), ("spawn", "serving"), ("spawn", "starting"),
+                                          ("fork", "between")])
 def test_a_killed_main_process_leaves_no_shared_memory(index: Index, tmp_path: Path, context: str,
                                                         when: str) -> None:
-    """Killed while its workers serve batches, or while they still start (a spawn worker
-    then runs its first line after its parent is gone): every process of the job ends and
-    no shared memory is left."""
+    """Killed while its workers serve batches, while they still start (a spawn worker
+    then runs its first line after its parent is gone), or while kept workers
+    (``persistent_workers``) wait between epochs: every process of the job ends and no
+    shared memory is left."""
     before = _shm()
     proc = subprocess.Popen([sys.executable, "-c", _MAIN, str(index.path), context, when], stdout=subprocess.PIPE,
                             cwd=str(tmp_path))

@@ -59,13 +59,14 @@ class BatchMaker:
         pack: send batches packed in shared memory (a DataLoader worker under Loader).
         views: members as read-only memoryviews (``zero_copy`` in one process).
         clock: where collation time is counted (stats.py).
+        arenas: the rings of a worker the Loader keeps between epochs, reused (ring.py).
     """
 
     def __init__(self, spec: PlanSpec, stages: list[Callable[[Any], Any]],
                  collation_fn: Callable[[list[Any]], Any] | None,
                  handler: Callable[[BaseException], bool] | None, counters: Counters, fetcher: Any,
                  advance: Callable[[tuple[int, int]], Any], pack: bool, views: bool,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, arenas: dict[bool, Arena] | None = None) -> None:
         self.clock = clock if clock is not None else Clock()
         self.stamps = self.clock.acc
         # a collation that only lists the samples costs less than reading the clock: not timed;
@@ -75,6 +76,7 @@ class BatchMaker:
         self.handler, self.counters, self.fetcher = handler, counters, fetcher
         self.advance, self.pack, self.views = advance, pack, views
         self._ring: Arena | None = None  # where batches of fetched samples are packed (pack_samples)
+        self.arenas = arenas  # a kept worker's rings of local batches, across its iterations
 
     def __call__(self, source: PlannedSource) -> Iterator[Any]:
         fetcher, pack, views = self.fetcher, self.pack, self.views
@@ -113,7 +115,7 @@ class BatchMaker:
         info = get_worker_info()
         run = run_length(spec.batch_size, _sample_bytes(spec)) if pack else 1
         source = PlannedSource(spec, source.start, source.worker, run)
-        fast = BatchReader(fetcher.reader, spec.names, spec.indexes)
+        fast = BatchReader(fetcher.reader, spec.names, spec.indexes, self.arenas)
         fast.run = run
         cache = BatchCache(1 if info is None else info.num_workers, fast, run)
         sending, taken = PackedRun(), 0

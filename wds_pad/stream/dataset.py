@@ -191,6 +191,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         self.handler = handler
         self.zero_copy = bool(zero_copy)
         self._pack = False  # in DataLoader workers: send batches packed (``packed()``)
+        self._starts: Any = None  # kept workers: each iteration's start; their rings (``packed()``)
+        self._arenas: dict[bool, Any] | None = None
         self.collation_fn = collation_fn
         self.check_agreement = check_agreement
         self.group = group
@@ -226,11 +228,15 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         result.collation_fn = list if collation_fn is None else collation_fn
         return result
 
-    def packed(self) -> "BucketedWebDataset":
+    def packed(self, starts: Any = None) -> "BucketedWebDataset":
         """A copy whose DataLoader workers send batches packed in shared memory, for a
-        consumer that unpacks them (``Loader``; stream/transport.py)."""
+        consumer that unpacks them (``Loader``; stream/transport.py). ``starts``: a shared
+        int64 tensor ``[epoch, index]`` set before each iteration of workers the consumer
+        keeps (``persistent_workers``): a worker's iterations start there and reuse its ring."""
         result = copy.copy(self)
         result._pack = True
+        result._starts = starts
+        result._arenas = {} if starts is not None else None
         return result
 
     # -- epochs and state ----------------------------------------------------------------
@@ -353,7 +359,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         pack = self._pack and in_worker and packs(self.stages, self.collation_fn)  # the main process unpacks
         views = self.zero_copy and not in_worker  # one process: members are views here
         made = BatchMaker(self.spec, self.stages, self.collation_fn, self.handler, self.counters,
-                          fetcher, _unmoved if pack else self._advance, pack, views, clock)(source)
+                          fetcher, _unmoved if pack else self._advance, pack, views, clock,
+                          self._arenas if in_worker else None)(source)
         if in_worker:
             made = clock.made(made)
         try:
@@ -365,6 +372,9 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         """Where this iteration starts: a seek into the plan (or the elastic view)."""
         info = get_worker_info()
         cursor, worker = self._cursor, None
+        if info is not None and self._starts is not None:  # a kept worker: this iteration's start
+            epoch, index = (int(v) for v in self._starts.tolist())
+            cursor = replace(cursor.at(epoch, index), worker=None)
         if info is not None and cursor.worker == (info.id, info.num_workers):
             worker = (0, info.num_workers)  # a worker-local position: every num_workers-th from here
         else:

@@ -8,14 +8,18 @@ Invariants:
 - ``load_state_dict()`` verifies the whole state first and changes nothing on refusal;
   it is refused while an iterator of the loader or of its dataset is open in this
   process (both count in the dataset's ``_live``);
-- DataLoader arguments that would break exactness (batching, shuffling, samplers,
-  persistent workers) are refused up front;
+- DataLoader arguments that would break exactness (batching, shuffling, samplers) are
+  refused up front;
 - the next iteration is a seek to the saved position: no earlier sample is read again;
 - with workers, a batch of local shards crosses to the main process in shared memory
   (stream/transport.py: one buffer, its offsets, the small per-sample fields) and is
   rebuilt into the same sample dicts here: the batches equal those of ``num_workers=0``;
 - however an iteration with workers ends (exhausted, stopped early, or by an error), its
-  DataLoader workers are shut down before the loop is left (``workers.shut_down``);
+  DataLoader workers are shut down before the loop is left (``workers.shut_down``); with
+  ``persistent_workers=True`` only an iteration that ran to its end keeps them, for the
+  next one to start at its own position (a shared ``[epoch, index]`` the workers read
+  when they iterate again) if nothing but that position changed, else they are replaced;
+  kept workers end with :meth:`Loader.close` or when the loader is collected;
 - ``state_dict()`` holds this rank's entry under ``per_rank`` (so torch.distributed.checkpoint,
   which keeps one copy of a key every rank has, gives each rank its own); with
   ``gather_state=True`` it holds every rank's (one all_gather over the dataset's group), so a
@@ -31,8 +35,12 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import replace
+import weakref
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
 
 from .loaderargs import check_loader_args, check_start_timeout
 from ..core.collective import all_gather, dist_for
@@ -40,7 +48,7 @@ from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
 from .stats import StreamStats
 from .transport import unpacked
-from .workers import START_TIMEOUT, shut_down, watched, worker_batches
+from .workers import START_TIMEOUT, kept_workers, resumed, shut_down, watched
 from ..state import Cursor, make_state, restore
 from ..state.schema import PER_RANK
 
@@ -65,6 +73,29 @@ def _widen_pipe(batches: Any) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_BYTES)
     except Exception:  # noqa: BLE001 - another platform or torch: the default pipe
         pass
+
+
+@dataclass(eq=False)
+class _Workers:
+    """An iteration's DataLoader workers: its DataLoader and iterator, the cursor they were
+    started at, the shared ``[epoch, index]`` kept workers read at each iteration, and
+    the workers' rings of batch buffers the main process has seen (by ring id)."""
+
+    loader: Any
+    batches: Any
+    start: Cursor
+    starts: Any = None
+    rings: dict[Any, np.ndarray] = field(default_factory=dict)
+
+    def serves(self, start: Cursor) -> bool:
+        """Whether these workers can start an iteration at ``start``: only its epoch and index differ."""
+        return self.starts is not None and replace(start, epoch=self.start.epoch, index=self.start.index) == self.start
+
+
+def _end_kept(kept: list[_Workers]) -> None:
+    """Shut the kept workers down (``Loader.close``, or the loader collected)."""
+    while kept:
+        shut_down(kept.pop().batches)
 
 
 def _gather_entries(own: dict[str, Any], group: Any) -> dict[str, Any]:
@@ -135,8 +166,10 @@ class Loader:
             for stuck in the fork and replaced (see :mod:`wds_pad.stream.workers`).
         **kwargs: passed to torch's DataLoader (pin_memory, prefetch_factor,
             multiprocessing_context, timeout, ...). ``batch_size`` is always None
-            (the dataset batches) and ``persistent_workers`` is not supported (workers
-            must see each epoch's start position).
+            (the dataset batches). ``persistent_workers=True`` keeps the workers from
+            one iteration that runs to its end to the next (each starts at the loader's
+            position; later epochs read local shards out of the workers' kept mappings):
+            :meth:`close` ends them.
     """
 
     def __init__(self, dataset: BucketedWebDataset, num_workers: int = 0, *, gather_state: bool = False,
@@ -144,7 +177,8 @@ class Loader:
         if not isinstance(dataset, BucketedWebDataset):
             raise ConfigError(f"Loader wraps a BucketedWebDataset, got {type(dataset).__name__}")
         check_loader_args("Loader", num_workers, kwargs, "the plan decides batches and order, "
-                          "and workers must restart at each saved position")
+                          "and workers must restart at each saved position", keeps_workers=True)
+        self.persistent_workers = bool(kwargs.pop("persistent_workers", False))
         # batches are collated by the dataset already; DataLoader's default_convert would
         # turn numpy arrays into tensors only when num_workers > 0
         kwargs.setdefault("collate_fn", _as_is)
@@ -155,6 +189,20 @@ class Loader:
         self.worker_start_timeout = check_start_timeout("Loader", worker_start_timeout)
         # the trainer's place: its epoch and index count; the view and the pin are the dataset's
         self._cursor = dataset.cursor
+        self._kept: list[_Workers] = []  # persistent_workers: the idle workers of the last iteration
+        weakref.finalize(self, _end_kept, self._kept)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_kept": []}  # workers stay with the process that started them
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        weakref.finalize(self, _end_kept, self._kept)
+
+    def close(self) -> None:
+        """Shut down the workers kept between iterations (``persistent_workers=True``); the
+        next iteration starts new ones. Nothing to do otherwise."""
+        _end_kept(self._kept)
 
     @property
     def epoch(self) -> int:
@@ -228,24 +276,48 @@ class Loader:
                 self._cursor = ds.cursor
                 yield batch
             return
-        # starts the workers, each with its copy of the pinned dataset; one stuck in the fork is replaced
-        # batches cross in shared memory and are unpacked here (transport.py)
-        batches = worker_batches(ds.packed(), self.num_workers, self.kwargs, owner="Loader",
-                                 start_timeout=self.worker_start_timeout)
+        workers, ended = self._workers(start), False
         try:
-            _widen_pipe(batches)
             ds.seek(replace(start, pinned=False))
-            yield from ds._clock.waited(self._received(batches), making=False)
-        finally:  # an error or an early stop too: no worker outlives the loop
-            shut_down(batches)
+            yield from ds._clock.waited(self._received(workers), making=False)
+            ended = True
+        finally:  # an error or an early stop too: no worker outlives the loop, unless kept
+            if ended and self.persistent_workers:
+                _end_kept(self._kept)
+                self._kept.append(workers)
+            else:
+                shut_down(workers.batches)
             ds._clock.end_workers()
         ds.seek(ds.cursor.at(self._cursor.epoch, self._cursor.index))
 
-    def _received(self, batches: Any) -> Iterator[Any]:
+    def _workers(self, start: Cursor) -> _Workers:
+        """Workers for an iteration from ``start``: the kept ones if they can start there
+        (told where through their shared ``[epoch, index]``), else new ones."""
+        kept = self._kept.pop() if self._kept else None
+        if kept is not None and kept.serves(start):
+            kept.starts[0], kept.starts[1] = start.epoch, start.index
+            try:
+                kept.batches = resumed(kept.loader, kept.batches, "Loader")
+            except BaseException:  # one died meanwhile (a WorkerError): the others end too
+                shut_down(kept.batches)
+                raise
+            return kept
+        if kept is not None:
+            shut_down(kept.batches)
+        starts = torch.tensor([start.epoch, start.index], dtype=torch.int64).share_memory_() \
+            if self.persistent_workers else None
+        # starts the workers, each with its copy of the pinned dataset; one stuck in the fork is replaced
+        # batches cross in shared memory and are unpacked here (transport.py)
+        loader, batches = kept_workers(self.dataset.packed(starts), self.num_workers, self.kwargs, owner="Loader",
+                                       start_timeout=self.worker_start_timeout, keep=self.persistent_workers)
+        _widen_pipe(batches)
+        return _Workers(loader, batches, start, starts)
+
+    def _received(self, workers: _Workers) -> Iterator[Any]:
         """The workers' batches, unpacked here (transport.py), their counters kept (stats.py)."""
         ds = self.dataset
-        clock, collate, zero_copy, rings = ds._clock, ds.collation_fn, ds.zero_copy, {}  # type: ignore[var-annotated]
-        for item in clock.received(watched(batches, "Loader")):
+        clock, collate, zero_copy, rings = ds._clock, ds.collation_fn, ds.zero_copy, workers.rings
+        for item in clock.received(watched(workers.batches, "Loader")):
             # a run of batches, or one; unpacking and collating here is counted as collation
             for batch in unpacked(item, collate, zero_copy, rings):
                 self._cursor = self._cursor.forward(ds.spec, 1)

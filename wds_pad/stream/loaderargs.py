@@ -2,7 +2,9 @@
 
 Both ``Loader`` and ``ShardLoader`` decide batches and order themselves and restart
 every worker at a saved position, so DataLoader's own batching, sampling, shuffling and
-persistent workers would break exactness.
+persistent workers would break exactness. ``Loader`` keeps its workers between epochs
+itself (``persistent_workers=True``: it tells them each epoch's start), so it is given
+that keyword back to act on.
 
 The DataLoader is built only when iteration starts, and torch checks some arguments
 with bare asserts deep inside its worker iterator (``prefetch_factor=0``), raises raw
@@ -42,7 +44,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_loader_args(owner: str, num_workers: Any, kwargs: dict[str, Any], why: str) -> dict[str, Any]:
+def check_loader_args(owner: str, num_workers: Any, kwargs: dict[str, Any], why: str,
+                      keeps_workers: bool = False) -> dict[str, Any]:
     """Validate ``num_workers`` and the DataLoader keywords; drop the refused ones (set falsy).
 
     Args:
@@ -50,6 +53,8 @@ def check_loader_args(owner: str, num_workers: Any, kwargs: dict[str, Any], why:
         num_workers: the worker count given to the loader.
         kwargs: the DataLoader keywords given to the loader (modified in place).
         why: what to do instead of a refused keyword.
+        keeps_workers: the loader keeps its workers between epochs itself: a
+            ``persistent_workers`` bool is left in ``kwargs`` for it (with workers only).
 
     Returns:
         ``kwargs`` without the refused keywords.
@@ -67,12 +72,16 @@ def check_loader_args(owner: str, num_workers: Any, kwargs: dict[str, Any], why:
             f"{owner}: num_workers must be an int >= 0, got {num_workers!r}; "
             "use 0 to load in the main process"
         )
+    if keeps_workers and "persistent_workers" in kwargs:
+        _check_persistent(owner, num_workers, kwargs["persistent_workers"])
     for bad in REFUSED:
+        if keeps_workers and bad == "persistent_workers":
+            continue
         if kwargs.get(bad):
             raise ConfigError(f"{owner} does not take {bad}={kwargs[bad]!r}: {why}")
         kwargs.pop(bad, None)
     passed = _passed()
-    unknown = sorted(set(kwargs) - passed)
+    unknown = sorted(set(kwargs) - passed - ({"persistent_workers"} if keeps_workers else set()))
     if unknown:
         raise ConfigError(
             f"{owner} got unknown DataLoader argument(s) {', '.join(unknown)}; "
@@ -91,6 +100,16 @@ def check_loader_args(owner: str, num_workers: Any, kwargs: dict[str, Any], why:
     if "pin_memory_device" in kwargs and not isinstance(kwargs["pin_memory_device"], str):
         raise ConfigError(f"{owner}: pin_memory_device must be a str, got {kwargs['pin_memory_device']!r}")
     return kwargs
+
+
+def _check_persistent(owner: str, num_workers: int, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}: persistent_workers must be True or False, got {value!r}")
+    if value and num_workers == 0:
+        raise ConfigError(
+            f"{owner}: persistent_workers=True needs num_workers > 0 (got num_workers=0); "
+            "pass num_workers >= 1, or leave persistent_workers out"
+        )
 
 
 def _check_workers_args(owner: str, num_workers: int, kwargs: dict[str, Any]) -> None:

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import WorkerError, WorkerStartError, WorkerStartWarning
 
-__all__ = ["ATTEMPTS", "START_TIMEOUT", "shut_down", "watched", "worker_batches"]
+__all__ = ["ATTEMPTS", "START_TIMEOUT", "kept_workers", "resumed", "shut_down", "watched", "worker_batches"]
 
 START_TIMEOUT = 10.0  # seconds for a forked worker to reach its worker_init_fn
 ATTEMPTS = 3
@@ -189,23 +189,53 @@ def watched(batches: Any, owner: str) -> Iterator[Any]:
         except StopIteration:
             return
         except (RuntimeError, ConnectionError, EOFError) as exc:
-            # RuntimeError: torch saw the worker gone; ConnectionError/EOFError: it died while
-            # the main process fetched a batch's shared memory from it (torch's resource sharer)
-            dead = _dead_workers(batches, wait=0.0 if isinstance(exc, RuntimeError) else 2.0)
-            if not dead and (not isinstance(exc, RuntimeError) or
-                             not any(m in str(exc) for m in ("exited unexpectedly", "killed by signal"))):
-                raise  # a worker's own error, re-raised by torch: it says what went wrong
-            which = "; ".join(f"worker {i} (pid {w.pid}) {_ended(w.exitcode)}" for i, w in dead) or str(exc)
-            raise WorkerError(
-                f"{owner}: a DataLoader worker died while the loop ran: {which}. The loop cannot go on "
-                f"without its batches; {owner.lower()}.state_dict() still holds the last batch the loop "
-                "received, so restart from it (with fewer workers, or more memory, if it ran out)") from exc
+            _raise_if_died(batches, owner, exc)
+            raise  # a worker's own error, re-raised by torch: it says what went wrong
         yield item
+
+
+def _raise_if_died(batches: Any, owner: str, exc: BaseException) -> None:
+    """Raise a WorkerError if ``exc`` (raised by ``batches``) means a worker died."""
+    # RuntimeError: torch saw the worker gone; ConnectionError/EOFError: it died while
+    # the main process fetched a batch's shared memory from it (torch's resource sharer)
+    dead = _dead_workers(batches, wait=0.0 if isinstance(exc, RuntimeError) else 2.0)
+    if not dead and (not isinstance(exc, RuntimeError) or
+                     not any(m in str(exc) for m in ("exited unexpectedly", "killed by signal"))):
+        return
+    which = "; ".join(f"worker {i} (pid {w.pid}) {_ended(w.exitcode)}" for i, w in dead) or str(exc)
+    raise WorkerError(
+        f"{owner}: a DataLoader worker died while the loop ran: {which}. The loop cannot go on "
+        f"without its batches; {owner.lower()}.state_dict() still holds the last batch the loop "
+        "received, so restart from it (with fewer workers, or more memory, if it ran out)") from exc
+
+
+def resumed(loader: Any, batches: Any, owner: str) -> Iterator[Any]:
+    """The iterator of kept workers (``persistent_workers``, made by :func:`kept_workers`)
+    iterating their datasets again: ``iter(loader)`` tells each worker to (torch's reset),
+    and a worker that died meanwhile is one WorkerError, as in :func:`watched` (at once: the
+    reset would wait for its answer for torch's status interval first)."""
+    if _dead_workers(batches, wait=0.0):
+        _raise_if_died(batches, owner, RuntimeError("exited unexpectedly"))
+    try:
+        return iter(loader)
+    except (RuntimeError, ConnectionError, EOFError) as exc:
+        _raise_if_died(batches, owner, exc)
+        raise
 
 
 def worker_batches(dataset: Any, num_workers: int, kwargs: dict[str, Any], *, owner: str,
                    start_timeout: float = START_TIMEOUT) -> Iterator[Any]:
-    """A DataLoader iterator over ``dataset`` whose workers have all started.
+    """A DataLoader iterator over ``dataset`` whose workers have all started (:func:`kept_workers`
+    without keeping them: they end with the iteration)."""
+    return kept_workers(dataset, num_workers, kwargs, owner=owner, start_timeout=start_timeout, keep=False)[1]
+
+
+def kept_workers(dataset: Any, num_workers: int, kwargs: dict[str, Any], *, owner: str,
+                 start_timeout: float = START_TIMEOUT, keep: bool = True) -> tuple[Any, Iterator[Any]]:
+    """A DataLoader over ``dataset`` and its first iterator, whose workers have all started.
+
+    ``keep``: the DataLoader keeps its workers when an iteration ends
+    (``persistent_workers``): :func:`resumed` iterates them again, :func:`shut_down` ends them.
 
     Args:
         dataset: what the workers iterate (copied into each as it is now).
@@ -215,28 +245,31 @@ def worker_batches(dataset: Any, num_workers: int, kwargs: dict[str, Any], *, ow
         start_timeout: seconds a forked worker may take to start.
 
     Returns:
-        The iterator (``iter(DataLoader(...))``), its workers started.
+        The DataLoader and its iterator, the workers started.
 
     Raises:
         WorkerStartError: a worker was stuck in the fork in each of ``ATTEMPTS`` attempts.
     """
     method = start_method(kwargs.get("multiprocessing_context"))
+    kwargs = dict(kwargs, persistent_workers=keep)
     if method != "fork":
         parent = os.getpid() if method == "spawn" else None
         given = dict(kwargs, worker_init_fn=_MarkStarted(None, kwargs.get("worker_init_fn"), parent))
-        batches = iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, **given))
+        loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, **given)
+        batches = iter(loader)
         _unwatch_sigchld(batches)
-        return batches
+        return loader, batches
     fork = multiprocessing.get_context("fork")
     stuck: list[int] = []
     for attempt in range(1, ATTEMPTS + 1):
         flags = fork.RawArray("b", num_workers)
         given = dict(kwargs, worker_init_fn=_MarkStarted(flags, kwargs.get("worker_init_fn"), os.getpid()))
-        batches = iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, **given))
+        loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, **given)
+        batches = iter(loader)
         _unwatch_sigchld(batches)
         stuck = _wait_started(batches, flags, start_timeout)
         if not stuck:
-            return batches
+            return loader, batches
         pids = [getattr(batches, "_workers", [None] * num_workers)[i] for i in stuck]
         _shut_down(batches)
         if attempt < ATTEMPTS:
