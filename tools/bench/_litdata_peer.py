@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["litdata_convert", "litdata_stream"]
+__all__ = ["litdata_convert", "litdata_iterate", "litdata_loader", "litdata_stream"]
 
 
 def _litdata_samples(url: str) -> Any:
@@ -56,6 +56,24 @@ def litdata_stream(out: str, shuffle: bool, workers: int, batch: int) -> int:
             n += 1
         return n
     for b in litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_as_bytes):
+        n += len(b)
+    return n
+
+
+def litdata_loader(out: str, workers: int, batch: int) -> Any:
+    """A StreamingDataLoader in order whose workers live from one iteration to the next
+    (``persistent_workers=True``), for :func:`litdata_iterate`."""
+    import litdata
+
+    ds = litdata.StreamingDataset(out, shuffle=False, seed=0)
+    return litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_as_bytes,
+                                       persistent_workers=True)
+
+
+def litdata_iterate(loader: Any) -> int:
+    """One epoch of a loader :func:`litdata_loader` made: the samples it gave."""
+    n = 0
+    for b in loader:
         n += len(b)
     return n
 

@@ -23,6 +23,10 @@ both shard kinds in the same round robin:
   ``wds_pad Loader(2), batch 1`` the same with ``batch_size=1``;
 * ``wds_pad direct, zero_copy`` / ``wds_pad Loader(2), zero_copy``  the same with
   ``zero_copy=True``: members are read-only memoryviews over the batch's buffer;
+* ``wds_pad Loader(2), persistent`` (and ``, zero_copy``)  one ``Loader(ds, num_workers=2,
+  persistent_workers=True)`` iterated once per timed run, as a training loop iterates its
+  loader every epoch: its workers start in its first run and serve the later ones (which
+  read out of their kept mappings); their CPU is read from /proc while they live;
 * ``wds_pad stages, checked`` / ``unchecked``  the raw stages ``PlannedSource -> fetch ->
   plan_batched`` with and without the indexes handed to ``fetch`` (the shard check);
 * ``webdataset``  ``wds.WebDataset(urls, shardshuffle=False)`` iterating every sample of
@@ -30,7 +34,8 @@ both shard kinds in the same round robin:
   by 64 through ``wds.WebLoader(num_workers=2)``;
 * ``litdata ...`` (``--peer litdata``)  the same samples converted once with
   ``litdata.optimize`` (timed, printed), streamed by ``litdata.StreamingDataset`` with
-  shuffle off and on, in one process and through ``StreamingDataLoader(num_workers=2)``;
+  shuffle off and on, in one process and through ``StreamingDataLoader(num_workers=2)``,
+  and in order through one ``StreamingDataLoader(num_workers=2, persistent_workers=True)``;
 * ``bare pread loop``  a plain Python loop of ``os.pread`` over the same samples in the
   planned order, holding one batch of results at a time: the floor for random-order
   reads from Python;
@@ -45,7 +50,7 @@ and its finished worker processes) and ratios against the peers on the same shar
 path's ratios on the ``--producer`` shards, each beside the target it compares with, the
 Loader rows' CPU microseconds per sample split between the main process and its workers
 (each run's ``RUSAGE_SELF`` and ``RUSAGE_CHILDREN``: the workers are joined when the loop
-ends) beside one process's, and
+ends; kept workers' from /proc) beside one process's, and
 the ratios docs/streaming.md cites (measured there on ``tarfile-ustar`` shards). The
 machine should be otherwise idle (the run says how busy other processes kept it). Usage::
 
@@ -65,7 +70,7 @@ from typing import Any
 
 import numpy as np
 from _common import add_sizes, case_shards, cpu_seconds, once, parser, round_robin, table
-from _litdata_peer import litdata_convert, litdata_stream
+from _litdata_peer import litdata_convert, litdata_iterate, litdata_loader, litdata_stream
 from _stats_cost import counter_ns_per_batch, loader_ns_per_batch
 
 from wds_pad.stream.dataset import BucketedWebDataset
@@ -110,8 +115,34 @@ def ours_exact(ds: BucketedWebDataset) -> int:
         batchread.BatchReader.read = real  # type: ignore[method-assign]
 
 
-#: per Loader contender, each timed run's CPU seconds (main process, its exited workers)
+#: per Loader contender, each timed run's CPU seconds (main process, its workers)
 SPLIT: dict[str, list[tuple[float, float]]] = {}
+#: the Loaders whose workers live between timed runs (persistent_workers): their CPU is
+#: read from /proc, since a process that has not exited is not in RUSAGE_CHILDREN
+KEPT: list[Any] = []
+
+
+def _live_cpu(loaders: list[Any]) -> float:
+    """CPU seconds so far of the live workers ``loaders`` keep (``Loader._kept``; litData's
+    DataLoader iterator), from /proc/<pid>/stat."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for loader in loaders:
+        kept = getattr(loader, "_kept", None)
+        workers = [w for k in kept for w in k.batches._workers] if kept is not None else \
+            list(getattr(getattr(loader, "_iterator", None), "_workers", ()))
+        for w in workers:
+            try:
+                with open(f"/proc/{w.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return total
+
+
+def all_cpu() -> float:
+    """``cpu_seconds()`` and the CPU of the live workers of every kept Loader."""
+    return cpu_seconds() + _live_cpu(KEPT)
 
 
 def _own_and_children() -> tuple[float, float]:
@@ -119,16 +150,25 @@ def _own_and_children() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
-def ours_loader(ds: BucketedWebDataset, workers: int, name: str | None = None) -> int:
+def ours_loader(ds: BucketedWebDataset, workers: int, name: str | None = None, loader: Loader | None = None) -> int:
     """``name``: record the run's CPU split between this process and its workers in SPLIT
-    (the workers are joined when the loop ends, so their CPU is counted as children's)."""
-    n, (own0, kids0) = 0, _own_and_children()
-    for batch in Loader(ds, num_workers=workers):
+    (the workers are joined when the loop ends, so their CPU is counted as children's; a
+    kept ``loader``'s live workers are read from /proc)."""
+    loader = loader if loader is not None else Loader(ds, num_workers=workers)
+    n, (own0, kids0), live0 = 0, _own_and_children(), _live_cpu([loader])
+    for batch in loader:
         n += len(batch)
-    own1, kids1 = _own_and_children()
+    (own1, kids1), live1 = _own_and_children(), _live_cpu([loader])
     if name is not None:
-        SPLIT.setdefault(name, []).append((own1 - own0, kids1 - kids0))
+        SPLIT.setdefault(name, []).append((own1 - own0, kids1 - kids0 + live1 - live0))
     return n
+
+
+def _kept_loader(ds: BucketedWebDataset) -> Loader:
+    """A Loader of 2 workers it keeps between iterations, registered in KEPT."""
+    loader = Loader(ds, num_workers=2, persistent_workers=True)
+    KEPT.append(loader)
+    return loader
 
 
 def loader_start(ds: BucketedWebDataset, workers: int) -> float:
@@ -225,6 +265,7 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
         raw_read(urls)  # warm the page cache
         total_file = sum(os.path.getsize(u) for u in urls)
         ds, ds1, dsz = dataset(index, batch_size), dataset(index, 1), dataset(index, batch_size, True)
+        kept, keptz = _kept_loader(dataset(index, batch_size)), _kept_loader(dataset(index, batch_size, True))
         ids = ids_of[kind] = np.concatenate([b.samples for b in ds.plan()])
         ids1 = np.concatenate([b.samples for b in ds1.plan()])
         planned, planned_bytes = int(ids.size), int(index.length[ids].sum())
@@ -243,6 +284,10 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
             "wds_pad Loader(2), zero_copy": (lambda dsz=dsz, k=kind: ours_loader(dsz, 2, f"{k}|wds_pad Loader(2), "
                                                                                       "zero_copy"), planned,
                                              planned_bytes),
+            "wds_pad Loader(2), persistent": (lambda k=kind, kl=kept: ours_loader(
+                kl.dataset, 2, f"{k}|wds_pad Loader(2), persistent", kl), planned, planned_bytes),
+            "wds_pad Loader(2), persistent, zero_copy": (lambda k=kind, kl=keptz: ours_loader(
+                kl.dataset, 2, f"{k}|wds_pad Loader(2), persistent, zero_copy", kl), planned, planned_bytes),
             "wds_pad stages, checked": (lambda ds=ds: ours_stages(ds, True), planned, planned_bytes),
             "wds_pad stages, unchecked": (lambda ds=ds: ours_stages(ds, False), planned, planned_bytes),
             "webdataset": (lambda urls=urls: webdataset_iter(urls), len(index), total_file),
@@ -256,6 +301,10 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
                     name = f"litdata {'shuffled' if shuffle else 'in order'}, {workers or 'no'} workers"
                     mine[name] = ((lambda s=shuffle, w=workers: litdata_stream(litdata_dir, s, w, batch_size)),
                                   len(index), total_file)
+            lit_kept = litdata_loader(litdata_dir, 2, batch_size)
+            KEPT.append(lit_kept)
+            mine["litdata in order, 2 persistent workers"] = (lambda lk=lit_kept: litdata_iterate(lk), len(index),
+                                                               total_file)
         for name, c in mine.items():
             if kind == main or name in BOTH_KINDS:
                 contenders[f"{kind}|{name}"] = c
@@ -266,8 +315,16 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
             raise SystemExit(f"{label}/{key}: counted {got}, expected {expected[key]}")
 
     SPLIT.clear()
-    best = round_robin({key: c[0] for key, c in contenders.items()}, repeat,
-                       timer=lambda fn: once(fn, cpu_seconds), check=check)
+    try:
+        best = round_robin({key: c[0] for key, c in contenders.items()}, repeat,
+                           timer=lambda fn: once(fn, all_cpu), check=check)
+    finally:  # their workers end (counted as children's from now on: no timing is running)
+        for loader in KEPT:
+            close = getattr(loader, "close", None) or getattr(getattr(loader, "_iterator", None),
+                                                                "_shutdown_workers", None)
+            if close is not None:
+                close()
+        KEPT.clear()
     out: dict[str, dict[str, dict[str, Any]]] = {k: {"rate": {}, "bw": {}, "cpu": {}, "start": {}, "split": {}}
                                                  for k in kinds}
     for key, runs in SPLIT.items():  # the run of least CPU in all: its main and workers' shares
@@ -327,26 +384,33 @@ def targets(results: dict[str, dict[str, dict[str, dict[str, float]]]], main: st
                            ustar["rate"]["wds_pad batch 1"] / ustar["rate"]["webdataset"], 2.0))
     rows.append(_ratio("500 KB, one process vs the bare pread loop (MB/s)",
                        large["bw"]["wds_pad direct"] / large["bw"]["bare pread loop"], 0.9))
-    # workers: batches cross in shared memory; zero_copy: members are views of the batch buffer
-    rows += [_ratio("10 KB, Loader(2) vs one process", rate["wds_pad Loader(2)"] / rate["wds_pad direct"], 1.4),
-             _ratio("500 KB, Loader(2) vs one process (MB/s)",
-                    large["bw"]["wds_pad Loader(2)"] / large["bw"]["wds_pad direct"], 1.0),
-             _ratio("500 KB, Loader(2) zero_copy vs one process (MB/s)",
-                    large["bw"]["wds_pad Loader(2), zero_copy"] / large["bw"]["wds_pad direct"], 1.5),
-             _ratio("10 KB, one process zero_copy vs the bare pread loop",
+    # workers: batches cross in shared memory; zero_copy: members are views of the batch buffer;
+    # persistent: workers kept between epochs (the later epochs' figure, as one process's is)
+    for kept in ("", ", persistent"):
+        rows += [_ratio(f"10 KB, Loader(2){kept} vs one process",
+                        rate[f"wds_pad Loader(2){kept}"] / rate["wds_pad direct"], 1.4),
+                 _ratio(f"500 KB, Loader(2){kept} vs one process (MB/s)",
+                        large["bw"][f"wds_pad Loader(2){kept}"] / large["bw"]["wds_pad direct"], 1.0),
+                 _ratio(f"500 KB, Loader(2){kept} zero_copy vs one process (MB/s)",
+                        large["bw"][f"wds_pad Loader(2){kept}, zero_copy"] / large["bw"]["wds_pad direct"], 1.5)]
+    rows += [_ratio("10 KB, one process zero_copy vs the bare pread loop",
                     rate["wds_pad direct, zero_copy"] / rate["bare pread loop"], 0.7)]
     if "litdata in order, no workers" in rate:
         rows += [_ratio("10 KB, one process zero_copy vs litData in order, one process",
                         rate["wds_pad direct, zero_copy"] / rate["litdata in order, no workers"], 1.0),
                  _ratio("10 KB, Loader(2) vs litData in order, 2 workers",
-                        rate["wds_pad Loader(2)"] / rate["litdata in order, 2 workers"], 3.0)]
+                        rate["wds_pad Loader(2)"] / rate["litdata in order, 2 workers"], 3.0),
+                 _ratio("10 KB, both with persistent workers, Loader(2) vs litData in order, 2 workers",
+                        rate["wds_pad Loader(2), persistent"] / rate["litdata in order, 2 persistent workers"],
+                        3.0)]
     rows.append(_ratio("10 KB, one process (bytes) vs the bare pread loop",
                        rate["wds_pad direct"] / rate["bare pread loop"], 0.55))
     rows.append(["10 KB, one process (bytes), os.pread every epoch vs the bare pread loop",
                  f"{rate['wds_pad direct, os.pread'] / rate['bare pread loop']:.2f}x", "(a first epoch)"])
     cpu = small["cpu"]
-    rows.append(["10 KB, cpu us/sample of Loader(2) (all processes) over one process",
-                 f"{cpu['wds_pad Loader(2)'] / cpu['wds_pad direct']:.2f}x", "<= 1.3x"])
+    for kept in ("", ", persistent"):
+        rows.append([f"10 KB, cpu us/sample of Loader(2){kept} (all processes) over one process",
+                     f"{cpu[f'wds_pad Loader(2){kept}'] / cpu['wds_pad direct']:.2f}x", "<= 1.3x"])
     # the stats counters: per batch (per message with workers), never per sample; the
     # contenders' default collation only lists the samples, so it is not timed
     per_batch_us = counter_ns_per_batch() / 1e3
@@ -366,7 +430,8 @@ def split_rows(results: dict[str, Any], kind: str) -> list[list[str]]:
     rows = []
     for label, r in results.items():
         for name, (own, kids) in r[kind]["split"].items():
-            one = r[kind]["cpu"][name.replace("Loader(2)", "direct").replace("direct, batch 1", "batch 1")]
+            one = r[kind]["cpu"][name.replace(", persistent", "").replace("Loader(2)", "direct")
+                                 .replace("direct, batch 1", "batch 1")]
             rows.append([label, name, f"{own:.1f}", f"{kids:.1f}", f"{own + kids:.1f}", f"{one:.1f}",
                          f"{(own + kids) / one:.2f}x"])
     return rows
