@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     dataset = BucketedWebDataset(os.path.join(args.data, INDEX_NAME), batch_size=args.batch_size,
                                  seed=trainer["seed"] if trainer else args.seed, oversubscribe=True,
                                  collation_fn=collate).decode("torchrgb").map(to_example)
-    loader = Loader(dataset, num_workers=args.num_workers)
+    # workers kept from one epoch to the next (each starts where the loader is): no fork per epoch
+    loader = Loader(dataset, num_workers=args.num_workers, persistent_workers=args.num_workers > 0)
     model = TinyNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     step = 0
