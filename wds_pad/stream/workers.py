@@ -194,7 +194,7 @@ def watched(batches: Any, owner: str) -> Iterator[Any]:
         yield item
 
 
-def _raise_if_died(batches: Any, owner: str, exc: BaseException) -> None:
+def _raise_if_died(batches: Any, owner: str, exc: BaseException, when: str = "while the loop ran") -> None:
     """Raise a WorkerError if ``exc`` (raised by ``batches``) means a worker died."""
     # RuntimeError: torch saw the worker gone; ConnectionError/EOFError: it died while
     # the main process fetched a batch's shared memory from it (torch's resource sharer)
@@ -204,7 +204,7 @@ def _raise_if_died(batches: Any, owner: str, exc: BaseException) -> None:
         return
     which = "; ".join(f"worker {i} (pid {w.pid}) {_ended(w.exitcode)}" for i, w in dead) or str(exc)
     raise WorkerError(
-        f"{owner}: a DataLoader worker died while the loop ran: {which}. The loop cannot go on "
+        f"{owner}: a DataLoader worker died {when}: {which}. The loop cannot go on "
         f"without its batches; {owner.lower()}.state_dict() still holds the last batch the loop "
         "received, so restart from it (with fewer workers, or more memory, if it ran out)") from exc
 
@@ -214,12 +214,13 @@ def resumed(loader: Any, batches: Any, owner: str) -> Iterator[Any]:
     iterating their datasets again: ``iter(loader)`` tells each worker to (torch's reset),
     and a worker that died meanwhile is one WorkerError, as in :func:`watched` (at once: the
     reset would wait for its answer for torch's status interval first)."""
+    when = "while it was kept between iterations (persistent_workers)"
     if _dead_workers(batches, wait=0.0):
-        _raise_if_died(batches, owner, RuntimeError("exited unexpectedly"))
+        _raise_if_died(batches, owner, RuntimeError("exited unexpectedly"), when)
     try:
         return iter(loader)
     except (RuntimeError, ConnectionError, EOFError) as exc:
-        _raise_if_died(batches, owner, exc)
+        _raise_if_died(batches, owner, exc, when)
         raise
 
 
