@@ -12,6 +12,7 @@ import os
 import signal
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,8 +23,9 @@ from wds_pad.io import shardmaps
 from wds_pad.state import Cursor
 from wds_pad.stream.loader import Loader, _Workers
 
-from data_helpers import image_index, make_dataset
+from data_helpers import image_index, make_dataset, serve_dir
 
+pytest_plugins = ["conftest_servers"]
 pytestmark = pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning")
 
 
@@ -106,6 +108,26 @@ def test_zero_copy_views_of_an_earlier_epoch_survive_the_kept_rings(index: Index
     held = list(loader)  # every view of epoch 0 held while the same rings serve two more epochs
     _epochs(loader, range(1, 3))
     assert [_plain(b) for b in held] == _epochs(Loader(_ds(index), num_workers=0), range(1))[0]
+    loader.close()
+
+
+def test_kept_workers_of_remote_shards_reuse_their_rings(index: Index, nginx_server: Any) -> None:
+    """Fetched samples are packed into a kept worker's ring, made once: the main process
+    keeps the rings it has seen for as long as the workers live, so a ring a worker made
+    every epoch would pile up there."""
+    local = os.path.dirname(index.urls[0])
+    url = serve_dir(nginx_server, Path(local), "persistent")
+    want = _epochs(Loader(_ds(index), num_workers=0), range(3))
+    remote = make_dataset(str(index.path), quiet=True, seed=7, topology=Topology(1, 0), check_agreement=False,
+                          relocate={local: url})
+    assert remote.spec.indexes[0].urls[0].startswith("http://")
+    loader = Loader(remote, num_workers=2, persistent_workers=True)
+    got = _epochs(loader, range(1))
+    rings = set(loader._kept[0].rings)
+    got += _epochs(loader, range(1, 3))
+    assert [[{k: v for k, v in s.items() if k != "__url__"} for s in b] for e in got for b in e] == \
+        [[{k: v for k, v in s.items() if k != "__url__"} for s in b] for e in want for b in e]
+    assert rings and set(loader._kept[0].rings) == rings
     loader.close()
 
 

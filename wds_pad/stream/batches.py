@@ -66,7 +66,7 @@ class BatchMaker:
                  collation_fn: Callable[[list[Any]], Any] | None,
                  handler: Callable[[BaseException], bool] | None, counters: Counters, fetcher: Any,
                  advance: Callable[[tuple[int, int]], Any], pack: bool, views: bool,
-                 clock: Clock | None = None, arenas: dict[bool, Arena] | None = None) -> None:
+                 clock: Clock | None = None, arenas: dict[Any, Arena] | None = None) -> None:
         self.clock = clock if clock is not None else Clock()
         self.stamps = self.clock.acc
         # a collation that only lists the samples costs less than reading the clock: not timed;
@@ -75,8 +75,10 @@ class BatchMaker:
         self.spec, self.stages, self.collation_fn = spec, stages, collation_fn
         self.handler, self.counters, self.fetcher = handler, counters, fetcher
         self.advance, self.pack, self.views = advance, pack, views
-        self._ring: Arena | None = None  # where batches of fetched samples are packed (pack_samples)
-        self.arenas = arenas  # a kept worker's rings of local batches, across its iterations
+        # a kept worker's rings, across its iterations: of local batches (BatchReader's, keyed by
+        # shared), and ``"fetched"``: where batches of fetched samples are packed (pack_samples)
+        self.arenas = arenas
+        self._ring: Arena | None = None if arenas is None else arenas.get("fetched")
 
     def __call__(self, source: PlannedSource) -> Iterator[Any]:
         fetcher, pack, views = self.fetcher, self.pack, self.views
@@ -98,6 +100,8 @@ class BatchMaker:
     def _collated(self, batch: list[Any], refs: list[dict[str, Any]], pack: bool, views: bool) -> Any:
         if pack:  # collated where it is unpacked: its members copied once into the ring, else pickled
             self._ring, packed = pack_samples(batch, self._ring, True)
+            if self.arenas is not None:
+                self.arenas["fetched"] = self._ring
             return LooseBatch(batch) if packed is None else packed
         samples = as_views(batch) if views else batch
         if not self.timed_collation:

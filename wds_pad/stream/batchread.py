@@ -62,12 +62,12 @@ class BatchReader:
     """
 
     def __init__(self, reader: RangeReader | None, names: tuple[str, ...], indexes: tuple[Index, ...],
-                 arenas: dict[bool, Arena] | None = None) -> None:
+                 arenas: dict[Any, Arena] | None = None) -> None:
         self.reader = reader  # type: ignore[assignment]
         self.by_name = {n: ix for n, ix in zip(names, indexes)}
         self._work: dict[tuple[int, int], Work] = {}
         # batch buffers, shared or not (ring.Arena); given: a kept worker's, across its iterations
-        self._arenas: dict[bool, Arena] = {} if arenas is None else arenas
+        self._arenas: dict[Any, Arena] = {} if arenas is None else arenas
         self.run = 1  # batches sent at a time (transport.run_length): what a ring is sized for
         #: after :meth:`read` returned None: the member table entries of that batch's
         #: samples (None: it has a sample the table does not record), for the exact path
