@@ -134,3 +134,34 @@ def test_a_shard_cut_short_in_a_mapped_epoch_is_one_clear_error(tmp_path: Path) 
                          timeout=120, cwd=os.getcwd())
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["refused: StaleShardError True"] * 2 + ["done"]
+
+
+@pytest.mark.parametrize("member", [0, 1])
+def test_a_header_changed_in_place_under_a_mapping_is_refused(tmp_path: Path, member: int) -> None:
+    """A mapped epoch slices each payload straight out of the mapping and checks the two
+    header fields first: a member's size field rewritten in place (same file size, the
+    change stamp put back, so opening the shard finds nothing) is a StaleShardError naming
+    the sample, never its payload cut to the new size."""
+    from wds_pad.errors import StaleShardError
+    from wds_pad.tar.names import SIZE
+
+    index = image_index(tmp_path, samples=32, shards=1, seed=9)
+    ds = _ds(index)
+    list(ds)  # the first stream: os.pread, and the shard mapped for the next
+    sample = int(ds.plan(1).samples[BATCH * 2])  # in the next epoch's third batch: its shard mapped by then
+    url, offset = index.urls[0], int(index.offset[sample])
+    with open(url, "rb") as f:
+        f.seek(offset)
+        data = f.read(int(index.length[sample]))
+    heads = [i for i in range(0, len(data), 512) if data[i + 257:i + 262] == b"ustar" and data[i + 156:i + 157] == b"0"]
+    head = offset + heads[member]
+    mtime = os.stat(url).st_mtime_ns
+    with open(url, "r+b") as f:
+        f.seek(head + SIZE)
+        size = f.read(11)
+        f.seek(head + SIZE)
+        f.write(b"%011o" % (int(size, 8) - 1))  # one byte shorter: the archive's layout unchanged
+    os.utime(url, ns=(mtime, mtime))
+    ds.set_epoch(1)
+    with pytest.raises(StaleShardError, match=f"sample {index.key(sample)!r} at byte offset {offset} is not as"):
+        list(ds)

@@ -5,9 +5,10 @@ are computed in numpy from the index for a chunk of plan batches at once (no tar
 is parsed, no reference dict is built, and a batch of one sample pays no numpy fixed
 cost of its own, memberwork.py); each sample is one ``os.pread`` (large ones: one per
 member, straight into the payload's bytes) or, from the second stream of its shard in
-this process, a copy out of the shard's mapping (io/shardmaps.py: no system call, and
-the shard's size checked before each batch); each sample dict is a copy of one per-batch
-template.
+this process, copied out of the shard's mapping (io/shardmaps.py: no system call, and
+the shard's size checked before each batch; a sample of two members has each payload
+copied straight out of it, once, after its two headers' fields); each sample dict is a
+copy of one per-batch template.
 
 Invariants:
 - a batch read here is exactly what ``fetch`` gives for it: the same sample dicts, keys in
@@ -48,6 +49,8 @@ from .ring import Arena, allocate, reserve
 from .transport import PackedBatch
 
 __all__ = ["BatchReader", "BIG_SAMPLE", "member_refs", "seed_list"]
+
+HEAD = SIZE + 12  # a tar header's name field up to the end of its size field
 
 from ..io.readahead import BIG_SAMPLE  # read one payload per pread (no copy out of a range buffer)
 
@@ -285,6 +288,18 @@ class BatchReader:
                 m = j
                 append(d)
                 continue
+            if mm is not None and cnt == 2:  # the common shape, out of the mapping: each payload copied once
+                h, h2, n, n2 = o + heads[m], o + heads[m + 1], size_list[m], size_list[m + 1]
+                if o + nb > len(mm):
+                    return None
+                head, head2 = mm[h:h + HEAD], mm[h2:h2 + HEAD]  # a header's name and size fields
+                if (head.startswith(ntoks[m]) and head.startswith(stoks[m], size_at)
+                        and head2.startswith(ntoks[m + 1]) and head2.startswith(stoks[m + 1], size_at)):
+                    d[ext_names[m]] = mm[h + 512 : h + 512 + n]
+                    d[ext_names[m + 1]] = mm[h2 + 512 : h2 + 512 + n2]
+                    m += 2
+                    append(d)
+                    continue
             data = pread(fd, nb, o) if mm is None else mm[o:o + nb]  # out of the mapping: no system call
             if len(data) != nb:
                 return None
