@@ -16,7 +16,7 @@ from wds_pad import ReadOptions, Topology
 from wds_pad.index.record import Index
 from wds_pad.io import shardmaps
 
-from data_helpers import image_index, make_dataset
+from data_helpers import aspect_index, image_index, make_dataset
 
 BATCH = 4
 
@@ -136,19 +136,56 @@ def test_a_shard_cut_short_in_a_mapped_epoch_is_one_clear_error(tmp_path: Path) 
     assert out.stdout.splitlines() == ["refused: StaleShardError True"] * 2 + ["done"]
 
 
-@pytest.mark.parametrize("member", [0, 1])
-def test_a_header_changed_in_place_under_a_mapping_is_refused(tmp_path: Path, member: int) -> None:
+def _large_index(directory: Path, producer: str = "webdataset", samples: int = 32, shards: int = 1) -> Index:
+    """Samples of ~300 KB (past BIG_SAMPLE: read a member at a time when not mapped)."""
+    from wds_pad.cli.synth import make_blob_shards
+    from wds_pad.stream.batchread import BIG_SAMPLE
+
+    paths = make_blob_shards(directory / "large", samples=samples, sample_bytes=300_000, shards=shards, seed=4,
+                             producer=producer)
+    index = aspect_index(paths, directory / "large.wdsidx")
+    assert int(index.length.min()) >= BIG_SAMPLE
+    return index
+
+
+def _members_index(directory: Path) -> Index:
+    """Samples of one, two and three members, in one shard."""
+    import json
+
+    import webdataset as wds
+
+    path = str(directory / "members.tar")
+    with wds.TarWriter(path) as w:
+        for i in range(40):
+            s: dict[str, Any] = {"__key__": f"s{i:04d}", "json": json.dumps({"width": 64 + i % 3, "height": 64}).encode()}
+            if i % 3:
+                s["bin"] = os.urandom(100 + 37 * i)
+            if i % 3 == 2:
+                s["txt"] = b"x" * (i + 1)
+            w.write(s)
+    return aspect_index([path], directory / "members.wdsidx")
+
+
+@pytest.mark.parametrize(("shards", "member"), [("image", 0), ("image", 1), ("large", 0), ("large", 1),
+                                               ("members 1", 0), ("members 3", 0), ("members 3", 2)])
+def test_a_header_changed_in_place_under_a_mapping_is_refused(tmp_path: Path, member: int, shards: str) -> None:
     """A mapped epoch slices each payload straight out of the mapping and checks the two
     header fields first: a member's size field rewritten in place (same file size, the
     change stamp put back, so opening the shard finds nothing) is a StaleShardError naming
-    the sample, never its payload cut to the new size."""
+    the sample, never its payload cut to the new size, for small and large samples."""
     from wds_pad.errors import StaleShardError
     from wds_pad.tar.names import SIZE
 
-    index = image_index(tmp_path, samples=32, shards=1, seed=9)
+    if shards == "image":
+        index = image_index(tmp_path, samples=32, shards=1, seed=9)
+    else:
+        index = _large_index(tmp_path) if shards == "large" else _members_index(tmp_path)
     ds = _ds(index)
     list(ds)  # the first stream: os.pread, and the shard mapped for the next
-    sample = int(ds.plan(1).samples[BATCH * 2])  # in the next epoch's third batch: its shard mapped by then
+    later = ds.plan(1).samples[BATCH * 2:].tolist()  # from the next epoch's third batch: its shard mapped by then
+    # (_members_index: sample i has 1 member if i % 3 == 0, 3 if i % 3 == 2)
+    sample = later[0] if shards in ("image", "large") else next(
+        i for i in later if int(index.key(i)[1:]) % 3 == {"members 1": 0, "members 3": 2}[shards])
     url, offset = index.urls[0], int(index.offset[sample])
     with open(url, "rb") as f:
         f.seek(offset)
@@ -165,3 +202,38 @@ def test_a_header_changed_in_place_under_a_mapping_is_refused(tmp_path: Path, me
     ds.set_epoch(1)
     with pytest.raises(StaleShardError, match=f"sample {index.key(sample)!r} at byte offset {offset} is not as"):
         list(ds)
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+@pytest.mark.parametrize("shards", ["large webdataset", "large tarfile-ustar", "members"])
+def test_mapped_epochs_of_large_samples_and_other_member_counts_equal_pread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shards: str, zero_copy: bool) -> None:
+    """Large samples (read a member at a time with os.pread) and samples of one and three
+    members come out of the mapping from the second epoch on, not a read a sample, and
+    equal what os.pread gives."""
+    from wds_pad.stream import batchread
+
+    index = _members_index(tmp_path) if shards == "members" else _large_index(
+        tmp_path, producer=shards.split()[1], samples=24, shards=2)
+    per_member = [0]  # samples read a member at a time (large ones, with os.pread)
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        per_member[0] += 1
+        return real(*a, **kw)
+
+    real = batchread.slice_sample_at
+    monkeypatch.setattr(batchread, "slice_sample_at", counted)
+    got, reads = _epochs(_ds(index, zero_copy=zero_copy), monkeypatch)
+    mapped_per_member, per_member[0] = per_member[0], 0
+    shardmaps._forget()
+    want, pread_reads = _epochs(_ds(index, zero_copy=zero_copy, read_options=ReadOptions(map_local=False)),
+                                monkeypatch)
+    assert got == want
+    epoch = sum(len(b) for b in got[0])
+    if shards == "members":
+        assert {sum(not k.startswith("__") for k in s) for b in got[1] for s in b} == {1, 2, 3}
+        assert pread_reads == [epoch] * 3 and reads[0] == epoch
+        assert all(0 < n <= BATCH * len(index.urls) for n in reads[1:]), reads
+    elif not zero_copy:  # (zero_copy reads a batch into one buffer, out of the mapping too)
+        assert per_member[0] == 3 * epoch  # without mappings: every sample, every epoch
+        assert epoch <= mapped_per_member <= epoch + 2 * BATCH * len(index.urls)  # then only batches that open a shard

@@ -6,9 +6,9 @@ is parsed, no reference dict is built, and a batch of one sample pays no numpy f
 cost of its own, memberwork.py); each sample is one ``os.pread`` (large ones: one per
 member, straight into the payload's bytes) or, from the second stream of its shard in
 this process, copied out of the shard's mapping (io/shardmaps.py: no system call, and
-the shard's size checked before each batch; a sample of two members has each payload
-copied straight out of it, once, after its two headers' fields); each sample dict is a
-copy of one per-batch template.
+the shard's size checked before each batch; each payload, of a large sample too, is
+copied straight out of it, once, after its header's name and size fields are checked);
+each sample dict is a copy of one per-batch template.
 
 Invariants:
 - a batch read here is exactly what ``fetch`` gives for it: the same sample dicts, keys in
@@ -281,6 +281,24 @@ class BatchReader:
             d["__index__"] = i
             d["__pad__"] = p
             d["__seed__"] = z
+            if mm is not None:  # out of the mapping: each payload copied once, after its header's fields
+                if o + nb > len(mm):
+                    return None
+                if cnt == 2:  # the common shape (a payload and its .json), unrolled
+                    h, h2, n, n2 = o + heads[m], o + heads[m + 1], size_list[m], size_list[m + 1]
+                    head, head2 = mm[h:h + HEAD], mm[h2:h2 + HEAD]  # a header's name and size fields
+                    if (head.startswith(ntoks[m]) and head.startswith(stoks[m], size_at)
+                            and head2.startswith(ntoks[m + 1]) and head2.startswith(stoks[m + 1], size_at)):
+                        d[ext_names[m]] = mm[h + 512 : h + 512 + n]
+                        d[ext_names[m + 1]] = mm[h2 + 512 : h2 + 512 + n2]
+                        m += 2
+                        append(d)
+                        continue
+                elif mapped_members(mm, o, d, ext_names, heads, size_list, ntoks, stoks, m, m + cnt):
+                    m += cnt
+                    append(d)
+                    continue
+                # another header form, or a changed shard: read as below (raises, naming what changed)
             if nb >= BIG_SAMPLE:  # each header and payload its own pread: no copy out of a buffer
                 j = m + cnt
                 members = (ext_names[m:j], heads[m:j], size_list[m:j], ntoks[m:j], stoks[m:j])
@@ -288,18 +306,6 @@ class BatchReader:
                 m = j
                 append(d)
                 continue
-            if mm is not None and cnt == 2:  # the common shape, out of the mapping: each payload copied once
-                h, h2, n, n2 = o + heads[m], o + heads[m + 1], size_list[m], size_list[m + 1]
-                if o + nb > len(mm):
-                    return None
-                head, head2 = mm[h:h + HEAD], mm[h2:h2 + HEAD]  # a header's name and size fields
-                if (head.startswith(ntoks[m]) and head.startswith(stoks[m], size_at)
-                        and head2.startswith(ntoks[m + 1]) and head2.startswith(stoks[m + 1], size_at)):
-                    d[ext_names[m]] = mm[h + 512 : h + 512 + n]
-                    d[ext_names[m + 1]] = mm[h2 + 512 : h2 + 512 + n2]
-                    m += 2
-                    append(d)
-                    continue
             data = pread(fd, nb, o) if mm is None else mm[o:o + nb]  # out of the mapping: no system call
             if len(data) != nb:
                 return None
@@ -334,6 +340,21 @@ class BatchReader:
         st.requests += hi - lo
         st.bytes += nbytes
         return out
+
+
+def mapped_members(mm: Any, o: int, d: dict[str, Any], exts: list[str], heads: list[int], sizes: list[int],
+                   ntoks: list[bytes], stoks: list[bytes], m: int, j: int) -> bool:
+    """Members ``m:j`` of the sample at ``o`` in the mapping ``mm`` put in ``d``, each
+    payload copied out once, if every header's name and size fields say what the table
+    says (else False, ``d`` left without them: the caller reads the sample in full)."""
+    for x in range(m, j):
+        head = mm[o + heads[x]:o + heads[x] + HEAD]
+        if not (head.startswith(ntoks[x]) and head.startswith(stoks[x], SIZE)):
+            return False
+    for x in range(m, j):
+        at = o + heads[x] + 512
+        d[exts[x]] = mm[at:at + sizes[x]]
+    return True
 
 
 def member_refs(work: Work) -> list[Members]:
