@@ -141,3 +141,26 @@ def test_refusals_name_what_is_wrong() -> None:
         Segment(3, positions=(1, 2))
     with pytest.raises(StateMismatchError, match="of dp_rank 1 is past the end"):
         plan_remainder(data, Topology(1, 0), [Segment(2, positions=(1, 50))], **{**kw, "policy": "none"})
+
+
+@settings(max_examples=60, deadline=None)
+@given(buckets=st.lists(st.integers(1, 60), min_size=1, max_size=4), bs=st.integers(1, 3),
+       old=st.integers(1, 6), new=st.integers(1, 6), acc=st.integers(1, 3), frac=st.floats(0, 1),
+       locality=st.sampled_from(["none", "shard"]))
+def test_remainder_flags_oversubscribed_buckets_by_the_unit_with_accumulation(
+        buckets: list[int], bs: int, old: int, new: int, acc: int, frac: float, locality: str) -> None:
+    """A remainder's bucket is flagged oversubscribed exactly when it was padded up to one whole
+    pad unit from fewer entries, the unit counting the accumulation steps (as a fresh plan's)."""
+    data = _data(buckets, 5, locality)
+    kw = dict(seed=0, epoch=0, batch_size=bs, policy="cyclic", locality=locality, oversubscribe=True,
+              window=2, accumulation_steps=acc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = plan_epoch(data, Topology(old, 0), **kw)
+        seg = Segment(old, steps=round(frac * len(first)))
+        plan = plan_remainder(data, Topology(new, 0), [seg], **kw).plan
+    unit = new * bs * acc  # pad_to="batch": whole optimizer steps of every rank
+    for s in plan.stats:
+        want = 0 < s.length < unit <= s.padded_length
+        event(f"oversubscribed {want}")
+        assert s.oversubscribed == want, (s, unit)

@@ -125,7 +125,9 @@ class ListLevels(Levels):
         return None
 
     def oversubscribed(self, lv: _Level) -> np.ndarray:
-        return (lv.length > lv.real) & (lv.real < self.base.pad_to.unit(lv.dp, self.bs))
+        """Per bucket: padded up to one whole pad unit from fewer entries (the fresh plan's
+        rule, ``buckettable.padded``: the unit of :meth:`unit`, accumulation steps included)."""
+        return (lv.length > lv.real) & (lv.real < self.unit(lv.dp))
 
     # -- the walk ------------------------------------------------------------------------
     def advance(self, seg: Any, dp: int) -> tuple[np.ndarray, list[int]]:
