@@ -471,6 +471,23 @@ def test_summary_mean_fill_counts_each_real_sample_once(costed: Any, capsys: pyt
     assert float(line.group(1)) == pytest.approx(100 * real / batches / limit, abs=0.051)
 
 
+@pytest.mark.parametrize("locality,unit", [("none", 4), ("shard", 8)])
+def test_summary_says_the_pad_unit_the_budget_padded_to(costed: Any, capsys: pytest.CaptureFixture[str],
+                                                        locality: str, unit: int) -> None:
+    """Under a budget with 2 accumulation steps a shard-local plan pads each bucket to dp x 2
+    entries (each rank's in whole optimizer steps), the strata of locality none to dp: the
+    header says the unit the table's padded lengths are multiples of."""
+    limit = 3 * float(np.median(np.asarray(costed.cost)))
+    code, out, _ = _plan_main(capsys, costed.path, "--world-size", "4", "--rank", "0", "--seed", "3",
+                              "--budget", str(limit), "--pad", "cyclic", "--accumulation-steps", "2",
+                              "--locality", locality, "--summary")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].endswith(f"policy cyclic, pad unit {unit}, accumulation 2"), lines[0]
+    padded = [int(line.split()[4]) for line in lines[3:] if line.split()[-2:-1] == ["kept"]]
+    assert padded and all(n % unit == 0 for n in padded)
+
+
 def test_summary_prints_a_fill_far_over_the_budget_as_a_multiple(costed: Any,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     import re

@@ -73,7 +73,14 @@ def test_a_budgeted_epoch_resumed_on_other_layouts_trains_each_entry_once(
         rest = [plan_remainder(src, Topology(dp, r), segments, **kw) for r in range(dp)]
         assert len({x.fingerprint for x in rest}) == 1
         plans = [x.plan for x in rest]
+        # the remainder pads to what a fresh plan of its layout pads to (lockstep: dp x k)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DroppedBucketWarning)
+            fresh = plan_epoch(src, Topology(dp, 0), **kw).pad_unit
+        assert fresh == dp * (k if locality == "shard" else 1)
+        assert {p.pad_unit for p in plans} == {fresh}
         if policy != "none":
+            assert all(s.padded_length % fresh == 0 for s in plans[0].stats)
             assert len({len(p) for p in plans}) == 1 and len(plans[0]) % k == 0
             assert all([b.step for b in p] == [b.step for b in plans[0]] for p in plans)
         for p in plans:

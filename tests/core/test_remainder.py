@@ -160,6 +160,7 @@ def test_remainder_flags_oversubscribed_buckets_by_the_unit_with_accumulation(
         seg = Segment(old, steps=round(frac * len(first)))
         plan = plan_remainder(data, Topology(new, 0), [seg], **kw).plan
     unit = new * bs * acc  # pad_to="batch": whole optimizer steps of every rank
+    assert plan.pad_unit == unit
     for s in plan.stats:
         want = 0 < s.length < unit <= s.padded_length
         event(f"oversubscribed {want}")

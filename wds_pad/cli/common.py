@@ -205,7 +205,7 @@ def print_summary(plan: Any, out: Any, *, all_ranks: bool = False) -> None:
     headers = ["dataset", "bucket", "samples", "repeats", "padded len", "pad copies", "pad %",
                "truncated", "status", "steps/epoch"]
     size = plan.sizing.summary()
-    unit = plan.sizing.pad_unit(topo.dp_size, plan.pad_to, plan.accumulation_steps)
+    unit = plan.pad_unit
     accumulation = f", accumulation {plan.accumulation_steps}" if plan.accumulation_steps > 1 else ""
     out.write(f"epoch {plan.epoch}: world_size {topo.world_size}, dp_size {topo.dp_size}, "
               f"cp_size {topo.cp_size}, {size}, policy {plan.policy.value}, pad unit {unit}{accumulation}\n")

@@ -45,6 +45,10 @@ class Levels:
     def top(self) -> Any:
         return self.levels[-1]
 
+    def unit(self, dp: int) -> int:
+        """What a level on ``dp`` ranks pads each bucket's list to a multiple of."""
+        return self.sizing.pad_unit(dp, self.base.pad_to, self.accumulation_steps)  # type: ignore[no-any-return]
+
     def took(self, seg: Any, have: Callable[[], np.ndarray] | None = None) -> np.ndarray:
         """Batches each rank of the top level took per bucket: shape (buckets, dp), or
         (buckets, 1) for a lockstep segment (every rank alike). ``have()`` gives how many

@@ -104,10 +104,6 @@ class ListLevels(Levels):
         self.cut(self.top)
 
     # -- the cut: what the sizing decides --------------------------------------------------
-    def unit(self, dp: int) -> int:
-        """What a level on ``dp`` ranks pads each bucket's list to a multiple of."""
-        return self.sizing.pad_unit(dp, self.base.pad_to, self.accumulation_steps)  # type: ignore[no-any-return]
-
     def cut(self, lv: _Level) -> None:
         """Cut the ranks' entries of level ``lv`` (the top one) into batches: batch w of a rank
         is its entries [w * batch_size, (w + 1) * batch_size), nothing stored but the steps."""

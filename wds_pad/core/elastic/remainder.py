@@ -172,7 +172,8 @@ def _remaining(datasets: Any, topology: Topology, segments: Sequence[Segment], *
     batch_step, offsets = rank_batches(counts, steps, top.schedule, top.window, width, bins)
     buckets = Buckets([], top.dp, d, order=order, local=local, counts=counts)
     plan = replace(base, topology=topology, batch_size=width, bucket_table=table, schedule=top.schedule,
-                   window=top.window, batch_step=batch_step, offsets=offsets, stats=stats, buckets=buckets, bins=bins)
+                   window=top.window, batch_step=batch_step, offsets=offsets, stats=stats, buckets=buckets, bins=bins,
+                   pad_unit=levels.unit(top.dp))
     if local is not None:
         local.plan = plan  # its shard uses are read off the plan it belongs to
     return plan, remainder_digest(sizing.kind, segments, table, top, steps)

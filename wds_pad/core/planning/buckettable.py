@@ -90,6 +90,7 @@ class BucketTable:
     dropped: list[str]   # "name/key (why)" of each dropped bucket
     dropped_samples: int
     total_samples: int
+    unit: int = 0  # the pad unit the buckets were measured against (the sizing's cut's)
 
     @property
     def table(self) -> list[tuple[int, Hashable]]:
@@ -178,4 +179,4 @@ def bucket_table(dss: Sequence[Dataset], measure: Callable[..., Measured], *, ep
             elif n:
                 kept.append(Kept(di, key, ids, n, passes, got.length, len(stats) - 1, got.cut))
     check_planned_total(planned, epoch, size, dp)
-    return BucketTable(stats, kept, dropped, dropped_samples, total)
+    return BucketTable(stats, kept, dropped, dropped_samples, total, unit)

@@ -181,7 +181,7 @@ def plan_epoch(
         bucket_table=tuple(table), schedule=schedule, window=window_of, batch_step=batch_step,
         offsets=offsets, stats=tuple(got.stats), buckets=buckets, locality=locality,
         shard_window=shard_window, sizing=sizing, bins=bins,
-        accumulation_steps=accumulation_steps, packs=sized.packs, seed=seed,
+        accumulation_steps=accumulation_steps, packs=sized.packs, seed=seed, pad_unit=got.unit,
     )
 
 

@@ -125,6 +125,7 @@ class Plan:
     accumulation_steps: int = 1  # micro-batches per optimizer step: each bucket's steps come K at a time
     packs: Any = field(default=None, repr=False)  # a Pack's pack numbers (core/budgets/packplan.py), or None
     seed: int | None = None  # the shared seed: each entry's seed derives from it (None: no seeds)
+    pad_unit: int = 0  # what each bucket's list was padded to a multiple of (its sizing's cut's unit)
 
     def _first(self, b: np.ndarray, w: np.ndarray) -> np.ndarray:
         """Where window ``w`` of kept bucket ``b`` starts among this rank's entries of it."""
