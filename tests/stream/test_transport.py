@@ -71,6 +71,19 @@ def test_batches_through_workers_equal_the_batches_of_one_process(index: Index, 
     assert all(type(v) is bytes for b in got for s in b for k, v in s.items() if not k.startswith("__"))
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 8 worker processes")
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_eight_workers_on_two_cores_give_the_batches_of_one_process(index: Index, zero_copy: bool) -> None:
+    """The most workers the loader is made for (more than the machine's cores): every batch in
+    plan order, exactly once, and the state after the epoch the one process's."""
+    one = Loader(_ds(index), num_workers=0)
+    want = list(one)
+    loader = Loader(_ds(index, zero_copy=zero_copy), num_workers=8)
+    got = list(loader)
+    assert _plain(got) == want
+    assert loader.state_dict() == one.state_dict()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_zero_copy_members_are_read_only_views_of_the_same_bytes(index: Index, workers: int) -> None:
     want = list(Loader(_ds(index), num_workers=0))
