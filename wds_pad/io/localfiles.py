@@ -89,6 +89,7 @@ class LocalFiles:
     _unmapped: set[str]  # shards asked for and not mapped (shardmaps.mapped said None), while open
     _fd_limit: int  # descriptors kept at most (idle ones beyond it are closed)
     _busy: dict[int, int]  # descriptor -> reads in flight on read-ahead threads
+    map_at_once = False  # map a shard on its first stream here (shardmaps.mapped's ``at_once``)
 
     if TYPE_CHECKING:
         def _target(self, url: str) -> Target: ...
@@ -120,7 +121,7 @@ class LocalFiles:
         fd = self._fds.get(url)
         if fd is None:
             return None
-        view = mapped(self._target(url).path, fd) if self.options.map_local else None
+        view = mapped(self._target(url).path, fd, self.map_at_once) if self.options.map_local else None
         if view is None:
             self._unmapped.add(url)
         else:
@@ -142,6 +143,16 @@ class LocalFiles:
             except KeyError:
                 return None
         return None if shrunk(self._fds, maps, set(urls)) else views
+
+    def opened_views(self, urls: list[str], offsets: list[int]) -> list[memoryview] | None:
+        """:meth:`mapped_views` of a batch whose shards this reader may not hold open yet:
+        each one opened first (and checked against the index: ``StaleShardError``, or a
+        ``ShardError`` naming it)."""
+        fds = self._fds
+        for url, offset in zip(urls, offsets):
+            if url not in fds:
+                self._fd(url, offset)
+        return self.mapped_views(urls)
 
     def _evict(self, n: int) -> int:
         """Closes the ``n`` oldest descriptors no read-ahead thread is reading from; how many."""

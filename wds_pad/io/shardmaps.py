@@ -18,7 +18,9 @@ Invariants:
   modification time; else the file is mapped again;
 - a process maps no shard on its first stream over it (:func:`mapped` answers None and
   remembers the path), and a forked child (a DataLoader worker, which lives one epoch)
-  starts remembering nothing;
+  starts remembering nothing; the main process of a ``Loader`` maps a shard the first
+  time a kept worker sends it a batch of it by reference (``at_once``, its pages were
+  just read: stream/mappedbatch.py);
 - a batch copy that waited for the disk (a major page fault: the shard was not in the
   page cache) turns mapping off for the process (:func:`stop`): ``os.pread`` reads an
   uncached sample in one request, a mapping page by page;
@@ -56,15 +58,16 @@ _STOPPED: list[str] = []  # why this process maps no more
 _LOCK = threading.Lock()
 
 
-def mapped(path: str, fd: int) -> memoryview | None:
+def mapped(path: str, fd: int, at_once: bool = False) -> memoryview | None:
     """A read-only view of the whole file ``fd`` (opened on ``path``) to copy samples out
     of: the kept mapping if it is of this file as it is now, else a new one, kept; None:
-    the first stream of ``path`` in this process, mapping stopped (:func:`stop`), or a
-    file that cannot be mapped."""
+    the first stream of ``path`` in this process (unless ``at_once``: another process
+    just read it, stream/mappedbatch.py), mapping stopped (:func:`stop`), or a file that
+    cannot be mapped."""
     with _LOCK:
         if _STOPPED:
             return None
-        if path not in _SEEN:
+        if not at_once and path not in _SEEN:
             _SEEN.add(path)
             return None
     try:

@@ -60,13 +60,16 @@ class BatchMaker:
         views: members as read-only memoryviews (``zero_copy`` in one process).
         clock: where collation time is counted (stats.py).
         arenas: the rings of a worker the Loader keeps between epochs, reused (ring.py).
+        refs: such a worker's shared ``starts`` (numpy): batches of mapped shards are sent by
+            reference while its flag allows (mappedbatch.py); None: never.
     """
 
     def __init__(self, spec: PlanSpec, stages: list[Callable[[Any], Any]],
                  collation_fn: Callable[[list[Any]], Any] | None,
                  handler: Callable[[BaseException], bool] | None, counters: Counters, fetcher: Any,
                  advance: Callable[[tuple[int, int]], Any], pack: bool, views: bool,
-                 clock: Clock | None = None, arenas: dict[Any, Arena] | None = None) -> None:
+                 clock: Clock | None = None, arenas: dict[Any, Arena] | None = None,
+                 refs: Any = None) -> None:
         self.clock = clock if clock is not None else Clock()
         self.stamps = self.clock.acc
         # a collation that only lists the samples costs less than reading the clock: not timed;
@@ -78,6 +81,7 @@ class BatchMaker:
         # a kept worker's rings, across its iterations: of local batches (BatchReader's, keyed by
         # shared), and ``"fetched"``: where batches of fetched samples are packed (pack_samples)
         self.arenas = arenas
+        self.refs = refs
         self._ring: Arena | None = None if arenas is None else arenas.get("fetched")
 
     def __call__(self, source: PlannedSource) -> Iterator[Any]:
@@ -117,10 +121,11 @@ class BatchMaker:
         one buffer when the batch travels packed or hands out views (transport.py)."""
         spec, fetcher, pack, views = self.spec, self.fetcher, self.pack, self.views
         info = get_worker_info()
-        run = run_length(spec.batch_size, _sample_bytes(spec)) if pack else 1
+        # runs sent by reference carry no payload: as many samples as a run holds, whatever their size
+        run = run_length(spec.batch_size, 0.0 if self.refs is not None else _sample_bytes(spec)) if pack else 1
         source = PlannedSource(spec, source.start, source.worker, run)
         fast = BatchReader(fetcher.reader, spec.names, spec.indexes, self.arenas)
-        fast.run = run
+        fast.run, fast.refs = run, self.refs
         cache = BatchCache(1 if info is None else info.num_workers, fast, run)
         sending, taken = PackedRun(), 0
         for plan, j in source.batches():

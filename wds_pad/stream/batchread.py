@@ -46,6 +46,7 @@ from ..io import shardmaps
 from ..tar.names import SIZE, Members, key_list, name_token_rows, size_token_rows, slice_sample, slice_sample_at
 from .memberwork import EXACT, Chunk, Work, tables
 from .ring import Arena, allocate, reserve
+from .mappedbatch import REFS, refer
 from .transport import PackedBatch
 
 __all__ = ["BatchReader", "BIG_SAMPLE", "member_refs", "seed_list"]
@@ -72,6 +73,9 @@ class BatchReader:
         # batch buffers, shared or not (ring.Arena); given: a kept worker's, across its iterations
         self._arenas: dict[Any, Arena] = {} if arenas is None else arenas
         self.run = 1  # batches sent at a time (transport.run_length): what a ring is sized for
+        #: a kept worker's shared ``starts`` (numpy): send batches of mapped shards by reference
+        #: while its ``REFS`` flag is 0 (stream/mappedbatch.py); None: always in the ring
+        self.refs: np.ndarray | None = None
         #: after :meth:`read` returned None: the member table entries of that batch's
         #: samples (None: it has a sample the table does not record), for the exact path
         self.fallback_members: list[Members] | None = None
@@ -174,6 +178,11 @@ class BatchReader:
                                [], [], meta)
         reader = self.reader
         reader._check_fork()
+        refs = self.refs
+        if refs is not None and not refs[REFS]:  # a kept worker's batch of mapped shards: by reference
+            sent = refer(reader, w, meta, None if batch.pack is None else batch.pack.tolist(), seed_list(batch))
+            if sent is not None:
+                return sent
         lengths, counts = c.arrays[:2]
         ln = lengths[lo:hi]
         base = np.cumsum(ln) - ln

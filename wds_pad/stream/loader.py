@@ -46,6 +46,8 @@ from .loaderargs import check_loader_args, check_start_timeout
 from ..core.collective import all_gather, dist_for
 from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
+from .fetch import fetch
+from .mappedbatch import MappedShards
 from .stats import StreamStats
 from .transport import unpacked
 from .workers import START_TIMEOUT, kept_workers, resumed, shut_down, watched
@@ -86,6 +88,15 @@ class _Workers:
     start: Cursor
     starts: Any = None
     rings: dict[Any, np.ndarray] = field(default_factory=dict)
+    shards: MappedShards | None = None  # for batches kept workers send by reference
+
+    def end(self) -> None:
+        """Shut the workers down, and close the main process's descriptors of their shards."""
+        try:
+            shut_down(self.batches)
+        finally:
+            if self.shards is not None:
+                self.shards.close()
 
     def serves(self, start: Cursor) -> bool:
         """Whether these workers can start an iteration at ``start``: only its epoch and index differ."""
@@ -95,7 +106,7 @@ class _Workers:
 def _end_kept(kept: list[_Workers]) -> None:
     """Shut the kept workers down (``Loader.close``, or the loader collected)."""
     while kept:
-        shut_down(kept.pop().batches)
+        kept.pop().end()
 
 
 def _gather_entries(own: dict[str, Any], group: Any) -> dict[str, Any]:
@@ -286,7 +297,7 @@ class Loader:
                 _end_kept(self._kept)
                 self._kept.append(workers)
             else:
-                shut_down(workers.batches)
+                workers.end()
             ds._clock.end_workers()
         ds.seek(ds.cursor.at(self._cursor.epoch, self._cursor.index))
 
@@ -299,19 +310,22 @@ class Loader:
             try:
                 kept.batches = resumed(kept.loader, kept.batches, "Loader")
             except BaseException:  # one died meanwhile (a WorkerError): the others end too
-                shut_down(kept.batches)
+                kept.end()
                 raise
             return kept
         if kept is not None:
-            shut_down(kept.batches)
-        starts = torch.tensor([start.epoch, start.index], dtype=torch.int64).share_memory_() \
+            kept.end()
+        # kept workers: [epoch, index] of each iteration, and whether they send by reference (mappedbatch.py)
+        starts = torch.tensor([start.epoch, start.index, 0], dtype=torch.int64).share_memory_() \
             if self.persistent_workers else None
         # starts the workers, each with its copy of the pinned dataset; one stuck in the fork is replaced
         # batches cross in shared memory and are unpacked here (transport.py)
         loader, batches = kept_workers(self.dataset.packed(starts), self.num_workers, self.kwargs, owner="Loader",
                                        start_timeout=self.worker_start_timeout, keep=self.persistent_workers)
         _widen_pipe(batches)
-        return _Workers(loader, batches, start, starts)
+        ds = self.dataset
+        shards = None if starts is None else MappedShards(fetch(ds.read_options, spec=ds.spec), starts.numpy())
+        return _Workers(loader, batches, start, starts, shards=shards)
 
     def _received(self, workers: _Workers) -> Iterator[Any]:
         """The workers' batches, unpacked here (transport.py), their counters kept (stats.py)."""
@@ -319,6 +333,6 @@ class Loader:
         clock, collate, zero_copy, rings = ds._clock, ds.collation_fn, ds.zero_copy, workers.rings
         for item in clock.received(watched(workers.batches, "Loader")):
             # a run of batches, or one; unpacking and collating here is counted as collation
-            for batch in unpacked(item, collate, zero_copy, rings):
+            for batch in unpacked(item, collate, zero_copy, rings, workers.shards):
                 self._cursor = self._cursor.forward(ds.spec, 1)
                 yield batch

@@ -90,25 +90,36 @@ class PackedBatch:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def samples(self, zero_copy: bool = False, rings: dict[Any, np.ndarray] | None = None) -> list[dict[str, Any]]:
+    def samples(self, zero_copy: bool = False, rings: dict[Any, np.ndarray] | None = None,
+                shards: Any = None) -> list[dict[str, Any]]:
         """The batch's webdataset sample dicts, members ``bytes`` or (``zero_copy``)
         read-only memoryviews over the buffer. ``rings``: the consumer's rings by id
-        (this batch's ring is added to it if it carries it)."""
+        (this batch's ring is added to it if it carries it); ``shards``: the consumer's
+        own mappings, for a batch sent by reference (stream/mappedbatch.py)."""
         whole = self._buffer(rings)
         arr = whole[self.start:self.start + self.nbytes]  # its own object: its views keep it
         if self.ring is not None and zero_copy:  # the ring's space is reused when no view is left
             weakref.finalize(arr, release, whole[:HEADER].view(np.int64), self.seq)
         view = memoryview(arr).toreadonly()
-        bucket, dataset, epoch, step, index = self.meta
-        tmpl = {"__url__": None, "__key__": None, "__index__": None, "__bucket__": bucket,
-                "__dataset__": dataset, "__pad__": False, "__epoch__": epoch, "__step__": step,
-                "__batch__": index, "__seed__": None}
         starts, ends = self.bounds.tolist()
         # every member at once (a view, or its bytes: the one copy), then one dict per sample
         if zero_copy:
             values = [view[a:b] for a, b in zip(starts, ends)]
         else:
             values = [view[a:b].tobytes() for a, b in zip(starts, ends)]
+        out = self.dicts(values)
+        if self.ring is not None and not zero_copy:  # copied out: its space is free now
+            view.release()
+            release(whole[:HEADER].view(np.int64), self.seq)
+        return out
+
+    def dicts(self, values: list[Any]) -> list[dict[str, Any]]:
+        """The batch's sample dicts, its members' values given in archive order, sample
+        after sample: one dict per sample, a copy of one template."""
+        bucket, dataset, epoch, step, index = self.meta
+        tmpl = {"__url__": None, "__key__": None, "__index__": None, "__bucket__": bucket,
+                "__dataset__": dataset, "__pad__": False, "__epoch__": epoch, "__step__": step,
+                "__batch__": index, "__seed__": None}
         exts = self.exts
         out: list[dict[str, Any]] = []
         append = out.append
@@ -133,9 +144,6 @@ class PackedBatch:
         if self.packs is not None:
             for d, pk in zip(out, self.packs):
                 d["__pack__"] = pk
-        if self.ring is not None and not zero_copy:  # copied out: its space is free now
-            view.release()
-            release(whole[:HEADER].view(np.int64), self.seq)
         return out
 
     def _buffer(self, rings: dict[Any, np.ndarray] | None) -> np.ndarray:
@@ -236,18 +244,20 @@ def as_views(samples: list[Any]) -> list[Any]:
     return samples
 
 
-def unpacked(item: Any, collation_fn: Any, zero_copy: bool, rings: dict[Any, np.ndarray]) -> Iterator[Any]:
+def unpacked(item: Any, collation_fn: Any, zero_copy: bool, rings: dict[Any, np.ndarray],
+             shards: Any = None) -> Iterator[Any]:
     """The batches of one message from a worker (a PackedRun, or one batch), unpacked."""
     for batch in item if isinstance(item, PackedRun) else (item,):
-        yield unpack(batch, collation_fn, zero_copy, rings)
+        yield unpack(batch, collation_fn, zero_copy, rings, shards)
 
 
-def unpack(batch: Any, collation_fn: Any, zero_copy: bool, rings: dict[Any, np.ndarray]) -> Any:
+def unpack(batch: Any, collation_fn: Any, zero_copy: bool, rings: dict[Any, np.ndarray], shards: Any = None) -> Any:
     """In the main process: a batch as the dataset yields it in one process. ``rings``:
-    the workers' rings seen so far in this iteration, by id."""
+    the workers' rings seen so far in this iteration, by id; ``shards``: the main
+    process's own mappings (stream/mappedbatch.py), for batches sent by reference."""
     if isinstance(batch, (PackedBatch, LooseBatch)):
         if isinstance(batch, PackedBatch):
-            samples = batch.samples(zero_copy, rings)
+            samples = batch.samples(zero_copy, rings, shards)
         else:
             samples = as_views(list(batch)) if zero_copy else list(batch)
         return run_collation(collation_fn, samples, where_samples(samples))

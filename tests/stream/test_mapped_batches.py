@@ -1,0 +1,234 @@
+"""Kept DataLoader workers send batches of mapped shards by reference, and the main process
+copies each member once out of its own mapping (stream/mappedbatch.py).
+
+Everything is checked against the batches of one process reading with ``os.pread``: the
+same sample dicts in plan order, for samples of one to three members and large ones;
+which batches go by reference is counted in the main process; a main process whose copy
+waits for the disk turns references off for the workers; a shard changed or cut short
+before the main process copies is one clear error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from wds_pad import ReadOptions, StaleShardError, Topology
+from wds_pad.index.record import Index
+from wds_pad.io import shardmaps
+from wds_pad.stream import mappedbatch
+from wds_pad.stream.fetch import fetch
+from wds_pad.stream.loader import Loader
+from wds_pad.stream.mappedbatch import REFS, MappedBatch, MappedShards
+
+from data_helpers import image_index, make_dataset
+from test_mapped_shards import _large_index, _members_index
+
+pytestmark = pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning")
+
+BATCH = 4
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Nothing seen, nothing kept, mapping on; no copy counts as waiting for the disk (a
+    page the kernel dropped meanwhile would turn mapping off: tested on its own below)."""
+    shardmaps._forget()
+    monkeypatch.setattr(shardmaps, "faults", lambda: 0)
+    yield
+    shardmaps._forget()
+
+
+@pytest.fixture
+def received(monkeypatch: pytest.MonkeyPatch) -> list[MappedBatch]:
+    """The batches the main process copied by reference, in order."""
+    got: list[MappedBatch] = []
+    real = MappedShards.members
+
+    def members(self: MappedShards, batch: MappedBatch) -> list[bytes]:
+        got.append(batch)
+        return real(self, batch)
+
+    monkeypatch.setattr(MappedShards, "members", members)
+    return got
+
+
+def _ds(index: Index, **kw: Any) -> Any:
+    return make_dataset(index, quiet=True, seed=7, batch_size=BATCH, topology=Topology(1, 0),
+                        check_agreement=False, **kw)
+
+
+def _plain(batches: list[Any]) -> list[Any]:
+    return [[{k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()} for s in b] for b in batches]
+
+
+def _one_process(index: Index, epochs: int) -> list[Any]:
+    ds = _ds(index, read_options=ReadOptions(map_local=False))
+    out = []
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        out.append(_plain(list(ds)))
+    return out
+
+
+def _epochs(loader: Loader, epochs: int, received: list[MappedBatch]) -> tuple[list[Any], list[int]]:
+    """Each epoch's batches, and how many of them came by reference."""
+    out, refs = [], []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        before = len(received)
+        out.append(_plain(list(loader)))
+        refs.append(len(received) - before)
+    return out, refs
+
+
+@pytest.mark.parametrize("shards", ["image", "members", "large"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_kept_workers_send_later_epochs_by_reference_and_give_the_batches_of_one_process(
+        tmp_path: Path, received: list[MappedBatch], shards: str, workers: int) -> None:
+    if shards == "image":
+        index = image_index(tmp_path, samples=96, shards=3, seed=5)
+    else:
+        index = _members_index(tmp_path) if shards == "members" else _large_index(tmp_path, samples=24, shards=2)
+    loader = Loader(_ds(index), num_workers=workers, persistent_workers=True)
+    try:
+        got, refs = _epochs(loader, 3, received)
+    finally:
+        loader.close()
+    assert got == _one_process(index, 3)  # the same samples, members, fields and order
+    batches = len(got[1])
+    assert refs[0] == 0  # a worker's first stream of a shard: read into its ring
+    # later: every batch whose shards the worker's reader holds open, by reference (a batch that
+    # opens one, at most one a shard and worker, goes through the ring, as does a worker's first stream)
+    for n in refs[1:]:
+        assert max(1, batches - workers * len(index.urls)) <= n <= batches, refs
+    assert all(type(v) is bytes for b in got[2] for s in b for k, v in s.items() if not k.startswith("__"))
+    if shards == "members":
+        assert {sum(not k.startswith("__") for k in s) for b in got[2] for s in b} == {1, 2, 3}
+
+
+@pytest.mark.parametrize("how", ["zero_copy", "workers not kept", "a stage"])
+def test_views_fresh_workers_and_transformed_samples_never_go_by_reference(
+        tmp_path: Path, received: list[MappedBatch], how: str) -> None:
+    """A view must not be of a mapping (it could outlive the file's size); a worker that
+    lives one epoch never maps; a transformed sample does not travel packed at all."""
+    index = image_index(tmp_path, samples=48, shards=2, seed=6)
+    ds = _ds(index, zero_copy=how == "zero_copy")
+    if how == "a stage":
+        ds = ds.compose(lambda src: ({**s, "n": len(s["json"])} for s in src))
+    loader = Loader(ds, num_workers=2, persistent_workers=how != "workers not kept")
+    try:
+        got, refs = _epochs(loader, 3, received)
+    finally:
+        loader.close()
+    assert refs == [0, 0, 0]
+    want = _one_process(index, 3)
+    if how == "a stage":
+        want = [[[{**s, "n": len(s["json"])} for s in b] for b in e] for e in want]
+    assert got == want
+
+
+def test_a_main_process_copy_that_waited_for_the_disk_turns_references_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, received: list[MappedBatch]) -> None:
+    """The main process then maps no more (its copies would wait on the training loop's
+    time): the workers read and copy the rest into their rings, where waiting overlaps."""
+    index = image_index(tmp_path, samples=96, shards=3, seed=5)
+    main, waits = os.getpid(), iter(range(10**6))
+    monkeypatch.setattr(shardmaps, "faults", lambda: next(waits) if os.getpid() == main else 0)
+    loader = Loader(_ds(index), num_workers=2, persistent_workers=True)
+    try:
+        got, refs = _epochs(loader, 3, received)
+        flag = int(loader._kept[0].starts[REFS])
+    finally:
+        loader.close()
+    assert got == _one_process(index, 3)
+    assert "waited for the disk" in (shardmaps.stopped() or "")
+    assert flag == 1
+    assert refs[0] == 0 and 1 <= refs[1] and refs[2] == 0  # in flight when it waited: read with os.pread here
+    assert refs[1] <= 2 * 2 * 8 + 1  # at most what two workers had prefetched (2 runs of at most 8 batches each)
+
+
+def _sent(tmp_path: Path, received: list[MappedBatch]) -> tuple[Index, MappedBatch, list[Any]]:
+    """A batch a kept worker sent by reference, and its samples as the loader gave them."""
+    index = image_index(tmp_path, samples=48, shards=2, seed=4)
+    loader = Loader(_ds(index), num_workers=1, persistent_workers=True)
+    try:
+        got, refs = _epochs(loader, 2, received)
+    finally:
+        loader.close()
+    assert refs[1] > 0
+    batch = received[-1]
+    return index, batch, next(b for b in got[1] if [s["__key__"] for s in b] == batch.keys)
+
+
+def _members(index: Index, batch: MappedBatch, flags: np.ndarray | None = None) -> list[bytes]:
+    ds = _ds(index)
+    return MappedShards(fetch(ds.read_options, spec=ds.spec), np.zeros(3, np.int64) if flags is None else flags
+                        ).members(batch)
+
+
+def test_a_main_process_that_maps_no_more_reads_the_members_with_pread(
+        tmp_path: Path, received: list[MappedBatch]) -> None:
+    index, batch, samples = _sent(tmp_path, received)
+    want = [v for s in samples for k, v in s.items() if not k.startswith("__")]
+    assert _members(index, batch) == want
+    shardmaps.stop("a test")
+    flags = np.zeros(3, np.int64)
+    assert _members(index, batch, flags) == want
+    assert flags[REFS] == 1  # and the workers are told to copy from now on
+
+
+@pytest.mark.parametrize("change", ["cut short", "rewritten"])
+def test_a_shard_changed_before_the_main_process_copies_is_one_clear_error(
+        tmp_path: Path, received: list[MappedBatch], change: str) -> None:
+    """Cut short under the main process's mapping: its size check before the batch sends
+    it to os.pread, whose short read names the shard (a copy past the end would kill the
+    process); rewritten: opening it here finds it is not the indexed file."""
+    index, batch, _ = _sent(tmp_path, received)
+    url = batch.urls[-1]
+    if change == "cut short":
+        ds = _ds(index)
+        shards = MappedShards(fetch(ds.read_options, spec=ds.spec), np.zeros(3, np.int64))
+        shards.members(batch)  # mapped now
+        os.truncate(url, int(batch.bounds[0, -1]) - 1)
+        with pytest.raises(StaleShardError, match=f"{os.path.basename(url)}.*changed or shrank"):
+            shards.members(batch)
+        return
+    with open(url, "ab") as f:
+        f.write(b"\0" * 1024)
+    with pytest.raises(StaleShardError, match=os.path.basename(url)):
+        _members(index, batch)
+
+
+def test_the_main_process_closes_its_shards_with_the_workers(tmp_path: Path, received: list[MappedBatch]) -> None:
+    """Its reader's descriptors go with the workers; what stays open is the process's kept
+    mappings' own (io/shardmaps.py, bounded there), as after a one-process loop."""
+    index = image_index(tmp_path, samples=48, shards=2, seed=4)
+    loader = Loader(_ds(index), num_workers=1, persistent_workers=True)
+    shards = {os.path.realpath(u) for u in index.urls}
+
+    def open_shards() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}") in shards
+            except OSError:
+                pass
+        return n
+
+    _epochs(loader, 2, received)
+    assert received
+    assert open_shards() == len(shardmaps._MAPS) + len(index.urls)  # held for the next epoch, with the workers
+    loader.close()
+    assert open_shards() == len(shardmaps._MAPS) == len(index.urls)
+
+
+def test_a_batch_by_reference_outside_a_loader_is_refused_clearly() -> None:
+    batch = MappedBatch(None, None, 0, 0, -1, np.zeros((2, 0), np.int64), [], [], [], [], [], [], ("b", "d", 0, 0, 0))
+    with pytest.raises(RuntimeError, match="by reference"):
+        batch.samples()
+    assert mappedbatch.REFS == 2

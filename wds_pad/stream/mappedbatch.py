@@ -1,0 +1,157 @@
+"""Batches of mapped local shards sent by reference: a kept DataLoader worker checks the
+member headers of a batch in its mapping of the shards and sends where the members lie;
+the main process copies each member once, out of its own mapping of the same files.
+
+Through a worker's ring (transport.py) every payload is copied twice: into the ring by
+the worker, out of it by the main process. A batch sent by reference is copied once, by
+the main process, as one process copies it; the worker only plans, checks headers and
+sends a few numbers a member. That is what makes a worker's cost small beside the main
+process's (docs/streaming.md, "Batches sent by reference").
+
+Invariants:
+- only a worker the ``Loader`` keeps (``persistent_workers=True``) sends by reference,
+  batches whose members are ``bytes`` (not ``zero_copy``: a member is never a view of a
+  mapping, shardmaps.py), of shards it has mapped (its second stream of them: their pages
+  were just read), every header's name and size fields as the member table says; any
+  other batch travels in the ring as before;
+- the main process opens each shard itself, checked against the index as a worker does
+  (``StaleShardError``), maps it at once, and compares its size with the mapping before
+  each batch (``shardmaps.shrunk``); a batch whose shards it cannot map, or one shorter
+  now, is read with ``os.pread`` member by member, and a short read is a
+  ``StaleShardError`` naming the shard and the offset;
+- a copy in the main process that waited for the disk (a major page fault) stops mapping
+  there (``shardmaps.waited``) and sets the flag the workers read before each batch
+  (``REFS`` of the kept workers' shared ``starts``): later batches are read and copied by
+  the workers into their rings, where waiting for the disk overlaps the training loop;
+- the sample dicts are exactly the ring path's (:meth:`PackedBatch.dicts`), in plan order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..io import shardmaps
+from ..io.stale import short_read
+from ..tar.names import SIZE
+from .transport import PackedBatch
+
+__all__ = ["REFS", "MappedBatch", "MappedShards", "refer"]
+
+REFS = 2  # the flag's place in the kept workers' shared ``starts``: 0 by reference, 1 in the rings
+HEAD = SIZE + 12  # a tar header's name field up to the end of its size field
+
+
+@dataclass
+class MappedBatch(PackedBatch):
+    """A plan batch sent by reference (module doc): no buffer; ``bounds`` holds each
+    member's payload start and end in its shard, ``offsets`` each sample's byte offset."""
+
+    offsets: list[int] | None = None
+
+    def samples(self, zero_copy: bool = False, rings: Any = None, shards: Any = None) -> list[dict[str, Any]]:
+        if shards is None:
+            raise RuntimeError("a batch sent by reference needs the main process's shards (Loader)")
+        values = shards.members(self)
+        if zero_copy:  # not sent so; read-only views of the copies, as every batch hands out then
+            values = [memoryview(v) for v in values]
+        return self.dicts(values)
+
+
+def refer(reader: Any, work: Any, meta: tuple[Any, ...], pack: list[int] | None,
+          seeds: list[Any]) -> MappedBatch | None:
+    """In a worker: a batch's prepared member work (stream/memberwork.py: samples [lo, hi)
+    of chunk ``c``, members [mlo, mhi)) as a batch sent by reference, or None: a shard not
+    mapped here, shorter than its mapping, or a header that does not say what the table
+    says (the ring path reads it, and says what changed)."""
+    c, lo, hi, mlo, mhi, nbytes = work
+    urls = c.urls[lo:hi]
+    views = reader.mapped_views(urls)
+    if views is None:
+        return None
+    offsets = c.offsets[lo:hi]
+    heads, ntoks, stoks = c.heads, c.ntoks, c.stoks
+    at: list[int] = []
+    add = at.append
+    m = mlo
+    waits = shardmaps.faults()
+    for v, o, nb, cnt in zip(views, offsets, c.lengths[lo:hi], c.counts[lo:hi]):
+        mm = v.obj
+        if o + nb > len(mm):
+            return None
+        for x in range(m, m + cnt):
+            h = o + heads[x]
+            head = mm[h:h + HEAD]
+            if not (head.startswith(ntoks[x]) and head.startswith(stoks[x], SIZE)):
+                return None
+            add(h + 512)
+        m += cnt
+    shardmaps.waited(waits)
+    bounds = np.empty((2, len(at)), np.int64)
+    bounds[0] = at
+    np.add(bounds[0], c.arrays[3][mlo:mhi], out=bounds[1])
+    st = reader.stats
+    st.ranges += hi - lo
+    st.requests += hi - lo
+    st.bytes += nbytes
+    return MappedBatch(None, None, 0, 0, -1, bounds, c.exts[mlo:mhi], c.counts[lo:hi], c.keys[lo:hi], urls,
+                       c.ids[lo:hi], c.pads[lo:hi], meta, pack, seeds, offsets)  # type: ignore[arg-type]
+
+
+class MappedShards:
+    """The main process's side (module doc): its own reader of the shards (descriptors,
+    the index check, mappings made at once) and the workers' shared flag.
+
+    Args:
+        fetcher: the main process's fetch stage (stream/fetch.py); only its reader is used.
+        flags: the kept workers' shared ``starts`` as a numpy int64 array.
+    """
+
+    def __init__(self, fetcher: Any, flags: np.ndarray) -> None:
+        self.fetcher = fetcher
+        self.flags = flags
+
+    def members(self, batch: MappedBatch) -> list[bytes]:
+        """Every member of ``batch`` in archive order, sample after sample, as ``bytes``."""
+        reader = self.fetcher.reader
+        reader.map_at_once = True
+        starts, ends = batch.bounds.tolist()
+        urls, counts = batch.urls, batch.counts
+        views = reader.opened_views(urls, batch.offsets)
+        values: list[bytes] = []
+        add = values.append
+        m = 0
+        if views is None:  # not mapped here, or shorter now: each member read and its length checked
+            if shardmaps.stopped() is not None:  # mapping is off here: the workers copy from now on
+                self.flags[REFS] = 1
+            for url, cnt in zip(urls, counts):
+                for x in range(m, m + cnt):
+                    a, n = starts[x], ends[x] - starts[x]
+                    data = reader._pread(url, a, n)
+                    if len(data) != n:
+                        raise short_read(url, a, n, len(data))
+                    add(data)
+                m += cnt
+            return values
+        waits = shardmaps.faults()
+        for v, cnt in zip(views, counts):
+            mm = v.obj
+            if cnt == 2:  # the common shape (a payload and its .json), unrolled
+                add(mm[starts[m]:ends[m]])
+                add(mm[starts[m + 1]:ends[m + 1]])
+                m += 2
+                continue
+            for x in range(m, m + cnt):
+                add(mm[starts[x]:ends[x]])
+            m += cnt
+        shardmaps.waited(waits)
+        if shardmaps.stopped() is not None:  # that copy waited for the disk: the workers copy from now on
+            self.flags[REFS] = 1
+        return values
+
+    def close(self) -> None:
+        reader = self.fetcher._reader
+        if reader is not None:
+            reader.close()
