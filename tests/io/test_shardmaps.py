@@ -79,6 +79,44 @@ def test_kept_mappings_are_bounded_in_count_and_bytes(tmp_path: Path, monkeypatc
             os.close(fd)
 
 
+KEPT_WITHIN_BUDGET = """
+import os, resource, sys
+from wds_pad.io import shardmaps
+from wds_pad.io.descriptors import fd_budget
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+paths = []
+for i in range(3 * fd_budget() // 2):
+    path = os.path.join(sys.argv[1], f"{i}.tar")
+    with open(path, "wb") as f:
+        f.write(bytes([i]) * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    shardmaps.mapped(path, fd)
+    assert shardmaps.mapped(path, fd) is not None
+    os.close(fd)
+    paths.append(path)
+def target(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the listing's own descriptor, closed by now
+        return None
+held = sum(target(fd) in paths for fd in os.listdir("/proc/self/fd"))
+print(fd_budget(), len(shardmaps._MAPS), held, list(shardmaps._MAPS) == paths[-fd_budget():])
+"""
+
+
+def test_kept_mappings_hold_no_more_descriptors_than_the_budget(tmp_path: Path) -> None:
+    """Each mapping holds a descriptor of its own (Python's mmap duplicates the file's): a
+    process streaming more shards than a quarter of its descriptor limit keeps only that
+    many mapped, so the limit is left for its readers, pipes and sockets."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", KEPT_WITHIN_BUDGET, str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["32", "32", "32", "True"]
+
+
 def test_an_empty_or_unmappable_file_is_read_with_pread(tmp_path: Path) -> None:
     path, fd = _file(tmp_path / "empty.tar", b"")
     r, w = os.pipe()

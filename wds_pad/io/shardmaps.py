@@ -25,8 +25,10 @@ Invariants:
   page cache) turns mapping off for the process (:func:`stop`): ``os.pread`` reads an
   uncached sample in one request, a mapping page by page;
 - at most ``MAX_MAPS`` mappings of at most ``MAX_MAP_BYTES`` in all are kept (bounding the
-  page tables), the least recently asked for dropped first; its memory is unmapped when
-  the last copy out of it ends;
+  page tables), and no more than the descriptor budget (``io.descriptors.fd_budget``: a
+  mapping holds a descriptor of its own, Python's ``mmap`` duplicates the file's), the
+  least recently asked for dropped first; its memory is unmapped, and its descriptor
+  closed, when the last copy out of it ends;
 - touching a mapped page past the end of a file cut short after it was mapped kills the
   process (``SIGBUS``), so a reader compares each shard's size with its mapping's before
   every batch it copies (:func:`shrunk`) and reads a shorter one with ``os.pread``, which
@@ -45,6 +47,8 @@ import resource
 import threading
 from collections import OrderedDict
 from typing import Any
+
+from .descriptors import fd_budget
 
 __all__ = ["MAX_MAPS", "MAX_MAP_BYTES", "faults", "mapped", "shrunk", "stop", "stopped", "waited"]
 
@@ -90,7 +94,8 @@ def mapped(path: str, fd: int, at_once: bool = False) -> memoryview | None:
         _MAPS[path] = (ident, view)
         _MAPS.move_to_end(path)
         total = sum(len(v) for _, v in _MAPS.values())
-        while len(_MAPS) > 1 and (len(_MAPS) > MAX_MAPS or total > MAX_MAP_BYTES):
+        most = min(MAX_MAPS, fd_budget())
+        while len(_MAPS) > 1 and (len(_MAPS) > most or total > MAX_MAP_BYTES):
             total -= len(_MAPS.popitem(last=False)[1][1])
     return view
 
