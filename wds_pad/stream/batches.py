@@ -60,8 +60,8 @@ class BatchMaker:
         views: members as read-only memoryviews (``zero_copy`` in one process).
         clock: where collation time is counted (stats.py).
         arenas: the rings of a worker the Loader keeps between epochs, reused (ring.py).
-        refs: such a worker's shared ``starts`` (numpy): batches of mapped shards are sent by
-            reference while its flag allows (mappedbatch.py); None: never.
+        refs: the Loader's shared flag (numpy): batches of mapped shards are sent by reference
+            while it is 0 (mappedbatch.py); None: never.
     """
 
     def __init__(self, spec: PlanSpec, stages: list[Callable[[Any], Any]],
@@ -126,6 +126,8 @@ class BatchMaker:
         source = PlannedSource(spec, source.start, source.worker, run)
         fast = BatchReader(fetcher.reader, spec.names, spec.indexes, self.arenas)
         fast.run, fast.refs = run, self.refs
+        if self.refs is not None and self.arenas is None:  # a worker of one epoch: it streams each
+            fetcher.reader.map_at_once = True  # shard once, and maps it at once to send it by reference
         cache = BatchCache(1 if info is None else info.num_workers, fast, run)
         sending, taken = PackedRun(), 0
         for plan, j in source.batches():

@@ -73,8 +73,8 @@ class BatchReader:
         # batch buffers, shared or not (ring.Arena); given: a kept worker's, across its iterations
         self._arenas: dict[Any, Arena] = {} if arenas is None else arenas
         self.run = 1  # batches sent at a time (transport.run_length): what a ring is sized for
-        #: a kept worker's shared ``starts`` (numpy): send batches of mapped shards by reference
-        #: while its ``REFS`` flag is 0 (stream/mappedbatch.py); None: always in the ring
+        #: the Loader's shared flag (numpy): send batches of mapped shards by reference while
+        #: ``REFS`` is 0 (stream/mappedbatch.py); None: always in the ring
         self.refs: np.ndarray | None = None
         #: after :meth:`read` returned None: the member table entries of that batch's
         #: samples (None: it has a sample the table does not record), for the exact path
@@ -179,7 +179,7 @@ class BatchReader:
         reader = self.reader
         reader._check_fork()
         refs = self.refs
-        if refs is not None and not refs[REFS]:  # a kept worker's batch of mapped shards: by reference
+        if refs is not None and not refs[REFS]:  # a worker's batch of mapped shards: by reference
             sent = refer(reader, w, meta, None if batch.pack is None else batch.pack.tolist(), seed_list(batch))
             if sent is not None:
                 return sent

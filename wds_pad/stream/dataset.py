@@ -193,6 +193,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         self._pack = False  # in DataLoader workers: send batches packed (``packed()``)
         self._starts: Any = None  # kept workers: each iteration's start; their rings (``packed()``)
         self._arenas: dict[bool, Any] | None = None
+        self._refs: Any = None  # in Loader workers: the shared flag of batches by reference (``packed()``)
         self.collation_fn = collation_fn
         self.check_agreement = check_agreement
         self.group = group
@@ -228,16 +229,17 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         result.collation_fn = list if collation_fn is None else collation_fn
         return result
 
-    def packed(self, starts: Any = None) -> "BucketedWebDataset":
+    def packed(self, starts: Any = None, refs: Any = None) -> "BucketedWebDataset":
         """A copy whose DataLoader workers send batches packed in shared memory, for a
         consumer that unpacks them (``Loader``; stream/transport.py). ``starts``: a shared
-        int64 tensor ``[epoch, index, refs]`` set before each iteration of workers the
-        consumer keeps (``persistent_workers``): a worker's iterations start there and reuse
-        its ring; while ``refs`` is 0 they send batches of mapped shards by reference
-        (stream/mappedbatch.py)."""
+        int64 tensor ``[epoch, index]`` set before each iteration of workers the consumer
+        keeps (``persistent_workers``): a worker's iterations start there and reuse its
+        ring. ``refs``: a shared int64 flag; while it is 0 the workers send batches of mapped
+        shards by reference (stream/mappedbatch.py); None: never."""
         result = copy.copy(self)
         result._pack = True
         result._starts = starts
+        result._refs = refs
         result._arenas = {} if starts is not None else None
         return result
 
@@ -360,8 +362,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         clock.start_reader(self._read_stats)
         pack = self._pack and in_worker and packs(self.stages, self.collation_fn)  # the main process unpacks
         views = self.zero_copy and not in_worker  # one process: members are views here
-        # a kept worker sends batches of mapped shards by reference while the Loader's flag lets it
-        refs = self._starts.numpy() if pack and not self.zero_copy and self._starts is not None else None
+        # a worker sends batches of mapped shards by reference while the Loader's flag lets it
+        refs = self._refs.numpy() if pack and not self.zero_copy and self._refs is not None else None
         made = BatchMaker(self.spec, self.stages, self.collation_fn, self.handler, self.counters,
                           fetcher, _unmoved if pack else self._advance, pack, views, clock,
                           self._arenas if in_worker else None, refs)(source)
@@ -377,7 +379,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         info = get_worker_info()
         cursor, worker = self._cursor, None
         if info is not None and self._starts is not None:  # a kept worker: this iteration's start
-            epoch, index = (int(v) for v in self._starts.tolist()[:2])
+            epoch, index = (int(v) for v in self._starts.tolist())
             cursor = replace(cursor.at(epoch, index), worker=None)
         if info is not None and cursor.worker == (info.id, info.num_workers):
             worker = (0, info.num_workers)  # a worker-local position: every num_workers-th from here

@@ -201,10 +201,11 @@ class Loader:
         # the trainer's place: its epoch and index count; the view and the pin are the dataset's
         self._cursor = dataset.cursor
         self._kept: list[_Workers] = []  # persistent_workers: the idle workers of the last iteration
+        self._refs: Any = None  # the workers' shared flag: 0 while they send batches by reference
         weakref.finalize(self, _end_kept, self._kept)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_kept": []}  # workers stay with the process that started them
+        return {**self.__dict__, "_kept": [], "_refs": None}  # workers stay with the process that started them
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -315,16 +316,17 @@ class Loader:
             return kept
         if kept is not None:
             kept.end()
-        # kept workers: [epoch, index] of each iteration, and whether they send by reference (mappedbatch.py)
-        starts = torch.tensor([start.epoch, start.index, 0], dtype=torch.int64).share_memory_() \
+        starts = torch.tensor([start.epoch, start.index], dtype=torch.int64).share_memory_() \
             if self.persistent_workers else None
+        if self._refs is None:  # whether workers send batches by reference, for the loader's life (mappedbatch.py)
+            self._refs = torch.zeros(1, dtype=torch.int64).share_memory_()
         # starts the workers, each with its copy of the pinned dataset; one stuck in the fork is replaced
         # batches cross in shared memory and are unpacked here (transport.py)
-        loader, batches = kept_workers(self.dataset.packed(starts), self.num_workers, self.kwargs, owner="Loader",
+        loader, batches = kept_workers(self.dataset.packed(starts, self._refs), self.num_workers, self.kwargs, owner="Loader",
                                        start_timeout=self.worker_start_timeout, keep=self.persistent_workers)
         _widen_pipe(batches)
         ds = self.dataset
-        shards = None if starts is None else MappedShards(fetch(ds.read_options, spec=ds.spec), starts.numpy())
+        shards = MappedShards(fetch(ds.read_options, spec=ds.spec), self._refs.numpy())
         return _Workers(loader, batches, start, starts, shards=shards)
 
     def _received(self, workers: _Workers) -> Iterator[Any]:

@@ -1,4 +1,4 @@
-"""Batches of mapped local shards sent by reference: a kept DataLoader worker checks the
+"""Batches of mapped local shards sent by reference: a DataLoader worker checks the
 member headers of a batch in its mapping of the shards and sends where the members lie;
 the main process copies each member once, out of its own mapping of the same files.
 
@@ -9,20 +9,23 @@ sends a few numbers a member. That is what makes a worker's cost small beside th
 process's (docs/streaming.md, "Batches sent by reference").
 
 Invariants:
-- only a worker the ``Loader`` keeps (``persistent_workers=True``) sends by reference,
-  batches whose members are ``bytes`` (not ``zero_copy``: a member is never a view of a
-  mapping, shardmaps.py), of shards it has mapped (its second stream of them: their pages
-  were just read), every header's name and size fields as the member table says; any
-  other batch travels in the ring as before;
+- only a ``Loader``'s worker sends by reference, batches whose members are ``bytes`` (not
+  ``zero_copy``: a member is never a view of a mapping, shardmaps.py), of shards it has
+  mapped: a worker kept between epochs from its second stream of a shard on (shardmaps'
+  rule), a worker of one epoch at once (it streams each shard once); every header's name
+  and size fields must say what the member table says. A batch whose header checks
+  waited for the disk goes through the ring, and that worker maps no more: its payloads
+  are not in the page cache either. Any other batch travels in the ring as before;
 - the main process opens each shard itself, checked against the index as a worker does
   (``StaleShardError``), maps it at once, and compares its size with the mapping before
   each batch (``shardmaps.shrunk``); a batch whose shards it cannot map, or one shorter
   now, is read with ``os.pread`` member by member, and a short read is a
   ``StaleShardError`` naming the shard and the offset;
 - a copy in the main process that waited for the disk (a major page fault) stops mapping
-  there (``shardmaps.waited``) and sets the flag the workers read before each batch
-  (``REFS`` of the kept workers' shared ``starts``): later batches are read and copied by
-  the workers into their rings, where waiting for the disk overlaps the training loop;
+  there (``shardmaps.waited``), and so does a batch it can no longer map for that reason:
+  it sets the loader's shared flag (``REFS``), which the workers read before each batch,
+  and from then on they read and copy into their rings, where waiting for the disk
+  overlaps the training loop;
 - the sample dicts are exactly the ring path's (:meth:`PackedBatch.dicts`), in plan order.
 """
 
@@ -40,7 +43,7 @@ from .transport import PackedBatch
 
 __all__ = ["REFS", "MappedBatch", "MappedShards", "refer"]
 
-REFS = 2  # the flag's place in the kept workers' shared ``starts``: 0 by reference, 1 in the rings
+REFS = 0  # the flag's place in the Loader's shared flags: 0 by reference, 1 in the rings
 HEAD = SIZE + 12  # a tar header's name field up to the end of its size field
 
 
@@ -67,11 +70,10 @@ def refer(reader: Any, work: Any, meta: tuple[Any, ...], pack: list[int] | None,
     mapped here, shorter than its mapping, or a header that does not say what the table
     says (the ring path reads it, and says what changed)."""
     c, lo, hi, mlo, mhi, nbytes = work
-    urls = c.urls[lo:hi]
-    views = reader.mapped_views(urls)
+    urls, offsets = c.urls[lo:hi], c.offsets[lo:hi]
+    views = reader.opened_views(urls, offsets)
     if views is None:
         return None
-    offsets = c.offsets[lo:hi]
     heads, ntoks, stoks = c.heads, c.ntoks, c.stoks
     at: list[int] = []
     add = at.append
@@ -88,7 +90,9 @@ def refer(reader: Any, work: Any, meta: tuple[Any, ...], pack: list[int] | None,
                 return None
             add(h + 512)
         m += cnt
-    shardmaps.waited(waits)
+    if shardmaps.faults() != waits:  # its headers were not in the page cache: its payloads may not be
+        shardmaps.waited(waits)  # either; this worker reads and copies from now on (shardmaps.py)
+        return None
     bounds = np.empty((2, len(at)), np.int64)
     bounds[0] = at
     np.add(bounds[0], c.arrays[3][mlo:mhi], out=bounds[1])
@@ -106,7 +110,7 @@ class MappedShards:
 
     Args:
         fetcher: the main process's fetch stage (stream/fetch.py); only its reader is used.
-        flags: the kept workers' shared ``starts`` as a numpy int64 array.
+        flags: the loader's shared flags (``REFS``) as a numpy int64 array.
     """
 
     def __init__(self, fetcher: Any, flags: np.ndarray) -> None:
