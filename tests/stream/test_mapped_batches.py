@@ -36,9 +36,11 @@ BATCH = 4
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Nothing seen, nothing kept, mapping on; no copy counts as waiting for the disk (a
-    page the kernel dropped meanwhile would turn mapping off: tested on its own below)."""
+    page the kernel dropped meanwhile would turn mapping off: tested on its own below);
+    samples of any size go by reference (the threshold is tested on its own below)."""
     shardmaps._forget()
     monkeypatch.setattr(shardmaps, "faults", lambda: 0)
+    monkeypatch.setattr(mappedbatch, "REF_BYTES", 0)
     yield
     shardmaps._forget()
 
@@ -47,14 +49,15 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def received(monkeypatch: pytest.MonkeyPatch) -> list[MappedBatch]:
     """The batches the main process copied by reference, in order."""
     got: list[MappedBatch] = []
-    real = MappedShards.members
+    monkeypatch.setattr(MappedShards, "members", _count(got, MappedShards.members))
+    return got
 
-    def members(self: MappedShards, batch: MappedBatch) -> list[bytes]:
+
+def _count(got: list[MappedBatch], real: Any) -> Any:
+    def call(self: MappedShards, batch: MappedBatch) -> Any:
         got.append(batch)
         return real(self, batch)
-
-    monkeypatch.setattr(MappedShards, "members", members)
-    return got
+    return call
 
 
 def _ds(index: Index, **kw: Any) -> Any:
@@ -112,16 +115,40 @@ def test_workers_send_batches_by_reference_and_give_the_batches_of_one_process(
         assert {sum(not k.startswith("__") for k in s) for b in got[2] for s in b} == {1, 2, 3}
 
 
+@pytest.mark.parametrize("shards", ["image", "large"])
+def test_only_large_samples_go_by_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            received: list[MappedBatch], shards: str) -> None:
+    """Small ones go through the ring: the main process copies them out of it while the
+    worker's writes are still in the CPU's cache, faster than out of the page cache."""
+    monkeypatch.undo()  # the threshold as shipped
+    shardmaps._forget()
+    monkeypatch.setattr(shardmaps, "faults", lambda: 0)
+    monkeypatch.setattr(MappedShards, "members", _count(received, MappedShards.members))
+    index = image_index(tmp_path, samples=48, shards=2, seed=6) if shards == "image" else _large_index(
+        tmp_path, samples=16, shards=2)
+    mean = float(index.length.mean())
+    assert (mean < mappedbatch.REF_BYTES) == (shards == "image")
+    loader = Loader(_ds(index), num_workers=2)
+    try:
+        got, refs = _epochs(loader, 2, received)
+    finally:
+        loader.close()
+    assert got == _one_process(index, 2)
+    assert refs == ([0, 0] if shards == "image" else [len(got[0])] * 2)
+
+
 @pytest.mark.parametrize("how", ["zero_copy", "a stage"])
+@pytest.mark.parametrize("kept", [True, False])
 def test_views_and_transformed_samples_never_go_by_reference(
-        tmp_path: Path, received: list[MappedBatch], how: str) -> None:
-    """A view must not be of a mapping (it could outlive the file's size); a transformed
-    sample does not travel packed at all."""
+        tmp_path: Path, received: list[MappedBatch], how: str, kept: bool) -> None:
+    """A view must not be of a mapping (it could outlive the file's size), and a copy out
+    of one would be the main process's to make; a transformed sample is made in its
+    worker and pickled: it does not travel packed."""
     index = image_index(tmp_path, samples=48, shards=2, seed=6)
     ds = _ds(index, zero_copy=how == "zero_copy")
     if how == "a stage":
         ds = ds.compose(lambda src: ({**s, "n": len(s["json"])} for s in src))
-    loader = Loader(ds, num_workers=2, persistent_workers=True)
+    loader = Loader(ds, num_workers=2, persistent_workers=kept)
     try:
         got, refs = _epochs(loader, 3, received)
     finally:

@@ -32,6 +32,7 @@ from .stats import COLLATE, Clock
 from .fetch import Counters, all_local as _all_local, substitute
 from .stages import PlannedSource, apply_stages, batch_refs, sized_batches
 from .wholeshards import whole_shards
+from . import mappedbatch
 from .ring import Arena
 from .transport import LooseBatch, PackedRun, as_views, pack_samples, run_length
 from ..state import PlanSpec
@@ -121,12 +122,14 @@ class BatchMaker:
         one buffer when the batch travels packed or hands out views (transport.py)."""
         spec, fetcher, pack, views = self.spec, self.fetcher, self.pack, self.views
         info = get_worker_info()
+        sample_bytes = _sample_bytes(spec) if pack else 0.0
+        refs = self.refs if pack and sample_bytes >= mappedbatch.REF_BYTES else None  # smaller ones: the ring is faster
         # runs sent by reference carry no payload: as many samples as a run holds, whatever their size
-        run = run_length(spec.batch_size, 0.0 if self.refs is not None else _sample_bytes(spec)) if pack else 1
+        run = run_length(spec.batch_size, 0.0 if refs is not None else sample_bytes) if pack else 1
         source = PlannedSource(spec, source.start, source.worker, run)
         fast = BatchReader(fetcher.reader, spec.names, spec.indexes, self.arenas)
-        fast.run, fast.refs = run, self.refs
-        if self.refs is not None and self.arenas is None:  # a worker of one epoch: it streams each
+        fast.run, fast.refs = run, refs
+        if refs is not None and self.arenas is None:  # a worker of one epoch: it streams each
             fetcher.reader.map_at_once = True  # shard once, and maps it at once to send it by reference
         cache = BatchCache(1 if info is None else info.num_workers, fast, run)
         sending, taken = PackedRun(), 0

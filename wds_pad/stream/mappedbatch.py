@@ -9,13 +9,14 @@ sends a few numbers a member. That is what makes a worker's cost small beside th
 process's (docs/streaming.md, "Batches sent by reference").
 
 Invariants:
-- only a ``Loader``'s worker sends by reference, batches whose members are ``bytes`` (not
-  ``zero_copy``: a member is never a view of a mapping, shardmaps.py), of shards it has
-  mapped: a worker kept between epochs from its second stream of a shard on (shardmaps'
-  rule), a worker of one epoch at once (it streams each shard once); every header's name
-  and size fields must say what the member table says. A batch whose header checks
-  waited for the disk goes through the ring, and that worker maps no more: its payloads
-  are not in the page cache either. Any other batch travels in the ring as before;
+- only a ``Loader``'s worker sends by reference, batches whose members are ``bytes``, of
+  samples of ``REF_BYTES`` and more on average (the index's first rows), of shards it has
+  mapped: a worker kept
+  between epochs from its second stream of a shard on (shardmaps' rule), a worker of one
+  epoch at once (it streams each shard once); every header's name and size fields must
+  say what the member table says. A batch whose header checks waited for the disk goes
+  through the ring, and that worker maps no more: its payloads are not in the page cache
+  either. Any other batch travels in the ring as before;
 - the main process opens each shard itself, checked against the index as a worker does
   (``StaleShardError``), maps it at once, and compares its size with the mapping before
   each batch (``shardmaps.shrunk``); a batch whose shards it cannot map, or one shorter
@@ -27,6 +28,11 @@ Invariants:
   and from then on they read and copy into their rings, where waiting for the disk
   overlaps the training loop;
 - the sample dicts are exactly the ring path's (:meth:`PackedBatch.dicts`), in plan order.
+  ``zero_copy`` batches stay in the ring: their views must never be of a mapping (a file
+  cut short under a view the trainer holds would kill the process, shardmaps.py), and a
+  copy out of the mapping would move the worker's copy into the main process, which
+  with views copies nothing (measured at 500 KB: 37-50 us of the main process's CPU a
+  sample by reference, 12.5-15 through the ring).
 """
 
 from __future__ import annotations
@@ -41,9 +47,14 @@ from ..io.stale import short_read
 from ..tar.names import SIZE
 from .transport import PackedBatch
 
-__all__ = ["REFS", "MappedBatch", "MappedShards", "refer"]
+__all__ = ["REFS", "REF_BYTES", "MappedBatch", "MappedShards", "refer"]
 
 REFS = 0  # the flag's place in the Loader's shared flags: 0 by reference, 1 in the rings
+#: samples of at least this many bytes on average go by reference; smaller ones through the
+#: ring, which the main process copies out of while the worker's writes are still in the
+#: CPU's cache (measured: 10 KB 5.2-5.6 us a sample through the ring, 5.9-6.7 by reference;
+#: 32 KB 8.8-10.1 against 7.4-8.2; docs/streaming.md, "Batches sent by reference")
+REF_BYTES = 16 << 10
 HEAD = SIZE + 12  # a tar header's name field up to the end of its size field
 
 
@@ -58,7 +69,7 @@ class MappedBatch(PackedBatch):
         if shards is None:
             raise RuntimeError("a batch sent by reference needs the main process's shards (Loader)")
         values = shards.members(self)
-        if zero_copy:  # not sent so; read-only views of the copies, as every batch hands out then
+        if zero_copy:  # not sent so (module doc); views of the copies, as every batch hands out then
             values = [memoryview(v) for v in values]
         return self.dicts(values)
 
@@ -119,24 +130,17 @@ class MappedShards:
 
     def members(self, batch: MappedBatch) -> list[bytes]:
         """Every member of ``batch`` in archive order, sample after sample, as ``bytes``."""
-        reader = self.fetcher.reader
-        reader.map_at_once = True
         starts, ends = batch.bounds.tolist()
-        urls, counts = batch.urls, batch.counts
-        views = reader.opened_views(urls, batch.offsets)
+        counts = batch.counts
+        views = self._views(batch)
         values: list[bytes] = []
         add = values.append
         m = 0
         if views is None:  # not mapped here, or shorter now: each member read and its length checked
-            if shardmaps.stopped() is not None:  # mapping is off here: the workers copy from now on
-                self.flags[REFS] = 1
-            for url, cnt in zip(urls, counts):
+            read = self._pread
+            for url, cnt in zip(batch.urls, counts):
                 for x in range(m, m + cnt):
-                    a, n = starts[x], ends[x] - starts[x]
-                    data = reader._pread(url, a, n)
-                    if len(data) != n:
-                        raise short_read(url, a, n, len(data))
-                    add(data)
+                    add(read(url, starts[x], ends[x]))
                 m += cnt
             return values
         waits = shardmaps.faults()
@@ -150,10 +154,29 @@ class MappedShards:
             for x in range(m, m + cnt):
                 add(mm[starts[x]:ends[x]])
             m += cnt
-        shardmaps.waited(waits)
+        self._waited(waits)
+        return values
+
+    def _views(self, batch: MappedBatch) -> list[memoryview] | None:
+        """This process's mapping of each sample's shard (opened and checked here), or None:
+        read with ``os.pread`` (mapping off here, or a shard shorter now than its mapping)."""
+        reader = self.fetcher.reader
+        reader.map_at_once = True
+        views = reader.opened_views(batch.urls, batch.offsets)
+        if views is None and shardmaps.stopped() is not None:  # mapping is off here: the workers copy from now on
+            self.flags[REFS] = 1
+        return views
+
+    def _pread(self, url: str, start: int, end: int) -> bytes:
+        data = self.fetcher.reader._pread(url, start, end - start)
+        if len(data) != end - start:
+            raise short_read(url, start, end - start, len(data))
+        return data
+
+    def _waited(self, since: int) -> None:
+        shardmaps.waited(since)
         if shardmaps.stopped() is not None:  # that copy waited for the disk: the workers copy from now on
             self.flags[REFS] = 1
-        return values
 
     def close(self) -> None:
         reader = self.fetcher._reader
