@@ -12,7 +12,9 @@ Invariants:
 - :func:`wds_reference` is ``wds.WebDataset``'s reading of the same shards from local
   disk: the oracle for every byte a test streams;
 - :func:`make_dataset` starts from :data:`DS_DEFAULTS` (batch 4, one rank); keyword
-  arguments override them, and nothing else is changed.
+  arguments override them, and nothing else is changed;
+- :func:`open_descriptors` counts this process's descriptors of the given files only
+  (sockets of earlier tests close on their own time).
 """
 
 from __future__ import annotations
@@ -186,3 +188,15 @@ def rewrite_member_header(blob: bytearray, member: Any, how: str, size: int | No
     for h in heads:
         blob[h + 148 : h + 156] = b" " * 8
         blob[h + 148 : h + 156] = b"%06o\0 " % sum(blob[h : h + 512])
+
+
+def open_descriptors(paths: Iterable[str]) -> int:
+    """How many of this process's open descriptors are of ``paths`` (resolved)."""
+    wanted = {os.path.realpath(p) for p in paths}
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += os.readlink(f"/proc/self/fd/{fd}") in wanted
+        except OSError:  # the listing's own, closed by now
+            pass
+    return held

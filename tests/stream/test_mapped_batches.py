@@ -25,7 +25,7 @@ from wds_pad.stream.fetch import fetch
 from wds_pad.stream.loader import Loader
 from wds_pad.stream.mappedbatch import REFS, MappedBatch, MappedShards
 
-from data_helpers import image_index, make_dataset
+from data_helpers import image_index, make_dataset, open_descriptors
 from test_mapped_shards import _large_index, _members_index
 
 pytestmark = pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning")
@@ -78,6 +78,15 @@ def _one_process(index: Index, epochs: int) -> list[Any]:
     return out
 
 
+def _loaded(ds: Any, epochs: int, received: list[MappedBatch], **kw: Any) -> tuple[list[Any], list[int]]:
+    """:func:`_epochs` of a Loader of ``ds`` made with ``kw``, closed after."""
+    loader = Loader(ds, **kw)
+    try:
+        return _epochs(loader, epochs, received)
+    finally:
+        loader.close()
+
+
 def _epochs(loader: Loader, epochs: int, received: list[MappedBatch]) -> tuple[list[Any], list[int]]:
     """Each epoch's batches, and how many of them came by reference."""
     out, refs = [], []
@@ -97,11 +106,7 @@ def test_workers_send_batches_by_reference_and_give_the_batches_of_one_process(
         index = image_index(tmp_path, samples=96, shards=3, seed=5)
     else:
         index = _members_index(tmp_path) if shards == "members" else _large_index(tmp_path, samples=24, shards=2)
-    loader = Loader(_ds(index), num_workers=workers, persistent_workers=kept)
-    try:
-        got, refs = _epochs(loader, 3, received)
-    finally:
-        loader.close()
+    got, refs = _loaded(_ds(index), 3, received, num_workers=workers, persistent_workers=kept)
     assert got == _one_process(index, 3)  # the same samples, members, fields and order
     batches = len(got[1])
     if kept:  # a kept worker maps a shard from its second stream of it on (shardmaps' rule)
@@ -128,11 +133,7 @@ def test_only_large_samples_go_by_reference(tmp_path: Path, monkeypatch: pytest.
         tmp_path, samples=16, shards=2)
     mean = float(index.length.mean())
     assert (mean < mappedbatch.REF_BYTES) == (shards == "image")
-    loader = Loader(_ds(index), num_workers=2)
-    try:
-        got, refs = _epochs(loader, 2, received)
-    finally:
-        loader.close()
+    got, refs = _loaded(_ds(index), 2, received, num_workers=2)
     assert got == _one_process(index, 2)
     assert refs == ([0, 0] if shards == "image" else [len(got[0])] * 2)
 
@@ -148,11 +149,7 @@ def test_views_and_transformed_samples_never_go_by_reference(
     ds = _ds(index, zero_copy=how == "zero_copy")
     if how == "a stage":
         ds = ds.compose(lambda src: ({**s, "n": len(s["json"])} for s in src))
-    loader = Loader(ds, num_workers=2, persistent_workers=kept)
-    try:
-        got, refs = _epochs(loader, 3, received)
-    finally:
-        loader.close()
+    got, refs = _loaded(ds, 3, received, num_workers=2, persistent_workers=kept)
     assert refs == [0, 0, 0]
     want = _one_process(index, 3)
     if how == "a stage":
@@ -168,11 +165,7 @@ def test_a_worker_whose_header_checks_waited_for_the_disk_reads_into_its_ring(
     index = image_index(tmp_path, samples=96, shards=3, seed=5)
     main, waits = os.getpid(), iter(range(10**6))
     monkeypatch.setattr(shardmaps, "faults", lambda: 0 if os.getpid() == main else next(waits))
-    loader = Loader(_ds(index), num_workers=2)
-    try:
-        got, refs = _epochs(loader, 2, received)
-    finally:
-        loader.close()
+    got, refs = _loaded(_ds(index), 2, received, num_workers=2)
     assert got == _one_process(index, 2)
     assert refs == [0, 0]
     assert shardmaps.stopped() is None  # the main process maps on
@@ -201,11 +194,7 @@ def test_a_main_process_copy_that_waited_for_the_disk_turns_references_off(
 def _sent(tmp_path: Path, received: list[MappedBatch]) -> tuple[Index, MappedBatch, list[Any]]:
     """A batch a kept worker sent by reference, and its samples as the loader gave them."""
     index = image_index(tmp_path, samples=48, shards=2, seed=4)
-    loader = Loader(_ds(index), num_workers=1, persistent_workers=True)
-    try:
-        got, refs = _epochs(loader, 2, received)
-    finally:
-        loader.close()
+    got, refs = _loaded(_ds(index), 2, received, num_workers=1, persistent_workers=True)
     assert refs[1] > 0
     batch = received[-1]
     return index, batch, next(b for b in got[1] if [s["__key__"] for s in b] == batch.keys)
@@ -255,22 +244,11 @@ def test_the_main_process_closes_its_shards_with_the_workers(tmp_path: Path, rec
     mappings' own (io/shardmaps.py, bounded there), as after a one-process loop."""
     index = image_index(tmp_path, samples=48, shards=2, seed=4)
     loader = Loader(_ds(index), num_workers=1, persistent_workers=True)
-    shards = {os.path.realpath(u) for u in index.urls}
-
-    def open_shards() -> int:
-        n = 0
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                n += os.readlink(f"/proc/self/fd/{fd}") in shards
-            except OSError:
-                pass
-        return n
-
     _epochs(loader, 2, received)
     assert received
-    assert open_shards() == len(shardmaps._MAPS) + len(index.urls)  # held for the next epoch, with the workers
+    assert open_descriptors(index.urls) == len(shardmaps._MAPS) + len(index.urls)  # held with the workers
     loader.close()
-    assert open_shards() == len(shardmaps._MAPS) == len(index.urls)
+    assert open_descriptors(index.urls) == len(shardmaps._MAPS) == len(index.urls)
 
 
 def test_a_batch_by_reference_outside_a_loader_is_refused_clearly() -> None:

@@ -61,8 +61,8 @@ class BatchMaker:
         views: members as read-only memoryviews (``zero_copy`` in one process).
         clock: where collation time is counted (stats.py).
         arenas: the rings of a worker the Loader keeps between epochs, reused (ring.py).
-        refs: the Loader's shared flag (numpy): batches of mapped shards are sent by reference
-            while it is 0 (mappedbatch.py); None: never.
+        refs: the Loader's shared flag (a tensor): batches of mapped shards are sent by
+            reference while it is 0 (mappedbatch.py; not with ``zero_copy``); None: never.
     """
 
     def __init__(self, spec: PlanSpec, stages: list[Callable[[Any], Any]],
@@ -123,7 +123,8 @@ class BatchMaker:
         spec, fetcher, pack, views = self.spec, self.fetcher, self.pack, self.views
         info = get_worker_info()
         sample_bytes = _sample_bytes(spec) if pack else 0.0
-        refs = self.refs if pack and sample_bytes >= mappedbatch.REF_BYTES else None  # smaller ones: the ring is faster
+        large = pack and self.refs is not None and sample_bytes >= mappedbatch.REF_BYTES  # smaller: the ring is faster
+        refs = self.refs.numpy() if large else None
         # runs sent by reference carry no payload: as many samples as a run holds, whatever their size
         run = run_length(spec.batch_size, 0.0 if refs is not None else sample_bytes) if pack else 1
         source = PlannedSource(spec, source.start, source.worker, run)

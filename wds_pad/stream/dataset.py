@@ -193,7 +193,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         self._pack = False  # in DataLoader workers: send batches packed (``packed()``)
         self._starts: Any = None  # kept workers: each iteration's start; their rings (``packed()``)
         self._arenas: dict[bool, Any] | None = None
-        self._refs: Any = None  # in Loader workers: the shared flag of batches by reference (``packed()``)
+        self._refs: Any = None  # the shared flag of batches sent by reference (``packed()``)
         self.collation_fn = collation_fn
         self.check_agreement = check_agreement
         self.group = group
@@ -234,12 +234,9 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         consumer that unpacks them (``Loader``; stream/transport.py). ``starts``: a shared
         int64 tensor ``[epoch, index]`` set before each iteration of workers the consumer
         keeps (``persistent_workers``): a worker's iterations start there and reuse its
-        ring. ``refs``: a shared int64 flag; while it is 0 the workers send batches of mapped
-        shards by reference (stream/mappedbatch.py); None: never."""
+        ring. ``refs``: the shared flag of batches sent by reference (stream/mappedbatch.py)."""
         result = copy.copy(self)
-        result._pack = True
-        result._starts = starts
-        result._refs = refs
+        result._pack, result._starts, result._refs = True, starts, refs
         result._arenas = {} if starts is not None else None
         return result
 
@@ -362,11 +359,9 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         clock.start_reader(self._read_stats)
         pack = self._pack and in_worker and packs(self.stages, self.collation_fn)  # the main process unpacks
         views = self.zero_copy and not in_worker  # one process: members are views here
-        # a worker sends batches of mapped shards by reference while the Loader's flag lets it
-        refs = self._refs.numpy() if pack and not self.zero_copy and self._refs is not None else None
         made = BatchMaker(self.spec, self.stages, self.collation_fn, self.handler, self.counters,
                           fetcher, _unmoved if pack else self._advance, pack, views, clock,
-                          self._arenas if in_worker else None, refs)(source)
+                          self._arenas if in_worker else None, None if self.zero_copy else self._refs)(source)
         if in_worker:
             made = clock.made(made)
         try:
