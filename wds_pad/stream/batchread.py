@@ -43,15 +43,13 @@ from ..errors import WdsPadError
 from ..index.record import Index
 from ..io.ranges import RangeReader
 from ..io import shardmaps
-from ..tar.names import SIZE, Members, key_list, name_token_rows, size_token_rows, slice_sample, slice_sample_at
+from ..tar.names import HEAD, SIZE, Members, key_list, name_token_rows, size_token_rows, slice_sample, slice_sample_at
 from .memberwork import EXACT, Chunk, Work, tables
 from .ring import Arena, allocate, reserve
 from .mappedbatch import REFS, refer
 from .transport import PackedBatch
 
 __all__ = ["BatchReader", "BIG_SAMPLE", "member_refs", "seed_list"]
-
-HEAD = SIZE + 12  # a tar header's name field up to the end of its size field
 
 from ..io.readahead import BIG_SAMPLE  # read one payload per pread (no copy out of a range buffer)
 

@@ -44,7 +44,7 @@ import numpy as np
 
 from ..io import shardmaps
 from ..io.stale import short_read
-from ..tar.names import SIZE
+from ..tar.names import HEAD, SIZE
 from .transport import PackedBatch
 
 __all__ = ["REFS", "REF_BYTES", "MappedBatch", "MappedShards", "refer"]
@@ -55,7 +55,6 @@ REFS = 0  # the flag's place in the Loader's shared flags: 0 by reference, 1 in 
 #: CPU's cache (measured: 10 KB 5.2-5.6 us a sample through the ring, 5.9-6.7 by reference;
 #: 32 KB 8.8-10.1 against 7.4-8.2; docs/streaming.md, "Batches sent by reference")
 REF_BYTES = 16 << 10
-HEAD = SIZE + 12  # a tar header's name field up to the end of its size field
 
 
 @dataclass

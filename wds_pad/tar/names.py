@@ -50,11 +50,12 @@ from .reader import Reader
 from .members import KEY_ERRORS, KEY_RE, is_meta, key_bytes
 from .settle import PAX_MATTERS
 
-__all__ = ["NAME", "SIZE", "Members", "key_list", "member_differs", "member_entry", "name_token_rows", "name_tokens",
+__all__ = ["HEAD", "NAME", "SIZE", "Members", "key_list", "member_differs", "member_entry", "name_token_rows", "name_tokens",
            "size_token_rows", "size_tokens", "slice_sample", "slice_sample_at", "token_list"]
 
 NAME = 100  # bytes of a ustar header's name field
 SIZE = 124  # where its size field starts
+HEAD = SIZE + 12  # its name field up to the end of its size field: what a member check reads
 _BINARY = b"21 hdrcharset=BINARY\n"  # tarfile's first pax record for a name that is not UTF-8
 
 #: A sample's member table entry, as the fast path carries it: per member its extension,
