@@ -275,3 +275,46 @@ def test_a_cache_dir_with_locality_none_is_said_to_be_unused(served: tuple[Path,
     with pytest.warns(UserWarning, match="cache_dir=.* is not used with locality='none'.*locality='shard'"):
         BucketedWebDataset(index, batch_size=4, topology=Topology(1, 0), seed=5, locality="none",
                            read_options=opts, check_agreement=False)
+
+
+def _own_folder_outcome(index: Any, tmp: Path, local_world_size: int | None) -> tuple[Any, list[str]]:
+    """Rank 0 of 2 as a job of its own: with ``local_world_size=2`` its shards go through
+    the job's own folder (no ``cache_dir``), else its memory; the outcome, and the names of
+    the files the own folder held once the epoch was read."""
+    import tempfile
+
+    from wds_pad.io.nodefolder import default_folder
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHELASTIC_RUN_ID", f"own-{next(_JOBS)}")
+        mp.setattr(tempfile, "tempdir", str(tmp))
+        ds = BucketedWebDataset(index, batch_size=4, topology=Topology(2, 0, local_world_size=local_world_size),
+                                seed=5, locality="shard", window=2, read_options=ReadOptions(block_bytes=BLOCK),
+                                check_agreement=False)
+        try:
+            got: Any = {s["__key__"]: {m: v for m, v in s.items() if not m.startswith("__")}
+                        for batch in ds for s in batch}
+        except StaleShardError as exc:
+            got = ("StaleShardError", str(exc))
+        folder = Path(default_folder())
+        return got, sorted(p.suffix for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def test_the_job_s_own_folder_keeps_no_checksum_and_answers_as_the_job_s_memory(
+        served: tuple[Path, str], tmp_path: Path) -> None:
+    """A folder that goes with the job serves its copies only to the job that fetched them,
+    as memory does: no blake2b of each copy (nobody reads a ``.sum`` there), and the same
+    bytes or error as the job with its shards in memory, where a ``cache_dir``, whose copies
+    later jobs serve, refuses a copy that is not the index's ``content``."""
+    root, base = served
+    index = index_of(base, tmp_path / "ix.wdsidx")
+    (tmp_path / "tmp").mkdir()
+    memory, none = _own_folder_outcome(index, tmp_path / "tmp", None)
+    own, files = _own_folder_outcome(index, tmp_path / "tmp", 2)
+    assert ".shard" not in none and isinstance(own, dict) and own == memory
+    assert ".shard" in files and ".ok" in files and ".sum" not in files
+    rewrite(root / "train-000001.tar", keep_mtime=True)  # new bytes, the same size and ETag
+    memory, _ = _own_folder_outcome(index, tmp_path / "tmp", None)
+    own, files = _own_folder_outcome(index, tmp_path / "tmp", 2)
+    assert isinstance(memory, dict) and own == memory and ".sum" not in files
+    assert outcome(index, tmp_path / "cache")[0] == "StaleShardError"

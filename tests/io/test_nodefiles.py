@@ -327,6 +327,32 @@ def test_a_restart_on_the_folder_reuses_its_shards_and_refetches_only_what_is_no
     assert sorted({u for _, u, _, _ in gets(log2)}) == ["s0", "s1"]
 
 
+def test_copies_of_a_folder_that_goes_with_the_job_are_served_within_its_session_and_fetched_again_after(
+        tmp_path: Path) -> None:
+    """``kept=False`` (the job's own folder): no checksum computed or kept; the session's
+    other processes read the copies without a GET, a later session (a restart under the
+    job's name) finds no ``.sum`` and fetches each again, exactly."""
+    shards = [shard(f"s{i}", [i]) for i in range(3)]
+    log = tmp_path / "gets"
+    first = cache(tmp_path, epoch(shards), Gets(log), kept=False, session="job a")
+    for s in shards:
+        assert read(first, s.url, 0, 1000) == DATA[s.url]
+    assert len(gets(log)) == 30
+    assert not list(tmp_path.glob("*.sum")) and len(list(tmp_path.glob("*.shard"))) == 3
+    peer = cache(tmp_path, epoch(shards, me=1), Gets(log), kept=False, session="job a")
+    for s in shards:
+        assert read(peer, s.url, 0, 1000) == DATA[s.url]
+    assert len(gets(log)) == 30  # the session takes its own word
+    later = cache(tmp_path, epoch(shards), Gets(log), kept=False, session="job a, again")
+    for s in shards:
+        assert read(later, s.url, 250, 500) == DATA[s.url][250:750]
+    assert len(gets(log)) == 60 and not list(tmp_path.glob("*.sum"))
+    kept = cache(tmp_path, epoch(shards), Gets(log), session="a job with a cache_dir")
+    for s in shards:
+        assert read(kept, s.url, 0, 1000) == DATA[s.url]
+    assert len(gets(log)) == 90 and len(list(tmp_path.glob("*.sum"))) == 3
+
+
 def test_a_shard_the_node_does_not_hold_is_read_from_a_copy_present_else_singly(tmp_path: Path) -> None:
     log = tmp_path / "gets"
     held = shard("s0", [0])

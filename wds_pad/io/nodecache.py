@@ -75,16 +75,16 @@ class NodeCache:
             HEAD), raising :class:`StaleShardError` if not; None: no such check.
         session: this job on this node (``wds_pad.io.nodefolder.job_session``): the
             processes of one session take each other's word on a copy's check.
+        kept: copies outlive the job (a ``cache_dir``): each checksummed (:func:`nodefiles.complete`).
     """
 
     def __init__(self, fetch: Callable[[str, int, int], concurrent.futures.Future[bytes]],
                  schedule: Iterator[NodeEpoch], *, folder: str, block_bytes: int, cache_bytes: int,
                  ahead: int | None = None, guard: float = 600.0, depth: int = 2,
-                 check: Callable[[str], None] | None = None, session: str = "") -> None:
+                 check: Callable[[str], None] | None = None, session: str = "", kept: bool = True) -> None:
         self._get, self._schedule, self.folder = fetch, schedule, folder
-        self.block_bytes, self.cache_bytes = block_bytes, cache_bytes
-        self.ahead = 1 << 62 if ahead is None else max(0, ahead)
-        self.guard, self.depth = guard, max(1, depth)
+        self.block_bytes, self.cache_bytes, self.ahead = block_bytes, cache_bytes, 1 << 62 if ahead is None else max(0, ahead)
+        self.guard, self.depth, self.kept = guard, max(1, depth), kept
         self.checks = nodecheck.Checks(folder, check, session)  # of the copies this process serves
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -362,7 +362,7 @@ class NodeCache:
     def _write(self, shard: NodeShard, fd: int) -> str:
         """Completes, checks and publishes the locked ``.part`` open as ``fd``."""
         if nodefiles.complete(self.folder, shard.name, fd, shard.url, shard.content, self._get,
-                              self.block_bytes, self.depth, self.checks.session):
+                              self.block_bytes, self.depth, self.checks.session, self.kept):
             with self._lock:
                 self.fetched_shards += 1
         self.checks.fetched(shard.name)

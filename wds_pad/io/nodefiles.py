@@ -257,16 +257,18 @@ def _create(folder: str, stem: str) -> int | None:
             os.unlink(tmp)
 
 
-def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: int) -> tuple[int, str]:
+def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: int,
+               kept: bool = True) -> tuple[int, str]:
     """Fetches what the locked ``.part`` lacks, in GETs of ``block_bytes`` (``depth`` in
     flight), written in order; the number of GETs, and the checksum of the whole file
-    (:func:`wds_pad.io.nodecheck.checksum_file`'s, computed as the bytes arrive)."""
+    (:func:`wds_pad.io.nodecheck.checksum_file`'s, computed as the bytes arrive), or ``""``
+    when the copy is not ``kept`` (:func:`complete`)."""
     have = os.fstat(fd).st_size
     if have > size:  # longer than the shard: not ours to keep
         os.ftruncate(fd, 0)
         have = 0
-    h = new_hash()
-    if have:
+    h = new_hash() if kept else None
+    if have and h is not None:
         checksum_file(fd, have, h)  # the prefix another writer left
     offsets = list(range(have, size, block_bytes))
     pending: deque[tuple[int, int, concurrent.futures.Future[bytes]]] = deque()
@@ -282,7 +284,8 @@ def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: 
             data = fut.result()
             if len(data) != n:
                 raise short_read(url, off, n, len(data))
-            h.update(data)
+            if h is not None:
+                h.update(data)
             view = memoryview(data)
             while view:
                 written = os.pwrite(fd, view, off)
@@ -290,23 +293,31 @@ def write_rest(fd: int, url: str, size: int, get: Get, block_bytes: int, depth: 
     finally:
         for _, _, fut in pending:
             fut.cancel()
-    return len(offsets), f"blake2b={h.hexdigest()}"
+    return len(offsets), "" if h is None else f"blake2b={h.hexdigest()}"
 
 
 def complete(folder: str, stem: str, fd: int, url: str, content: str, get: Get, block_bytes: int, depth: int,
-             session: str) -> bool:
+             session: str, kept: bool = True) -> bool:
     """Completes the locked ``.part`` open as ``fd`` (:func:`write_rest`), checks it is the
     indexed shard (``content``: :func:`nodecheck.as_indexed`), keeps its checksum and
     ``session`` (the job fetched it: checked) beside it, and publishes it; whether it
-    fetched anything. A failure leaves what was written for the next writer."""
+    fetched anything. A failure leaves what was written for the next writer.
+
+    ``kept=False``: a folder that goes with the job (the job's own): its copies are served
+    only within ``session``, whose processes take each other's word without reading a
+    ``.sum``, so none is computed or kept (blake2b costs about 1 s of CPU a GB), as a
+    process's memory keeps none. A later session finds no ``.sum`` and fetches it again.
+    """
     size, fetched = size_of(stem), False
     try:
+        checksum = ""
         if os.fstat(fd).st_size < size:
-            checksum, fetched = write_rest(fd, url, size, get, block_bytes, depth)[1], True
-        else:
+            checksum, fetched = write_rest(fd, url, size, get, block_bytes, depth, kept)[1], True
+        elif kept:
             checksum = checksum_file(fd, size)
-        as_indexed(fd, url, checksum, content)
-        write_sum(folder, stem, checksum)
+        if kept:
+            as_indexed(fd, url, checksum, content)
+            write_sum(folder, stem, checksum)
         record(folder, stem, session)
     except BaseException:
         abandon(folder, stem, fd)

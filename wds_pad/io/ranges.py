@@ -227,7 +227,7 @@ class RangeReader(LocalFiles, InFlight):
         guard = (opts.retries + 1) * (opts.timeout + opts.backoff_max) + 30.0  # as a request in flight
         self._cache = NodeCache(self._get_block, schedule, folder=folder, block_bytes=opts.block_bytes,  # type: ignore[arg-type]
                                 cache_bytes=opts.cache_bytes, depth=2, guard=guard,
-                                check=self._check_store, session=job_session())
+                                check=self._check_store, session=job_session(), kept=opts.cache_dir is not None)
 
     def _check_store(self, url: str) -> None:
         """Asks the store whether ``url`` is still the indexed shard (once, counted), for a
