@@ -8,7 +8,9 @@ Invariants:
     * A copy is published with its checksum beside it: ``<stem>.sum`` holds
       ``"blake2b=<hex>"`` of its bytes, computed while they were fetched (a taken-over
       ``.part``'s prefix read back first), written before the ``.part`` is renamed
-      ``.shard``. A ``.shard`` without a readable ``.sum`` is never served.
+      ``.shard``. A ``.shard`` without a readable ``.sum`` is never served to another job.
+      The job's own folder, which goes with the job, keeps none (``kept=False``,
+      :func:`wds_pad.io.nodefiles.complete`): its copies are served within the session only.
     * The first process of a job that opens a copy the job did not fetch checks it: the
       store's identity of the shard (one HEAD or stat, the caller's ``store_check``)
       against the index, then the file's checksum against its ``.sum`` (one read of the
