@@ -343,10 +343,12 @@ def test_copies_of_a_folder_that_goes_with_the_job_are_served_within_its_session
     for s in shards:
         assert read(peer, s.url, 0, 1000) == DATA[s.url]
     assert len(gets(log)) == 30  # the session takes its own word
-    later = cache(tmp_path, epoch(shards), Gets(log), kept=False, session="job a, again")
+    heads: list[str] = []
+    later = cache(tmp_path, epoch(shards), Gets(log), kept=False, session="job a, again", check=heads.append)
     for s in shards:
         assert read(later, s.url, 250, 500) == DATA[s.url][250:750]
     assert len(gets(log)) == 60 and not list(tmp_path.glob("*.sum"))
+    assert heads == []  # a copy without a checksum is fetched again: asking the store first would be a HEAD lost
     kept = cache(tmp_path, epoch(shards), Gets(log), session="a job with a cache_dir")
     for s in shards:
         assert read(kept, s.url, 0, 1000) == DATA[s.url]

@@ -18,8 +18,8 @@ Invariants:
       job's session there, so the node's other processes of the job take its word: at
       most one HEAD per shard per node per job. A job that fetched a copy records its
       session before publishing it.
-    * A copy whose checksum differs (or has none) is removed with its side files, and is
-      fetched again; a shard the store changed raises what ``store_check`` raises
+    * A copy whose checksum differs (or has none: then without asking the store) is
+      removed with its side files, and is fetched again; a shard the store changed raises what ``store_check`` raises
       (:class:`StaleShardError`, the text a read without a cache gives).
     * In a folder the process cannot write, each process checks the copies it opens
       itself (nothing can be recorded), and a damaged copy there is one
@@ -167,9 +167,9 @@ def verify(folder: str, stem: str, fd: int, size: int, session: str,
             fcntl.flock(lock, fcntl.LOCK_EX)
             if session and session in _sessions(lock):
                 return True
-        if store_check is not None:
-            store_check()
         want = read_sum(folder, stem)
+        if want is not None and store_check is not None:  # none: fetched again, through checked GETs
+            store_check()
         if want is not None and checksum_file(fd, size) == want:
             if lock is not None and session:
                 _add(lock, session)
