@@ -19,8 +19,9 @@ Invariants:
       most one HEAD per shard per node per job. A job that fetched a copy records its
       session before publishing it.
     * A copy whose checksum differs (or has none: then without asking the store) is
-      removed with its side files, and is fetched again; a shard the store changed raises what ``store_check`` raises
-      (:class:`StaleShardError`, the text a read without a cache gives).
+      removed with its side files, and is fetched again; a shard the store changed
+      raises what ``store_check`` raises (:class:`StaleShardError`, the text a read
+      without a cache gives).
     * In a folder the process cannot write, each process checks the copies it opens
       itself (nothing can be recorded), and a damaged copy there is one
       :class:`ConfigError` naming the folder and the fix.
