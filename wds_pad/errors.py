@@ -18,6 +18,7 @@ __all__ = [
     "ReadError",
     "SeedError",
     "ShardError",
+    "SharedMemoryWarning",
     "StaleShardError",
     "StateError",
     "StateMismatchError",
@@ -98,6 +99,10 @@ class WorkerError(WdsPadError, RuntimeError):
 
 class WorkerStartWarning(UserWarning):
     """A DataLoader worker stuck in the fork was replaced (the plan continues exactly)."""
+
+
+class SharedMemoryWarning(UserWarning):
+    """Shared memory (``/dev/shm``) ran out: a Loader's batches cross through the pipe instead."""
 
 
 class DroppedBucketWarning(UserWarning):

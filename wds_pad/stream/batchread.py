@@ -201,7 +201,7 @@ class BatchReader:
         st.bytes += nbytes
         return PackedBatch(space.buf, space.ring, space.start, nbytes, space.seq, bounds, c.exts[mlo:mhi], counts[lo:hi].tolist(),
                            c.keys[lo:hi], c.urls[lo:hi], c.ids[lo:hi], c.pads[lo:hi], meta,
-                           None if batch.pack is None else batch.pack.tolist(), seed_list(batch))
+                           None if batch.pack is None else batch.pack.tolist(), seed_list(batch), space.short)
 
     def _fill(self, c: Chunk, lo: int, hi: int, mlo: int, mhi: int, arr: np.ndarray,
               base: np.ndarray) -> np.ndarray | None:

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping
 
 import numpy as np
-import torch
 
 from .loaderargs import check_loader_args, check_start_timeout
 from ..core.collective import all_gather, dist_for
@@ -48,6 +47,7 @@ from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
 from .fetch import fetch
 from .mappedbatch import MappedShards
+from .ring import shared_ints
 from .stats import StreamStats
 from .transport import unpacked
 from .workers import START_TIMEOUT, kept_workers, resumed, shut_down, watched
@@ -316,10 +316,9 @@ class Loader:
             return kept
         if kept is not None:
             kept.end()
-        starts = torch.tensor([start.epoch, start.index], dtype=torch.int64).share_memory_() \
-            if self.persistent_workers else None
+        starts = shared_ints([start.epoch, start.index], "Loader") if self.persistent_workers else None
         if self._refs is None:  # whether workers send batches by reference, for the loader's life (mappedbatch.py)
-            self._refs = torch.zeros(1, dtype=torch.int64).share_memory_()
+            self._refs = shared_ints([0], "Loader")
         # starts the workers, each with its copy of the pinned dataset; one stuck in the fork is replaced
         # batches cross in shared memory and are unpacked here (transport.py)
         loader, batches = kept_workers(self.dataset.packed(starts, self._refs), self.num_workers, self.kwargs, owner="Loader",

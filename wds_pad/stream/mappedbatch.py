@@ -111,7 +111,7 @@ def refer(reader: Any, work: Any, meta: tuple[Any, ...], pack: list[int] | None,
     st.requests += hi - lo
     st.bytes += nbytes
     return MappedBatch(None, None, 0, 0, -1, bounds, c.exts[mlo:mhi], c.counts[lo:hi], c.keys[lo:hi], urls,
-                       c.ids[lo:hi], c.pads[lo:hi], meta, pack, seeds, offsets)  # type: ignore[arg-type]
+                       c.ids[lo:hi], c.pads[lo:hi], meta, pack, seeds, offsets=offsets)  # type: ignore[arg-type]
 
 
 class MappedShards:

@@ -11,12 +11,19 @@ Invariants:
   replaces it with one twice as large (:func:`ring_bytes`), from ``RING_BYTES`` to
   ``ARENA_BYTES``; the consumer keeps an old ring as long as a batch of it is held;
 - a shared ring is a torch uint8 tensor whose storage is born in shared memory, with no
-  name anywhere under torch's default ``file_descriptor`` strategy (see transport.py).
+  name anywhere under torch's default ``file_descriptor`` strategy (see transport.py);
+- shared memory is bounded (``/dev/shm``: 64 MiB in a container by default): a reader's
+  ring takes at most half the free space divided among the DataLoader's workers
+  (:func:`ring_cap`), and a batch for which no shared memory can be had gets a buffer of
+  its own in the worker's memory, pickled through the pipe (a copy more), with a note
+  saying why (:attr:`Space.short`, warned in the main process once an iteration); the
+  worker tries shared memory again ``AVOID_BATCHES`` batches later.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import os
 from dataclasses import dataclass
@@ -24,9 +31,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
-__all__ = ["ARENA_BYTES", "RING_BATCHES", "RING_BYTES", "SLOTS", "Arena", "HEADER", "Space", "allocate", "place",
-           "release", "reserve", "ring_bytes"]
+from ..errors import WorkerStartError
+
+__all__ = ["ARENA_BYTES", "AVOID_BATCHES", "RING_BATCHES", "RING_BYTES", "SHM", "SLOTS", "Arena", "HEADER",
+           "NoSharedMemory", "Space", "allocate", "place", "release", "reserve", "ring_bytes", "ring_cap",
+           "shared_ints"]
 
 ARENA_BYTES = 64 << 20  # the largest ring of batch buffers a reader makes, its pages reused
 RING_BYTES = 4 << 20  # the smallest: a ring is sized to the batches it carries (ring_bytes)
@@ -34,7 +45,51 @@ RING_BATCHES = 4  # a ring holds this many messages of batches the size of the o
 # for: a worker's two prefetched ones (DataLoader's default), the one it makes, the trainer's
 SLOTS = 256  # batches a ring can hold at once (one release flag each, at the ring's start)
 HEADER = 8 * SLOTS
+SHM = "/dev/shm"  # where shared memory lives (torch's segments): its free space bounds the rings
+AVOID_BATCHES = 64  # after shared memory ran out, batches a reader sends through the pipe before trying again
 _IDS = itertools.count()
+_AVOID = [0, ""]  # batches left to send without shared memory in this process, and why
+
+
+def _fresh() -> None:  # a forked reader starts with shared memory worth trying
+    _AVOID[:] = [0, ""]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh)
+
+
+class NoSharedMemory(Exception):
+    """No shared memory could be had for a buffer (``/dev/shm`` full or too small)."""
+
+
+def _short_of_memory(exc: BaseException) -> bool:
+    text = str(exc)
+    return (getattr(exc, "errno", None) in (errno.ENOSPC, errno.ENOMEM) or "shared memory" in text
+            or "No space left" in text or "Cannot allocate memory" in text)
+
+
+def shm_room(path: str = SHM) -> tuple[int, int] | None:
+    """(size, free bytes) of the shared memory filesystem, or None where there is none."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def ring_cap(shared: bool) -> int:
+    """The largest ring this reader makes: ``ARENA_BYTES``, and for a shared one at most
+    half the free shared memory divided among the DataLoader's workers (the other half
+    for batches of their own and the rest of the machine)."""
+    if not shared:
+        return ARENA_BYTES
+    room = shm_room()
+    if room is None:
+        return ARENA_BYTES
+    info = get_worker_info()
+    workers = 1 if info is None else max(1, info.num_workers)
+    return max(0, min(ARENA_BYTES, room[1] // (2 * workers)))
 
 
 def allocate(nbytes: int, shared: bool) -> tuple[Any, np.ndarray]:
@@ -48,21 +103,47 @@ def allocate(nbytes: int, shared: bool) -> tuple[Any, np.ndarray]:
         return arr, arr
     size = max(1, nbytes)
     try:
-        storage = torch.UntypedStorage._new_shared(size)
-        tensor = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
-    except (AttributeError, TypeError, RuntimeError):  # another torch: shared after the fact
-        tensor = torch.empty(size, dtype=torch.uint8).share_memory_()
+        try:
+            storage = torch.UntypedStorage._new_shared(size)
+            tensor = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
+        except (AttributeError, TypeError):  # another torch: shared after the fact
+            tensor = torch.empty(size, dtype=torch.uint8).share_memory_()
+    except (RuntimeError, OSError) as exc:
+        if _short_of_memory(exc):
+            raise NoSharedMemory(str(exc)) from exc
+        raise
     tensor = tensor[:nbytes]
     return tensor, tensor.numpy()
 
 
-def ring_bytes(nbytes: int, size: int = 0, run: int = 1) -> int:
+def shared_ints(values: list[int], owner: str) -> torch.Tensor:
+    """A small int64 tensor in shared memory (a loader's flags for its workers).
+
+    Raises:
+        WorkerStartError: no shared memory is left for it, naming the filesystem and the fix.
+    """
+    try:
+        return torch.tensor(values, dtype=torch.int64).share_memory_()
+    except (RuntimeError, OSError) as exc:
+        if not _short_of_memory(exc):
+            raise
+        room = shm_room()
+        where = f"{SHM} holds {room[0] / 2**20:.0f} MiB, {room[1] / 2**20:.0f} MiB of it free" if room else \
+            "no shared memory filesystem was found"
+        raise WorkerStartError(
+            f"{owner}: its DataLoader workers cannot start: no shared memory is left ({exc}; {where}). Free "
+            f"some (files left in {SHM} by other programs), give it more room (docker run --shm-size=2g), or "
+            "iterate with num_workers=0") from exc
+
+
+def ring_bytes(nbytes: int, size: int = 0, run: int = 1, cap: int = ARENA_BYTES) -> int:
     """The size of a ring for batches of about ``nbytes`` sent ``run`` at a time, or of the
     ring that replaces a full one of ``size``: room for ``RING_BATCHES`` runs of them, twice
-    the full one, between ``RING_BYTES`` and ``ARENA_BYTES``. Every page of a ring is
-    touched once (a page fault in the worker and in the main process), so it is no larger
-    than what is in flight: a worker's prefetched batches and the ones the trainer holds."""
-    return min(ARENA_BYTES, max(RING_BYTES, RING_BATCHES * max(1, run) * nbytes, 2 * size))
+    the full one, between ``RING_BYTES`` and ``cap`` (``ARENA_BYTES``, or less where shared
+    memory is short: :func:`ring_cap`). Every page of a ring is touched once (a page fault
+    in the worker and in the main process), so it is no larger than what is in flight: a
+    worker's prefetched batches and the ones the trainer holds."""
+    return min(cap, ARENA_BYTES, max(RING_BYTES, RING_BATCHES * max(1, run) * nbytes, 2 * size))
 
 
 class Arena:
@@ -121,16 +202,26 @@ class Arena:
 
 
 def place(arena: Arena | None, shared: bool, nbytes: int,
-          run: int = 1) -> tuple[Arena, tuple[np.ndarray, int, int] | None]:
+          run: int = 1) -> tuple[Arena | None, tuple[np.ndarray, int, int] | None]:
     """Where a reader puts a batch of ``nbytes`` (sent ``run`` at a time): its ring (made now
     for this process if ``arena`` is None or another process's; a larger one if it is full)
-    and the batch's place there (:meth:`Arena.alloc`), or None: a buffer of its own."""
+    and the batch's place there (:meth:`Arena.alloc`), or None: a buffer of its own (also
+    when the free shared memory holds no ring for it: :func:`ring_cap`).
+
+    Raises:
+        NoSharedMemory: a shared ring could not be made.
+    """
     if arena is None or arena.id[0] != os.getpid():
-        arena = Arena(shared, ring_bytes(nbytes, run=run))
+        cap = ring_cap(shared)
+        if cap < HEADER + 2 * max(1, nbytes):  # no ring of room for two such batches
+            return None, None
+        arena = Arena(shared, ring_bytes(nbytes, run=run, cap=cap))
     got = arena.alloc(nbytes)
     if got is None and arena.size < ARENA_BYTES and 2 * nbytes <= ARENA_BYTES:
-        arena = Arena(shared, ring_bytes(nbytes, arena.size))
-        got = arena.alloc(nbytes)
+        cap = ring_cap(shared) + arena.size + HEADER  # the full ring is given back once its batches are
+        if ring_bytes(nbytes, arena.size, cap=cap) > arena.size:
+            arena = Arena(shared, ring_bytes(nbytes, arena.size, cap=cap))
+            got = arena.alloc(nbytes)
     return arena, got
 
 
@@ -146,31 +237,56 @@ class Space:
     buffer of the batch's own), ``ring`` the ring's id (None: a buffer of its own),
     ``start`` and ``seq`` its place in the ring."""
 
-    arena: Arena
+    arena: Arena | None
     arr: np.ndarray
     buf: Any
     ring: Any
     start: int
     seq: int
+    short: str | None = None  # why the batch is not in shared memory though it was asked to be
 
     def sent(self) -> None:
         """The batch was written and goes out: later batches of a shared ring go without it."""
         a = self.arena
-        a.sent = a.sent or (a.shared and self.ring is not None)
+        if a is not None:
+            a.sent = a.sent or (a.shared and self.ring is not None)
 
     def drop(self) -> None:
         """The batch was not written (read on another path): its space is free now."""
-        if self.ring is not None:
+        if self.ring is not None and self.arena is not None:
             self.arena.release(self.seq)
 
 
 def reserve(arena: Arena | None, shared: bool, nbytes: int, run: int = 1) -> Space:
     """Space for a batch of ``nbytes`` (sent ``run`` at a time): in the reader's ring
-    (:func:`place`), or in a buffer of its own when the ring cannot hold it now."""
-    arena, got = place(arena, shared, nbytes, run)
-    if got is None:  # the ring is full (or the batch too large for it): a buffer of its own
-        buf, arr = allocate(nbytes, shared)
-        return Space(arena, arr, buf, None, 0, -1)
+    (:func:`place`), or in a buffer of its own when the ring cannot hold it now; where
+    no shared memory can be had, in this process's memory, with the reason in ``short``."""
+    if shared and _AVOID[0] > 0:  # shared memory ran out lately: not tried again yet
+        _AVOID[0] -= 1
+        return _unshared(arena, nbytes, _AVOID[1])
+    try:
+        arena, got = place(arena, shared, nbytes, run)
+        if got is None:  # the ring is full (or the batch too large for it): a buffer of its own
+            buf, arr = allocate(nbytes, shared)
+            return Space(arena, arr, buf, None, 0, -1)
+    except NoSharedMemory as exc:
+        _AVOID[:] = [AVOID_BATCHES, _why(nbytes, exc)]
+        return _unshared(arena, nbytes, _AVOID[1])
     arr, start, seq = got
+    assert arena is not None
     return Space(arena, arr, None if (shared and arena.sent) else arena.owner, arena.id, start, seq)
+
+
+def _unshared(arena: Arena | None, nbytes: int, why: str) -> Space:
+    """A batch's buffer in this process's memory: pickled through the pipe with its batch."""
+    _, arr = allocate(nbytes, False)
+    return Space(arena if arena is not None and arena.id[0] == os.getpid() else None, arr, arr, None, 0, -1, why)
+
+
+def _why(nbytes: int, exc: BaseException) -> str:
+    room = shm_room()
+    where = f"{SHM} holds {room[0] / 2**20:.0f} MiB, {room[1] / 2**20:.0f} MiB of it free" if room else \
+        "this system has no shared memory filesystem to measure"
+    size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 // 10 else f"{max(1, -(-nbytes // 1024))} KiB"
+    return f"a DataLoader worker could not get {size} of shared memory for a batch ({exc}); {where}"
 

@@ -22,6 +22,10 @@ Invariants:
   with the last process that maps it, whichever way the processes end (``kill -9``
   included). Under the ``file_system`` strategy torch's ``torch_shm_manager`` removes
   the names when the job's processes are gone;
+- a batch for which the worker can get no shared memory (``/dev/shm`` full) is packed
+  into the worker's own memory and pickled with the message instead: the same sample
+  dicts, one copy more, and one ``SharedMemoryWarning`` an iteration in the main
+  process (stream/ring.py);
 - a worker sends its batches of local shards a run at a time (:class:`PackedRun`, of
   :func:`run_length` consecutive plan batches, the runs dealt to the workers in turn),
   so the main process receives them in plan order, one message per run;
@@ -35,6 +39,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -43,6 +48,8 @@ import numpy as np
 import torch
 from webdataset.filters import default_collation_fn
 
+from ..core.planning.plan import user_stacklevel
+from ..errors import SharedMemoryWarning
 from .collate import collate_batch, collate_columns, run_collation, where_samples
 from .ring import HEADER, Arena, release, reserve
 
@@ -69,6 +76,8 @@ class PackedBatch:
         keys, urls, ids, pads: per sample its ``__key__``, ``__url__``, ``__index__``, ``__pad__``.
         seeds: per sample its ``__seed__`` (None: unseeded).
         meta: the batch's ``__bucket__``, ``__dataset__``, ``__epoch__``, ``__step__``, ``__batch__``.
+        short: set when shared memory ran out: ``buf`` is the worker's own, pickled through
+            the pipe, and this says why (the main process warns once an iteration).
     """
 
     buf: Any
@@ -86,6 +95,7 @@ class PackedBatch:
     meta: tuple[Any, Any, int, int, int]
     packs: list[int] | None = None  # under a Pack: each sample's ``__pack__``
     seeds: list[Any] | None = None  # per sample its ``__seed__`` (core/sampleseed.py)
+    short: str | None = None  # why a worker's batch is in its own memory, not shared (ring.Space)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -230,7 +240,7 @@ def pack_samples(samples: list[Any], arena: Arena | None, shared: bool) -> tuple
         exts, counts, [s["__key__"] for s in samples], [s["__url__"] for s in samples],
         [s["__index__"] for s in samples], [s["__pad__"] for s in samples],
         (first["__bucket__"], first["__dataset__"], first["__epoch__"], first["__step__"], first["__batch__"]),
-        None, [s["__seed__"] for s in samples])
+        None, [s["__seed__"] for s in samples], space.short)
 
 
 def as_views(samples: list[Any]) -> list[Any]:
@@ -251,12 +261,22 @@ def unpacked(item: Any, collation_fn: Any, zero_copy: bool, rings: dict[Any, np.
         yield unpack(batch, collation_fn, zero_copy, rings, shards)
 
 
+_SHORT = "short of shared memory: warned"  # a mark in an iteration's ``rings``, beside the rings' ids
+
+
 def unpack(batch: Any, collation_fn: Any, zero_copy: bool, rings: dict[Any, np.ndarray], shards: Any = None) -> Any:
     """In the main process: a batch as the dataset yields it in one process. ``rings``:
     the workers' rings seen so far in this iteration, by id; ``shards``: the main
     process's own mappings (stream/mappedbatch.py), for batches sent by reference."""
     if isinstance(batch, (PackedBatch, LooseBatch)):
         if isinstance(batch, PackedBatch):
+            if batch.short is not None and _SHORT not in rings:  # once an iteration
+                rings[_SHORT] = True
+                warnings.warn(SharedMemoryWarning(
+                    f"Loader: {batch.short}. Its batches now cross through the pipe, a copy more each "
+                    "(slower, the same samples). Give shared memory more room (in a container: docker run "
+                    "--shm-size=2g, or a Kubernetes emptyDir volume with medium: Memory on /dev/shm), or "
+                    "use fewer workers or smaller batches"), stacklevel=user_stacklevel())
             samples = batch.samples(zero_copy, rings, shards)
         else:
             samples = as_views(list(batch)) if zero_copy else list(batch)
