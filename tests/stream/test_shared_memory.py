@@ -220,3 +220,28 @@ def test_a_full_real_dev_shm_is_one_clear_error(tmp_path: Path) -> None:
         assert out[zc]["error"] == "WorkerStartError", out
         assert "no shared memory is left" in out[zc]["message"] and "/dev/shm holds 2 MiB, 0 MiB of it free" in \
             out[zc]["message"]
+
+
+def test_runs_shrink_to_fit_a_ring_capped_by_a_small_dev_shm(index: Index, monkeypatch: pytest.MonkeyPatch) -> None:
+    from wds_pad.stream import loader as loader_module, transport
+
+    assert transport.run_length(64, 10_000) == 4  # 256 samples, 2.5 MB
+    assert transport.run_length(64, 10_000, most=64 << 20) == 4  # never past RUN_BYTES
+    assert transport.run_length(64, 10_000, most=1 << 20) == 1  # a 4 MiB ring holds four 1 MiB runs
+    want = list(Loader(_ds(index, batch_size=2), num_workers=0))
+    assert transport.run_length(2, index.length.mean()) > 1  # these batches travel in runs of several
+    runs: list[int] = []
+    real = loader_module.unpacked
+
+    def spy(item, *args):  # type: ignore[no-untyped-def]
+        runs.append(len(item) if isinstance(item, transport.PackedRun) else 1)
+        return real(item, *args)
+
+    monkeypatch.setattr(loader_module, "unpacked", spy)
+    monkeypatch.setattr(rings, "shm_room", lambda path=rings.SHM: (64 << 20, 64 << 10))  # 64 KiB free: tiny rings
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SharedMemoryWarning)  # the workers never ran out: their rings fit
+        got = list(Loader(_ds(index, batch_size=2), num_workers=2, multiprocessing_context="fork"))
+    assert got == want and len(got) > 8
+    assert runs and set(runs) == {1}  # one batch a message, to fit the capped rings

@@ -33,7 +33,7 @@ from .fetch import Counters, all_local as _all_local, substitute
 from .stages import PlannedSource, apply_stages, batch_refs, sized_batches
 from .wholeshards import whole_shards
 from . import mappedbatch
-from .ring import Arena
+from .ring import RING_BATCHES, Arena, ring_cap
 from .transport import LooseBatch, PackedRun, as_views, pack_samples, run_length
 from ..state import PlanSpec
 
@@ -125,8 +125,10 @@ class BatchMaker:
         sample_bytes = _sample_bytes(spec) if pack else 0.0
         large = pack and self.refs is not None and sample_bytes >= mappedbatch.REF_BYTES  # smaller: the ring is faster
         refs = self.refs.numpy() if large else None
-        # runs sent by reference carry no payload: as many samples as a run holds, whatever their size
-        run = run_length(spec.batch_size, 0.0 if refs is not None else sample_bytes) if pack else 1
+        # runs sent by reference carry no payload: as many samples as a run holds, whatever their size;
+        # others fill the ring, which a small /dev/shm caps (ring.ring_cap)
+        run = run_length(spec.batch_size, 0.0 if refs is not None else sample_bytes,
+                         ring_cap(True) // RING_BATCHES) if pack else 1
         source = PlannedSource(spec, source.start, source.worker, run)
         fast = BatchReader(fetcher.reader, spec.names, spec.indexes, self.arenas)
         fast.run, fast.refs = run, refs

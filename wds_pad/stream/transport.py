@@ -175,14 +175,16 @@ class PackedRun(list):  # type: ignore[type-arg]
     empty or short ones too, so DataLoader's round-robin keeps plan order."""
 
 
-def run_length(batch_size: Any, sample_bytes: float) -> int:
+def run_length(batch_size: Any, sample_bytes: float, most: int = RUN_BYTES) -> int:
     """Plan batches a worker sends in one message (``PlannedSource``'s ``run``): enough for
-    ``RUN_SAMPLES`` samples, at most ``RUN_BYTES`` of them, from 1 to ``MAX_RUN``; 1 for a
-    budget (its batches' sizes vary). ``sample_bytes``: the mean byte range of a sample."""
+    ``RUN_SAMPLES`` samples, at most ``most`` bytes of them (``RUN_BYTES``; less where a
+    ring is capped by the free shared memory: a ring holds ``RING_BATCHES`` messages), from
+    1 to ``MAX_RUN``; 1 for a budget (its batches' sizes vary). ``sample_bytes``: the mean
+    byte range of a sample."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         return 1
     by_count = -(-RUN_SAMPLES // batch_size)
-    by_bytes = int(RUN_BYTES // max(1.0, batch_size * float(sample_bytes)))
+    by_bytes = int(min(RUN_BYTES, most) // max(1.0, batch_size * float(sample_bytes)))
     return max(1, min(MAX_RUN, by_count, by_bytes))
 
 
