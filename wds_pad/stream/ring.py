@@ -127,11 +127,8 @@ def shared_ints(values: list[int], owner: str) -> torch.Tensor:
     except (RuntimeError, OSError) as exc:
         if not _short_of_memory(exc):
             raise
-        room = shm_room()
-        where = f"{SHM} holds {room[0] / 2**20:.0f} MiB, {room[1] / 2**20:.0f} MiB of it free" if room else \
-            "no shared memory filesystem was found"
         raise WorkerStartError(
-            f"{owner}: its DataLoader workers cannot start: no shared memory is left ({exc}; {where}). Free "
+            f"{owner}: its DataLoader workers cannot start: no shared memory is left ({exc}; {_room_said()}). Free "
             f"some (files left in {SHM} by other programs), give it more room (docker run --shm-size=2g), or "
             "iterate with num_workers=0") from exc
 
@@ -284,9 +281,14 @@ def _unshared(arena: Arena | None, nbytes: int, why: str) -> Space:
 
 
 def _why(nbytes: int, exc: BaseException) -> str:
-    room = shm_room()
-    where = f"{SHM} holds {room[0] / 2**20:.0f} MiB, {room[1] / 2**20:.0f} MiB of it free" if room else \
-        "this system has no shared memory filesystem to measure"
     size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 // 10 else f"{max(1, -(-nbytes // 1024))} KiB"
-    return f"a DataLoader worker could not get {size} of shared memory for a batch ({exc}); {where}"
+    return f"a DataLoader worker could not get {size} of shared memory for a batch ({exc}); {_room_said()}"
+
+
+def _room_said() -> str:
+    """How large the shared memory filesystem is and what of it is free, for a message."""
+    room = shm_room()
+    if room is None:
+        return "no shared memory filesystem was found to measure"
+    return f"{SHM} holds {room[0] / 2**20:.0f} MiB, {room[1] / 2**20:.0f} MiB of it free"
 
