@@ -166,6 +166,35 @@ def test_a_worker_error_is_its_own_not_a_worker_death(index: Index) -> None:
     assert not isinstance(err.value, WorkerError)
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 8 worker processes")
+def test_an_error_of_the_last_of_eight_workers_is_its_own_though_torch_stopped_that_worker(
+        index: Index, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failing worker's iteration ends with its error; torch tells it to exit (code 0)
+    as soon as that end reaches the main process, which may be before the main process
+    comes, in plan order, to the error itself: that worker is not a death."""
+    from torch.utils.data import get_worker_info
+    from wds_pad.stream import batchread, transport
+
+    real = batchread.BatchReader.read_packed
+
+    def fails_in_the_last(self, batch, shared):  # type: ignore[no-untyped-def]
+        if get_worker_info().id == 7:
+            raise RuntimeError("the last worker's read failed")
+        return real(self, batch, shared)
+
+    monkeypatch.setattr(batchread.BatchReader, "read_packed", fails_in_the_last)
+    monkeypatch.setattr(transport, "RUN_SAMPLES", 1)  # a batch a message: every worker has batches
+    loader = Loader(make_dataset(index, quiet=True, seed=7, topology=Topology(1, 0), check_agreement=False,
+                                 batch_size=2), num_workers=8, multiprocessing_context="fork")
+    got = 0
+    with pytest.raises(RuntimeError, match="the last worker's read failed") as err:
+        for _ in loader:
+            got += 1
+            time.sleep(0.05)  # the failing worker's end reaches the main process before its turn
+    assert not isinstance(err.value, WorkerError)
+    assert got == 7  # the batches of workers 0-6, then worker 7's first: its error
+
+
 def test_the_users_worker_init_fn_still_runs_in_every_worker(index: Index, tmp_path: Path) -> None:
     def init(worker_id: int) -> None:
         (tmp_path / f"init-{worker_id}").write_text(str(os.getpid()))

@@ -23,7 +23,9 @@ Invariants:
   raised where the loop asks for its next batch (:func:`watched`): torch's SIGCHLD
   handler, which raises a bare RuntimeError wherever the main thread happens to be (in
   the training step too), is not told about our workers; torch's own check of its
-  workers, every few seconds while a batch is awaited, finds the dead one.
+  workers, every few seconds while a batch is awaited, finds the dead one;
+- an error raised in a worker is that error (torch re-raises it), never a WorkerError,
+  even when torch has stopped that worker by then (it exits with 0).
 
 Why: CPython 3.11.9 and older (gh-112275, fixed in 3.11.10 and 3.12) can deadlock a forked
 child when another thread holds the interpreter's thread-state lock at the moment of the
@@ -38,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import re
 import signal
 import time
 import warnings
@@ -145,13 +148,18 @@ def _ended(code: int | None) -> str:
     return "exited" if code is None else f"exited with code {code}"
 
 
-def _dead_workers(batches: Any, wait: float) -> list[tuple[int, Any]]:
-    """The workers of ``batches`` that ended (none ends before we stop it), waiting up to
-    ``wait`` seconds for one that is dying to be reaped."""
+def _dead_workers(batches: Any, wait: float, named: set[int] | None = None) -> list[tuple[int, Any]]:
+    """The workers of ``batches`` that ended, waiting up to ``wait`` seconds for one that is
+    dying to be reaped. With ``named`` (the pids torch's error calls dead), one that exited
+    with 0 counts only if named there: torch stops a worker whose dataset raised (it exits
+    with 0) as soon as the end of its iteration reaches the main process, which can be
+    before the main process comes, in plan order, to the error the worker sent, then
+    re-raised: that error is the cause, not a death."""
     workers = list(getattr(batches, "_workers", ()))
     deadline = time.monotonic() + wait
     while True:
-        dead = [(i, w) for i, w in enumerate(workers) if w.exitcode is not None]
+        dead = [(i, w) for i, w in enumerate(workers)
+                if w.exitcode is not None and (w.exitcode != 0 or named is None or w.pid in named)]
         if dead or time.monotonic() >= deadline:
             return dead
         time.sleep(0.05)
@@ -198,7 +206,9 @@ def _raise_if_died(batches: Any, owner: str, exc: BaseException, when: str = "wh
     """Raise a WorkerError if ``exc`` (raised by ``batches``) means a worker died."""
     # RuntimeError: torch saw the worker gone; ConnectionError/EOFError: it died while
     # the main process fetched a batch's shared memory from it (torch's resource sharer)
-    dead = _dead_workers(batches, wait=0.0 if isinstance(exc, RuntimeError) else 2.0)
+    said = re.search(r"pid\(s\) ([\d, ]+)\) exited unexpectedly", str(exc))
+    named = {int(p) for p in said.group(1).split(",") if p.strip()} if said else set()
+    dead = _dead_workers(batches, wait=0.0 if isinstance(exc, RuntimeError) else 2.0, named=named)
     if not dead and (not isinstance(exc, RuntimeError) or
                      not any(m in str(exc) for m in ("exited unexpectedly", "killed by signal"))):
         return
