@@ -64,9 +64,11 @@ class NoSharedMemory(Exception):
 
 
 def _short_of_memory(exc: BaseException) -> bool:
+    """Whether torch's shared allocation failed for want of room (``ENOSPC``, ``ENOMEM``),
+    not for another reason (no descriptor left, say: that error propagates)."""
     text = str(exc)
-    return (getattr(exc, "errno", None) in (errno.ENOSPC, errno.ENOMEM) or "shared memory" in text
-            or "No space left" in text or "Cannot allocate memory" in text)
+    return (getattr(exc, "errno", None) in (errno.ENOSPC, errno.ENOMEM) or "No space left on device" in text
+            or "Cannot allocate memory" in text)
 
 
 def shm_room(path: str = SHM) -> tuple[int, int] | None:
