@@ -127,8 +127,12 @@ class BatchMaker:
         refs = self.refs.numpy() if large else None
         # runs sent by reference carry no payload: as many samples as a run holds, whatever their size;
         # others fill the ring, which a small /dev/shm caps (ring.ring_cap)
-        run = run_length(spec.batch_size, 0.0 if refs is not None else sample_bytes,
-                         ring_cap(True) // RING_BATCHES) if pack else 1
+        if not pack:
+            run = 1
+        elif refs is not None:
+            run = run_length(spec.batch_size, 0.0)
+        else:
+            run = run_length(spec.batch_size, sample_bytes, ring_cap(True) // RING_BATCHES)
         source = PlannedSource(spec, source.start, source.worker, run)
         fast = BatchReader(fetcher.reader, spec.names, spec.indexes, self.arenas)
         fast.run, fast.refs = run, refs
