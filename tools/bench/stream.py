@@ -42,6 +42,14 @@ both shard kinds in the same round robin:
 * ``raw read 8 MiB``  reading the shard files sequentially with 8 MiB reads into one
   reused buffer: the bandwidth of the page cache.
 
+Outside the round robin, the machine's ceiling for workers that copy: every planned
+sample copied once out of the shards' mappings into a reused buffer the size of a
+worker's ring, by 2 processes at once (every other batch each, as 2 workers take them)
+against 1 (all of them), in MB/s. Where the copy takes the memory's bandwidth, this is
+the most ``Loader(2)`` can gain over one process when its workers copy every byte once
+(``zero_copy`` batches, and batches through the ring): one process copies every byte
+once too.
+
 On the ``--also-producer`` shards only the fast path's contenders (``wds_pad direct``,
 ``wds_pad batch 1``) and their peers (``webdataset``, the bare pread loop) run.
 Prints samples/s, MB/s, wall and CPU microseconds per sample (the process, its threads
@@ -243,6 +251,64 @@ def raw_read(urls: list[str]) -> int:
     return n
 
 
+def _copy_share(urls: list[str], shard: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, batch: int,
+                part: int, parts: int, ring: int, out: Any) -> None:
+    """In one of ``parts`` processes: the planned samples of every ``parts``-th batch (as
+    DataLoader workers take them), each copied out of its shard's mapping into a reused
+    buffer of ``ring`` bytes (a worker's ring); puts (bytes copied, wall seconds)."""
+    import mmap
+
+    maps = []
+    for u in urls:
+        with open(u, "rb") as f:
+            maps.append(memoryview(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)))
+    buf = memoryview(mmap.mmap(-1, ring))  # shared anonymous memory, as a ring is
+    mine = (np.arange(shard.size) // batch) % parts == part
+    rows = zip(shard[mine].tolist(), offsets[mine].tolist(), lengths[mine].tolist())
+    t, at, n = time.perf_counter(), 0, 0
+    for s, o, ln in rows:
+        if at + ln > ring:
+            at = 0
+        buf[at:at + ln] = maps[s][o:o + ln]
+        at += ln
+        n += ln
+    out.put((n, time.perf_counter() - t))
+
+
+def copy_rate(urls: list[str], index: Index, ids: np.ndarray, batch: int, parts: int, ring: int) -> float:
+    """Bytes a second at which ``parts`` processes at once copy every planned sample once,
+    out of the shards' mappings into rings of ``ring`` bytes: the machine's rate for the
+    copy a Loader's workers make of every byte (``zero_copy``), or one process makes."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    args = (urls, index.shard[ids], index.offset[ids], index.length[ids], batch)
+    procs = [ctx.Process(target=_copy_share, args=(*args, p, parts, ring, out)) for p in range(parts)]
+    for p in procs:
+        p.start()
+    got = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return sum(n for n, _ in got) / max(w for _, w in got)
+
+
+def copy_ceiling(urls: list[str], index: Index, ids: np.ndarray, batch: int, repeat: int) -> float:
+    """How much faster 2 processes copy every planned sample once than 1 process does (best
+    rates of ``repeat`` rounds, alternated), into rings the size a worker makes for these
+    batches: on a machine whose memory bandwidth the copy takes, the most Loader(2) can gain
+    where its workers copy every byte once, as ``zero_copy`` batches are."""
+    from wds_pad.stream.ring import ring_bytes
+
+    nbytes = int(index.length[ids[:batch]].sum())
+    ring = ring_bytes(nbytes, run=run_length(batch, nbytes / batch))
+    one = two = 0.0
+    for _ in range(repeat):
+        one = max(one, copy_rate(urls, index, ids, batch, 1, ring))
+        two = max(two, copy_rate(urls, index, ids, batch, 2, ring))
+    return two / one
+
+
 # -- driver -------------------------------------------------------------------------------
 USTAR = "tarfile-ustar"
 # contenders that run on the --also-producer shards too: the fast path and its peers
@@ -339,6 +405,8 @@ def run_case(label: str, kinds: dict[str, tuple[list[str], Index]], batch_size: 
         r["cpu"][name] = best[key].cpu / count * 1e6
     first = dataset(kinds[main][1], batch_size)
     out[main]["start"]["wds_pad Loader(2)"] = min(loader_start(first, 2) for _ in range(repeat))
+    urls, index = kinds[main]  # the machine's ceiling for copies by two processes, outside the round robin
+    out[main]["ceiling"] = copy_ceiling(urls, index, ids_of[main], batch_size, repeat)  # type: ignore[assignment]
     for kind, (_, index) in kinds.items():  # outside the round robin: descriptors opened untimed
         ids, r = ids_of[kind], out[kind]
         pread_secs, pread_cpu = min(bare_pread(index, ids, batch_size) for _ in range(repeat))
@@ -393,6 +461,9 @@ def targets(results: dict[str, dict[str, dict[str, dict[str, float]]]], main: st
                         large["bw"][f"wds_pad Loader(2){kept}"] / large["bw"]["wds_pad direct"], 1.0),
                  _ratio(f"500 KB, Loader(2){kept} zero_copy vs one process (MB/s)",
                         large["bw"][f"wds_pad Loader(2){kept}, zero_copy"] / large["bw"]["wds_pad direct"], 1.5)]
+    for label, r in (("10 KB", small), ("500 KB", large)):
+        rows.append([f"{label}, the machine: every planned byte copied once, 2 processes at once vs 1 (MB/s)",
+                     f"{r['ceiling']:.2f}x", "(a ceiling)"])
     rows += [_ratio("10 KB, one process zero_copy vs the bare pread loop",
                     rate["wds_pad direct, zero_copy"] / rate["bare pread loop"], 0.7)]
     if "litdata in order, no workers" in rate:
