@@ -1,0 +1,110 @@
+"""A property over Loader's configurations: whatever the workers, the batch sizing, the
+member type, whether workers are kept, where a run stops and how many workers resume it,
+the trainer gets exactly the batches of one process, in plan order, epoch after epoch.
+
+The configurations reach every way a batch crosses from a worker: through its ring
+(small samples), by reference (samples of ``REF_BYTES`` and more, ``bytes``), in its ring
+with views (``zero_copy``), one batch a message (a budget, batch 1) or runs of them, and
+loose (a transform in the worker).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from wds_pad import Budget, Topology
+from wds_pad.cli.synth import make_blob_shards, make_image_shards
+from wds_pad.index.build import build_index
+from wds_pad.index.codec import load_index
+from wds_pad.index.record import Index
+from wds_pad.io import shardmaps
+from wds_pad.stream.loader import Loader
+from wds_pad.stream.mappedbatch import REF_BYTES
+
+from data_helpers import make_dataset
+
+pytestmark = [pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning"),
+              pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
+
+
+@pytest.fixture(scope="module")
+def indexes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Index]:
+    def indexed(name: str, paths: list[str]) -> Index:  # with a cost per sample, for budgets
+        out = str(Path(paths[0]).parent / f"{name}.wdsidx")
+        build_index(paths, "aspect:width,height", output=out, cost="bytes")
+        return load_index(out)
+
+    small = indexed("small", make_image_shards(tmp_path_factory.mktemp("small"), samples=72, shards=3, seed=5))
+    large = indexed("large", make_blob_shards(tmp_path_factory.mktemp("large"), samples=40,
+                                              sample_bytes=2 * REF_BYTES, shards=3, seed=6))
+    assert float(np.mean(large.length)) >= REF_BYTES  # its batches go by reference
+    return {"small": small, "large": large}
+
+
+@pytest.fixture(autouse=True)
+def _no_disk_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page cache dropped by the machine meanwhile would turn mapping off (and with it
+    batches by reference): the paths this property reaches would depend on the machine."""
+    monkeypatch.setattr(shardmaps, "faults", lambda: 0)
+
+
+def _sizing(index: Index, how: str) -> Any:
+    if how == "budget":
+        return Budget(4.0 * float(np.median(np.asarray(index.cost, dtype=np.float64))))
+    return int(how)
+
+
+def _tag(sample: dict[str, Any]) -> dict[str, Any]:
+    """A per-sample transform: the batch travels loose (pickled), not packed."""
+    return {**sample, "__tag__": sample["__key__"][::-1]}
+
+
+def _ds(index: Index, sizing: Any, zero_copy: bool = False, transform: bool = False) -> Any:
+    ds = make_dataset(index, quiet=True, seed=3, batch_size=sizing, topology=Topology(1, 0),
+                      check_agreement=False, zero_copy=zero_copy)
+    return ds.map(_tag) if transform else ds
+
+
+def _plain(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A batch with every member as bytes: views compare with bytes."""
+    return [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()} for s in batch]
+
+
+def _epoch(loader: Loader, epoch: int, stop: int | None = None) -> list[list[dict[str, Any]]]:
+    loader.set_epoch(epoch)
+    out = []
+    for batch in loader:
+        out.append(_plain(batch))
+        if stop is not None and len(out) == stop:
+            break
+    return out
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.sampled_from(["small", "large"]), sizing=st.sampled_from(["1", "3", "4", "7", "budget"]),
+       workers=st.integers(1, 4), again=st.integers(0, 3), zero_copy=st.booleans(), kept=st.booleans(),
+       transform=st.booleans(), stop=st.integers(0, 12))
+def test_loader_batches_are_one_process_batches_in_any_configuration(
+        indexes: dict[str, Index], data: str, sizing: str, workers: int, again: int, zero_copy: bool,
+        kept: bool, transform: bool, stop: int) -> None:
+    index = indexes[data]
+    size = _sizing(index, sizing)
+    want = [_epoch(Loader(_ds(index, size, transform=transform), num_workers=0), e) for e in (0, 1)]
+    stop = min(stop, len(want[0]))
+
+    first = Loader(_ds(index, size, zero_copy, transform), num_workers=workers, persistent_workers=kept)
+    got = _epoch(first, 0, stop) if stop else []
+    state = first.state_dict()
+    first.close()
+    resumed = Loader(_ds(index, size, zero_copy, transform), num_workers=again, persistent_workers=kept and again > 0)
+    resumed.load_state_dict(state)
+    for batch in resumed:  # the rest of epoch 0, from the saved position
+        got.append(_plain(batch))
+    assert got == want[0]
+    assert _epoch(resumed, 1) == want[1]
+    resumed.close()
