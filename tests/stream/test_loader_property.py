@@ -1,15 +1,18 @@
-"""A property over Loader's configurations: whatever the workers, the batch sizing, the
+"""Properties over Loader's configurations: whatever the workers, the batch sizing, the
 member type, whether workers are kept, where a run stops and how many workers resume it,
 the trainer gets exactly the batches of one process, in plan order, epoch after epoch.
 
 The configurations reach every way a batch crosses from a worker: through its ring
 (small samples), by reference (samples of ``REF_BYTES`` and more, ``bytes``), in its ring
 with views (``zero_copy``), one batch a message (a budget, batch 1) or runs of them, and
-loose (a transform in the worker).
+loose (a transform in the worker); and over HTTP every way a remote sample is read: by
+range, or whole shards (``locality="shard"``) in memory, through the job's own folder
+(workers) or a ``cache_dir``, cold or warm.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from wds_pad import Budget, Topology
+from wds_pad import Budget, ReadOptions, Topology
 from wds_pad.cli.synth import make_blob_shards, make_image_shards
 from wds_pad.index.build import build_index
 from wds_pad.index.codec import load_index
@@ -26,7 +29,9 @@ from wds_pad.io import shardmaps
 from wds_pad.stream.loader import Loader
 from wds_pad.stream.mappedbatch import REF_BYTES
 
-from data_helpers import make_dataset
+from data_helpers import make_dataset, serve_dir
+
+pytest_plugins = ["conftest_servers"]
 
 pytestmark = [pytest.mark.filterwarnings("ignore::wds_pad.errors.DroppedBucketWarning"),
               pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
@@ -64,9 +69,9 @@ def _tag(sample: dict[str, Any]) -> dict[str, Any]:
     return {**sample, "__tag__": sample["__key__"][::-1]}
 
 
-def _ds(index: Index, sizing: Any, zero_copy: bool = False, transform: bool = False) -> Any:
+def _ds(index: Index | str, sizing: Any, zero_copy: bool = False, transform: bool = False, **kw: Any) -> Any:
     ds = make_dataset(index, quiet=True, seed=3, batch_size=sizing, topology=Topology(1, 0),
-                      check_agreement=False, zero_copy=zero_copy)
+                      check_agreement=False, zero_copy=zero_copy, **kw)
     return ds.map(_tag) if transform else ds
 
 
@@ -107,4 +112,43 @@ def test_loader_batches_are_one_process_batches_in_any_configuration(
         got.append(_plain(batch))
     assert got == want[0]
     assert _epoch(resumed, 1) == want[1]
+    resumed.close()
+
+
+def _unplaced(batches: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Batches without ``__url__``: a shard's URL is where it was read from."""
+    return [[{k: v for k, v in s.items() if k != "__url__"} for s in b] for b in batches]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(locality=st.sampled_from(["none", "shard"]), sizing=st.sampled_from(["1", "3", "4"]),
+       workers=st.integers(0, 3), again=st.integers(0, 3), zero_copy=st.booleans(), kept=st.booleans(),
+       cached=st.sampled_from([None, "cold", "warm"]), stop=st.integers(0, 10))
+def test_loader_batches_over_http_are_local_batches_in_any_configuration(
+        indexes: dict[str, Index], nginx_server: Any, tmp_path_factory: pytest.TempPathFactory, locality: str,
+        sizing: str, workers: int, again: int, zero_copy: bool, kept: bool, cached: str | None, stop: int) -> None:
+    index = indexes["small"]
+    local = os.path.dirname(index.urls[0])
+    url = serve_dir(nginx_server, Path(local), "property")
+    want = [_unplaced(_epoch(Loader(_ds(index, int(sizing), locality=locality), num_workers=0), e)) for e in (0, 1)]
+    stop = min(stop, len(want[0]))
+    folder = str(tmp_path_factory.mktemp("cache")) if cached else None
+
+    def remote() -> Any:
+        return _ds(str(index.path), int(sizing), zero_copy, locality=locality, relocate={local: url},
+                   read_options=ReadOptions(cache_dir=folder))
+
+    if cached == "warm":  # a job before this one filled the folder
+        _epoch(Loader(remote(), num_workers=0), 0)
+    first = Loader(remote(), num_workers=workers, persistent_workers=kept and workers > 0)
+    got = _epoch(first, 0, stop) if stop else []
+    state = first.state_dict()
+    first.close()
+    resumed = Loader(remote(), num_workers=again, persistent_workers=kept and again > 0)
+    resumed.load_state_dict(state)
+    for batch in resumed:
+        got.append(_plain(batch))
+    assert resumed.dataset.spec.indexes[0].urls[0].startswith("http://")
+    assert _unplaced(got) == want[0]
+    assert _unplaced(_epoch(resumed, 1)) == want[1]
     resumed.close()
