@@ -152,3 +152,65 @@ def test_loader_batches_over_http_are_local_batches_in_any_configuration(
     assert _unplaced(got) == want[0]
     assert _unplaced(_epoch(resumed, 1)) == want[1]
     resumed.close()
+
+
+@pytest.fixture(scope="module")
+def dealt(tmp_path_factory: pytest.TempPathFactory) -> Index:
+    """Enough shards to deal among 4 DP ranks under ``locality="shard"``."""
+    folder = tmp_path_factory.mktemp("dealt")
+    out = str(folder / "ix.wdsidx")
+    build_index(make_image_shards(folder, samples=120, shards=8, seed=9), "aspect:width,height", output=out)
+    return load_index(out)
+
+
+def _rank(index: Index, dp: int, cp: int, rank: int, batch: int, locality: str) -> Any:
+    return make_dataset(index, quiet=True, seed=5, batch_size=batch, check_agreement=False, locality=locality,
+                        window=2, topology=Topology(dp * cp, rank, cp_size=cp))
+
+
+def _real(batches: list[list[dict[str, Any]]]) -> list[str]:
+    """The keys of the samples trained on, padded copies left out, sorted."""
+    return sorted(s["__key__"] for b in batches for s in b if not s["__pad__"])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(old=st.tuples(st.integers(1, 4), st.sampled_from([1, 2])), new=st.tuples(st.integers(1, 4), st.sampled_from([1, 2])),
+       locality=st.sampled_from(["none", "shard"]), batch=st.integers(1, 4), workers=st.integers(0, 2),
+       again=st.integers(0, 2), frac=st.floats(0.0, 1.0))
+def test_an_elastic_resume_through_loaders_trains_every_sample_once(
+        dealt: Index, old: tuple[int, int], new: tuple[int, int], locality: str, batch: int, workers: int,
+        again: int, frac: float) -> None:
+    """Every rank of the old layout (``(dp, cp)``) takes the same number of batches through a
+    Loader; the new layout's ranks resume from a saved state each with ``allow_elastic``:
+    each new DP rank gets as many batches as the others, context-parallel peers the same
+    batches, and over the DP ranks every sample of the old layout's epoch is trained on once
+    (of the new layout's, from a state saved before the epoch's first batch)."""
+    (dp0, cp0), (dp1, cp1) = old, new
+    plans = [len(_rank(dealt, dp0, cp0, r, batch, locality).plan(0)) for r in range(dp0 * cp0)]
+    assert len(set(plans)) == 1
+    steps = round(plans[0] * frac)
+    epoch: list[list[dict[str, Any]]] = []
+    consumed: list[list[dict[str, Any]]] = []
+    states = []
+    for r in range(dp0 * cp0):
+        loader = Loader(_rank(dealt, dp0, cp0, r, batch, locality), num_workers=workers)
+        mine = _epoch(loader, 0, steps) if steps else []
+        states.append(loader.state_dict())
+        loader.close()
+        if r % cp0 == 0:  # one rank of each context-parallel group: its peers train on the same samples
+            consumed += mine
+            epoch += list(_rank(dealt, dp0, cp0, r, batch, locality))
+    rest: dict[int, list[list[dict[str, Any]]]] = {}
+    for r in range(dp1 * cp1):
+        loader = Loader(_rank(dealt, dp1, cp1, r, batch, locality), num_workers=again)
+        loader.load_state_dict(states[r * len(states) // (dp1 * cp1)], allow_elastic=True)
+        rest[r] = [_plain(b) for b in loader]
+        loader.close()
+    assert len({len(b) for b in rest.values()}) == 1, "every new rank gets as many batches"
+    for r in range(0, dp1 * cp1, cp1):
+        assert all(rest[r + c] == rest[r] for c in range(cp1)), "context-parallel peers share their batches"
+    trained = consumed + [b for r in range(0, dp1 * cp1, cp1) for b in rest[r]]
+    if not steps:  # a state at the epoch's start: the new layout plans the epoch afresh, as its own
+        epoch = [b for r in range(0, dp1 * cp1, cp1) for b in _rank(dealt, dp1, cp1, r, batch, locality)]
+    assert _real(trained) == _real(epoch)
+    assert len(set(_real(trained))) == len(_real(trained)), "no sample twice"
