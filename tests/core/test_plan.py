@@ -328,6 +328,8 @@ def test_plan_input_forms_and_indexing() -> None:
         (dict(policy="cyclical"), "unknown padding policy 'cyclical'; expected one of: auto, cyclic, drop, none"),
         (dict(mode="epoch"), "unknown mode 'epoch'"),
         (dict(pad_to="sample"), "unknown pad_to 'sample'"),
+        (dict(oversubscribe="false"), "oversubscribe must be True or False, got str 'false'"),
+        (dict(oversubscribe=1), "oversubscribe must be True or False, got int 1"),
     ],
 )
 def test_plan_epoch_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:

@@ -319,6 +319,9 @@ def test_write_index_replaces_an_index_but_refuses_other_files_unless_forced(tmp
     with pytest.raises(ConfigError, match=r"'.*notes\.txt' exists and is not a wds_pad index \(8 bytes.*--force"):
         write_index(small_index(), str(notes))
     assert notes.read_text() == "my notes"
+    with pytest.raises(ConfigError, match="force must be True or False, got str 'false'"):
+        write_index(small_index(), str(notes), force="false")  # a config file's "false" replaces nothing
+    assert notes.read_text() == "my notes"
     write_index(small_index("forced"), str(notes), force=True)
     assert load_index(str(notes)).name == "forced"
     empty = tmp_path / "empty.wdsidx"  # e.g. from mktemp: nothing to lose

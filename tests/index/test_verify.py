@@ -131,3 +131,11 @@ def test_rescan_is_refused_without_an_update_or_for_another_shard(tmp_path) -> N
         build_index(urls[:1], output=out, update=True, rescan=[urls[1]])
     with pytest.raises(ConfigError, match="no output is given"):
         build_index(urls, update=True)
+
+
+def test_verify_refuses_a_deep_that_is_not_a_bool(tmp_path) -> None:
+    shard = make_tar(str(tmp_path / "a.tar"), [("000.json", b"{}"), ("001.json", b"{}")])
+    index = build_index([shard], "none")
+    with pytest.raises(ConfigError, match="deep must be True or False, got str 'no'"):
+        verify_index(index, deep="no")
+    assert verify_index(index, deep=False) == []

@@ -461,6 +461,26 @@ def test_state_from_another_seed_is_refused(index: Index) -> None:
     assert _keys(ds) == _plan_keys(ds, index)  # nothing changed
 
 
+@pytest.mark.parametrize("flag", ["zero_copy", "check_agreement", "oversubscribe"])
+@pytest.mark.parametrize("value", ["false", "yes", 0, None])
+def test_a_flag_that_is_not_a_bool_is_refused_naming_it(index: Index, flag: str, value: Any) -> None:
+    """A flag read from a config file as a str ("false" is truthy) is never taken as one."""
+    with pytest.raises(ConfigError, match=rf"^{flag} must be True or False, got {type(value).__name__} "):
+        _ds(index, **{flag: value})
+    _ds(index, **{flag: np.bool_(True)})  # a numpy bool is a bool
+
+
+def test_a_non_bool_allow_elastic_or_gather_state_is_refused_and_changes_nothing(index: Index) -> None:
+    ds = _ds(index)
+    state = ds.state_dict()
+    for target in (ds, Loader(_ds(index))):
+        with pytest.raises(ConfigError, match="allow_elastic must be True or False, got str 'no'"):
+            target.load_state_dict(state, allow_elastic="no")
+        assert _keys(target) == _plan_keys(ds, index)  # nothing changed
+    with pytest.raises(ConfigError, match="Loader: gather_state must be True or False, got str 'true'"):
+        Loader(ds, gather_state="true")
+
+
 def test_loader_batches_have_the_same_types_for_any_num_workers(index: Index) -> None:
     ds = _ds(index).decode("pil").to_tuple("json").map_tuple(_label)
     out = {n: list(Loader(ds, num_workers=n)) for n in (0, 2)}

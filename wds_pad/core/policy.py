@@ -96,6 +96,17 @@ def check_positive(name: str, value: Any, optional: bool = False) -> Any:
     return int(value)
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool (``True``/``False``, or a numpy bool), or a ConfigError naming
+    ``name``: a string is never parsed (``"false"`` is truthy), and an int is never taken
+    for a flag, so a value from a config file that was not turned into a bool is refused."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{name} must be True or False, got {type(value).__name__} {value!r}; "
+                          "pass a bool (a value read from a config file or the command line is a str: "
+                          "compare it, e.g. value.lower() == 'true')")
+    return bool(value)
+
+
 class Policy(str, Enum):
     """How a bucket is made a multiple of the pad unit."""
 

@@ -32,6 +32,7 @@ import secrets
 import stat
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..core.policy import check_flag
 from ..errors import ConfigError, WriteError
 from ..io.atomic import atomic_write
 from ..io.descriptors import out_of_descriptors, runs_out
@@ -68,6 +69,7 @@ def check_output(path: str, inputs: Sequence[str] = (), *, force: bool = False,
             that is not a wds_pad index (unless ``force``); a path whose parent is a
             file or not writable. The message names the path and the fix.
     """
+    force = check_flag("force", force)  # "false" from a config file must not replace a file
     if not isinstance(path, str) or not path.strip():
         raise ConfigError(f"index output path is empty ({path!r}); give a file path, e.g. -o train.wdsidx")
     local = _local(path)

@@ -24,6 +24,7 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
+from ..core.policy import check_flag
 from ..errors import ReadError, ShardError, WdsPadError
 from .build import scan_shard
 from .codec import load_index
@@ -61,6 +62,7 @@ def verify_index(index: Index | str, *, deep: bool = False,
         shard whose store cannot be reached (or found no credentials) is a problem whose
         reason starts with ``"unreachable: "``, one that does not exist ``"missing: "``.
     """
+    deep = check_flag("deep", deep)
     if isinstance(index, str):
         index = load_index(index, storage_options=storage_options)
     problems: list[Problem] = []

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
+from ..core.policy import check_flag
 from ..core.topology import Topology
 from ..errors import StateError, StateMismatchError, TopologyMismatchError
 from .cursor import Cursor, epoch_length
@@ -149,7 +150,9 @@ def verify_state(state: Any, *, kind: str, mode: str, topology: Topology, finger
             topology block or in the plan's layout fields), or no topology in a
             distributed run.
         StateMismatchError: another plan (fingerprint), mode or loader kind.
+        ConfigError: ``allow_elastic`` is not a bool.
     """
+    allow_elastic = check_flag("load_state_dict: allow_elastic", allow_elastic)
     state, hint = _own_entry(check_schema(state), topology)
     try:
         return _verify(state, kind=kind, mode=mode, topology=topology, fingerprint=fingerprint,

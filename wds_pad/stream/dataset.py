@@ -38,7 +38,7 @@ from ..index.record import Index
 from ..core.budgets.budget import Budget
 from ..core.sizing import Count, as_sizing
 from ..core.local.locality import Locality
-from ..core.policy import Mode, PadTo, Policy, check_epoch, parse_enum
+from ..core.policy import Mode, PadTo, Policy, check_epoch, check_flag, parse_enum
 from ..io.options import ReadOptions, ReadStats
 from .stats import Clock, StreamStats
 from ..core.collective import shared_seed
@@ -166,6 +166,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             for k, ix in enumerate(indexes))
         if len(names) != n:
             raise ConfigError(f"names has {len(names)} values for {n} index(es)")
+        self.zero_copy = check_flag("zero_copy", zero_copy)
+        self.check_agreement = check_flag("check_agreement", check_agreement)
         # detected: a Loader refuses it if the job's process group turns out bigger (built too early)
         self._detected_topology = topology is None
         if topology is None:
@@ -178,7 +180,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             indexes=indexes, names=names, topology=topology, seed=shared_seed(seed, group),
             batch_size=batch_size, policy=parse_enum(Policy, pad, "padding policy"),
             mode=parse_enum(Mode, mode, "mode"), pad_to=parse_enum(PadTo, pad_to, "pad_to"),
-            oversubscribe=bool(oversubscribe), repeats=_per_index(repeats, n, "repeats", int),
+            oversubscribe=check_flag("oversubscribe", oversubscribe), repeats=_per_index(repeats, n, "repeats", int),
             weights=tuple(float(w) for w in _per_index(weights, n, "weights", (int, float))),  # type: ignore[arg-type]
             locality=parse_enum(Locality, locality, "locality"), window=window,
             accumulation_steps=accumulation_steps, proportions=tuple(proportions or ()), mix_by=mix_by,
@@ -189,13 +191,11 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         self.read_options = read_options
         join_node_folder(self.spec, read_options)  # a default shard folder lives as long as the job
         self.handler = handler
-        self.zero_copy = bool(zero_copy)
         self._pack = False  # in DataLoader workers: send batches packed (``packed()``)
         self._starts: Any = None  # kept workers: each iteration's start; their rings (``packed()``)
         self._arenas: dict[bool, Any] | None = None
         self._refs: Any = None  # the shared flag of batches sent by reference (``packed()``)
         self.collation_fn = collation_fn
-        self.check_agreement = check_agreement
         self.group = group
         self.stages: list[Callable[[Any], Any]] = []
         self.counters = Counters()

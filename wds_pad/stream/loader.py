@@ -43,6 +43,7 @@ import numpy as np
 
 from .loaderargs import check_loader_args, check_start_timeout
 from ..core.collective import all_gather, dist_for
+from ..core.policy import check_flag
 from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
 from .fetch import fetch
@@ -196,7 +197,7 @@ class Loader:
         self.dataset = dataset
         self.num_workers = num_workers
         self.kwargs = kwargs
-        self.gather_state = bool(gather_state)
+        self.gather_state = check_flag("Loader: gather_state", gather_state)
         self.worker_start_timeout = check_start_timeout("Loader", worker_start_timeout)
         # the trainer's place: its epoch and index count; the view and the pin are the dataset's
         self._cursor = dataset.cursor

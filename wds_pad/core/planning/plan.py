@@ -52,7 +52,8 @@ from ..budgets.packplan import PackCut
 from ..permute import round_keys
 from .planrecord import Batch, Bins, BucketStats, Plan, Buckets, rank_batches
 from .proportion import extended, mix
-from ..policy import Mode, PadTo, Policy, check_epoch, check_positive, parse_enum, rank_share, resolve_policy
+from ..policy import (Mode, PadTo, Policy, check_epoch, check_flag, check_positive, parse_enum, rank_share,
+                      resolve_policy)
 from .schedule import step_schedule
 from ..seed import check_seed, derive_seed
 from ..sizing import Count, Sizing, as_sizing
@@ -146,7 +147,8 @@ def plan_epoch(
     sizing = as_sizing(batch_size)
     mode = parse_enum(Mode, mode, "mode")
     pad_to = parse_enum(PadTo, pad_to, "pad_to")
-    policy = resolve_policy(policy, mode, bool(oversubscribe))
+    oversubscribe = check_flag("oversubscribe", oversubscribe)
+    policy = resolve_policy(policy, mode, oversubscribe)
     locality = parse_enum(Locality, locality, "locality")
     shard_window = check_positive("window", window)
     accumulation_steps = _check_accumulation(accumulation_steps, policy, pad_to, sizing)
@@ -160,7 +162,7 @@ def plan_epoch(
     for ds in dss if sizing.needs_costs else ():
         ds.require_costs()
     at = Planning(seed=seed, epoch=epoch, dp=int(topology.dp_size), d=int(topology.dp_rank),  # type: ignore[arg-type]
-                  policy=policy, oversubscribe=bool(oversubscribe), pad_to=pad_to,
+                  policy=policy, oversubscribe=oversubscribe, pad_to=pad_to,
                   accumulation_steps=accumulation_steps,
                   locality=locality, window=shard_window, node_ranks=node_ranks, targets=mixed.targets)
     sized = plan_buckets(raw, dss, sizing, at)
@@ -177,7 +179,7 @@ def plan_epoch(
     batch_step, offsets = rank_batches(buckets.counts, sized.steps, schedule, window_of, width, bins)
     return Plan(
         epoch=epoch, topology=topology, batch_size=width, policy=policy, mode=mode, pad_to=pad_to,
-        oversubscribe=bool(oversubscribe), datasets=tuple(ds.name for ds in dss),
+        oversubscribe=oversubscribe, datasets=tuple(ds.name for ds in dss),
         bucket_table=tuple(table), schedule=schedule, window=window_of, batch_step=batch_step,
         offsets=offsets, stats=tuple(got.stats), buckets=buckets, locality=locality,
         shard_window=shard_window, sizing=sizing, bins=bins,
