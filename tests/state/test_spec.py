@@ -102,7 +102,7 @@ def test_plan_kwargs_are_the_arguments_of_the_plan_and_of_the_remainder(index: I
                  locality=Locality(locality), window=2, policy=Policy.CYCLIC)
     kw = spec.plan_kwargs()
     assert set(kw) == {"seed", "batch_size", "policy", "mode", "oversubscribe", "pad_to", "locality", "window",
-                       "accumulation_steps"}
+                       "accumulation_steps", "mix_by", "epoch_size"}
     direct = plan_epoch(spec.datasets(), spec.topology, epoch=1, **kw)
     assert np.array_equal(direct.samples, spec.plan(1).samples)
     segments = (Segment(2, steps=3),)

@@ -26,6 +26,7 @@ import webdataset as wds
 from wds_pad.cli.synth import make_image_shards
 from wds_pad.stream.dataset import BucketedWebDataset
 from wds_pad.stream.loader import Loader
+from wds_pad.stream.shardstream import ShardStream
 from wds_pad.errors import ConfigError, DroppedBucketWarning, StaleShardError, StateMismatchError
 from wds_pad.index.codec import load_index
 from wds_pad.index.record import Index
@@ -468,6 +469,23 @@ def test_a_flag_that_is_not_a_bool_is_refused_naming_it(index: Index, flag: str,
     with pytest.raises(ConfigError, match=rf"^{flag} must be True or False, got {type(value).__name__} "):
         _ds(index, **{flag: value})
     _ds(index, **{flag: np.bool_(True)})  # a numpy bool is a bool
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(handler="warn"), r"BucketedWebDataset: handler must be a callable or None, got str 'warn'"),
+    (dict(collation_fn="list"), r"BucketedWebDataset: collation_fn must be a callable or None, got str 'list'"),
+    (dict(read_options={"max_in_flight": 2}), r"read_options must be a wds_pad.ReadOptions or None, got dict"),
+    (dict(storage_options="anon"), r"storage_options must be a dict of fsspec options or None, got str"),
+])
+def test_a_hook_or_options_of_the_wrong_type_is_refused_when_the_dataset_is_made(
+        index: Index, kw: dict[str, Any], match: str) -> None:
+    """Not at the first bad sample or batch, deep in a training run."""
+    with pytest.raises(ConfigError, match=match):
+        _ds(index, **kw)
+    with pytest.raises(ConfigError, match="batched: collation_fn must be a callable or None, got str 'list'"):
+        _ds(index).batched(collation_fn="list")
+    with pytest.raises(ConfigError, match="storage_options must be a dict of fsspec options or None, got str"):
+        ShardStream(index, topology=SOLO, seed=1, storage_options="anon")
 
 
 def test_a_non_bool_allow_elastic_or_gather_state_is_refused_and_changes_nothing(index: Index) -> None:

@@ -81,3 +81,20 @@ def test_without_proportions_the_state_has_no_proportions_and_elastic_is_refused
     with pytest.raises(ConfigError, match="resumes on the layout it was saved on"):
         two.load_state_dict(ds.state_dict(), allow_elastic=True)
     assert np.isfinite(pair[0].cost).all()
+
+
+@pytest.mark.parametrize("kw", [dict(epoch_size=100), dict(mix_by="cost")])
+def test_epoch_size_or_mix_by_without_proportions_is_refused_as_plan_epoch_refuses_it(
+        pair: list[Index], kw: dict[str, Any]) -> None:
+    """They size an epoch by proportions: without any they would be ignored in silence."""
+    with pytest.raises(ConfigError, match=r"epoch_size \(--epoch-size\) and mix_by \(--mix-by\) size an epoch"):
+        _ds(pair, None, **kw)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(epoch_size=-1), "epoch_size must be a number > 0"),
+                                      (dict(mix_by="tokens"), "mix_by must be one of samples, cost")])
+def test_a_wrong_epoch_size_or_mix_by_is_refused_with_or_without_proportions(
+        pair: list[Index], kw: dict[str, Any], match: str) -> None:
+    for proportions in (None, [2, 1]):
+        with pytest.raises(ConfigError, match=match):
+            _ds(pair, proportions, **kw)

@@ -19,7 +19,7 @@ from wds_pad.errors import ConfigError
 from .fs import copy_dicts
 from .redact import register_secrets
 
-__all__ = ["ReadOptions", "ReadStats"]
+__all__ = ["ReadOptions", "ReadStats", "check_storage_options", "stream_options"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,26 @@ class ReadOptions:
                               f"{type(self.storage_options).__name__}")
         object.__setattr__(self, "storage_options", copy_dicts(self.storage_options))
         register_secrets(self.storage_options)
+
+
+def check_storage_options(storage_options: Any) -> None:
+    """A ConfigError unless ``storage_options`` is a mapping of fsspec options or None."""
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise ConfigError(f"storage_options must be a dict of fsspec options or None, got "
+                          f"{type(storage_options).__name__}; e.g. storage_options={{'anon': True}}")
+
+
+def stream_options(read_options: Any, storage_options: Any) -> "ReadOptions | None":
+    """A dataset's read options: ``read_options`` (a ReadOptions or None) with the dataset's
+    own ``storage_options`` merged over its own; a ConfigError naming a wrong type."""
+    if read_options is not None and not isinstance(read_options, ReadOptions):
+        raise ConfigError(f"read_options must be a wds_pad.ReadOptions or None, got {type(read_options).__name__}; "
+                          "e.g. read_options=ReadOptions(max_in_flight=32)")
+    check_storage_options(storage_options)
+    if not storage_options:
+        return read_options
+    base = read_options or ReadOptions()
+    return ReadOptions(**{**base.__dict__, "storage_options": {**base.storage_options, **storage_options}})
 
 
 @dataclass

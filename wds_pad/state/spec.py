@@ -124,8 +124,8 @@ class PlanSpec:
         ``plan_epoch`` and ``plan_remainder`` take, listed once."""
         return dict(seed=self.seed, batch_size=self.batch_size, policy=self.policy, mode=self.mode,
                     oversubscribe=self.oversubscribe, pad_to=self.pad_to, locality=self.locality,
-                    window=self.window, accumulation_steps=self.accumulation_steps,
-                    **({"mix_by": self.mix_by, "epoch_size": self.epoch_size} if self.proportions else {}))
+                    window=self.window, accumulation_steps=self.accumulation_steps, mix_by=self.mix_by,
+                    epoch_size=self.epoch_size)  # without proportions: refused unless the defaults
 
     def plan(self, epoch: int) -> Plan:
         """This rank's plan for ``epoch`` (cached: the last few epochs only)."""

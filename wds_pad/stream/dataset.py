@@ -39,13 +39,14 @@ from ..core.budgets.budget import Budget
 from ..core.sizing import Count, as_sizing
 from ..core.local.locality import Locality
 from ..core.policy import Mode, PadTo, Policy, check_epoch, check_flag, parse_enum
-from ..io.options import ReadOptions, ReadStats
+from ..io.options import ReadOptions, ReadStats, stream_options
 from .stats import Clock, StreamStats
 from ..core.collective import shared_seed
 from .agreement import check_agreement
 from .batches import BatchMaker
 from .fetch import Counters, fetch
 from .live import OpenIterators, refuse_resplitting
+from .loaderargs import check_callables
 from .stages import PlannedSource
 from .wholeshards import join_node_folder
 from .transport import packs
@@ -149,6 +150,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         epoch_size: float | None = None,
     ) -> None:
         super().__init__()
+        read_options = stream_options(read_options, storage_options)  # before an index is loaded with them
+        check_callables("BucketedWebDataset", {"handler": handler, "collation_fn": collation_fn})
         items = list(index) if isinstance(index, (list, tuple)) else [index]
         if not items:
             raise ConfigError("BucketedWebDataset needs at least one index")
@@ -172,10 +175,6 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         self._detected_topology = topology is None
         if topology is None:
             topology = Topology.detect(group=group, cp_size=cp_size)
-        if storage_options:
-            base = read_options or ReadOptions()
-            read_options = ReadOptions(**{**base.__dict__, "storage_options": {**base.storage_options,
-                                                                                **storage_options}})
         self.spec = PlanSpec(
             indexes=indexes, names=names, topology=topology, seed=shared_seed(seed, group),
             batch_size=batch_size, policy=parse_enum(Policy, pad, "padding policy"),
@@ -223,6 +222,7 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
         if batchsize is not None and sizing != Count(batchsize):
             raise ConfigError(f"batched({batchsize}): batches follow the plan's {sizing.summary()}; "
                               "call batched() without a size")
+        check_callables("batched", {"collation_fn": collation_fn})
         result = copy.copy(self)
         # an explicit None means "a plain list", as in webdataset's batched(); only the
         # constructor's default None turns into default collation once transforms exist

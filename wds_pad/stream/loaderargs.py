@@ -91,15 +91,18 @@ def check_loader_args(owner: str, num_workers: Any, kwargs: dict[str, Any], why:
     for flag in ("pin_memory", "in_order"):
         if flag in kwargs and not isinstance(kwargs[flag], bool):
             raise ConfigError(f"{owner}: {flag} must be True or False, got {kwargs[flag]!r}")
-    for hook in ("collate_fn", "worker_init_fn"):
-        if kwargs.get(hook) is not None and not callable(kwargs[hook]):
-            raise ConfigError(
-                f"{owner}: {hook} must be a callable or None, got {type(kwargs[hook]).__name__} "
-                f"{kwargs[hook]!r}"
-            )
+    check_callables(owner, {hook: kwargs.get(hook) for hook in ("collate_fn", "worker_init_fn")})
     if "pin_memory_device" in kwargs and not isinstance(kwargs["pin_memory_device"], str):
         raise ConfigError(f"{owner}: pin_memory_device must be a str, got {kwargs['pin_memory_device']!r}")
     return kwargs
+
+
+def check_callables(owner: str, hooks: dict[str, Any]) -> None:
+    """A ConfigError naming the first of ``hooks`` (name -> value) that is neither a
+    callable nor None: refused when the object is made, not at the first batch."""
+    for hook, fn in hooks.items():
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"{owner}: {hook} must be a callable or None, got {type(fn).__name__} {fn!r}")
 
 
 def _check_persistent(owner: str, num_workers: int, value: Any) -> None:

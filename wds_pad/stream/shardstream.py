@@ -39,6 +39,7 @@ from ..index.codec import load_index
 from ..index.record import Index
 from ..core.policy import check_epoch
 from ..index.shardfile import shard_info
+from ..io.options import check_storage_options
 from ..io.redact import redact
 from ..core.collective import shared_seed
 from .live import OpenIterators, refuse_resplitting
@@ -82,6 +83,7 @@ class ShardStream(OpenIterators, IterableDataset, FluidInterface):  # type: igno
                  open_options: Mapping[str, Any] | None = None,
                  relocate: Mapping[str, str] | None = None) -> None:
         super().__init__()
+        check_storage_options(storage_options)
         if relocate and not isinstance(index, str):
             raise ConfigError("ShardStream(relocate=...) applies to an index given as a path; load an Index with "
                               "load_index(path, relocate=...) instead")
