@@ -272,3 +272,30 @@ def test_the_named_segments_a_killed_worker_left_half_made_are_removed_and_no_ot
     assert workers._remove_segments(4321, root=str(tmp_path)) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sem.mp-x", "torch_1234_5_0", "torch_43210_1_0"]
     assert workers._remove_segments(None, root=str(tmp_path)) == 0
+
+
+@pytest.mark.parametrize("owner", ["Loader", "ShardLoader"])
+def test_the_loading_span_is_in_a_profilers_trace_and_costs_nothing_without_one(
+        index: Index, owner: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Items are taken from DataLoader without its per-item profiler span unless a profiler
+    runs: then each one is in the trace (an item: a worker's message), as DataLoader's own
+    loop records it."""
+    import torch
+
+    def loader() -> Loader | ShardLoader:
+        if owner == "Loader":
+            return Loader(make_dataset(index, quiet=True, seed=3, topology=Topology(1, 0), check_agreement=False),
+                          num_workers=2)
+        return ShardLoader(ShardStream(index, topology=Topology(1, 0), seed=3), num_workers=2)
+
+    want = [repr(b) for b in loader()]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = [repr(b) for b in loader()]
+    assert got == want
+    spans = [e for e in prof.events() if e.name.startswith("enumerate(DataLoader)#")]
+    assert len(spans) >= 2  # one per message from a worker (a run of batches each), and the end
+    entered: list[int] = []
+    real = torch.autograd.profiler.record_function.__enter__
+    monkeypatch.setattr(torch.autograd.profiler.record_function, "__enter__",
+                        lambda self: entered.append(1) or real(self))
+    assert [repr(b) for b in loader()] == want and not entered  # no span without a profiler
