@@ -169,6 +169,27 @@ def test_stop_drops_the_mappings_and_maps_no_more(tmp_path: Path) -> None:
         os.close(fd)
 
 
+def test_mapping_is_tried_again_a_while_after_a_copy_waited(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page cache trimmed once (another job, the host reclaiming memory) costs a while of
+    os.pread, not the rest of the job; waiting again stops it again."""
+    path, fd = _file(tmp_path / "a.tar", b"w" * 4096)
+    now = [1000.0]
+    monkeypatch.setattr(shardmaps.time, "monotonic", lambda: now[0])
+    try:
+        shardmaps.mapped(path, fd)
+        shardmaps.stop("the disk")
+        now[0] += shardmaps.RETRY_SECONDS - 1
+        assert shardmaps.stopped() == "the disk" and shardmaps.mapped(path, fd) is None
+        now[0] += 1
+        assert shardmaps.mapped(path, fd) is not None and shardmaps.stopped() is None
+        shardmaps.stop("the disk again")
+        assert shardmaps.stopped() == "the disk again" and shardmaps.mapped(path, fd) is None
+        now[0] += shardmaps.RETRY_SECONDS
+        assert shardmaps.stopped() is None and shardmaps.mapped(path, fd) is not None
+    finally:
+        os.close(fd)
+
+
 def test_faults_counts_a_read_that_waits_for_the_disk(tmp_path: Path) -> None:
     """What turns mapping off: a page of a mapping that is not in the page cache is a
     major fault of the thread that touches it."""

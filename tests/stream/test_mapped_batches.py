@@ -191,6 +191,35 @@ def test_a_main_process_copy_that_waited_for_the_disk_turns_references_off(
     assert refs[1] <= 2 * 2 * 8 + 1  # at most what two workers had prefetched (2 runs of at most 8 batches each)
 
 
+def test_references_come_back_at_an_iteration_after_the_main_process_maps_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, received: list[MappedBatch]) -> None:
+    """The main process's copies of epoch 1 wait for the disk: its workers copy into their
+    rings from then on; RETRY_SECONDS later it maps again, and the loader's next iteration
+    has them send by reference again. Every epoch is one process's."""
+    index = image_index(tmp_path, samples=96, shards=3, seed=5)
+    main, waiting, count = os.getpid(), [False], iter(range(1, 10**6))
+    monkeypatch.setattr(shardmaps, "faults", lambda: next(count) if waiting[0] and os.getpid() == main else 0)
+    now = [1000.0]
+    monkeypatch.setattr(shardmaps.time, "monotonic", lambda: now[0])
+    loader = Loader(_ds(index), num_workers=2, persistent_workers=True)
+    got, refs, flags = [], [], []
+    try:
+        for epoch in range(4):
+            waiting[0] = epoch == 1
+            now[0] += shardmaps.RETRY_SECONDS if epoch == 3 else 0
+            loader.set_epoch(epoch)
+            before = len(received)
+            got.append(_plain(list(loader)))
+            refs.append(len(received) - before)
+            flags.append(int(loader._refs[REFS]))
+    finally:
+        loader.close()
+    assert got == _one_process(index, 4)
+    assert refs[1] >= 1 and flags[1] == 1  # by reference until a copy waited
+    assert refs[2] == 0 and flags[2] == 1  # the main process maps no more yet
+    assert refs[3] > 0 and flags[3] == 0, refs  # mapping on again: by reference again
+
+
 def _sent(tmp_path: Path, received: list[MappedBatch]) -> tuple[Index, MappedBatch, list[Any]]:
     """A batch a kept worker sent by reference, and its samples as the loader gave them."""
     index = image_index(tmp_path, samples=48, shards=2, seed=4)

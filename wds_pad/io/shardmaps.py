@@ -22,8 +22,11 @@ Invariants:
   time a kept worker sends it a batch of it by reference (``at_once``, its pages were
   just read: stream/mappedbatch.py);
 - a batch copy that waited for the disk (a major page fault: the shard was not in the
-  page cache) turns mapping off for the process (:func:`stop`): ``os.pread`` reads an
-  uncached sample in one request, a mapping page by page;
+  page cache) turns mapping off for the process (:func:`stop`) for ``RETRY_SECONDS``:
+  ``os.pread`` reads an uncached sample in one request, a mapping page by page. Then it
+  is tried again: a page cache trimmed once (another job, the host reclaiming memory)
+  costs one minute of ``os.pread``, not the rest of the job, and shards that do not fit
+  in it cost one batch of page-by-page reads a minute;
 - at most ``MAX_MAPS`` mappings of at most ``MAX_MAP_BYTES`` in all are kept (bounding the
   page tables), and no more than the descriptor budget (``io.descriptors.fd_budget``: a
   mapping holds a descriptor of its own, Python's ``mmap`` duplicates the file's), the
@@ -45,6 +48,7 @@ import mmap
 import os
 import resource
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -58,7 +62,8 @@ MAX_MAP_BYTES = 64 << 30  # page tables of at most 0.2 % of it (8 bytes a 4 KiB 
 #: path -> (the file's identity when mapped, a read-only memoryview of its mapping)
 _MAPS: OrderedDict[str, tuple[tuple[int, int, int, int], memoryview]] = OrderedDict()
 _SEEN: set[str] = set()  # paths this process streamed once (with os.pread)
-_STOPPED: list[str] = []  # why this process maps no more
+_STOPPED: list[tuple[str, float]] = []  # why this process maps no more, and since when (time.monotonic)
+RETRY_SECONDS = 60.0  # mapping is tried again this long after a copy waited for the disk
 _LOCK = threading.Lock()
 
 
@@ -69,7 +74,7 @@ def mapped(path: str, fd: int, at_once: bool = False) -> memoryview | None:
     just read it, stream/mappedbatch.py), mapping stopped (:func:`stop`), or a file that
     cannot be mapped."""
     with _LOCK:
-        if _STOPPED:
+        if _stopped() is not None:
             return None
         if not at_once and path not in _SEEN:
             _SEEN.add(path)
@@ -131,15 +136,23 @@ def waited(since: int) -> None:
 
 
 def stop(why: str) -> None:
-    """Map no more shards in this process (kept mappings are dropped): ``why``."""
+    """Map no more shards in this process for ``RETRY_SECONDS`` (kept mappings are dropped): ``why``."""
     with _LOCK:
-        _STOPPED.append(why)
+        _STOPPED[:] = [(why, time.monotonic())]
         _MAPS.clear()
 
 
 def stopped() -> str | None:
-    """Why this process maps no more shards, or None."""
-    return _STOPPED[0] if _STOPPED else None
+    """Why this process maps no shards now, or None (never stopped, or ``RETRY_SECONDS``
+    have passed since: mapping is on again, and a copy that waits stops it again)."""
+    with _LOCK:
+        return _stopped()
+
+
+def _stopped() -> str | None:  # under _LOCK
+    if _STOPPED and time.monotonic() - _STOPPED[0][1] >= RETRY_SECONDS:
+        _STOPPED.clear()  # the page cache may hold the shards again (it was trimmed, or they fit)
+    return _STOPPED[0][0] if _STOPPED else None
 
 
 def _forget() -> None:  # in a forked child: nothing seen, nothing kept, mapping on again

@@ -47,7 +47,8 @@ from ..core.policy import check_flag
 from ..errors import ConfigError, TopologyError
 from .dataset import BucketedWebDataset
 from .fetch import fetch
-from .mappedbatch import MappedShards
+from ..io import shardmaps
+from .mappedbatch import REFS, MappedShards
 from .ring import shared_ints
 from .stats import StreamStats
 from .transport import unpacked
@@ -306,6 +307,8 @@ class Loader:
     def _workers(self, start: Cursor) -> _Workers:
         """Workers for an iteration from ``start``: the kept ones if they can start there
         (told where through their shared ``[epoch, index]``), else new ones."""
+        if self._refs is not None and shardmaps.stopped() is None:  # this process maps again (its copies
+            self._refs[REFS] = 0  # waited for the disk shardmaps.RETRY_SECONDS ago): by reference again
         kept = self._kept.pop() if self._kept else None
         if kept is not None and kept.serves(start):
             kept.starts[0], kept.starts[1] = start.epoch, start.index

@@ -26,7 +26,8 @@ Invariants:
   there (``shardmaps.waited``), and so does a batch it can no longer map for that reason:
   it sets the loader's shared flag (``REFS``), which the workers read before each batch,
   and from then on they read and copy into their rings, where waiting for the disk
-  overlaps the training loop;
+  overlaps the training loop, until an iteration of the loader starts while this process
+  maps again (``shardmaps.RETRY_SECONDS`` after the wait);
 - the sample dicts are exactly the ring path's (:meth:`PackedBatch.dicts`), in plan order.
   ``zero_copy`` batches stay in the ring: their views must never be of a mapping (a file
   cut short under a view the trainer holds would kill the process, shardmaps.py), and a
