@@ -209,8 +209,8 @@ def _next_item(batches: Any) -> Any:
     of what a message costs the main process here (25 of 73 us). So, while no profiler
     runs, the item is taken as ``__next__`` takes it, without the span; under a profiler,
     through ``__next__``, so the traces show the loading as they always did."""
-    if profiler._is_profiler_enabled or getattr(batches, "_sampler_iter", None) is None \
-            or not hasattr(batches, "_next_data"):
+    if getattr(profiler, "_is_profiler_enabled", True) or getattr(batches, "_sampler_iter", None) is None \
+            or not hasattr(batches, "_next_data"):  # a profiler runs, or another torch: as it always was
         return next(batches)
     item = batches._next_data()
     batches._num_yielded += 1
