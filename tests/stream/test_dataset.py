@@ -497,6 +497,8 @@ def test_a_non_bool_allow_elastic_or_gather_state_is_refused_and_changes_nothing
         assert _keys(target) == _plan_keys(ds, index)  # nothing changed
     with pytest.raises(ConfigError, match="Loader: gather_state must be True or False, got str 'true'"):
         Loader(ds, gather_state="true")
+    kept = Loader(ds, num_workers=1, persistent_workers=np.bool_(True), pin_memory=np.bool_(False))
+    assert kept.persistent_workers is True and kept.kwargs["pin_memory"] is False  # numpy bools are bools
 
 
 def test_loader_batches_have_the_same_types_for_any_num_workers(index: Index) -> None:

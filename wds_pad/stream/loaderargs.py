@@ -19,6 +19,7 @@ import math
 import multiprocessing
 from typing import Any
 
+from ..core.policy import check_flag
 from ..errors import ConfigError
 
 REFUSED = ("batch_size", "sampler", "batch_sampler", "shuffle", "persistent_workers", "drop_last")
@@ -89,8 +90,8 @@ def check_loader_args(owner: str, num_workers: Any, kwargs: dict[str, Any], why:
         )
     _check_workers_args(owner, num_workers, kwargs)
     for flag in ("pin_memory", "in_order"):
-        if flag in kwargs and not isinstance(kwargs[flag], bool):
-            raise ConfigError(f"{owner}: {flag} must be True or False, got {kwargs[flag]!r}")
+        if flag in kwargs:
+            kwargs[flag] = check_flag(f"{owner}: {flag}", kwargs[flag])
     check_callables(owner, {hook: kwargs.get(hook) for hook in ("collate_fn", "worker_init_fn")})
     if "pin_memory_device" in kwargs and not isinstance(kwargs["pin_memory_device"], str):
         raise ConfigError(f"{owner}: pin_memory_device must be a str, got {kwargs['pin_memory_device']!r}")
@@ -106,8 +107,7 @@ def check_callables(owner: str, hooks: dict[str, Any]) -> None:
 
 
 def _check_persistent(owner: str, num_workers: int, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{owner}: persistent_workers must be True or False, got {value!r}")
+    value = check_flag(f"{owner}: persistent_workers", value)
     if value and num_workers == 0:
         raise ConfigError(
             f"{owner}: persistent_workers=True needs num_workers > 0 (got num_workers=0); "
