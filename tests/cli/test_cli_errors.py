@@ -311,3 +311,23 @@ def test_plan_takes_two_indexes_of_one_name_that_hold_other_samples(tmp_path, sh
     assert {row.split()[0] for row in out.splitlines() if row.startswith("t ") or row.startswith("t#")} == {"t", "t#1"}
     code, out, err = run(capsys, "plan", "a/t.wdsidx", "aspect.wdsidx", *job)
     assert code == 0, err
+
+
+# -- the demo's output folder and layout: refused before anything is generated ---------------
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc"])
+def test_demo_refuses_an_output_folder_it_cannot_use_in_one_line(tmp_path, capsys, where) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    out = {"a file": str(afile), "under a file": str(afile / "sub"), "/proc": "/proc/wds_pad_demo"}[where]
+    code, stdout, err = run(capsys, "demo", "--out", out, "--samples", "8", "--shards", "2")
+    line = one_error_line(err, "demo")
+    assert code == 1 and stdout == ""
+    assert repr(out) in line and "--out" in line
+    assert afile.read_text() == "kept"  # nothing written over
+
+
+def test_demo_refuses_a_layout_that_cannot_be_before_generating(tmp_path, capsys) -> None:
+    code, stdout, err = run(capsys, "demo", "--out", str(tmp_path / "d"), "--world-size", "4", "--cp-size", "3")
+    line = one_error_line(err, "demo")
+    assert code == 2 and "cp_size" in line and "divid" in line
+    assert stdout == "" and not (tmp_path / "d").exists()  # no shards generated first

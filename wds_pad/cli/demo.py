@@ -36,6 +36,27 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run_demo)
 
 
+def _make_folder(path: str) -> None:
+    """Make the demo's output folder (``--out``), or say why it cannot be used.
+
+    Raises:
+        WriteError: it cannot be made, is a file, or does not take new files.
+    """
+    from ..errors import WriteError
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise WriteError(f"the demo's output folder {path!r} is a file; give a folder with --out "
+                         "(made if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"{path!r} does not take new files")
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise WriteError(f"the demo's output folder {path!r} cannot be used ({reason}); "
+                         "give a writable folder with --out") from exc
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; 0 if every invariant held on the spot, else 1."""
     import warnings
@@ -47,6 +68,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from ..core.topology import Topology
 
     out = sys.stdout
+    world, cp, bs = args.world_size, args.cp_size, args.batch_size
+    Topology(world_size=world, rank=0, cp_size=cp)  # a layout that cannot be, refused before anything is made
+    _make_folder(args.out)
     shard_dir = os.path.join(args.out, "shards")
     index_path = os.path.join(args.out, "images.wdsidx")
     t0 = time.perf_counter()
@@ -58,7 +82,6 @@ def run_demo(args: argparse.Namespace) -> int:
     counts = index.bucket_counts()
     out.write(f"2. indexed into {len(counts)} aspect buckets -> {index_path} ({time.perf_counter() - t0:.2f} s): "
               + ", ".join(f"{k}={counts[k]}" for k in bucket_order(counts)) + "\n")
-    world, cp, bs = args.world_size, args.cp_size, args.batch_size
     datasets = []
     for rank in range(world):
         ds = BucketedWebDataset(index, batch_size=bs, topology=Topology(world_size=world, rank=rank, cp_size=cp),
