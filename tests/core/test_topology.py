@@ -214,3 +214,12 @@ def test_detect_reads_local_world_size_from_torchrun_s_environment(monkeypatch: 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
     with pytest.raises(TopologyError, match="LOCAL_WORLD_SIZE='four'"):
         Topology.detect()
+
+
+@pytest.mark.parametrize("group", ["world", 0, [0, 1], object()])
+def test_a_group_that_is_not_a_process_group_is_refused_naming_what_to_pass(group) -> None:
+    """It was an AttributeError (``'str' object has no attribute 'size'``) from torch."""
+    import torch.distributed  # noqa: F401 - a group can only be given with torch imported
+
+    with pytest.raises(ConfigError, match=r"group= must be a torch.distributed process group, got .*new_group"):
+        Topology.detect(group=group)

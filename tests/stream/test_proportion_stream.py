@@ -98,3 +98,28 @@ def test_a_wrong_epoch_size_or_mix_by_is_refused_with_or_without_proportions(
     for proportions in (None, [2, 1]):
         with pytest.raises(ConfigError, match=match):
             _ds(pair, proportions, **kw)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"big": 2, "small": 1}, r"one number per index, in the order of the indexes .*got dict"),
+    ("21", r"one number per index.*got str"),
+    ([2, "1"], r"proportions must be numbers, one per index, got '1'"),
+    ([2, None], r"proportions must be numbers, one per index, got None"),
+    ([True, 1], r"proportions must be numbers, one per index, got True"),
+    ([2], r"proportions has 1 values for 2 index\(es\)"),
+])
+def test_proportions_that_are_not_one_number_per_index_are_refused_naming_them(
+        pair: list[Index], bad: Any, match: str) -> None:
+    """A dict by name, a string, or a value that is not a number was a raw ValueError or
+    TypeError from float() (or a dict's keys taken for the values)."""
+    with pytest.raises(ConfigError, match=match):
+        _ds(pair, bad)
+
+
+def test_proportions_as_numpy_values_plan_as_the_same_list(pair: list[Index]) -> None:
+    given = _ds(pair, [2, 1])
+    for same in (np.array([2.0, 1.0]), (np.int64(2), np.float32(1.0)), [2.0, 1]):
+        ds = _ds(pair, same)
+        assert ds.spec.proportions == (2.0, 1.0)
+        assert ds.state_dict() == given.state_dict()  # the same plan and fingerprint
+        assert [b.samples.tolist() for b in ds.plan(0)] == [b.samples.tolist() for b in given.plan(0)]

@@ -42,6 +42,12 @@ def dist_for(group: Any = None) -> Any:
         return None
     if not dist.is_available():  # pragma: no cover - a torch built without distributed
         return None
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        from ..errors import ConfigError
+
+        raise ConfigError(f"group= must be a torch.distributed process group, got {type(group).__name__} "
+                          f"{group!r:.60}; pass dist.new_group(ranks), a DeviceMesh's mesh.get_group(dim), "
+                          "or None for the default group")
     return dist if group is not None or dist.is_initialized() else None
 
 

@@ -20,7 +20,9 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping
+
+import numpy as np
 
 from ..core.budgets.budget import PACKING, Budget
 from ..core.dataset import Dataset
@@ -36,7 +38,30 @@ from ..index.record import Index
 from ..io.urls import is_local
 from .schema import fingerprint_of
 
-__all__ = ["PACKING", "PlanSpec"]
+__all__ = ["PACKING", "PlanSpec", "per_index"]
+
+def per_index(value: Any, n: int, name: str, kind: type[int] | type[float]) -> tuple[Any, ...]:
+    """``value`` as one ``kind`` per index of ``n``: a list, tuple or numpy array of ``n``
+    values, in the order of the indexes, or one value for every index. ``proportions``
+    may be None or empty: none (``()``). numpy numbers are taken; a bool is not a number.
+
+    Raises:
+        ConfigError: not one value per index, or a value that is not a ``kind``.
+    """
+    if name == "proportions" and (value is None or (isinstance(value, (list, tuple)) and not value)):
+        return ()
+    if isinstance(value, (str, bytes, Mapping)):
+        raise ConfigError(f"{name} takes one number per index, in the order of the indexes (a list such as "
+                          f"[0.7, 0.3] for two), got {type(value).__name__} {value!r:.60}")
+    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * n
+    if len(values) != n:
+        raise ConfigError(f"{name} has {len(values)} values for {n} index(es); give one per index")
+    numbers = (int, np.integer) if kind is int else (int, float, np.integer, np.floating)
+    for v in values:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers):
+            raise ConfigError(f"{name} must be {'ints' if kind is int else 'numbers'}, one per index, got {v!r}")
+    return tuple(kind(v) for v in values)
+
 
 @dataclass(frozen=True, eq=False)
 class PlanSpec:

@@ -51,19 +51,10 @@ from .stages import PlannedSource
 from .wholeshards import join_node_folder
 from .transport import packs
 from ..state import Cursor, PlanSpec, epoch_length, make_state, restore
+from ..state.spec import per_index
 from ..core.topology import Topology
 
 __all__ = ["BucketedWebDataset"]
-
-
-def _per_index(value: Any, n: int, name: str, kind: type) -> tuple[Any, ...]:
-    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
-    if len(values) != n:
-        raise ConfigError(f"{name} has {len(values)} values for {n} index(es); give one per index")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, kind):
-            raise ConfigError(f"{name} must be {kind.__name__} values, got {v!r}")
-    return tuple(values)
 
 
 def _unmoved(done: tuple[int, int]) -> None:
@@ -179,10 +170,10 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             indexes=indexes, names=names, topology=topology, seed=shared_seed(seed, group),
             batch_size=batch_size, policy=parse_enum(Policy, pad, "padding policy"),
             mode=parse_enum(Mode, mode, "mode"), pad_to=parse_enum(PadTo, pad_to, "pad_to"),
-            oversubscribe=check_flag("oversubscribe", oversubscribe), repeats=_per_index(repeats, n, "repeats", int),
-            weights=tuple(float(w) for w in _per_index(weights, n, "weights", (int, float))),  # type: ignore[arg-type]
+            oversubscribe=check_flag("oversubscribe", oversubscribe), repeats=per_index(repeats, n, "repeats", int),
+            weights=per_index(weights, n, "weights", float),
             locality=parse_enum(Locality, locality, "locality"), window=window,
-            accumulation_steps=accumulation_steps, proportions=tuple(proportions or ()), mix_by=mix_by,
+            accumulation_steps=accumulation_steps, proportions=per_index(proportions, n, "proportions", float), mix_by=mix_by,
             epoch_size=epoch_size,
         )
         epoch = check_epoch(epoch)
