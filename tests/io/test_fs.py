@@ -84,3 +84,37 @@ def test_a_forked_child_collecting_inherited_http_filesystems_leaves_the_parents
     make = lambda: fsspec.filesystem("http", skip_instance_cache=True)  # noqa: E731
     assert _parent_reads_after_child_collects(make, f"{nginx_server.url}/fork-http.bin") == bytes(range(100))
 
+
+
+def test_disowning_parent_sessions_survives_the_garbage_collector_running_finalizers_meanwhile() -> None:
+    """A forked child reads ``weakref.finalize``'s registry to disown the parent's sessions.
+    A collection during that read (any allocation can start one) runs finalizers, which
+    remove themselves from the registry: it then changed size while it was read, and the
+    child printed an ignored RuntimeError (seen once in a DataLoader worker's stderr)."""
+    import gc
+    import weakref
+
+    from wds_pad.io import fs as wds_fs
+
+    class Cycle:
+        pass
+
+    ran: list[int] = []
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    gc.disable()
+    gc.collect()
+    try:
+        for i in range(200):  # garbage that only a collection frees, each with a finalizer
+            c = Cycle()
+            c.me = c  # type: ignore[attr-defined]
+            weakref.finalize(c, ran.append, i)
+            del c
+        gc.set_threshold(gc.get_count()[0] + 20)  # a collection 20 allocations into the read
+        gc.enable()
+        wds_fs._forget_parent_sessions()
+    finally:
+        gc.set_threshold(*threshold)
+        if not enabled:
+            gc.disable()
+    gc.collect()
+    assert len(ran) == 200  # the finalizers ran (during the read or after it), none lost

@@ -55,9 +55,13 @@ def _forget_parent_sessions() -> None:
     workers started, and as a first batch most of a second late in each worker). So the
     finalizers are detached and the connectors marked closed without closing anything;
     the child's copies of the sockets close with the process.
+
+    The registry is copied first (``dict.copy`` makes no object a collection could start
+    on): reading it item by item, a collection started by the read runs finalizers, which
+    remove themselves from it while it is read (a RuntimeError the child printed).
     """
     registry = getattr(weakref.finalize, "_registry", {})
-    for ref, info in list(registry.items()):
+    for ref, info in list(registry.copy().items()):
         if getattr(getattr(info, "func", None), "__name__", "") != "close_session":
             continue
         ref.detach()
