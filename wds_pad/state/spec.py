@@ -40,15 +40,17 @@ from .schema import fingerprint_of
 
 __all__ = ["PACKING", "PlanSpec", "per_index"]
 
-def per_index(value: Any, n: int, name: str, kind: type[int] | type[float]) -> tuple[Any, ...]:
+
+def per_index(value: Any, n: int, name: str, kind: type[int] | type[float], *, optional: bool = False,
+              ) -> tuple[Any, ...]:
     """``value`` as one ``kind`` per index of ``n``: a list, tuple or numpy array of ``n``
-    values, in the order of the indexes, or one value for every index. ``proportions``
-    may be None or empty: none (``()``). numpy numbers are taken; a bool is not a number.
+    values, in the order of the indexes, or one value for every index; ``optional``: None
+    or an empty list is none (``()``). numpy numbers are taken; a bool is not a number.
 
     Raises:
         ConfigError: not one value per index, or a value that is not a ``kind``.
     """
-    if name == "proportions" and (value is None or (isinstance(value, (list, tuple)) and not value)):
+    if optional and (value is None or (isinstance(value, (list, tuple)) and not value)):
         return ()
     if isinstance(value, (str, bytes, Mapping)):
         raise ConfigError(f"{name} takes one number per index, in the order of the indexes (a list such as "

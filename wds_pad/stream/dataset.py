@@ -173,7 +173,8 @@ class BucketedWebDataset(OpenIterators, IterableDataset, FluidInterface):  # typ
             oversubscribe=check_flag("oversubscribe", oversubscribe), repeats=per_index(repeats, n, "repeats", int),
             weights=per_index(weights, n, "weights", float),
             locality=parse_enum(Locality, locality, "locality"), window=window,
-            accumulation_steps=accumulation_steps, proportions=per_index(proportions, n, "proportions", float), mix_by=mix_by,
+            accumulation_steps=accumulation_steps, mix_by=mix_by,
+            proportions=per_index(proportions, n, "proportions", float, optional=True),
             epoch_size=epoch_size,
         )
         epoch = check_epoch(epoch)
