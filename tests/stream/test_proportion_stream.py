@@ -123,3 +123,19 @@ def test_proportions_as_numpy_values_plan_as_the_same_list(pair: list[Index]) ->
         assert ds.spec.proportions == (2.0, 1.0)
         assert ds.state_dict() == given.state_dict()  # the same plan and fingerprint
         assert [b.samples.tolist() for b in ds.plan(0)] == [b.samples.tolist() for b in given.plan(0)]
+
+
+def test_weights_and_repeats_as_numpy_values_plan_as_the_same_lists(pair: list[Index]) -> None:
+    """A numpy array of weights or repeats was refused ("must be float values, got array(...)")."""
+    def ds(**kw: Any) -> BucketedWebDataset:
+        return BucketedWebDataset(pair, batch_size=2, seed=4, topology=Topology(1, 0), oversubscribe=True,
+                                  names=["big", "small"], **kw)
+
+    given = ds(weights=[2.0, 1.0], repeats=[0, 1])
+    same = ds(weights=np.array([2.0, 1.0]), repeats=np.array([0, 1]))
+    assert same.spec.weights == (2.0, 1.0) and same.spec.repeats == (0, 1)
+    assert type(same.spec.repeats[1]) is int  # a saved state holds plain numbers
+    assert same.state_dict() == given.state_dict()
+    assert [b.samples.tolist() for b in same.plan(0)] == [b.samples.tolist() for b in given.plan(0)]
+    with pytest.raises(ConfigError, match=r"repeats must be ints, one per index, got 1.5"):
+        ds(repeats=[0, 1.5])
